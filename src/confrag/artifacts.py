@@ -10,11 +10,13 @@ recomputed; a manifest whose spec differs from the requested one is refused.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,6 +26,7 @@ from tqdm.auto import tqdm
 log = logging.getLogger(__name__)
 
 FORMATS = ("npy", "json")
+STALE_TMP_SECONDS = 600
 
 
 class CacheMismatchError(RuntimeError):
@@ -111,8 +114,12 @@ class ShardedArtifact:
                 )
         else:
             atomic_write_text(self.manifest_path, json.dumps(self._manifest(), indent=2, default=str))
-        for stale in self.dir.glob(".tmp-*"):  # left by a killed writer: never part of the result
-            stale.unlink(missing_ok=True)
+        # Temp files left by a killed writer are never part of the result. Only old ones are removed, so
+        # that a second process writing the same artifact right now keeps its file.
+        for stale in self.dir.glob(".tmp-*"):
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - stale.stat().st_mtime > STALE_TMP_SECONDS:
+                    stale.unlink()
 
     def _readable(self, index: int) -> bool:
         path = self.shard_path(index)
@@ -121,11 +128,15 @@ class ShardedArtifact:
         start, stop = self.shard_range(index)
         try:
             payload = self._read(path, mmap=True)
+            if self.fmt == "npy" and payload.ndim != 3:
+                raise ValueError(f"has {payload.ndim} dimensions, expected 3 (layers, items, dim)")
+            if self.fmt == "json" and not isinstance(payload, list):
+                raise ValueError("is not a JSON list")
             rows = payload.shape[1] if self.fmt == "npy" else len(payload)
             if rows != stop - start:
                 raise ValueError(f"holds {rows} items, expected {stop - start}")
             return True
-        except (OSError, ValueError, json.JSONDecodeError) as err:
+        except (OSError, ValueError, EOFError, json.JSONDecodeError) as err:
             log.warning("Cache shard %s is damaged (%s); recomputing it.", path, err)
             path.unlink(missing_ok=True)
             return False
@@ -174,8 +185,18 @@ class ActivationStore:
     def __init__(self, artifact: ShardedArtifact, layers: Sequence[int]) -> None:
         self.artifact = artifact
         self.layers = list(layers)
-        self.arrays = artifact.shards(mmap=True)
+        self._arrays: list[np.ndarray] | None = None
         self.dim = int(self.arrays[0].shape[-1]) if self.arrays else 0
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        # Opened lazily so that DataLoader workers map the files themselves instead of receiving copies.
+        if self._arrays is None:
+            self._arrays = self.artifact.shards(mmap=True)
+        return self._arrays
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_arrays": None}
 
     def __len__(self) -> int:
         return self.artifact.num_items
@@ -190,14 +211,19 @@ class ActivationStore:
                              f"(set data.layers to include it)")
         return self.layers.index(layer)
 
+    def _locate(self, index: int) -> tuple[int, int]:
+        if not 0 <= int(index) < len(self):
+            raise IndexError(f"item {index} outside 0..{len(self) - 1}")
+        return divmod(int(index), self.artifact.shard_size)
+
     def get(self, layer: int, index: int) -> np.ndarray:
-        shard, offset = divmod(int(index), self.artifact.shard_size)
-        return np.asarray(self.arrays[shard][self.layer_index(layer), offset], dtype=np.float32)
+        shard, offset = self._locate(index)
+        return np.array(self.arrays[shard][self.layer_index(layer), offset], dtype=np.float32)  # a writable copy
 
     def take(self, layer: int, indices: Sequence[int]) -> np.ndarray:
         position = self.layer_index(layer)
         out = np.empty((len(indices), self.dim), dtype=np.float32)
         for row, index in enumerate(indices):
-            shard, offset = divmod(int(index), self.artifact.shard_size)
+            shard, offset = self._locate(index)
             out[row] = self.arrays[shard][position, offset]
         return out

@@ -219,6 +219,11 @@ def gguf_location(cfg: LLMConfig) -> Path:
     return path
 
 
+def _model_cache(cfg: LLMConfig) -> Path:
+    """Where converted models live: `llm.cache_dir`, else `<confrag cache>/models`."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir() / "models"
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -230,7 +235,7 @@ def _file_sha256(path: Path) -> str:
 def _load_gguf(cfg: LLMConfig):
     path = gguf_location(cfg)
     sha = _file_sha256(path)[:16]
-    converted = Path(cfg.cache_dir or default_cache_dir()) / "models" / f"{path.stem}-{sha}"
+    converted = _model_cache(cfg) / f"{path.stem}-{sha}"
     if not (converted / "config.json").is_file():
         _convert_gguf(path, converted)
     tokenizer = AutoTokenizer.from_pretrained(converted)
@@ -299,7 +304,7 @@ def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
         cache_dir=cfg.cache_dir,
     )
     path = gguf_location(source)
-    converted = Path(source.cache_dir or default_cache_dir()) / "models" / f"{path.stem}-{_file_sha256(path)[:16]}"
+    converted = _model_cache(source) / f"{path.stem}-{_file_sha256(path)[:16]}"
     if not (converted / "config.json").is_file():
         _convert_gguf(path, converted)
     return AutoTokenizer.from_pretrained(converted)

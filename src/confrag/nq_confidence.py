@@ -1,0 +1,197 @@
+"""NQ_Confidence: the LLM's own answers, their correctness, and the hidden states of the same prompts.
+
+For each selected question and each prompt kind
+
+- `qa`        the QA prompt (closed book; the paper's training states),
+- `rag_gold`  the RAG prompt holding the question's gold paragraph,
+- `rag_other` the RAG prompt holding another question's gold paragraph,
+
+the stage caches the greedy answer and the last-prompt-token hidden states of the requested layers.
+The label of a state is "the answer under that prompt contains a gold answer" (has_answer; exact
+match is kept beside it). Questions are split train/dev/test by question, stratified on the
+closed-book label in the paper's proportions; each split's examples are class-balanced by
+down-sampling the majority class, at most the paper's 1000/300/500 per class.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from confrag.artifacts import ActivationStore, ShardedArtifact, fingerprint
+from confrag.data.nq import QARow, rows_fingerprint
+from confrag.llm.generation import generate_greedy
+from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
+from confrag.llm.loading import LoadedLLM
+from confrag.llm.prompts import PromptTemplates
+from confrag.qa_metrics import exact_match, has_answer
+
+log = logging.getLogger(__name__)
+
+KINDS = ("qa", "rag_gold", "rag_other")
+TRAIN_STATES = {"qa": ("qa",), "qa+rag": ("qa", "rag_gold", "rag_other")}
+PAPER_SPLIT_SIZES = {"train": 1000, "dev": 300, "test": 500}
+SPLITS = tuple(PAPER_SPLIT_SIZES)
+
+
+@dataclass(frozen=True)
+class Example:
+    kind: str
+    index: int  # row of the question in `ConfidenceData.rows` and in the kind's activation store
+    label: int
+
+
+@dataclass
+class ConfidenceData:
+    rows: list[QARow]
+    layers: list[int]
+    train_states: str
+    stores: dict[str, ActivationStore]
+    responses: dict[str, list[str]]
+    labels: dict[str, np.ndarray]
+    exact: dict[str, np.ndarray]
+    split_of: list[str]
+    examples: dict[str, list[Example]]
+    identity: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"questions": len(self.rows)}
+        for kind, labels in self.labels.items():
+            out[f"{kind}/has_answer"] = float(labels.mean()) if len(labels) else 0.0
+            out[f"{kind}/exact_match"] = float(self.exact[kind].mean()) if len(labels) else 0.0
+        for split, examples in self.examples.items():
+            positives = sum(e.label for e in examples)
+            out[f"{split}/examples"] = len(examples)
+            out[f"{split}/positives"] = positives
+        return out
+
+
+def resolve_layers(spec: str | int | Sequence[int], num_layers: int) -> list[int]:
+    """`all` (0..L), `mid` (Layer/2), one layer, or a list; validated against the model."""
+    if spec == "all":
+        return list(range(num_layers + 1))
+    if spec == "mid":
+        return [num_layers // 2]
+    if isinstance(spec, (int, np.integer)):
+        spec = [int(spec)]
+    if isinstance(spec, str):
+        raise ValueError(f"data.layers={spec!r}: use 'all', 'mid', an integer or a list of integers")
+    return validate_layers(list(spec), num_layers)
+
+
+def partner_indices(num_rows: int, seed: int) -> np.ndarray:
+    """For each question, another question whose paragraph serves as the unrelated context."""
+    if num_rows < 2:
+        raise ValueError("rag_other needs at least two questions")
+    order = np.random.default_rng(seed).permutation(num_rows)
+    partner = np.empty(num_rows, dtype=np.int64)
+    partner[order] = np.roll(order, -1)  # a cycle: nobody is their own partner
+    return partner
+
+
+def build_prompts(llm: LoadedLLM, templates: PromptTemplates, rows: Sequence[QARow], kind: str, seed: int) -> list[str]:
+    tok = llm.tokenizer
+    if kind == "qa":
+        return [templates.qa_prompt(tok, row.question) for row in rows]
+    missing = [row.qid for row in rows if not row.contexts]
+    if missing:
+        raise ValueError(f"prompt kind {kind!r} needs a gold paragraph; rows without one: {missing[:5]}")
+    if kind == "rag_gold":
+        return [templates.rag_prompt(tok, row.question, row.contexts[:1]) for row in rows]
+    if kind == "rag_other":
+        partner = partner_indices(len(rows), seed)
+        return [templates.rag_prompt(tok, row.question, rows[j].contexts[:1]) for row, j in zip(rows, partner)]
+    raise ValueError(f"unknown prompt kind {kind!r}; known: {KINDS}")
+
+
+def stratified_question_splits(labels: np.ndarray, seed: int, sizes: dict[str, int] = PAPER_SPLIT_SIZES) -> list[str]:
+    """Assign every question to a split, per class in the proportions of `sizes`."""
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(labels)
+    total = sum(sizes.values())
+    split_of = [""] * len(labels)
+    for cls in (0, 1):
+        members = rng.permutation(np.flatnonzero(labels == cls))
+        bounds = np.cumsum([round(len(members) * sizes[s] / total) for s in SPLITS[:-1]])
+        for split, chunk in zip(SPLITS, np.split(members, bounds)):
+            for index in chunk:
+                split_of[int(index)] = split
+    return split_of
+
+
+def balanced_examples(candidates: list[Example], cap: int, seed: int) -> list[Example]:
+    """Equal numbers of positives and negatives (the smaller class, at most `cap` each), seeded."""
+    rng = np.random.default_rng(seed)
+    by_class = [[e for e in candidates if e.label == cls] for cls in (0, 1)]
+    count = min(cap, *(len(group) for group in by_class))
+    chosen = [group[i] for group in by_class for i in sorted(rng.choice(len(group), count, replace=False))]
+    return sorted(chosen, key=lambda e: (KINDS.index(e.kind), e.index))
+
+
+def build_confidence_data(
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    rows: Sequence[QARow],
+    *,
+    layers: str | Sequence[int] = "all",
+    train_states: str = "qa",
+    seed: int = 0,
+    split_sizes: dict[str, int] | None = None,
+    balance: bool = True,
+    max_new_tokens: int = 24,
+    gen_batch_size: int = 16,
+    extract_batch_size: int = 16,
+    cache_dir: str = ".cache",
+    shard_size: int = 256,
+    progress: bool = True,
+) -> ConfidenceData:
+    if train_states not in TRAIN_STATES:
+        raise ValueError(f"data.train_states={train_states!r} is not one of {tuple(TRAIN_STATES)}")
+    sizes = dict(split_sizes or PAPER_SPLIT_SIZES)
+    if set(sizes) != set(SPLITS) or any(int(v) < 1 for v in sizes.values()):
+        raise ValueError(f"data.split_sizes must give positive sizes for exactly {SPLITS}; got {sizes}")
+    rows = list(rows)
+    layer_list = resolve_layers(layers, llm.num_layers)
+    kinds = TRAIN_STATES[train_states]
+    base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress)
+
+    stores, responses, labels, exact = {}, {}, {}, {}
+    for kind in kinds:
+        prompts = build_prompts(llm, templates, rows, kind, seed)
+        kind_spec = {**base_spec, "kind": kind, "partner_seed": seed if kind == "rag_other" else None}
+        generations = ShardedArtifact(cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens},
+                                      len(rows), shard_size, fmt="json")
+        generations.compute(
+            lambda a, b: generate_greedy(llm.model, llm.tokenizer, prompts[a:b], max_new_tokens,
+                                         gen_batch_size, desc=f"answers [{kind}]", progress=progress),
+            desc=f"{kind} answers", progress=progress)
+        activations = ShardedArtifact(cache_dir, "activations", {**kind_spec, "layers": layer_list, "store": "float32"},
+                                      len(rows), shard_size, fmt="npy")
+        activations.compute(lambda a, b: engine.extract(prompts[a:b], layer_list, desc=f"states [{kind}]"),
+                            desc=f"{kind} hidden states", progress=progress)
+        responses[kind] = generations.records()
+        labels[kind] = np.array([has_answer(r, row.answers) for r, row in zip(responses[kind], rows)], dtype=np.int64)
+        exact[kind] = np.array([exact_match(r, row.answers) for r, row in zip(responses[kind], rows)], dtype=np.int64)
+        stores[kind] = ActivationStore(activations, layer_list)
+
+    split_of = stratified_question_splits(labels["qa"], seed, sizes)
+    examples = {}
+    for split in SPLITS:
+        candidates = [Example(kind, i, int(labels[kind][i])) for kind in kinds for i in range(len(rows))
+                      if split_of[i] == split]
+        examples[split] = balanced_examples(candidates, int(sizes[split]), seed) if balance else candidates
+    identity = {**base_spec, "layers": layer_list, "train_states": train_states,
+                "activations": {kind: stores[kind].key for kind in kinds}}
+    data = ConfidenceData(rows, layer_list, train_states, stores, responses, labels, exact, split_of, examples, identity)
+    log.info("NQ_Confidence: %s", data.summary())
+    return data
+
+
+def activation_identity(data: ConfidenceData, layer: int) -> dict[str, Any]:
+    """What a probe trained on `layer` of this data must match at inference: model, prompts, layer."""
+    return {"llm": data.identity["llm"], "prompts": data.identity["prompts"], "layer": int(layer),
+            "train_states": data.train_states, "key": fingerprint({**data.identity, "layer": int(layer)})}

@@ -1,0 +1,1 @@
+"""Tasks that `train.py` runs, selected by `task_name`."""

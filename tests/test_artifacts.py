@@ -1,0 +1,318 @@
+"""ShardedArtifact / ActivationStore: the guarantees the pipeline's caches rely on.
+
+- shards are computed once and reused;
+- the key (and directory) changes with every input that changes the content;
+- a manifest that does not match its key is refused;
+- damaged shards are detected and recomputed to the same result; stale temp files are removed;
+- json artifacts keep record order; activation stores index rows across shard boundaries and are memmaps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from confrag.artifacts import STALE_TMP_SECONDS, ActivationStore, CacheMismatchError, ShardedArtifact, fingerprint
+
+SPEC = {"llm": {"name": "tiny", "ref": "tiny:llama@abc"}, "prompts": "p0", "rows": "r0", "layers": [0, 2], "store": "float32"}
+LAYERS = [0, 2]
+DIM = 5
+
+
+def fake_states(start: int, stop: int) -> np.ndarray:
+    """Deterministic (layers, items, dim) block in which every value encodes (layer, item, column)."""
+    layer = np.array(LAYERS, dtype=np.float32)[:, None, None]
+    item = np.arange(start, stop, dtype=np.float32)[None, :, None]
+    column = np.arange(DIM, dtype=np.float32)[None, None, :]
+    return (1000 * layer + 10 * item + column / 10).astype(np.float32)
+
+
+def expected_row(layer: int, item: int) -> np.ndarray:
+    return fake_states(item, item + 1)[LAYERS.index(layer), 0]
+
+
+class Counter:
+    """A compute function that records which (start, stop) ranges it was asked for."""
+
+    def __init__(self, fn=fake_states):
+        self.fn = fn
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, start: int, stop: int):
+        self.calls.append((start, stop))
+        return self.fn(start, stop)
+
+
+def must_not_run(start: int, stop: int):
+    raise AssertionError(f"compute function called for items {start}:{stop}; the shard should come from the cache")
+
+
+def npy_artifact(root, num_items=10, shard_size=3, spec=SPEC) -> ShardedArtifact:
+    return ShardedArtifact(root, "activations", spec, num_items, shard_size=shard_size)
+
+
+def all_values(artifact: ShardedArtifact) -> np.ndarray:
+    return np.concatenate([np.asarray(s) for s in artifact.shards()], axis=1)
+
+
+# --- computed once ---------------------------------------------------------------------------------
+
+def test_shards_are_computed_once_and_reused(tmp_path):
+    counter = Counter()
+    first = npy_artifact(tmp_path).compute(counter, progress=False)
+    assert counter.calls == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert first.complete and first.pending() == []
+
+    # A new handle on the same artifact (as a second process would create) computes nothing.
+    again = npy_artifact(tmp_path)
+    assert again.dir == first.dir
+    assert again.complete
+    again.compute(must_not_run, progress=False)
+    np.testing.assert_array_equal(all_values(again), fake_states(0, 10))
+
+
+def test_only_missing_shards_are_computed(tmp_path):
+    artifact = npy_artifact(tmp_path)
+    artifact.write(1, fake_states(3, 6))
+    artifact.write(3, fake_states(9, 10))
+    counter = Counter()
+    artifact.compute(counter, progress=False)
+    assert counter.calls == [(0, 3), (6, 9)]
+    np.testing.assert_array_equal(all_values(artifact), fake_states(0, 10))
+
+
+def test_incomplete_artifact_refuses_to_be_read(tmp_path):
+    artifact = npy_artifact(tmp_path)
+    artifact.write(0, fake_states(0, 3))
+    assert artifact.pending() == [1, 2, 3]
+    with pytest.raises(CacheMismatchError, match="incomplete"):
+        artifact.shards()
+
+
+# --- keys ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change", [
+    {"spec": {**SPEC, "llm": {"name": "tiny", "ref": "tiny:llama@other"}}},
+    {"spec": {**SPEC, "prompts": "p1"}},
+    {"spec": {**SPEC, "rows": "r1"}},
+    {"spec": {**SPEC, "layers": [0, 3]}},
+    {"spec": {**SPEC, "store": "float16"}},
+    {"spec": {**SPEC, "extra": None}},
+    {"kind": "generations"},
+    {"num_items": 11},
+    {"shard_size": 4},
+    {"fmt": "json"},
+], ids=["llm", "prompts", "rows", "layers", "store", "new-field", "kind", "num_items", "shard_size", "fmt"])
+def test_key_and_directory_change_with_every_input(tmp_path, change):
+    base = dict(kind="activations", spec=SPEC, num_items=10, shard_size=3, fmt="npy")
+    original = ShardedArtifact(tmp_path, **base)
+    changed = ShardedArtifact(tmp_path, **{**base, **change})
+    assert changed.key != original.key
+    assert changed.dir != original.dir
+    assert not changed.dir.is_relative_to(original.dir) and not original.dir.is_relative_to(changed.dir)
+    # Different content, so no reuse: the changed artifact has everything still to compute.
+    original.compute(Counter(), progress=False)
+    assert changed.pending() == list(range(changed.num_shards))
+
+
+def test_key_is_independent_of_dict_order_and_stable(tmp_path):
+    reordered = dict(reversed(list(SPEC.items())))
+    assert npy_artifact(tmp_path).key == npy_artifact(tmp_path, spec=reordered).key
+    assert fingerprint({"a": 1, "b": [1, 2]}) == fingerprint({"b": [1, 2], "a": 1})
+    assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+
+
+# --- manifest --------------------------------------------------------------------------------------
+
+def test_edited_manifest_spec_is_refused(tmp_path):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    manifest = json.loads(artifact.manifest_path.read_text())
+    assert manifest["key"] == artifact.key and manifest["spec"] == SPEC
+    manifest["spec"]["layers"] = [0, 1]  # states of other layers under this key would be silently wrong
+    artifact.manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CacheMismatchError, match=artifact.key):
+        npy_artifact(tmp_path)
+
+
+def test_unreadable_manifest_is_refused(tmp_path):
+    artifact = npy_artifact(tmp_path)
+    artifact.manifest_path.write_text('{"kind": "activ')
+    with pytest.raises(CacheMismatchError, match="unreadable manifest"):
+        npy_artifact(tmp_path)
+
+
+# --- damaged shards and stale temp files ------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["truncated-data", "truncated-header", "garbage", "wrong-row-count"])
+def test_damaged_npy_shard_is_recomputed_to_the_same_result(tmp_path, damage):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    original = all_values(artifact).copy()
+    path = artifact.shard_path(2)
+    data = path.read_bytes()
+    if damage == "truncated-data":
+        path.write_bytes(data[: len(data) - 7])
+    elif damage == "truncated-header":
+        path.write_bytes(data[:40])
+    elif damage == "garbage":
+        path.write_bytes(b"not an npy file at all")
+    else:
+        np.save(path, fake_states(0, 2))
+
+    reopened = npy_artifact(tmp_path)
+    assert reopened.pending() == [2]
+    counter = Counter()
+    reopened.compute(counter, progress=False)
+    assert counter.calls == [(6, 9)]
+    np.testing.assert_array_equal(all_values(reopened), original)
+
+
+def test_empty_npy_shard_is_recomputed(tmp_path):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    artifact.shard_path(1).write_bytes(b"")
+    counter = Counter()
+    npy_artifact(tmp_path).compute(counter, progress=False)
+    assert counter.calls == [(3, 6)]
+    np.testing.assert_array_equal(all_values(artifact), fake_states(0, 10))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "wrong-count", "bad-utf8"])
+def test_damaged_json_shard_is_recomputed(tmp_path, damage):
+    records = lambda a, b: [{"i": i, "text": f"réponse {i}"} for i in range(a, b)]  # noqa: E731
+    artifact = ShardedArtifact(tmp_path, "generations", SPEC, 7, shard_size=3, fmt="json")
+    artifact.compute(records, progress=False)
+    path = artifact.shard_path(1)
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "wrong-count":
+        path.write_text(json.dumps(records(3, 5)))
+    else:  # cut in the middle of the two-byte "é"
+        path.write_bytes(data[: data.index("é".encode()) + 1])
+    reopened = ShardedArtifact(tmp_path, "generations", SPEC, 7, shard_size=3, fmt="json")
+    counter = Counter(records)
+    reopened.compute(counter, progress=False)
+    assert counter.calls == [(3, 6)]
+    assert reopened.records() == records(0, 7)
+
+
+def test_stale_temp_files_are_removed_on_open(tmp_path):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    stale = [artifact.dir / ".tmp-abc123.npy", artifact.dir / ".tmp-xyz"]
+    for path in stale:
+        path.write_bytes(b"half a shard")
+        old = time.time() - STALE_TMP_SECONDS - 5
+        os.utime(path, (old, old))
+    fresh = artifact.dir / ".tmp-being-written-by-another-process"
+    fresh.write_bytes(b"in progress")
+    reopened = npy_artifact(tmp_path)
+    assert not any(path.exists() for path in stale)
+    assert fresh.exists()  # a live writer's temp file is left alone
+    fresh.unlink()
+    assert sorted(p.name for p in reopened.dir.iterdir()) == ["manifest.json"] + [f"shard-{i:05d}.npy" for i in range(4)]
+    reopened.compute(must_not_run, progress=False)
+
+
+def test_no_temp_files_are_left_after_compute(tmp_path):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    assert not list(artifact.dir.glob(".tmp-*"))
+
+
+def test_failing_compute_keeps_finished_shards_and_leaves_no_temp_files(tmp_path):
+    def fails_on_third(start, stop):
+        if start == 6:
+            raise RuntimeError("boom")
+        return fake_states(start, stop)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        npy_artifact(tmp_path).compute(fails_on_third, progress=False)
+    artifact = npy_artifact(tmp_path)
+    assert artifact.pending() == [2, 3]
+    assert not list(artifact.dir.glob(".tmp-*"))
+    counter = Counter()
+    artifact.compute(counter, progress=False)
+    assert counter.calls == [(6, 9), (9, 10)]
+    np.testing.assert_array_equal(all_values(artifact), fake_states(0, 10))
+
+
+# --- json artifacts --------------------------------------------------------------------------------
+
+def test_json_records_round_trip_in_order(tmp_path):
+    texts = [f"answer {i} — ünïcode" for i in range(10)]
+    artifact = ShardedArtifact(tmp_path, "generations", SPEC, 10, shard_size=3, fmt="json")
+    artifact.compute(lambda a, b: texts[a:b], progress=False)
+    assert ShardedArtifact(tmp_path, "generations", SPEC, 10, shard_size=3, fmt="json").records() == texts
+    dicts = [{"q": i, "answers": [str(i), "x"]} for i in range(5)]
+    other = ShardedArtifact(tmp_path, "generations", {**SPEC, "rows": "dicts"}, 5, shard_size=2, fmt="json")
+    assert other.compute(lambda a, b: dicts[a:b], progress=False).records() == dicts
+
+
+def test_empty_artifact(tmp_path):
+    artifact = ShardedArtifact(tmp_path, "generations", SPEC, 0, shard_size=3, fmt="json")
+    assert artifact.num_shards == 0 and artifact.complete
+    assert artifact.compute(must_not_run, progress=False).records() == []
+
+
+def test_invalid_arguments(tmp_path):
+    with pytest.raises(ValueError, match="fmt"):
+        ShardedArtifact(tmp_path, "x", SPEC, 3, fmt="pickle")
+    with pytest.raises(ValueError, match="shard_size"):
+        ShardedArtifact(tmp_path, "x", SPEC, 3, shard_size=0)
+
+
+# --- activation store ------------------------------------------------------------------------------
+
+@pytest.fixture()
+def store(tmp_path) -> ActivationStore:
+    artifact = npy_artifact(tmp_path, num_items=10, shard_size=3).compute(Counter(), progress=False)
+    return ActivationStore(artifact, LAYERS)
+
+
+def test_store_get_across_shard_boundaries(store):
+    assert len(store) == 10 and store.dim == DIM and store.layers == LAYERS
+    for layer in LAYERS:
+        for index in range(10):
+            got = store.get(layer, index)
+            assert got.dtype == np.float32 and got.shape == (DIM,)
+            np.testing.assert_array_equal(got, expected_row(layer, index))
+    row = store.get(2, 4)
+    row[:] = -1  # a writable copy: the cache is untouched
+    np.testing.assert_array_equal(store.get(2, 4), expected_row(2, 4))
+
+
+def test_store_take_across_shard_boundaries(store):
+    indices = [9, 0, 3, 2, 8, 5, 6, 2, np.int64(7)]  # every shard, unordered, a repeat, a numpy integer
+    for layer in LAYERS:
+        got = store.take(layer, indices)
+        assert got.shape == (len(indices), DIM) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.stack([expected_row(layer, int(i)) for i in indices]))
+    assert store.take(0, []).shape == (0, DIM)
+
+
+def test_store_rejects_layer_not_stored(store):
+    with pytest.raises(ValueError, match=r"layer 1 was not extracted.*\[0, 2\]"):
+        store.get(1, 0)
+    with pytest.raises(ValueError, match=r"layer 4 was not extracted.*\[0, 2\]"):
+        store.take(4, [0, 1])
+
+
+def test_store_arrays_are_memmaps(store):
+    arrays = store.arrays
+    assert len(arrays) == 4
+    assert all(isinstance(array, np.memmap) for array in arrays)
+    assert all(not array.flags.writeable for array in arrays)  # read-only mapping of the cache files
+    assert [array.shape for array in arrays] == [(2, 3, DIM)] * 3 + [(2, 1, DIM)]
+    assert all(array.dtype == np.float32 for array in arrays)
+
+
+def test_store_pickles_without_arrays(store):
+    import pickle
+
+    store.get(0, 0)
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone._arrays is None  # the worker maps the files itself
+    np.testing.assert_array_equal(clone.take(2, range(10)), store.take(2, range(10)))
+    assert isinstance(clone.arrays[0], np.memmap)

@@ -1,0 +1,111 @@
+"""Every experiment composes; the ones that can run here run end to end on the tiny models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf, open_dict
+
+import confrag.train  # noqa: F401  (registers the confrag_root resolver)
+from confrag.train import run_task
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+RUNNABLE_HERE = [name for name in EXPERIMENTS if "tiny" in name]
+MODEL_DIR = str(ROOT / ".cache" / "models")
+
+
+def compose_cfg(overrides: list[str], tmp_path: Path):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "out")
+        cfg.paths.cache_dir = str(tmp_path / "cache")
+        cfg.paths.model_dir = MODEL_DIR
+    return cfg
+
+
+def test_experiment_list_is_complete():
+    for name in ("probe_smollm2", "probe_smollm2_qarag", "probe_llama3", "probe_qwen2_5", "probe_tiny_llama", "probe_tiny_qwen2"):
+        assert name in EXPERIMENTS
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_resolves(name, tmp_path):
+    cfg = compose_cfg([f"+experiment={name}"], tmp_path)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["data"]["layer"] == resolved["model"]["layer"]
+    assert resolved["llm"]["name"] in {"smollm2_135m", "llama3_8b", "qwen2_5_7b", "tiny_llama", "tiny_qwen2"}
+    if name in ("probe_llama3", "probe_qwen2_5"):
+        assert resolved["llm"]["dtype"] == "bfloat16" and resolved["llm"]["device"] == "cuda"
+        assert resolved["trainer"]["accelerator"] == "gpu"
+
+
+def test_gpu_experiments_load_the_papers_models(tmp_path):
+    assert compose_cfg(["+experiment=probe_llama3"], tmp_path).llm.repo_id == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert compose_cfg(["+experiment=probe_qwen2_5"], tmp_path).llm.repo_id == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_optuna_search_composes(tmp_path):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+experiment=probe_smollm2", "+hparams_search=probe_optuna"],
+                      return_hydra_config=True)
+    assert "optuna" in cfg.hydra.sweeper._target_.lower()
+    assert "model.lr" in cfg.hydra.sweeper.params
+
+
+def test_unknown_llm_name_lists_the_available_ones(tmp_path):
+    with pytest.raises(Exception) as info:
+        compose_cfg(["llm=gpt5"], tmp_path)
+    message = str(info.value)
+    assert "gpt5" in message and "smollm2_135m" in message and "llama3_8b" in message
+
+
+@pytest.mark.parametrize("name", RUNNABLE_HERE)
+def test_runnable_experiments_fast_dev_run(name, tmp_path):
+    cfg = compose_cfg([f"+experiment={name}", "trainer.fast_dev_run=true", "logger=csv"], tmp_path)
+    run_task(cfg)
+    out = tmp_path / "out"
+    assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "probe.safetensors").is_file()
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["argv"] and "commit" in info
+    assert OmegaConf.load(out / "config_resolved.yaml").llm.name == cfg.llm.name
+    meta = json.loads((out / "probe" / "probe.json").read_text())
+    assert meta["activations"]["layer"] == 2 and meta["activations"]["llm"]["name"] == cfg.llm.name
+
+
+def test_checkpoint_carries_resolved_config(tmp_path):
+    cfg = compose_cfg(["+experiment=probe_tiny_llama", "trainer.max_epochs=1", "logger=csv"], tmp_path)
+    run_task(cfg)
+    checkpoint = torch.load(tmp_path / "out" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert checkpoint["confrag_config"]["llm"]["name"] == "tiny_llama"
+    assert checkpoint["confrag_config"]["model"]["layer"] == "mid"
+
+
+def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
+    """`-m model.layer=1,2,3` extracts the activations once; W&B (offline) gets one run per job."""
+    cache, logs = tmp_path / "cache", tmp_path / "logs"
+    command = [sys.executable, "train.py", "-m", "+experiment=probe_tiny_llama", "model.layer=1,2,3",
+               "trainer.max_epochs=1", f"paths.cache_dir={cache}", f"paths.model_dir={MODEL_DIR}",
+               f"paths.log_dir={logs}", "data.train_states=qa"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "WANDB_SILENT": "true"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    activation_dirs = list((cache / "activations").iterdir())
+    assert len(activation_dirs) == 1  # one prompt kind (qa), extracted once for all three layers
+    assert done.stderr.count("shards to compute") == 2  # the generations and the activations, once each
+    jobs = sorted((logs / "probe" / "multiruns").glob("*/[0-9]*"))
+    assert len(jobs) == 3
+    layers = [json.loads((job / "probe" / "probe.json").read_text())["activations"]["layer"] for job in jobs]
+    assert sorted(layers) == [1, 2, 3]
+    wandb_runs = [run for job in jobs for run in (job / "wandb").glob("offline-run-*")]
+    assert len(wandb_runs) == 3

@@ -1,0 +1,74 @@
+"""The probe module, its saved form, and the streaming DataModule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from lightning import Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from confrag.probe.module import ProbeMismatchError, ProbeModule, load_probe, save_probe
+
+
+def test_architecture_follows_the_paper():
+    probe = ProbeModule(input_dim=576)
+    linear = [m for m in probe.net if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linear] == [(576, 512), (512, 64), (64, 32), (32, 2)]
+    assert [m.p for m in probe.net if isinstance(m, torch.nn.Dropout)] == [0.5, 0.5, 0.5]
+    assert probe.configure_optimizers().defaults["lr"] == 5e-5
+
+
+def test_confidence_is_softmax_of_class_one_and_ignores_dropout():
+    torch.manual_seed(0)
+    probe = ProbeModule(input_dim=8)
+    probe.set_standardization(np.full(8, 1.0), np.full(8, 2.0))
+    hidden = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
+    probe.train()
+    conf = probe.confidence(hidden)
+    assert probe.training  # mode restored
+    probe.eval()
+    expected = torch.softmax(probe(torch.from_numpy(hidden)), -1)[:, 1].detach().numpy()  # forward standardizes
+    assert conf.shape == (5,) and np.allclose(conf, expected, atol=1e-6)
+    assert np.allclose(probe.confidence(hidden), conf)  # deterministic: dropout off
+    assert probe.confidence(hidden[0]).shape == (1,)
+
+
+def test_probe_learns_a_separable_signal():
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 16)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    probe = ProbeModule(input_dim=16, lr=1e-2)
+    loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=32, shuffle=True)
+    Trainer(max_epochs=15, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False).fit(probe, loader, loader)
+    conf = probe.confidence(x)
+    assert ((conf > 0.5) == y).mean() > 0.9
+
+
+def test_saved_probe_round_trips_and_refuses_other_activations(tmp_path):
+    probe = ProbeModule(input_dim=8, layer=15)
+    probe.set_standardization(np.arange(8.0), np.full(8, 3.0))
+    identity = {"llm": {"name": "smollm2_135m", "ref": "gguf:x@1"}, "prompts": "abc", "layer": 15, "key": "k"}
+    save_probe(probe, tmp_path, identity, {"metrics": {"test/auroc": 0.7}})
+    saved = load_probe(tmp_path)
+    hidden = np.random.default_rng(1).normal(size=(3, 8)).astype(np.float32)
+    assert np.allclose(saved.confidence(hidden), probe.confidence(hidden))
+    saved.check(identity["llm"], "abc", 15)
+    with pytest.raises(ProbeMismatchError, match="layer"):
+        saved.check(identity["llm"], "abc", 16)
+    with pytest.raises(ProbeMismatchError, match="llm"):
+        saved.check({"name": "llama3_8b", "ref": "hf:x"}, "abc", 15)
+    with pytest.raises(ProbeMismatchError, match="prompts"):
+        saved.check(identity["llm"], "other-template", 15)
+
+
+def test_missing_probe_directory_says_how_to_make_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train a probe first"):
+        load_probe(tmp_path / "nothing")
+
+
+def test_bad_hyperparameters_are_refused():
+    with pytest.raises(ValueError, match="dropout"):
+        ProbeModule(input_dim=8, dropout=1.5)

@@ -1,0 +1,15 @@
+"""Train and evaluate: `python train.py +experiment=probe_smollm2` (see README.md)."""
+
+import hydra
+from omegaconf import DictConfig
+
+from confrag.train import run_task
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    return run_task(cfg)
+
+
+if __name__ == "__main__":
+    main()
