@@ -102,7 +102,7 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     activation_dirs = list((cache / "activations").iterdir())
     assert len(activation_dirs) == 1  # one prompt kind (qa), extracted once for all three layers
-    assert done.stderr.count("shards to compute") == 2  # the generations and the activations, once each
+    assert (done.stdout + done.stderr).count("shards to compute") == 2  # generations and activations, once each
     jobs = sorted((logs / "probe" / "multiruns").glob("*/[0-9]*"))
     assert len(jobs) == 3
     layers = [json.loads((job / "probe" / "probe.json").read_text())["activations"]["layer"] for job in jobs]
