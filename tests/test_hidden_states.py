@@ -69,8 +69,21 @@ def test_only_layers_up_to_the_deepest_requested_run(tiny_llama, templates, nq_r
     finally:
         for hook in hooks:
             hook.remove()
-    assert sorted(set(calls)) == [0, 1]  # decoder layers 0 and 1 produce hidden_states[1] and [2]
+    # hidden_states[2] is the output of decoder layer 1: layer 0 runs whole, layer 1 only for the last
+    # token (through its submodules, not its forward), layers 2 and 3 not at all.
+    assert sorted(set(calls)) == [0]
     assert len(tiny_llama.model.base_model.layers) == 4  # the stack is restored
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("layers", [[1], [2], [0, 3], [4]])
+def test_last_token_tail_matches_full_path(request, templates, nq_rows, arch, layers):
+    llm = request.getfixturevalue(arch)
+    prompts = rag_prompts(llm, templates, nq_rows[:5])
+    reference = naive(llm, prompts, layers)
+    for tail in (True, False):
+        engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=2, last_token_tail=tail, progress=False)
+        assert relative_error(engine.extract(prompts, layers), reference) <= TOLERANCE
 
 
 def test_layer_outside_range_lists_valid_range(tiny_llama):

@@ -4,9 +4,9 @@ Indexing follows HF `output_hidden_states`: 0 is the embedding output, i is the 
 layer i, and `num_hidden_layers` is the final-norm output. The engine
 
 - runs only the decoder layers up to the deepest layer requested (the rest of the stack is cut off
-  for the call, and no LM head runs);
+  for the call, and no LM head runs), and that deepest layer only for the last token (Llama/Qwen2);
 - captures every requested layer in the same pass, and only at the last real token;
-- sorts prompts by length so batches carry little padding, with left or right padding;
+- groups prompts of similar length so that batches carry little padding (left or right);
 - computes the keys/values of the token prefix shared by all prompts of a call once and reuses them
   for every batch (RAG prompts share the system prompt and instruction).
 
@@ -17,11 +17,13 @@ The result equals the per-prompt full forward with `output_hidden_states=True` u
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -58,9 +60,12 @@ class HiddenStateEngine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         batch_size: int = 16,
+        max_batch_tokens: int = 4096,
+        padding_tolerance: float = 0.1,
         padding_side: str = "right",
         share_prefix: bool = True,
         min_shared_prefix: int = 8,
+        last_token_tail: bool = True,
         progress: bool = True,
     ) -> None:
         if padding_side not in PADDING_SIDES:
@@ -70,11 +75,15 @@ class HiddenStateEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.padding_tolerance = padding_tolerance
         self.padding_side = padding_side
         self.share_prefix = share_prefix
+        self.last_token_tail = last_token_tail
         self.min_shared_prefix = min_shared_prefix
         self.progress = progress
         self.base = model.base_model
+        self.decoder_layers = list(self.base.layers)  # the whole stack; `_truncated` shortens base.layers
         self.num_layers = int(model.config.num_hidden_layers)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -96,17 +105,41 @@ class HiddenStateEngine:
     @torch.inference_mode()
     def extract_ids(self, ids: Sequence[Sequence[int]], layers: Sequence[int], desc: str = "hidden states") -> np.ndarray:
         layers = validate_layers(layers, self.num_layers)
-        depth = min(max(layers), self.num_layers)
+        depth = max(layers)
+        # The deepest layer is needed at one token only: run the stack to the layer before it and
+        # finish that one layer for the last token alone.
+        tail = self.last_token_tail and depth >= 1 and _plain_decoder_layer(self.model, self.decoder_layers[depth - 1])
         prefix_len = self._shared_prefix_length(ids)
         out = np.zeros((len(layers), len(ids), self.model.config.hidden_size), dtype=np.float32)
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        with _truncated(self.base, depth):
+        batches = self.length_batches([len(seq) - prefix_len for seq in ids])
+        with _truncated(self.base, min(depth, self.num_layers)):
             prefix_cache = self._prefix_cache(ids[0][:prefix_len]) if prefix_len else None
+        with _truncated(self.base, depth - 1 if tail else depth):
             for batch in tqdm(batches, desc=desc, unit="batch", disable=not self.progress, leave=False):
-                states = self._run_batch([ids[i][prefix_len:] for i in batch], prefix_len, prefix_cache, layers)
+                states = self._run_batch([ids[i][prefix_len:] for i in batch], prefix_len, prefix_cache, layers, tail)
                 out[:, batch, :] = states
         return out
+
+    def length_batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Indices grouped by length: a batch closes at `batch_size` rows, `max_batch_tokens` padded
+        tokens, or when padding would exceed `padding_tolerance` of its real tokens (padding is wasted
+        matrix work, and on CPU it costs more than small batches do)."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        batches: list[list[int]] = []
+        current: list[int] = []
+        real = 0
+        for index in order:
+            width = lengths[index]  # ascending: the newcomer is the longest
+            rows = len(current) + 1
+            if current and (rows > self.batch_size or rows * width > self.max_batch_tokens
+                            or rows * width > (1 + self.padding_tolerance) * (real + width)):
+                batches.append(current)
+                current, real = [], 0
+            current.append(index)
+            real += width
+        if current:
+            batches.append(current)
+        return batches
 
     def _shared_prefix_length(self, ids: Sequence[Sequence[int]]) -> int:
         if not self.share_prefix or len(ids) < 2:
@@ -121,7 +154,7 @@ class HiddenStateEngine:
         self.base(input_ids=input_ids, past_key_values=cache, use_cache=True)
         return cache
 
-    def _run_batch(self, suffixes, prefix_len, prefix_cache, layers) -> np.ndarray:
+    def _run_batch(self, suffixes, prefix_len, prefix_cache, layers, tail: bool) -> np.ndarray:
         batch = len(suffixes)
         width = max(len(seq) for seq in suffixes)
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
@@ -138,14 +171,25 @@ class HiddenStateEngine:
             cache = DynamicCache([(layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1))
                                   for layer in prefix_cache.layers])
         device = self.device
-        with _capture(self.base, layers, self.num_layers, last.to(device)) as captured:
+        last, full_mask, position_ids = last.to(device), full_mask.to(device), position_ids.to(device)
+        depth = max(layers)
+        captured_layers = [layer for layer in layers if layer < depth] if tail else layers
+        with _capture(self.base, captured_layers, self.num_layers, last, full_layer=depth - 1 if tail else None) as captured:
             self.base(
                 input_ids=input_ids.to(device),
-                attention_mask=full_mask.to(device),
-                position_ids=position_ids.to(device),
+                attention_mask=full_mask,
+                position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=cache is not None,
             )
+        if tail:
+            prefix_kv = None
+            if prefix_cache is not None:
+                layer_cache = prefix_cache.layers[depth - 1]
+                prefix_kv = (layer_cache.keys, layer_cache.values)
+            state = _last_token_layer(self.base, self.decoder_layers[depth - 1], captured.pop("full"), last,
+                                      position_ids, full_mask, prefix_kv)
+            captured[depth] = self.base.norm(state) if depth == self.num_layers else state
         return np.stack([captured[layer].float().cpu().numpy() for layer in layers])
 
 
@@ -164,25 +208,77 @@ def _truncated(base: nn.Module, depth: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _capture(base: nn.Module, layers: Sequence[int], num_layers: int, last: torch.Tensor) -> Iterator[dict]:
-    """Forward hooks that keep, for each requested layer, the hidden state at each row's last token."""
-    captured: dict[int, torch.Tensor] = {}
+def _capture(base: nn.Module, layers: Sequence[int], num_layers: int, last: torch.Tensor,
+             full_layer: int | None = None) -> Iterator[dict]:
+    """Forward hooks that keep, for each requested layer, the hidden state at each row's last token,
+    and (as "full") every position of `full_layer`, the input of a last-token tail layer."""
+    captured: dict = {}
     rows = torch.arange(last.shape[0], device=last.device)
 
-    def keeper(layer: int):
+    def keeper(layer: int, full: bool = False):
         def hook(_module, _inputs, output):
             hidden = output[0] if isinstance(output, tuple) else output
-            captured[layer] = hidden[rows, last].detach()
+            captured["full" if full else layer] = hidden.detach() if full else hidden[rows, last].detach()
         return hook
 
-    modules = {0: base.get_input_embeddings(), num_layers: base.norm}
-    modules.update({layer: base.layers[layer - 1] for layer in layers if 0 < layer < num_layers})
-    handles = [modules[layer].register_forward_hook(keeper(layer)) for layer in layers]
+    def module_of(layer: int) -> nn.Module:
+        if layer == 0:
+            return base.get_input_embeddings()
+        return base.norm if layer == num_layers else base.layers[layer - 1]
+
+    handles = [module_of(layer).register_forward_hook(keeper(layer)) for layer in layers]
+    if full_layer is not None:
+        handles.append(module_of(full_layer).register_forward_hook(keeper(full_layer, full=True)))
     try:
         yield captured
     finally:
         for handle in handles:
             handle.remove()
+
+
+_TAIL_MODEL_TYPES = ("llama", "qwen2")
+
+
+def _plain_decoder_layer(model: PreTrainedModel, layer: nn.Module) -> bool:
+    """Whether `layer` is a pre-norm rotary decoder layer that `_last_token_layer` reproduces exactly
+    (Llama and Qwen2 families, no q/k norms or sliding window); other models take the full path."""
+    attn = getattr(layer, "self_attn", None)
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "num_key_value_groups")
+    return (
+        model.config.model_type in _TAIL_MODEL_TYPES
+        and attn is not None
+        and all(hasattr(attn, name) for name in needed)
+        and not any(hasattr(attn, name) for name in ("q_norm", "k_norm", "sinks"))
+        and not getattr(attn, "sliding_window", None)
+        and all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp"))
+        and hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
+    )
+
+
+def _last_token_layer(base, layer, hidden, last, position_ids, mask, prefix_kv) -> torch.Tensor:
+    """One decoder layer evaluated at each row's last token only: keys/values for every position,
+    query, output projection and MLP for the last token (the only output anyone reads)."""
+    attn = layer.self_attn
+    rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    batch, width, _ = hidden.shape
+    rows = torch.arange(batch, device=hidden.device)
+    normed = layer.input_layernorm(hidden)
+    keys = attn.k_proj(normed).view(batch, width, -1, attn.head_dim).transpose(1, 2)
+    values = attn.v_proj(normed).view(batch, width, -1, attn.head_dim).transpose(1, 2)
+    query = attn.q_proj(normed[rows, last]).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+    cos, sin = base.rotary_emb(hidden, position_ids)
+    keys = rope(keys, keys, cos, sin)[0]
+    query = rope(query, query, cos[rows, last][:, None], sin[rows, last][:, None])[0]
+    if prefix_kv is not None:
+        keys = torch.cat([prefix_kv[0].expand(batch, -1, -1, -1), keys], dim=2)
+        values = torch.cat([prefix_kv[1].expand(batch, -1, -1, -1), values], dim=2)
+    keys = keys.repeat_interleave(attn.num_key_value_groups, dim=1)
+    values = values.repeat_interleave(attn.num_key_value_groups, dim=1)
+    # The last real token comes after every real token, so the padding mask alone is its causal mask.
+    context = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.bool()[:, None, None, :],
+                                             scale=attn.scaling)
+    state = hidden[rows, last] + attn.o_proj(context.transpose(1, 2).reshape(batch, -1))
+    return state + layer.mlp(layer.post_attention_layernorm(state))
 
 
 def naive_hidden_states(model: PreTrainedModel, ids: Sequence[int], layers: Sequence[int]) -> np.ndarray:
