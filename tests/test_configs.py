@@ -109,3 +109,15 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     assert sorted(layers) == [1, 2, 3]
     wandb_runs = [run for job in jobs for run in (job / "wandb").glob("offline-run-*")]
     assert len(wandb_runs) == 3
+
+
+def test_probe_layer_out_of_range_lists_the_valid_range(tmp_path):
+    cfg = compose_cfg(["+experiment=probe_tiny_llama", "trainer.fast_dev_run=true", "logger=csv", "model.layer=9"], tmp_path)
+    with pytest.raises(ValueError, match=r"model.layer=9 out of range: valid layers are 0\.\.4"):
+        run_task(cfg)
+
+
+def test_missing_nq_file_names_the_path_and_the_setting(tmp_path):
+    cfg = compose_cfg(["+experiment=probe_tiny_llama", f"paths.nq_path={tmp_path}/missing.jsonl"], tmp_path)
+    with pytest.raises(Exception, match=r"missing\.jsonl[\s\S]*data\.nq_path"):
+        run_task(cfg)

