@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -14,6 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf, open_dict
 
 import confrag.train  # noqa: F401  (registers the confrag_root resolver)
+from confrag.probe.module import load_probe
 from confrag.train import run_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +83,10 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     assert OmegaConf.load(out / "config_resolved.yaml").llm.name == cfg.llm.name
     meta = json.loads((out / "probe" / "probe.json").read_text())
     assert meta["activations"]["layer"] == 2 and meta["activations"]["llm"]["name"] == cfg.llm.name
+    saved = load_probe(out / "probe")  # the exported probe loads and scores raw hidden states
+    assert saved.module.hparams.hidden_dims == [512, 64, 32]
+    confidence = saved.confidence(np.zeros((3, saved.module.hparams.input_dim), dtype=np.float32))
+    assert confidence.shape == (3,) and ((0 <= confidence) & (confidence <= 1)).all()
 
 
 def test_checkpoint_carries_resolved_config(tmp_path):

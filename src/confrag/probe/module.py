@@ -38,6 +38,7 @@ class ProbeModule(LightningModule):
         layer: int | None = None,
     ) -> None:
         super().__init__()
+        hidden_dims = [int(d) for d in hidden_dims]  # plain ints, so the saved hparams stay JSON lists
         if input_dim < 1 or not 0.0 <= dropout < 1.0 or lr <= 0:
             raise ValueError(f"probe: need input_dim >= 1, 0 <= dropout < 1, lr > 0 (got {input_dim}, {dropout}, {lr})")
         self.save_hyperparameters()

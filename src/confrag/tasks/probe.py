@@ -38,7 +38,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     summary = datamodule.data.summary()
     log.info("NQ_Confidence summary: %s", summary)
 
-    model: ProbeModule = instantiate(cfg.model, input_dim=datamodule.input_dim, layer=datamodule.layer)
+    model: ProbeModule = instantiate(cfg.model, input_dim=datamodule.input_dim, layer=datamodule.layer, _convert_="all")
     model.set_standardization(*datamodule.feature_stats())
     model.run_config = OmegaConf.to_container(cfg, resolve=True)
     callbacks: list[Callback] = instantiate_list(cfg.get("callbacks"))
