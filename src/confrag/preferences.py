@@ -1,0 +1,219 @@
+"""NQ_Rerank: preference rows from the confidence shift each retrieved context causes.
+
+For a question Q with candidate contexts C1..Cn,
+
+    Inc(Q, Ci) = Conf(H(Q + Ci)) − Conf(H(reference)),
+
+where H(Q + Ci) is the hidden state of the RAG prompt holding Ci alone, and the reference is either
+the QA prompt (`qa`, the paper) or the RAG prompt with an empty context (`rag_empty`). The top-K
+contexts with Inc > 0 become `pos`, the top-K with Inc < 0 `neg` (most negative first); questions
+lacking either are dropped and counted. Every hidden state goes through the engine and the
+activation cache: H(Q) of the QA prompt is the probe stage's own artifact (same key, so it is read,
+not recomputed), and the candidate states are one sharded, resumable artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from confrag.artifacts import ActivationStore, ShardedArtifact, atomic_write_text, fingerprint
+from confrag.data.nq import Passage, QARow, rows_fingerprint
+from confrag.llm.hidden_states import HiddenStateEngine
+from confrag.llm.loading import LoadedLLM
+from confrag.llm.prompts import PromptTemplates
+from confrag.probe.module import SavedProbe
+from confrag.qa_metrics import has_answer
+
+log = logging.getLogger(__name__)
+
+REFERENCES = ("qa", "rag_empty")
+RERANK_INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question."
+
+
+@dataclass
+class CandidateSet:
+    """One question with its retrieved contexts (best first) and what we know about them."""
+
+    row: QARow
+    passages: list[Passage]
+    retrieval_scores: list[float]
+    from_gold: list[bool]  # the passage comes from the question's gold paragraph
+
+
+@dataclass
+class ConfidenceShifts:
+    reference: dict[str, np.ndarray]  # reference kind -> Conf per question
+    candidates: list[np.ndarray]  # per question: Conf(Q + Ci) for each candidate
+
+
+def _state_artifact(cache_dir, llm: LoadedLLM, templates: PromptTemplates, kind: str, rows_key: str,
+                    layer: int, num_items: int, shard_size: int, extra: dict | None = None) -> ShardedArtifact:
+    spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_key, "kind": kind,
+            **(extra or {}), "layers": [layer], "store": "float32"}
+    return ShardedArtifact(cache_dir, "activations", spec, num_items, shard_size, fmt="npy")
+
+
+def confidence_shifts(
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    probe: SavedProbe,
+    candidate_sets: Sequence[CandidateSet],
+    *,
+    engine: HiddenStateEngine,
+    cache_dir: str | Path,
+    probe_states: ActivationStore | None = None,
+    shard_size: int = 256,
+    progress: bool = True,
+) -> ConfidenceShifts:
+    """Conf of every reference prompt and every (question, candidate) RAG prompt, through the cache.
+
+    `probe_states` is the probe stage's QA activation store for the same questions; when given, the
+    QA reference states are read from it instead of being extracted again."""
+    layer = probe.layer
+    probe.check(llm.identity, templates.identity(llm.tokenizer), layer)
+    rows = [c.row for c in candidate_sets]
+    rows_key = rows_fingerprint(rows)
+    tok = llm.tokenizer
+
+    reference = {}
+    if probe_states is not None and len(probe_states) == len(rows):
+        reference["qa"] = probe.confidence(probe_states.take(layer, range(len(rows))))
+    prompts = {"qa": [templates.qa_prompt(tok, r.question) for r in rows],
+               "rag_empty": [templates.rag_prompt(tok, r.question, []) for r in rows]}
+    for kind in REFERENCES:
+        if kind in reference:
+            continue
+        artifact = _state_artifact(cache_dir, llm, templates, kind, rows_key, layer, len(rows), shard_size)
+        artifact.compute(lambda a, b, p=prompts[kind]: engine.extract(p[a:b], [layer], desc=f"states [{kind}]"),
+                         desc=f"{kind} states", progress=progress)
+        reference[kind] = probe.confidence(ActivationStore(artifact, [layer]).take(layer, range(len(rows))))
+
+    pairs = [(i, c) for i, cs in enumerate(candidate_sets) for c in cs.passages]
+    pair_prompts = [templates.rag_prompt(tok, candidate_sets[i].row.question, [c]) for i, c in pairs]
+    contexts_key = fingerprint([[c.title, c.text] for _, c in pairs])
+    artifact = _state_artifact(cache_dir, llm, templates, "rag_candidates", rows_key, layer, len(pairs), shard_size,
+                               {"contexts": contexts_key})
+    artifact.compute(lambda a, b: engine.extract(pair_prompts[a:b], [layer], desc="states [candidates]"),
+                     desc="candidate states", progress=progress)
+    store = ActivationStore(artifact, [layer])
+    conf = probe.confidence(store.take(layer, range(len(pairs)))) if pairs else np.zeros(0)
+    bounds = np.cumsum([0] + [len(cs.passages) for cs in candidate_sets])
+    return ConfidenceShifts(reference, [conf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def select_preferences(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
+    """Indices of the top-K contexts with Inc > 0 (largest first) and with Inc < 0 (smallest first).
+    Ties keep the retrieval order."""
+    if top_k < 1:
+        raise ValueError(f"data.pref_top_k must be >= 1 (got {top_k})")
+    order_pos = sorted((i for i in range(len(inc)) if inc[i] > 0), key=lambda i: -inc[i])
+    order_neg = sorted((i for i in range(len(inc)) if inc[i] < 0), key=lambda i: inc[i])
+    return order_pos[:top_k], order_neg[:top_k]
+
+
+def format_passage(passage: Passage) -> str:
+    return f"{passage.title}\n{passage.text}" if passage.title else passage.text
+
+
+def build_rows(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts, reference: str,
+               top_k: int) -> tuple[list[dict], dict[str, int]]:
+    """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts."""
+    if reference not in REFERENCES:
+        raise ValueError(f"data.pref_reference={reference!r} is not one of {REFERENCES}")
+    rows, drops = [], {"no_positive": 0, "no_negative": 0, "neither": 0}
+    for i, cs in enumerate(candidate_sets):
+        inc = shifts.candidates[i] - shifts.reference[reference][i]
+        pos, neg = select_preferences(inc, top_k)
+        if not pos or not neg:
+            drops["neither" if not pos and not neg else "no_positive" if not pos else "no_negative"] += 1
+            continue
+        rows.append({
+            "qid": cs.row.qid,
+            "query": cs.row.question,
+            "pos": [format_passage(cs.passages[j]) for j in pos],
+            "neg": [format_passage(cs.passages[j]) for j in neg],
+            "pos_scores": [float(inc[j]) for j in pos],
+            "neg_scores": [float(inc[j]) for j in neg],
+            "prompt": RERANK_INSTRUCTION,
+        })
+    return rows, drops
+
+
+def gold_placement(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts, reference: str,
+                   top_k: int) -> dict[str, float]:
+    """Of the questions whose gold paragraph was retrieved: how often a gold passage lands in pos / neg."""
+    counts = {"questions_with_gold": 0, "gold_in_pos": 0, "gold_in_neg": 0, "gold_in_neither": 0}
+    for i, cs in enumerate(candidate_sets):
+        gold = {j for j, flag in enumerate(cs.from_gold) if flag}
+        if not gold:
+            continue
+        pos, neg = select_preferences(shifts.candidates[i] - shifts.reference[reference][i], top_k)
+        counts["questions_with_gold"] += 1
+        key = "gold_in_pos" if gold & set(pos) else "gold_in_neg" if gold & set(neg) else "gold_in_neither"
+        counts[key] += 1
+    total = max(counts["questions_with_gold"], 1)
+    return {**counts, **{f"{k}_rate": counts[k] / total for k in ("gold_in_pos", "gold_in_neg", "gold_in_neither")}}
+
+
+def dataset_report(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts, top_k: int,
+                   splits: dict[str, list[dict]], reference: str, drops: dict[str, int]) -> dict[str, Any]:
+    """Sizes, drops, the Inc distribution and gold placement for every reference choice, and examples."""
+    report: dict[str, Any] = {"reference": reference, "top_k": top_k, "questions": len(candidate_sets),
+                              "rows": {s: len(r) for s, r in splits.items()}, "dropped": drops, "by_reference": {}}
+    for ref in REFERENCES:
+        inc = np.concatenate([shifts.candidates[i] - shifts.reference[ref][i] for i in range(len(candidate_sets))])
+        report["by_reference"][ref] = {
+            "inc_quantiles": {q: float(np.quantile(inc, q)) for q in (0.05, 0.25, 0.5, 0.75, 0.95)} if len(inc) else {},
+            "share_positive": float((inc > 0).mean()) if len(inc) else 0.0,
+            "gold": gold_placement(candidate_sets, shifts, ref, top_k),
+            "kept": len(build_rows(candidate_sets, shifts, ref, top_k)[0]),
+        }
+    report["examples"] = _examples(candidate_sets, shifts, reference)
+    return report
+
+
+def _examples(candidate_sets, shifts, reference, count: int = 3) -> list[dict]:
+    """Figure 3 / 6 style: confidence before, and after a helpful and a harmful context."""
+    examples = []
+    for i, cs in enumerate(candidate_sets):
+        if len(examples) == count:
+            break
+        if not any(cs.from_gold) or len(cs.passages) < 2:
+            continue
+        conf = shifts.candidates[i]
+        best, worst = int(np.argmax(conf)), int(np.argmin(conf))
+        examples.append({
+            "question": cs.row.question, "answers": list(cs.row.answers),
+            "confidence_before": float(shifts.reference[reference][i]),
+            "raises": {"context": format_passage(cs.passages[best])[:300], "confidence": float(conf[best]),
+                       "has_answer": has_answer(cs.passages[best].text, cs.row.answers)},
+            "lowers": {"context": format_passage(cs.passages[worst])[:300], "confidence": float(conf[worst]),
+                       "has_answer": has_answer(cs.passages[worst].text, cs.row.answers)},
+        })
+    return examples
+
+
+def split_by_question(rows: list[dict], test_fraction: float, seed: int) -> dict[str, list[dict]]:
+    if not 0 < test_fraction < 1:
+        raise ValueError(f"data.pref_test_fraction must be in (0, 1) (got {test_fraction})")
+    qids = sorted({r["qid"] for r in rows})
+    rng = np.random.default_rng(seed)
+    test = set(rng.permutation(qids)[: round(len(qids) * test_fraction)].tolist())
+    return {"train": [r for r in rows if r["qid"] not in test], "test": [r for r in rows if r["qid"] in test]}
+
+
+def save_rows(splits: dict[str, list[dict]], directory: Path) -> None:
+    """Each split as JSONL (FlagEmbedding reads it) and as a `datasets` Arrow folder."""
+    from datasets import Dataset
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, rows in splits.items():
+        atomic_write_text(directory / f"{split}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        if rows:
+            Dataset.from_list(rows).save_to_disk(str(directory / f"{split}_arrow"))
