@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -215,5 +218,9 @@ def save_rows(splits: dict[str, list[dict]], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for split, rows in splits.items():
         atomic_write_text(directory / f"{split}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        if rows:
-            Dataset.from_list(rows).save_to_disk(str(directory / f"{split}_arrow"))
+        if rows:  # written beside, then renamed: a killed run never leaves half a dataset
+            target = directory / f"{split}_arrow"
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{split}_arrow-", dir=directory))
+            Dataset.from_list(rows).save_to_disk(str(tmp))
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)

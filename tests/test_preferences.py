@@ -1,0 +1,99 @@
+"""The confidence-shift selection rule, drop counts, gold placement and the split by question."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from confrag.data.nq import Passage, QARow
+from confrag.preferences import (
+    CandidateSet,
+    ConfidenceShifts,
+    build_rows,
+    dataset_report,
+    gold_placement,
+    save_rows,
+    select_preferences,
+    split_by_question,
+)
+
+
+def test_selection_takes_top_k_positive_and_most_negative():
+    inc = np.array([0.10, -0.30, 0.50, 0.0, -0.05, 0.20, -0.40])
+    pos, neg = select_preferences(inc, top_k=2)
+    assert pos == [2, 5] and neg == [6, 1]  # largest gains first; largest losses first; 0 is neither
+    pos, neg = select_preferences(inc, top_k=5)
+    assert pos == [2, 5, 0] and neg == [6, 1, 4]
+    with pytest.raises(ValueError, match="data.pref_top_k"):
+        select_preferences(inc, top_k=0)
+
+
+def candidate_set(qid: str, n: int, gold_at: int | None) -> CandidateSet:
+    row = QARow(qid, f"question {qid}?", ("answer",), ())
+    passages = [Passage(f"title {qid}-{j}", f"text {qid}-{j}") for j in range(n)]
+    return CandidateSet(row, passages, [1.0] * n, [j == gold_at for j in range(n)])
+
+
+def shifts_for(sets, reference_qa, reference_empty, candidates):
+    return ConfidenceShifts({"qa": np.array(reference_qa), "rag_empty": np.array(reference_empty)},
+                            [np.array(c) for c in candidates])
+
+
+def test_rows_follow_flagembedding_format_and_drops_are_counted():
+    sets = [candidate_set("a", 3, 0), candidate_set("b", 3, None), candidate_set("c", 2, 1)]
+    shifts = shifts_for(sets, [0.5, 0.5, 0.5], [0.6, 0.6, 0.6],
+                        [[0.9, 0.2, 0.6], [0.7, 0.8, 0.9], [0.1, 0.2]])
+    rows, drops = build_rows(sets, shifts, "qa", top_k=5)
+    assert [r["qid"] for r in rows] == ["a"]
+    assert drops == {"no_positive": 1, "no_negative": 1, "neither": 0}
+    row = rows[0]
+    assert set(row) == {"qid", "query", "pos", "neg", "pos_scores", "neg_scores", "prompt"}
+    assert row["pos"] == ["title a-0\ntext a-0", "title a-2\ntext a-2"]
+    assert row["neg"] == ["title a-1\ntext a-1"]
+    assert np.allclose(row["pos_scores"], [0.4, 0.1]) and np.allclose(row["neg_scores"], [-0.3])
+    # the reference choice changes which side a context falls on
+    rows_empty, _ = build_rows(sets, shifts, "rag_empty", top_k=5)
+    assert rows_empty[0]["pos"] == ["title a-0\ntext a-0"]
+    with pytest.raises(ValueError, match="data.pref_reference"):
+        build_rows(sets, shifts, "nope", top_k=5)
+
+
+def test_gold_placement_counts_questions_with_a_retrieved_gold_passage():
+    sets = [candidate_set("a", 3, 0), candidate_set("b", 3, 2), candidate_set("c", 3, None)]
+    shifts = shifts_for(sets, [0.5] * 3, [0.5] * 3, [[0.9, 0.1, 0.5], [0.9, 0.8, 0.1], [0.9, 0.1, 0.2]])
+    placement = gold_placement(sets, shifts, "qa", top_k=5)
+    assert placement["questions_with_gold"] == 2
+    assert placement["gold_in_pos"] == 1 and placement["gold_in_neg"] == 1
+    assert placement["gold_in_pos_rate"] == 0.5
+
+
+def test_report_covers_both_references_and_prints_examples():
+    sets = [candidate_set(q, 3, 0) for q in "abcd"]
+    shifts = shifts_for(sets, [0.5] * 4, [0.7] * 4, [[0.9, 0.1, 0.6]] * 4)
+    rows, drops = build_rows(sets, shifts, "qa", 5)
+    report = dataset_report(sets, shifts, 5, {"train": rows[:3], "test": rows[3:]}, "qa", drops)
+    assert set(report["by_reference"]) == {"qa", "rag_empty"}
+    assert report["by_reference"]["qa"]["gold"]["gold_in_pos_rate"] == 1.0
+    assert report["by_reference"]["rag_empty"]["share_positive"] == pytest.approx(1 / 3)
+    assert len(report["examples"]) == 3
+    assert report["examples"][0]["confidence_before"] == 0.5 and report["examples"][0]["raises"]["confidence"] == 0.9
+    json.dumps(report)  # the report is saved as JSON
+
+
+def test_split_is_by_question_and_seeded(tmp_path):
+    rows = [{"qid": f"q{i // 2}", "query": "x", "pos": ["p"], "neg": ["n"], "pos_scores": [0.1],
+             "neg_scores": [-0.1], "prompt": "p"} for i in range(40)]
+    splits = split_by_question(rows, 0.25, seed=3)
+    train_q, test_q = {r["qid"] for r in splits["train"]}, {r["qid"] for r in splits["test"]}
+    assert not train_q & test_q and len(test_q) == 5
+    assert splits == split_by_question(rows, 0.25, seed=3)
+    with pytest.raises(ValueError, match="data.pref_test_fraction"):
+        split_by_question(rows, 1.0, seed=3)
+    save_rows(splits, tmp_path)
+    lines = (tmp_path / "train.jsonl").read_text().splitlines()
+    assert len(lines) == len(splits["train"]) and json.loads(lines[0])["pos"] == ["p"]
+    from datasets import load_from_disk
+
+    assert load_from_disk(str(tmp_path / "test_arrow")).num_rows == len(splits["test"])
