@@ -36,7 +36,8 @@ def compose_cfg(overrides: list[str], tmp_path: Path):
 
 
 def test_experiment_list_is_complete():
-    for name in ("probe_smollm2", "probe_smollm2_qarag", "probe_llama3", "probe_qwen2_5", "probe_tiny_llama", "probe_tiny_qwen2"):
+    for name in ("probe_smollm2", "probe_smollm2_qarag", "probe_llama3", "probe_qwen2_5", "probe_tiny_llama",
+                 "probe_tiny_qwen2", "reranker_smollm2", "reranker_llama3", "reranker_qwen2_5", "reranker_tiny_llama"):
         assert name in EXPERIMENTS
 
 
@@ -44,16 +45,22 @@ def test_experiment_list_is_complete():
 def test_every_experiment_composes_and_resolves(name, tmp_path):
     cfg = compose_cfg([f"+experiment={name}"], tmp_path)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert resolved["data"]["layer"] == resolved["model"]["layer"]
+    probe = resolved["probe"] if resolved["task_name"] == "rerank" else resolved  # the probe a rerank run scores with
+    assert probe["data"]["layer"] == probe["model"]["layer"]
+    assert probe["data"]["llm"] == resolved["llm"]  # one LLM for the probe and the confidence shifts
     assert resolved["llm"]["name"] in {"smollm2_135m", "llama3_8b", "qwen2_5_7b", "tiny_llama", "tiny_qwen2"}
-    if name in ("probe_llama3", "probe_qwen2_5"):
+    if name.endswith(("llama3", "qwen2_5")):
         assert resolved["llm"]["dtype"] == "bfloat16" and resolved["llm"]["device"] == "cuda"
-        assert resolved["trainer"]["accelerator"] == "gpu"
+        assert resolved["trainer"]["accelerator"] == "gpu" and probe["trainer"]["accelerator"] == "gpu"
 
 
 def test_gpu_experiments_load_the_papers_models(tmp_path):
     assert compose_cfg(["+experiment=probe_llama3"], tmp_path).llm.repo_id == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert compose_cfg(["+experiment=probe_qwen2_5"], tmp_path).llm.repo_id == "Qwen/Qwen2.5-7B-Instruct"
+    for name in ("reranker_llama3", "reranker_qwen2_5"):
+        cfg = compose_cfg([f"+experiment={name}"], tmp_path)
+        assert cfg.model.backbone == "BAAI/bge-reranker-v2-m3" and cfg.model.lr == 6e-5
+        assert cfg.model.weight_decay == 0.01 and cfg.trainer.max_epochs == 1 and cfg.data.pref_reference == "qa"
 
 
 def test_optuna_search_composes(tmp_path):
@@ -77,6 +84,9 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     cfg = compose_cfg([f"+experiment={name}", "trainer.fast_dev_run=true", "logger=csv"], tmp_path)
     run_task(cfg)
     out = tmp_path / "out"
+    if cfg.task_name == "rerank":
+        check_rerank_outputs(out)
+        return
     assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "probe.safetensors").is_file()
     info = json.loads((out / "run_info.json").read_text())
     assert info["argv"] and "commit" in info
@@ -87,6 +97,21 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     assert saved.module.hparams.hidden_dims == [512, 64, 32]
     confidence = saved.confidence(np.zeros((3, saved.module.hparams.input_dim), dtype=np.float32))
     assert confidence.shape == (3,) and ((0 <= confidence) & (confidence <= 1)).all()
+
+
+def check_rerank_outputs(out: Path) -> None:
+    """NQ_Rerank rows (JSONL + Arrow), its report, Table 1 with the rows the issue names, an export."""
+    rows = [json.loads(line) for line in (out / "nq_rerank" / "train.jsonl").read_text().splitlines()]
+    assert rows and set(rows[0]) == {"qid", "query", "pos", "neg", "pos_scores", "neg_scores", "prompt"}
+    assert all(min(r["pos_scores"]) > 0 > max(r["neg_scores"]) for r in rows)
+    assert (out / "nq_rerank" / "test_arrow").is_dir()
+    report = json.loads((out / "nq_rerank" / "report.json").read_text())
+    assert set(report["by_reference"]) == {"qa", "rag_empty"} and report["examples"]
+    table = json.loads((out / "metrics.json").read_text())["table1"]
+    assert [r["system"] for r in table] == ["BM25", "cross-encoder (untuned)", "cross-encoder + relevance FT",
+                                            "cross-encoder + confidence-shift FT (ours)"]
+    assert all(0 <= r["MRR@5"] <= 100 for r in table)
+    assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
 
 
 def test_checkpoint_carries_resolved_config(tmp_path):

@@ -7,9 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from confrag.data.nq import Passage, QARow
 from confrag.preferences import (
-    CandidateSet,
     ConfidenceShifts,
     build_rows,
     dataset_report,
@@ -18,6 +16,8 @@ from confrag.preferences import (
     select_preferences,
     split_by_question,
 )
+from confrag.retrieval.candidates import Candidates, make_candidates
+from confrag.retrieval.corpus import CorpusPassage
 
 
 def test_selection_takes_top_k_positive_and_most_negative():
@@ -30,10 +30,10 @@ def test_selection_takes_top_k_positive_and_most_negative():
         select_preferences(inc, top_k=0)
 
 
-def candidate_set(qid: str, n: int, gold_at: int | None) -> CandidateSet:
-    row = QARow(qid, f"question {qid}?", ("answer",), ())
-    passages = [Passage(f"title {qid}-{j}", f"text {qid}-{j}") for j in range(n)]
-    return CandidateSet(row, passages, [1.0] * n, [j == gold_at for j in range(n)])
+def candidate_set(qid: str, n: int, gold_at: int | None) -> Candidates:
+    passages = [CorpusPassage(f"{qid}-{j}#0", f"title {qid}-{j}", f"text {qid}-{j}", f"{qid}-{j}") for j in range(n)]
+    gold = f"{qid}-{gold_at}" if gold_at is not None else None
+    return make_candidates(qid, f"question {qid}?", ("answer",), passages, [1.0] * n, gold)
 
 
 def shifts_for(sets, reference_qa, reference_empty, candidates):

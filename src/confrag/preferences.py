@@ -26,27 +26,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from confrag.artifacts import ActivationStore, ShardedArtifact, atomic_write_text, fingerprint
-from confrag.data.nq import Passage, QARow, rows_fingerprint
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
-from confrag.qa_metrics import has_answer
+from confrag.retrieval.candidates import Candidates
+from confrag.retrieval.corpus import document_text
 
 log = logging.getLogger(__name__)
 
 REFERENCES = ("qa", "rag_empty")
 RERANK_INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question."
-
-
-@dataclass
-class CandidateSet:
-    """One question with its retrieved contexts (best first) and what we know about them."""
-
-    row: QARow
-    passages: list[Passage]
-    retrieval_scores: list[float]
-    from_gold: list[bool]  # the passage comes from the question's gold paragraph
 
 
 @dataclass
@@ -66,7 +56,7 @@ def confidence_shifts(
     llm: LoadedLLM,
     templates: PromptTemplates,
     probe: SavedProbe,
-    candidate_sets: Sequence[CandidateSet],
+    candidate_sets: Sequence[Candidates],
     *,
     engine: HiddenStateEngine,
     cache_dir: str | Path,
@@ -80,27 +70,27 @@ def confidence_shifts(
     stage's activation cache; when given they are used instead of being extracted again."""
     layer = probe.layer
     probe.check(llm.identity, templates.identity(llm.tokenizer), layer)
-    rows = [c.row for c in candidate_sets]
-    rows_key = rows_fingerprint(rows)
+    questions = [c.question for c in candidate_sets]
+    rows_key = fingerprint([[c.qid, c.question] for c in candidate_sets])
     tok = llm.tokenizer
 
     reference = {}
     if qa_states is not None:
-        if len(qa_states) != len(rows):
-            raise ValueError(f"qa_states holds {len(qa_states)} states for {len(rows)} questions")
+        if len(qa_states) != len(questions):
+            raise ValueError(f"qa_states holds {len(qa_states)} states for {len(questions)} questions")
         reference["qa"] = probe.confidence(qa_states)
-    prompts = {"qa": [templates.qa_prompt(tok, r.question) for r in rows],
-               "rag_empty": [templates.rag_prompt(tok, r.question, []) for r in rows]}
+    prompts = {"qa": [templates.qa_prompt(tok, q) for q in questions],
+               "rag_empty": [templates.rag_prompt(tok, q, []) for q in questions]}
     for kind in REFERENCES:
         if kind in reference:
             continue
-        artifact = _state_artifact(cache_dir, llm, templates, kind, rows_key, layer, len(rows), shard_size)
+        artifact = _state_artifact(cache_dir, llm, templates, kind, rows_key, layer, len(questions), shard_size)
         artifact.compute(lambda a, b, p=prompts[kind]: engine.extract(p[a:b], [layer], desc=f"states [{kind}]"),
                          desc=f"{kind} states", progress=progress)
-        reference[kind] = probe.confidence(ActivationStore(artifact, [layer]).take(layer, range(len(rows))))
+        reference[kind] = probe.confidence(ActivationStore(artifact, [layer]).take(layer, range(len(questions))))
 
     pairs = [(i, c) for i, cs in enumerate(candidate_sets) for c in cs.passages]
-    pair_prompts = [templates.rag_prompt(tok, candidate_sets[i].row.question, [c]) for i, c in pairs]
+    pair_prompts = [templates.rag_prompt(tok, questions[i], [c]) for i, c in pairs]
     contexts_key = fingerprint([[c.title, c.text] for _, c in pairs])
     artifact = _state_artifact(cache_dir, llm, templates, "rag_candidates", rows_key, layer, len(pairs), shard_size,
                                {"contexts": contexts_key})
@@ -122,11 +112,7 @@ def select_preferences(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int
     return order_pos[:top_k], order_neg[:top_k]
 
 
-def format_passage(passage: Passage) -> str:
-    return f"{passage.title}\n{passage.text}" if passage.title else passage.text
-
-
-def build_rows(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts, reference: str,
+def build_rows(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, reference: str,
                top_k: int) -> tuple[list[dict], dict[str, int]]:
     """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts."""
     if reference not in REFERENCES:
@@ -139,10 +125,10 @@ def build_rows(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts,
             drops["neither" if not pos and not neg else "no_positive" if not pos else "no_negative"] += 1
             continue
         rows.append({
-            "qid": cs.row.qid,
-            "query": cs.row.question,
-            "pos": [format_passage(cs.passages[j]) for j in pos],
-            "neg": [format_passage(cs.passages[j]) for j in neg],
+            "qid": cs.qid,
+            "query": cs.question,
+            "pos": [document_text(cs.passages[j]) for j in pos],
+            "neg": [document_text(cs.passages[j]) for j in neg],
             "pos_scores": [float(inc[j]) for j in pos],
             "neg_scores": [float(inc[j]) for j in neg],
             "prompt": RERANK_INSTRUCTION,
@@ -150,7 +136,7 @@ def build_rows(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts,
     return rows, drops
 
 
-def gold_placement(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts, reference: str,
+def gold_placement(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, reference: str,
                    top_k: int) -> dict[str, float]:
     """Of the questions whose gold paragraph was retrieved: how often a gold passage lands in pos / neg."""
     counts = {"questions_with_gold": 0, "gold_in_pos": 0, "gold_in_neg": 0, "gold_in_neither": 0}
@@ -166,7 +152,7 @@ def gold_placement(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShi
     return {**counts, **{f"{k}_rate": counts[k] / total for k in ("gold_in_pos", "gold_in_neg", "gold_in_neither")}}
 
 
-def dataset_report(candidate_sets: Sequence[CandidateSet], shifts: ConfidenceShifts, top_k: int,
+def dataset_report(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, top_k: int,
                    splits: dict[str, list[dict]], reference: str, drops: dict[str, int]) -> dict[str, Any]:
     """Sizes, drops, the Inc distribution and gold placement for every reference choice, and examples."""
     report: dict[str, Any] = {"reference": reference, "top_k": top_k, "questions": len(candidate_sets),
@@ -194,12 +180,12 @@ def _examples(candidate_sets, shifts, reference, count: int = 3) -> list[dict]:
         conf = shifts.candidates[i]
         best, worst = int(np.argmax(conf)), int(np.argmin(conf))
         examples.append({
-            "question": cs.row.question, "answers": list(cs.row.answers),
+            "question": cs.question, "answers": list(cs.answers),
             "confidence_before": float(shifts.reference[reference][i]),
-            "raises": {"context": format_passage(cs.passages[best])[:300], "confidence": float(conf[best]),
-                       "has_answer": has_answer(cs.passages[best].text, cs.row.answers)},
-            "lowers": {"context": format_passage(cs.passages[worst])[:300], "confidence": float(conf[worst]),
-                       "has_answer": has_answer(cs.passages[worst].text, cs.row.answers)},
+            "raises": {"context": document_text(cs.passages[best])[:300], "confidence": float(conf[best]),
+                       "has_answer": cs.has_answer[best]},
+            "lowers": {"context": document_text(cs.passages[worst])[:300], "confidence": float(conf[worst]),
+                       "has_answer": cs.has_answer[worst]},
         })
     return examples
 

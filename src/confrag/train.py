@@ -21,9 +21,9 @@ if not OmegaConf.has_resolver("confrag_root"):
 
 
 def _tasks() -> dict[str, Callable[[DictConfig], dict]]:
-    from confrag.tasks import probe
+    from confrag.tasks import probe, rerank
 
-    return {"probe": probe.run}
+    return {"probe": probe.run, "rerank": rerank.run}
 
 
 def output_dir(cfg: DictConfig) -> Path:

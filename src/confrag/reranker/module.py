@@ -63,16 +63,16 @@ def _reset_head(model: nn.Module, seed: int) -> None:
                 module.reset_parameters()
 
 
-def load_cross_encoder(path: str, fresh_head: bool = False, seed: int = 0) -> nn.Module:
+def load_cross_encoder(path: str, fresh_head: bool = False, seed: int = 0, trust_remote_code: bool = False) -> nn.Module:
     """`AutoModelForSequenceClassification` with one logit; the head is drawn from `seed` when the
     checkpoint has none (an encoder such as MiniLM) or when `fresh_head` asks to discard it."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
     # Mismatched sizes are loaded (and reported) rather than fatal, so that the check below can name
     # the setting that resolves them.
     model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, ignore_mismatched_sizes=True, output_loading_info=True)
+        path, config=config, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=trust_remote_code)
     mismatched = [str(item[0] if isinstance(item, (tuple, list)) else item) for item in info.get("mismatched_keys", [])]
     if mismatched and not fresh_head:
         raise ValueError(f"model.backbone={path!r} has a head of another shape ({', '.join(mismatched)}); a reranker "
@@ -126,6 +126,7 @@ class RerankerModule(LightningModule):
         distill_weight: float = 0.0,
         distill_tau: float | None = None,
         fresh_head: bool = False,
+        trust_remote_code: bool = False,
         seed: int = 0,
         query_max_len: int = 128,
         passage_max_len: int = 512,
@@ -144,8 +145,8 @@ class RerankerModule(LightningModule):
         from transformers import AutoTokenizer
 
         path = resolve_backbone(backbone)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = load_cross_encoder(path, fresh_head=fresh_head, seed=seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model = load_cross_encoder(path, fresh_head=fresh_head, seed=seed, trust_remote_code=trust_remote_code)
         if lora is not None:
             self.model = apply_lora(self.model, dict(lora))
         self.val_metrics = RankingMetrics(ks, prefix="val/")

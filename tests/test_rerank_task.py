@@ -1,0 +1,98 @@
+"""The rerank stage on the tiny llama: an interrupted preference build resumes to the same rows, the
+relevance ablation's labels, and bad settings named by their key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from confrag.llm.hidden_states import HiddenStateEngine
+from confrag.preferences import build_rows, confidence_shifts
+from confrag.probe.module import ProbeModule, SavedProbe
+from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
+from confrag.retrieval.candidates import make_candidates
+from confrag.retrieval.corpus import CorpusPassage
+from confrag.tasks.rerank import relevance_rows, without_duplicates
+
+LAYER = 2
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+class CountingEngine(HiddenStateEngine):
+    """The real engine, counting calls, and failing at call `fail_at` (a process killed mid-build)."""
+
+    def __init__(self, *args, fail_at: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls, self.fail_at = 0, fail_at
+
+    def extract(self, prompts, layers, desc="hidden states"):
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise Interrupted("killed")
+        return super().extract(prompts, layers, desc)
+
+
+@pytest.fixture(scope="module")
+def setting(tiny_llama, templates, nq_rows):
+    corpus = corpus_from_nq(nq_rows)
+    candidates = retrieve_candidates(nq_rows[:6], corpus, BM25Retriever(corpus), top_n=4)
+    module = ProbeModule(input_dim=tiny_llama.model.config.hidden_size, layer=LAYER)
+    module.set_standardization(np.zeros(module.hparams.input_dim), np.ones(module.hparams.input_dim))
+    identity = {"llm": tiny_llama.identity, "prompts": templates.identity(tiny_llama.tokenizer), "layer": LAYER}
+    return {"candidates": candidates, "probe": SavedProbe(module, {"activations": identity})}
+
+
+def shifts_with(setting, llm, templates, cache_dir, engine):
+    return confidence_shifts(llm, templates, setting["probe"], setting["candidates"], engine=engine,
+                             cache_dir=cache_dir, shard_size=4, progress=False)
+
+
+def test_interrupted_preference_build_resumes_to_the_same_rows(setting, tiny_llama, templates, tmp_path):
+    engine = lambda fail_at=None: CountingEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False,  # noqa: E731
+                                                 fail_at=fail_at)
+    reference = shifts_with(setting, tiny_llama, templates, tmp_path / "fresh", engine())
+    # 6 questions: 2 reference shards each for qa and rag_empty; 24 candidate prompts: 6 shards.
+    broken = engine(fail_at=7)  # dies on the third candidate shard
+    with pytest.raises(Interrupted):
+        shifts_with(setting, tiny_llama, templates, tmp_path / "resumed", broken)
+    rerun = engine()
+    resumed = shifts_with(setting, tiny_llama, templates, tmp_path / "resumed", rerun)
+    assert rerun.calls == 4  # only the four candidate shards that were missing
+    for ref in ("qa", "rag_empty"):
+        assert np.array_equal(resumed.reference[ref], reference.reference[ref])
+    assert all(np.array_equal(a, b) for a, b in zip(resumed.candidates, reference.candidates))
+    assert build_rows(setting["candidates"], resumed, "qa", 2) == build_rows(setting["candidates"], reference, "qa", 2)
+
+
+def test_probe_of_another_llm_is_refused(setting, tiny_llama, tiny_qwen2, templates, tmp_path):
+    other = SavedProbe(setting["probe"].module, {"activations": {**setting["probe"].meta["activations"],
+                                                                 "llm": tiny_qwen2.identity}})
+    engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False)
+    with pytest.raises(ValueError, match="llm: trained on"):
+        confidence_shifts(tiny_llama, templates, other, setting["candidates"], engine=engine, cache_dir=tmp_path,
+                          progress=False)
+
+
+def passage(i: int, text: str) -> CorpusPassage:
+    return CorpusPassage(f"d{i}#0", f"T{i}", text, f"d{i}")
+
+
+def test_relevance_rows_label_passages_by_answer_and_skip_one_sided_questions():
+    both = make_candidates("q1", "who wrote hamlet", ["Shakespeare"],
+                           [passage(0, "a play"), passage(1, "Hamlet by William Shakespeare"), passage(2, "other"),
+                            passage(3, "Shakespeare again")], [4.0, 3.0, 2.0, 1.0], None)
+    no_answer = make_candidates("q2", "what is x", ["zeta"], [passage(4, "alpha"), passage(5, "beta")], [2.0, 1.0], None)
+    rows = relevance_rows([both, no_answer], {"q1", "q2"}, top_k=1)
+    assert rows == [{"qid": "q1", "query": "who wrote hamlet", "pos": ["T1\nHamlet by William Shakespeare"],
+                     "neg": ["T0\na play"], "prompt": rows[0]["prompt"]}]
+    assert relevance_rows([both], {"q2"}, top_k=5) == []  # only the given (training) questions
+
+
+def test_duplicate_candidate_passages_are_removed_and_counted():
+    dup = make_candidates("q", "q?", ["a"], [passage(0, "same"), passage(1, "x"), passage(0, "same")],
+                          [3.0, 2.0, 1.0], None)
+    cleaned, removed = without_duplicates(dup)
+    assert removed == 1 and [p.text for p in cleaned.passages] == ["same", "x"] and cleaned.scores == [3.0, 2.0]
