@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -248,16 +248,34 @@ def encode_pairs(tokenizer, queries: Sequence[str], passages: Sequence[str], que
     return EncodedPairs(dict(features), int(truncated), sum(cut[q] != q for q in queries))
 
 
+# `model.kind`: how the backbone scores a pair, and so how pairs are tokenized.
+CROSS_ENCODER, QWEN3_YES_NO = "cross_encoder", "qwen3_yes_no"
+KINDS = (CROSS_ENCODER, QWEN3_YES_NO)
+
+
+def pair_encoder(kind: str) -> Callable[..., EncodedPairs]:
+    """The tokenization of a backbone kind: `encode_pairs`, or Qwen3-Reranker's yes/no prompt."""
+    if kind not in KINDS:
+        raise ValueError(f"model.kind must be one of {', '.join(KINDS)} (got {kind!r})")
+    if kind == QWEN3_YES_NO:
+        from confrag.reranker.qwen3 import encode_yes_no_pairs  # imported late: qwen3 builds on this module
+
+        return encode_yes_no_pairs
+    return encode_pairs
+
+
 class _PairCollator:
     """Shared tokenization; counts the pairs it has seen and how many were truncated (in this process:
     with DataLoader workers each worker counts its own batches)."""
 
-    def __init__(self, tokenizer, query_max_len: int, passage_max_len: int) -> None:
+    def __init__(self, tokenizer, query_max_len: int, passage_max_len: int,
+                 encode: Callable[..., EncodedPairs] = encode_pairs) -> None:
         self.tokenizer, self.query_max_len, self.passage_max_len = tokenizer, query_max_len, passage_max_len
+        self.encode = encode
         self.pairs = self.truncated_pairs = self.truncated_queries = 0
 
     def _encode(self, queries: list[str], passages: list[str]) -> dict[str, Any]:
-        encoded = encode_pairs(self.tokenizer, queries, passages, self.query_max_len, self.passage_max_len)
+        encoded = self.encode(self.tokenizer, queries, passages, self.query_max_len, self.passage_max_len)
         self.pairs += len(queries)
         self.truncated_pairs += encoded.truncated_pairs
         self.truncated_queries += encoded.truncated_queries
@@ -287,14 +305,15 @@ class CandidateCollator(_PairCollator):
         return batch
 
 
-def truncation_stats(rows: Sequence[dict], tokenizer, query_max_len: int, passage_max_len: int) -> dict[str, int]:
+def truncation_stats(rows: Sequence[dict], tokenizer, query_max_len: int, passage_max_len: int,
+                     encode: Callable[..., EncodedPairs] = encode_pairs) -> dict[str, int]:
     """How many distinct (query, passage) pairs of the rows exceed the budget: a property of the data,
     independent of sampling and workers."""
     queries = [r["query"] for r in rows for _ in (*r["pos"], *r["neg"])]
     passages = [p for r in rows for p in (*r["pos"], *r["neg"])]
     truncated = cut = 0
     for start in range(0, len(queries), 256):
-        encoded = encode_pairs(tokenizer, queries[start:start + 256], passages[start:start + 256], query_max_len, passage_max_len)
+        encoded = encode(tokenizer, queries[start:start + 256], passages[start:start + 256], query_max_len, passage_max_len)
         truncated += encoded.truncated_pairs
         cut += encoded.truncated_queries
     return {"pairs": len(queries), "truncated_pairs": truncated, "truncated_queries": cut}
@@ -312,7 +331,8 @@ class PreferenceDataModule(LightningDataModule):
     """Preference rows → grouped training batches and whole-list evaluation batches.
 
     `train` / `val` / `test` are row lists or paths (JSONL or a `datasets` folder). `tokenizer` is a
-    model folder or HF id (None: the embedded MiniLM); it must be the reranker backbone's tokenizer.
+    model folder or HF id (None: the embedded MiniLM); it must be the reranker backbone's tokenizer, and
+    `kind` its `model.kind` (which tokenization the pairs get).
     `truncated_pairs` counts the training / evaluation pairs whose passage was cut, as collated in
     this process; `truncation` (after setup) gives the same count over every distinct pair of each split."""
 
@@ -329,8 +349,10 @@ class PreferenceDataModule(LightningDataModule):
         group_size: int = 8,
         num_workers: int = 0,
         seed: int = 0,
+        kind: str = CROSS_ENCODER,
     ) -> None:
         super().__init__()
+        self.encode = pair_encoder(kind)
         self.sources = {"train": train, "val": val, "test": test}
         self.tokenizer_name = tokenizer
         self.query_max_len = _positive_int(query_max_len, "data.query_max_len")
@@ -363,7 +385,7 @@ class PreferenceDataModule(LightningDataModule):
             if source is not None and split not in self.rows:
                 self.rows[split] = load_rows(source, f"data.{split}")
                 self.truncation[split] = truncation_stats(self.rows[split], self.tokenizer, self.query_max_len,
-                                                          self.passage_max_len)
+                                                          self.passage_max_len, self.encode)
 
     def _rows(self, split: str) -> list[dict]:
         if split not in self.rows:
@@ -374,7 +396,7 @@ class PreferenceDataModule(LightningDataModule):
 
     def _collator(self, split: str, cls: type[_PairCollator]) -> _PairCollator:
         if split not in self._collators:
-            self._collators[split] = cls(self.tokenizer, self.query_max_len, self.passage_max_len)
+            self._collators[split] = cls(self.tokenizer, self.query_max_len, self.passage_max_len, self.encode)
         return self._collators[split]
 
     def train_dataloader(self) -> DataLoader:

@@ -2,8 +2,9 @@
 
 Any `AutoModelForSequenceClassification` with one logit works as the backbone: the paper's
 bge-reranker-v2-m3 (head included), or an encoder without a head such as the embedded
-all-MiniLM-L6-v2, which gets a freshly initialised, seeded head. Paper settings are the defaults:
-lr 6e-5, weight decay 0.01, AdamW with a linear schedule, query_max_len 128, passage_max_len 512.
+all-MiniLM-L6-v2, which gets a freshly initialised, seeded head; `model.kind=qwen3_yes_no` takes a
+Qwen3-Reranker causal LM instead, scored as logit(yes) − logit(no) (see `qwen3`). Paper settings are the
+defaults: lr 6e-5, weight decay 0.01, AdamW with a linear schedule, query_max_len 128, passage_max_len 512.
 
 `export()` writes a plain transformers folder (LoRA adapters merged) that loads unchanged in
 transformers, sentence-transformers' `CrossEncoder` and FlagEmbedding's `FlagReranker`.
@@ -23,8 +24,9 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
+from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
-from confrag.reranker.data import encode_pairs
+from confrag.reranker.data import CROSS_ENCODER, QWEN3_YES_NO, pair_encoder
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import RankingMetrics
 
@@ -131,8 +133,12 @@ class RerankerModule(LightningModule):
         query_max_len: int = 128,
         passage_max_len: int = 512,
         ks: Sequence[int] = (1, 3, 5),
+        kind: str = CROSS_ENCODER,
     ) -> None:
         super().__init__()
+        self.encode = pair_encoder(kind)  # also the check of model.kind, before any weights load
+        _check(not (fresh_head and kind == QWEN3_YES_NO), "model.fresh_head", "false with model.kind=qwen3_yes_no "
+               "(its score comes from the LM head's yes/no rows, there is no head to redraw)", fresh_head)
         _check(tau > 0, "model.tau", "> 0", tau)
         _check(lr > 0, "model.lr", "> 0", lr)
         _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
@@ -146,9 +152,12 @@ class RerankerModule(LightningModule):
 
         path = resolve_backbone(backbone)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.model = load_cross_encoder(path, fresh_head=fresh_head, seed=seed, trust_remote_code=trust_remote_code)
+        if kind == QWEN3_YES_NO:
+            self.model = qwen3.load_yes_no_scorer(path, self.tokenizer, trust_remote_code=trust_remote_code)
+        else:
+            self.model = load_cross_encoder(path, fresh_head=fresh_head, seed=seed, trust_remote_code=trust_remote_code)
         if lora is not None:
-            self.model = apply_lora(self.model, dict(lora))
+            self.model = apply_lora(self.model, qwen3.lora_settings(lora) if kind == QWEN3_YES_NO else dict(lora))
         self.val_metrics = RankingMetrics(ks, prefix="val/")
         self.test_metrics = RankingMetrics(ks, prefix="test/")
 
@@ -166,14 +175,21 @@ class RerankerModule(LightningModule):
         out = []
         try:
             for start in range(0, len(queries), batch_size):
-                encoded = encode_pairs(self.tokenizer, queries[start:start + batch_size], passages[start:start + batch_size],
-                                       self.hparams.query_max_len, self.hparams.passage_max_len)
+                encoded = self.encode(self.tokenizer, queries[start:start + batch_size], passages[start:start + batch_size],
+                                      self.hparams.query_max_len, self.hparams.passage_max_len)
                 out.append(self({k: v.to(self.device) for k, v in encoded.features.items()}).float().cpu())
         finally:
             self.train(was_training)
         return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
 
     # --- training ----------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        # Pairs tokenized for the other kind still run through the backbone and score as noise: refuse them.
+        encode = getattr(getattr(self.trainer, "datamodule", None), "encode", self.encode)
+        if encode is not self.encode:
+            raise ValueError(f"the datamodule tokenizes pairs for another model.kind than {self.hparams.kind!r}: "
+                             f"build PreferenceDataModule with kind=model.kind")
+
     def on_train_epoch_start(self) -> None:
         # Lightning tells samplers the epoch, not datasets: a fresh positive per epoch needs this call.
         dataset = getattr(self.trainer.train_dataloader, "dataset", None)
@@ -233,7 +249,8 @@ class RerankerModule(LightningModule):
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         model = self.plain_model()
-        model.config.sentence_transformers = {"activation_fn": IDENTITY_ACTIVATION}
+        if self.hparams.kind == CROSS_ENCODER:  # a causal LM export is no CrossEncoder
+            model.config.sentence_transformers = {"activation_fn": IDENTITY_ACTIVATION}
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{directory.name}-", dir=directory.parent))
         try:
             model.save_pretrained(str(tmp))

@@ -191,7 +191,7 @@ def ensure_reranker(cfg: DictConfig, train_rows: list[dict], name: str, loggers:
     model: RerankerModule = instantiate(cfg.model, _convert_="all")
     model.run_config = run_config
     datamodule = PreferenceDataModule(
-        train=train_rows, tokenizer=model.hparams.backbone, query_max_len=int(cfg.data.query_max_len),
+        train=train_rows, tokenizer=model.hparams.backbone, kind=model.hparams.kind, query_max_len=int(cfg.data.query_max_len),
         passage_max_len=int(cfg.data.passage_max_len), batch_size=int(cfg.data.batch_size),
         eval_batch_size=int(cfg.data.eval_batch_size), group_size=int(cfg.data.group_size),
         num_workers=int(cfg.data.num_workers), seed=cfg.seed)

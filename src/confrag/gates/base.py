@@ -1,0 +1,282 @@
+"""The gate interface: what every retrieval gate sees, decides and costs.
+
+A gate looks at per-question signals that were computed beforehand (the probe's confidence, a closed-
+book draft with its token entropies and attention, hidden states, embeddings, matching scores) and
+decides, per question, to answer from parametric knowledge, to retrieve, or (BRIDGE only) to refuse.
+`decide` is a pure function of those arrays, so each decision rule is testable on hand-made numbers;
+computing the signals is the job of `confrag.gates.signals`.
+
+Gates that learn (SKR-kNN, CCSK, BRIDGE's allocator, CtrlA's direction) learn in `fit` from a
+`GateTrainingData` of the *training split only*: the cached per-question outcomes of the RAG pipeline
+(closed-book right/wrong, RAG right/wrong) and the training questions' signals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
+
+import numpy as np
+
+from confrag.artifacts import fingerprint
+
+if TYPE_CHECKING:  # only for annotations; ctrla imports this module
+    from confrag.gates.ctrla import ConfidenceDirection
+
+
+class Decision(str, Enum):
+    PARAMETRIC = "parametric"  # answer closed-book with the QA prompt
+    RETRIEVE = "retrieve"  # retrieve (and rerank), answer with the RAG prompt
+    REFUSE = "refuse"  # answer "I don't know"
+
+
+class MissingSignalError(ValueError):
+    """A gate was asked to decide without a signal it reads."""
+
+
+class MissingTrainingDataError(ValueError):
+    """A gate that learns was asked to fit (or decide) without the training data it needs."""
+
+
+# Where each signal comes from: named in errors, so a missing one says which function produces it.
+SIGNAL_SOURCES = {
+    "confidence": "the confidence probe's Conf(H(Q)) on the QA prompt (confrag.cbdr.question_confidences)",
+    "draft": "confrag.gates.signals.draft_token_signals (one greedy closed-book generation)",
+    "hidden_states": "HiddenStateEngine.extract on the QA prompts at the gate's layers (with hidden_layers)",
+    "question_embedding": "confrag.gates.signals.embed_texts(encoder, questions) with the MiniLM DenseRetriever",
+    "responses": "the closed-book answers of the RAG pipeline's cached outcomes",
+    "response_embedding": "confrag.gates.signals.embed_texts(encoder, responses)",
+    "matching_scores": "confrag.gates.signals.bridge_matching_scores (internal vs retrieved knowledge)",
+}
+
+# Where each piece of training data comes from.
+TRAINING_SOURCES = {
+    "outcomes": ("closed_book_correct and rag_correct of the training split: the RAG pipeline's cached "
+                 "per-question outcomes (closed-book and RAG answers scored with has_answer)"),
+    "answers": "the gold answers of the training questions (their NQ rows)",
+    "answer_embedding": "confrag.gates.signals.embed_texts(encoder, first gold answer of each training question)",
+    "confidence_direction": ("confrag.gates.signals.contrastive_direction on contrastive prompts built from the "
+                             "training questions (confrag.gates.signals.contrastive_prompts)"),
+}
+
+
+@dataclass(frozen=True)
+class DraftSignals:
+    """A closed-book draft per question and, per generated token, what DRAGIN's RIND reads."""
+
+    texts: list[str]
+    tokens: list[list[str]]  # each generated token decoded on its own
+    entropy: list[np.ndarray]  # nats, entropy of the next-token distribution that produced each token
+    attention: list[np.ndarray]  # per token: max attention it receives from later draft tokens
+
+    def __post_init__(self) -> None:
+        n = len(self.texts)
+        for name in ("tokens", "entropy", "attention"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"draft.{name} has {len(getattr(self, name))} rows, draft.texts has {n}")
+        for i, (tokens, entropy, attention) in enumerate(zip(self.tokens, self.entropy, self.attention)):
+            if not len(tokens) == len(entropy) == len(attention):
+                raise ValueError(f"draft row {i}: {len(tokens)} tokens, {len(entropy)} entropies and "
+                                 f"{len(attention)} attention values; they must be aligned")
+
+
+@dataclass
+class GateSignals:
+    """Per-question signals, aligned with `qids`. Only the ones a gate `needs` must be present."""
+
+    qids: list[str]
+    questions: list[str]
+    confidence: np.ndarray | None = None  # (n,) in [0, 1]
+    draft: DraftSignals | None = None
+    hidden_states: np.ndarray | None = None  # (len(hidden_layers), n, d), HF hidden_states indexing
+    hidden_layers: tuple[int, ...] | None = None
+    question_embedding: np.ndarray | None = None  # (n, d)
+    responses: list[str] | None = None  # closed-book answers
+    response_embedding: np.ndarray | None = None  # (n, d)
+    matching_scores: np.ndarray | None = None  # (n, 4, 2): S1..S4 x (dense, sparse)
+
+    def __post_init__(self) -> None:
+        n = len(self.qids)
+        if len(self.questions) != n:
+            raise ValueError(f"signals: {len(self.questions)} questions for {n} qids")
+        for name in ("confidence", "responses", "question_embedding", "response_embedding", "matching_scores"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"signals.{name} has {len(value)} rows for {n} questions")
+        if self.draft is not None and len(self.draft.texts) != n:
+            raise ValueError(f"signals.draft has {len(self.draft.texts)} rows for {n} questions")
+        if self.confidence is not None:
+            self.confidence = np.asarray(self.confidence, dtype=np.float64)
+            if not np.all((self.confidence >= 0) & (self.confidence <= 1)):
+                raise ValueError("signals.confidence must hold probabilities in [0, 1]")
+        if self.hidden_states is not None:
+            self._check_hidden_states(n)
+        if self.matching_scores is not None and np.asarray(self.matching_scores).shape[1:] != (4, 2):
+            raise ValueError(f"signals.matching_scores must have shape (n, 4, 2) (S1..S4 x dense, sparse); "
+                             f"got {np.asarray(self.matching_scores).shape}")
+
+    def _check_hidden_states(self, n: int) -> None:
+        states = np.asarray(self.hidden_states)
+        if states.ndim != 3 or states.shape[1] != n:
+            raise ValueError(f"signals.hidden_states must have shape (layers, {n}, hidden); got {states.shape}")
+        if self.hidden_layers is None or len(self.hidden_layers) != states.shape[0]:
+            raise ValueError("signals.hidden_layers must name the layer of each slice of signals.hidden_states")
+
+    def __len__(self) -> int:
+        return len(self.qids)
+
+    def require(self, names: Iterable[str], gate: str) -> None:
+        missing = sorted(name for name in names if getattr(self, name) is None)
+        if missing:
+            raise MissingSignalError(
+                f"gate '{gate}' needs the signal(s) {', '.join(missing)}; compute them with: "
+                + "; ".join(f"{name}: {SIGNAL_SOURCES[name]}" for name in missing)
+            )
+
+
+@dataclass
+class GateTrainingData:
+    """What gates learn from: the training split's signals and cached outcomes."""
+
+    signals: GateSignals
+    closed_book_correct: np.ndarray | None = None  # (n,) bool
+    rag_correct: np.ndarray | None = None  # (n,) bool
+    answers: list[tuple[str, ...]] | None = None  # gold answers, first = the "best answer"
+    answer_embedding: np.ndarray | None = None  # (n, d): embedding of each first gold answer
+    confidence_direction: "ConfidenceDirection | None" = None
+    split: str = "train"
+
+    def __post_init__(self) -> None:
+        n = len(self.signals)
+        for name in ("closed_book_correct", "rag_correct"):
+            value = getattr(self, name)
+            if value is not None:
+                value = np.asarray(value)
+                if value.shape != (n,) or value.dtype != bool:
+                    raise ValueError(f"training data {name} must be a bool array of shape ({n},); got "
+                                     f"{value.dtype} {value.shape}")
+                setattr(self, name, value)
+        for name in ("answers", "answer_embedding"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"training data {name} has {len(value)} rows for {n} questions")
+
+    @property
+    def retrieval_helped(self) -> np.ndarray:
+        """SKR's and CCSK's label: retrieval turns a wrong closed-book answer into a right one. Both
+        right (no need), both wrong (no help) and right-then-wrong (harm) are all 'no'."""
+        return retrieval_helped(self.closed_book_correct, self.rag_correct)
+
+    def require(self, names: Iterable[str], gate: str) -> None:
+        missing = []
+        for name in names:
+            if name == "outcomes":
+                absent = self.closed_book_correct is None or self.rag_correct is None
+            elif name in SIGNAL_SOURCES:
+                absent = getattr(self.signals, name) is None
+            else:
+                absent = getattr(self, name) is None
+            if absent:
+                missing.append(name)
+        if missing:
+            sources = {**SIGNAL_SOURCES, **TRAINING_SOURCES}
+            raise MissingTrainingDataError(
+                f"gate '{gate}' cannot be trained without " + "; ".join(f"{m} ({sources[m]})" for m in missing)
+            )
+
+
+def retrieval_helped(closed_book_correct: np.ndarray, rag_correct: np.ndarray) -> np.ndarray:
+    return np.asarray(rag_correct, dtype=bool) & ~np.asarray(closed_book_correct, dtype=bool)
+
+
+def check_number(key: str, value: Any, low: float | None = None, high: float | None = None,
+                 integer: bool = False) -> float:
+    """A config value in [low, high] (either bound optional); the error names the config key."""
+    kind = "an integer" if integer else "a number"
+    valid_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not valid_type or not math.isfinite(value):
+        raise ValueError(f"{key} must be {kind}; got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        interval = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise ValueError(f"{key}={value!r} is out of range; allowed: {interval}")
+    return value
+
+
+def check_choice(key: str, value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+class Gate:
+    """Decides per question: parametric answer, retrieval, or refusal.
+
+    Subclasses set `name`, `needs` (the signals `decide` reads), `training_needs` (what `fit` reads;
+    empty for gates that do not learn), their LLM cost, and implement `_decide` (and `_fit`)."""
+
+    name: ClassVar[str] = "gate"
+    needs: ClassVar[frozenset[str]] = frozenset()
+    training_needs: ClassVar[frozenset[str]] = frozenset()
+    # LLM calls (one prompt prefill and its greedy decode) spent to reach the decision ...
+    decision_passes: ClassVar[int] = 0
+    # ... and whether that call already is the closed-book answer (a parametric decision costs nothing more).
+    decision_is_closed_book: ClassVar[bool] = False
+
+    def __init__(self, **config: Any) -> None:
+        self.config = config  # the constructor's values: the gate's identity
+        self._fitted = not self.training_needs
+
+    def identity(self) -> str:
+        return fingerprint({"gate": self.name, **self.config})
+
+    @property
+    def fitted(self) -> bool:
+        return self._fitted
+
+    def fit(self, train: GateTrainingData | None = None) -> "Gate":
+        if not self.training_needs:
+            return self
+        if train is None:
+            sources = {**SIGNAL_SOURCES, **TRAINING_SOURCES}
+            raise MissingTrainingDataError(
+                f"gate '{self.name}' needs training data and got none: "
+                + "; ".join(f"{m} ({sources[m]})" for m in sorted(self.training_needs))
+            )
+        if train.split != "train":
+            raise ValueError(f"gate '{self.name}' must be trained on the training split only; got split={train.split!r}")
+        if len(train.signals) == 0:
+            raise ValueError(f"gate '{self.name}': the training split holds no questions")
+        train.require(sorted(self.training_needs), self.name)
+        self._fit(train)
+        self._fitted = True
+        return self
+
+    def _fit(self, train: GateTrainingData) -> None:
+        raise NotImplementedError
+
+    def _ready(self, signals: GateSignals) -> None:
+        if not self._fitted:
+            raise MissingTrainingDataError(
+                f"gate '{self.name}' is not trained: call fit(train) with the training split's data first"
+            )
+        signals.require(self.needs, self.name)
+
+    def decide(self, signals: GateSignals) -> list[Decision]:
+        self._ready(signals)
+        decisions = self._decide(signals)
+        assert len(decisions) == len(signals)
+        return decisions
+
+    def _decide(self, signals: GateSignals) -> list[Decision]:
+        raise NotImplementedError
+
+    def llm_forward_passes(self, decisions: Sequence[Decision]) -> np.ndarray:
+        """LLM calls per question for deciding and answering (a refusal answers without the LLM)."""
+        answer = {
+            Decision.PARAMETRIC: 0 if self.decision_is_closed_book else 1,
+            Decision.RETRIEVE: 1,
+            Decision.REFUSE: 0,
+        }
+        return np.array([self.decision_passes + answer[Decision(d)] for d in decisions], dtype=np.int64)

@@ -1,0 +1,110 @@
+"""CtrlA's confidence direction (Liu et al., 2024), read once per question.
+
+The direction at each chosen layer is the first principal direction of the hidden-state differences
+between paired "confident" and "unconfident" prompts (representation engineering). The SVD is taken
+without centering: the pairs' differences share a sign, and centering would remove exactly the common
+direction (RepE reaches the same axis by flipping pair order at random before a centred PCA). Its sign
+is fixed so that confident prompts project higher.
+
+A question's score is the mean over layers of (H_l(Q) - c_l) . d_l, with c_l the mean of all contrastive
+states at layer l, so 0 sits between the two prompt groups. Retrieve when the score < threshold.
+CtrlA monitors the direction while generating and also uses an honesty direction; here it gates once,
+before answering, on the QA prompt's last token (the state the CBDR probe reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
+
+
+# CtrlA follows representation engineering: the same content under opposite personas.
+CONFIDENT_TEMPLATE = "Pretend you are a very confident person who knows the answer for sure. Answer the question: {question}"
+UNCONFIDENT_TEMPLATE = "Pretend you are a very unconfident person who is unsure of the answer. Answer the question: {question}"
+
+
+def check_template(key: str, template: str) -> str:
+    if not isinstance(template, str) or "{question}" not in template:
+        raise ValueError(f"{key} must be a string containing {{question}}; got {template!r}")
+    return template
+
+
+@dataclass(frozen=True)
+class ConfidenceDirection:
+    layers: tuple[int, ...]
+    directions: np.ndarray  # (len(layers), d), unit rows
+    centers: np.ndarray  # (len(layers), d)
+
+    def project(self, hidden_states: np.ndarray, hidden_layers: Sequence[int]) -> np.ndarray:
+        """(n,) scores of states (len(hidden_layers), n, d); every direction layer must be present."""
+        hidden_layers = [int(layer) for layer in hidden_layers]
+        missing = [layer for layer in self.layers if layer not in hidden_layers]
+        if missing:
+            raise ValueError(f"the confidence direction is at layers {list(self.layers)}; signals.hidden_states "
+                             f"lack layer(s) {missing} (they hold {hidden_layers})")
+        states = np.stack([np.asarray(hidden_states[hidden_layers.index(layer)], dtype=np.float64)
+                           for layer in self.layers])
+        return np.einsum("lnd,ld->n", states - self.centers[:, None, :], self.directions) / len(self.layers)
+
+
+def direction_from_states(confident: np.ndarray, unconfident: np.ndarray, layers: Sequence[int]) -> ConfidenceDirection:
+    """Direction from paired states of shape (len(layers), n_pairs, d)."""
+    confident = np.asarray(confident, dtype=np.float64)
+    unconfident = np.asarray(unconfident, dtype=np.float64)
+    if confident.shape != unconfident.shape or confident.ndim != 3 or confident.shape[0] != len(layers):
+        raise ValueError(f"confident and unconfident states must both have shape (len(layers)={len(layers)}, "
+                         f"pairs, d); got {confident.shape} and {unconfident.shape}")
+    if confident.shape[1] < 1:
+        raise ValueError("at least one contrastive prompt pair is needed")
+    directions = []
+    for diff in confident - unconfident:
+        _, _, vt = np.linalg.svd(diff, full_matrices=False)
+        direction = vt[0]
+        if diff.mean(axis=0) @ direction < 0:
+            direction = -direction
+        directions.append(direction)
+    centers = (confident + unconfident).mean(axis=1) / 2
+    return ConfidenceDirection(layers=tuple(int(x) for x in layers), directions=np.stack(directions), centers=centers)
+
+
+class CtrlAGate(Gate):
+    name = "ctrla"
+    needs = frozenset({"hidden_states"})
+    training_needs = frozenset({"confidence_direction"})
+    decision_passes = 1  # the QA-prompt prefill, continued as the closed-book answer
+    decision_is_closed_book = True
+
+    def __init__(self, threshold: float = 0.0, layers: Sequence[int] | None = None,
+                 confident_template: str = CONFIDENT_TEMPLATE, unconfident_template: str = UNCONFIDENT_TEMPLATE) -> None:
+        # The templates are what the direction is computed from (signals.contrastive_prompts): part of
+        # the gate's identity even though decide() only reads the finished direction.
+        check_number("gate.threshold", threshold)
+        check_template("gate.confident_template", confident_template)
+        check_template("gate.unconfident_template", unconfident_template)
+        if layers is not None:
+            layers = [int(check_number("gate.layers[]", layer, 0, integer=True)) for layer in layers]
+            if not layers:
+                raise ValueError("gate.layers must be null (the direction's layers) or a non-empty list of layers")
+        super().__init__(threshold=threshold, layers=layers, confident_template=confident_template,
+                         unconfident_template=unconfident_template)
+        self.confident_template, self.unconfident_template = confident_template, unconfident_template
+        self.threshold = float(threshold)
+        self.layers = layers
+        self.direction: ConfidenceDirection | None = None
+
+    def _fit(self, train: GateTrainingData) -> None:
+        direction = train.confidence_direction
+        if self.layers is not None and sorted(direction.layers) != sorted(self.layers):
+            raise ValueError(f"gate.layers={self.layers} but the confidence direction was computed at layers "
+                             f"{list(direction.layers)}; recompute it at gate.layers")
+        self.direction = direction
+
+    def scores(self, signals: GateSignals) -> np.ndarray:
+        return self.direction.project(signals.hidden_states, signals.hidden_layers)
+
+    def _decide(self, signals: GateSignals) -> list[Decision]:
+        return [Decision.RETRIEVE if s < self.threshold else Decision.PARAMETRIC for s in self.scores(signals)]

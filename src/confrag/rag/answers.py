@@ -1,0 +1,157 @@
+"""Greedy answers cached per rendered prompt, and their correctness.
+
+`AnswerStore` answers (question, contexts) items: no contexts is the closed-book QA prompt, otherwise
+the RAG prompt over the contexts in the given order. Every answer is stored under the hash of its
+rendered prompt, so whatever asks for it (K = 1 and K = 3 runs, two rerankers that pick the same
+top-1, a β sweep, a rerun) generates it once.
+
+Layout: `<cache>/answers/<store key>/<chunk key>/`, the store key hashing the LLM identity, the
+prompt templates' identity (with the chat template), `max_new_tokens` and the generator version.
+Missing prompts are generated in chunks; each chunk is a one-shard `ShardedArtifact` whose spec lists
+its prompt hashes, written atomically. A killed run leaves only whole chunks; the rerun finds them,
+and cuts the still missing prompts into the same chunks as the uninterrupted run would have (sorted
+by length, then hash), so it ends with the same answers.
+
+Answers are batched, left-padded greedy generations (`generate_greedy`). Padding and batch
+composition can move float rounding, so a prompt generated alone might in rare near-ties decode
+differently; the store keeps the first answer computed for a prompt and every reader uses that one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from confrag.artifacts import CacheMismatchError, ShardedArtifact, fingerprint
+from confrag.llm.generation import generate_greedy
+from confrag.llm.loading import LoadedLLM
+from confrag.llm.prompts import PromptTemplates
+from confrag.qa_metrics import exact_match, has_answer, token_f1
+
+log = logging.getLogger(__name__)
+
+# Bump when how answers are produced changes (decoding, post-processing), so old answers are not reused.
+GENERATOR = "generate_greedy.v1"
+KIND = "answers"
+
+
+@dataclass(frozen=True)
+class ScoredAnswer:
+    """An answer and its correctness: has_answer (the main metric), exact match and token F1."""
+
+    answer: str
+    has_answer: bool
+    em: bool
+    f1: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def score_answer(answer: str, gold: Sequence[str]) -> ScoredAnswer:
+    return ScoredAnswer(answer=answer, has_answer=has_answer(answer, gold), em=exact_match(answer, gold),
+                        f1=round(token_f1(answer, gold), 6))
+
+
+def prompt_hash(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:32]
+
+
+class AnswerStore:
+    """Greedy answers of one LLM with one set of prompt templates, cached by rendered prompt.
+
+    `generated` counts the prompts this object sent to the LLM and `reused` those found in the cache."""
+
+    def __init__(self, llm: LoadedLLM, templates: PromptTemplates, cache_dir: str | Path, max_new_tokens: int = 32,
+                 batch_size: int = 16, chunk_size: int = 64, progress: bool = True) -> None:
+        for key, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("chunk_size", chunk_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rag.{key} must be an integer >= 1; got {value!r}")
+        self.llm, self.templates = llm, templates
+        self.root = Path(cache_dir)
+        self.max_new_tokens, self.batch_size, self.chunk_size, self.progress = max_new_tokens, batch_size, chunk_size, progress
+        self.spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer),
+                     "max_new_tokens": max_new_tokens, "generator": GENERATOR}
+        self.key = fingerprint(self.spec)
+        self.kind = f"{KIND}/{self.key}"
+        self.dir = self.root / self.kind
+        self._known: dict[str, str] = {}
+        self._seen_chunks: set[str] = set()
+        self.generated = 0
+        self.reused = 0
+
+    # --- prompts ----------------------------------------------------------------------------------
+    def prompt(self, question: str, contexts: Sequence[Any] = ()) -> str:
+        """The QA prompt without contexts, else the RAG prompt over `contexts` (objects with .title/.text)."""
+        if not contexts:
+            return self.templates.qa_prompt(self.llm.tokenizer, question)
+        return self.templates.rag_prompt(self.llm.tokenizer, question, contexts)
+
+    def answer(self, items: Sequence[tuple[str, Sequence[Any]]]) -> list[str]:
+        """Answers to (question, contexts) items, in order."""
+        return self.answer_prompts([self.prompt(question, contexts) for question, contexts in items])
+
+    # --- cache ------------------------------------------------------------------------------------
+    def _chunk(self, spec: dict[str, Any], size: int) -> ShardedArtifact:
+        return ShardedArtifact(self.root, self.kind, spec, size, shard_size=size, fmt="json")
+
+    def _refresh(self) -> None:
+        """Read the chunks written since the last look (by this process or another one)."""
+        if not self.dir.is_dir():
+            return
+        for manifest_path in sorted(self.dir.glob("*/manifest.json")):
+            name = manifest_path.parent.name
+            if name in self._seen_chunks:
+                continue
+            chunk = self._open_chunk(manifest_path)
+            if chunk is None or not chunk.complete:  # incomplete: a run killed while generating it
+                continue
+            self._known.update(zip(chunk.spec["prompt_hashes"], chunk.records()))
+            self._seen_chunks.add(name)
+
+    def _open_chunk(self, manifest_path: Path) -> ShardedArtifact | None:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            spec = manifest["spec"]
+            hashes = spec["prompt_hashes"]
+            base = json.loads(json.dumps({k: v for k, v in spec.items() if k != "prompt_hashes"}))
+            if (manifest["key"] != manifest_path.parent.name or base != json.loads(json.dumps(self.spec))
+                    or manifest["num_items"] != len(hashes)):
+                raise ValueError("manifest does not match its directory or this store")
+            chunk = self._chunk({**self.spec, "prompt_hashes": list(hashes)}, len(hashes))
+            if chunk.dir != manifest_path.parent:
+                raise ValueError("manifest key does not match its content")
+            return chunk
+        except (OSError, ValueError, KeyError, TypeError, CacheMismatchError) as err:
+            log.warning("Ignoring answer chunk %s (%s); its prompts are regenerated when asked for.",
+                        manifest_path.parent, err)
+            return None
+
+    def answer_prompts(self, prompts: Sequence[str]) -> list[str]:
+        """Answers to rendered prompts, in order; only prompts never answered before are generated."""
+        hashes = [prompt_hash(p) for p in prompts]
+        self._refresh()
+        missing = {h: p for h, p in zip(hashes, prompts) if h not in self._known}
+        self.reused += sum(h in self._known for h in hashes)
+        if missing:
+            self._generate(missing)
+        return [self._known[h] for h in hashes]
+
+    def _generate(self, missing: dict[str, str]) -> None:
+        # A canonical order makes the chunks of a resumed run the chunks of an uninterrupted one.
+        order = sorted(missing, key=lambda h: (len(missing[h]), h))
+        chunks = [order[i:i + self.chunk_size] for i in range(0, len(order), self.chunk_size)]
+        log.info("answers %s: %d prompts to generate in %d chunk(s)", self.key, len(order), len(chunks))
+        for number, chunk_hashes in enumerate(chunks, start=1):
+            chunk_prompts = [missing[h] for h in chunk_hashes]
+            chunk = self._chunk({**self.spec, "prompt_hashes": chunk_hashes}, len(chunk_hashes))
+            chunk.compute(lambda start, stop: generate_greedy(
+                self.llm.model, self.llm.tokenizer, chunk_prompts[start:stop], self.max_new_tokens, self.batch_size,
+                desc=f"answers {number}/{len(chunks)}", progress=self.progress), progress=False)
+            self._known.update(zip(chunk_hashes, chunk.records()))
+            self._seen_chunks.add(chunk.dir.name)
+            self.generated += len(chunk_hashes)

@@ -1,0 +1,145 @@
+"""Uncertainty for small-sample accuracies, and the papers' Table 2.
+
+Samples here are small, so every accuracy carries a 95 % percentile-bootstrap confidence interval
+(`scipy.stats.bootstrap`, seeded) and each reranker is compared with a base reranker on the same
+questions by the exact McNemar test (a two-sided binomial test on the discordant pairs). The papers
+report neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from scipy.stats import binomtest, bootstrap
+
+from confrag.rag.pipeline import DEFAULT_KS, QuestionOutcome
+
+BINARY_METRICS = ("has_answer", "em")
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    value: float
+    low: float
+    high: float
+    n: int
+
+    def format(self, scale: float = 100.0, digits: int = 2) -> str:
+        return f"{self.value * scale:.{digits}f} [{self.low * scale:.{digits}f}, {self.high * scale:.{digits}f}]"
+
+
+@dataclass(frozen=True)
+class McNemar:
+    only_a: int  # questions a gets right and b wrong
+    only_b: int  # questions b gets right and a wrong
+    pvalue: float
+
+
+def _binary(values: Sequence[Any], name: str) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64).reshape(-1)
+    if not np.isin(array, (0.0, 1.0)).all():
+        raise ValueError(f"{name} must hold 0/1 (or bool) outcomes")
+    return array
+
+
+def accuracy_ci(correct: Sequence[Any], confidence_level: float = 0.95, n_resamples: int = 10_000,
+                seed: int = 0) -> Accuracy:
+    """Mean of 0/1 outcomes with a percentile-bootstrap interval (deterministic for a given seed)."""
+    values = _binary(correct, "correct")
+    if values.size == 0:
+        raise ValueError("accuracy of an empty set of questions is undefined")
+    if not 0 < confidence_level < 1:
+        raise ValueError(f"confidence_level must be in (0, 1); got {confidence_level}")
+    mean = float(values.mean())
+    if values.size == 1:  # nothing to resample
+        return Accuracy(mean, mean, mean, 1)
+    result = bootstrap((values,), np.mean, confidence_level=confidence_level, n_resamples=n_resamples,
+                       method="percentile", rng=np.random.default_rng(seed), vectorized=True)
+    interval = result.confidence_interval
+    return Accuracy(mean, float(interval.low), float(interval.high), int(values.size))
+
+
+def mcnemar_exact(a: Sequence[Any], b: Sequence[Any]) -> McNemar:
+    """Exact McNemar test of paired 0/1 outcomes of two systems on the same questions (two-sided)."""
+    a, b = _binary(a, "a"), _binary(b, "b")
+    if a.shape != b.shape:
+        raise ValueError(f"paired outcomes must have equal length; got {a.size} and {b.size}")
+    only_a, only_b = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
+    discordant = only_a + only_b
+    pvalue = 1.0 if discordant == 0 else float(binomtest(only_a, discordant, 0.5).pvalue)
+    return McNemar(only_a, only_b, pvalue)
+
+
+# ---------------------------------------------------------------- Table 2
+
+RunKey = tuple[str, str, str]  # (LLM, reranker, dataset)
+
+
+def _correct_by_qid(outcomes: Sequence[QuestionOutcome], k: int, metric: str, where: str) -> dict[str, float]:
+    missing = [o.qid for o in outcomes if k not in o.rag]
+    if missing:
+        raise ValueError(f"{where}: no top-{k} answers for questions {missing[:5]}; run the pipeline with K={k}")
+    return {o.qid: float(getattr(o.rag[k], metric)) for o in outcomes}
+
+
+def table2_rows(runs: Mapping[RunKey, Sequence[QuestionOutcome]], base_reranker: str, ks: Sequence[int] = DEFAULT_KS,
+                metric: str = "has_answer", n_resamples: int = 10_000, seed: int = 0) -> list[dict[str, Any]]:
+    """One dict per (LLM, reranker, dataset): accuracy with CI and McNemar vs `base_reranker` (same LLM and
+    dataset, paired by qid) for every K."""
+    if metric not in BINARY_METRICS:
+        raise ValueError(f"eval.metric={metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)")
+    if not any(reranker == base_reranker for _, reranker, _ in runs):
+        raise ValueError(f"eval.base_reranker={base_reranker!r} names no run; rerankers: "
+                         f"{sorted({r for _, r, _ in runs})}")
+    rows = []
+    for (llm, reranker, dataset), outcomes in runs.items():
+        where = f"run ({llm}, {reranker}, {dataset})"
+        base = runs.get((llm, base_reranker, dataset))
+        row: dict[str, Any] = {"llm": llm, "reranker": reranker, "dataset": dataset, "n": len(outcomes)}
+        for k in ks:
+            mine = _correct_by_qid(outcomes, k, metric, where)
+            row[f"top{k}"] = accuracy_ci(list(mine.values()), n_resamples=n_resamples, seed=seed)
+            if base is None or reranker == base_reranker:
+                row[f"top{k}_vs_base"] = None
+                continue
+            theirs = _correct_by_qid(base, k, metric, f"run ({llm}, {base_reranker}, {dataset})")
+            if set(mine) != set(theirs):
+                raise ValueError(f"{where} and its base run answer different questions "
+                                 f"({len(set(mine) ^ set(theirs))} differ); a paired test needs the same ones")
+            qids = sorted(mine)
+            row[f"top{k}_vs_base"] = mcnemar_exact([mine[q] for q in qids], [theirs[q] for q in qids])
+        rows.append(row)
+    return rows
+
+
+def table2_markdown(rows: Sequence[Mapping[str, Any]], base_reranker: str, ks: Sequence[int] = DEFAULT_KS,
+                    reranker_params: Mapping[str, str] | None = None) -> str:
+    """The papers' Table 2 (rows: LLM, reranker; columns: Top-K accuracy per dataset), in percent with CIs,
+    plus one column per dataset of McNemar p-values vs the base reranker."""
+    datasets = list(dict.fromkeys(row["dataset"] for row in rows))
+    systems = list(dict.fromkeys((row["llm"], row["reranker"]) for row in rows))
+    cells = {(row["llm"], row["reranker"], row["dataset"]): row for row in rows}
+    sizes = {d: sorted({row["n"] for row in rows if row["dataset"] == d}) for d in datasets}
+    header = ["LLM", "Reranker"] + (["Params"] if reranker_params else [])
+    for d in datasets:
+        header += [f"{d} Top-{k}" for k in ks] + [f"{d} p vs base ({' / '.join(f'Top-{k}' for k in ks)})"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for llm, reranker in systems:
+        line = [llm, reranker] + ([reranker_params.get(reranker, "")] if reranker_params else [])
+        for d in datasets:
+            row = cells.get((llm, reranker, d))
+            if row is None:
+                line += ["—"] * (len(ks) + 1)
+                continue
+            line += [row[f"top{k}"].format() for k in ks]
+            tests = [row[f"top{k}_vs_base"] for k in ks]
+            line.append("base" if reranker == base_reranker else
+                        " / ".join("—" if t is None else f"{t.pvalue:.3f}" for t in tests))
+        lines.append("| " + " | ".join(line) + " |")
+    notes = ", ".join(f"{d}: n = {'/'.join(map(str, sizes[d]))}" for d in datasets)
+    lines.append("")
+    lines.append(f"Accuracy in % with 95 % percentile-bootstrap CI; p: exact McNemar test against "
+                 f"{base_reranker} on the same questions (same LLM). {notes}.")
+    return "\n".join(lines)
