@@ -152,3 +152,26 @@ def test_missing_nq_file_names_the_path_and_the_setting(tmp_path):
     cfg = compose_cfg(["+experiment=probe_tiny_llama", f"paths.nq_path={tmp_path}/missing.jsonl"], tmp_path)
     with pytest.raises(Exception, match=r"missing\.jsonl[\s\S]*data\.nq_path"):
         run_task(cfg)
+
+
+def test_tau_and_k_sweep_reuses_probe_and_candidate_states(tmp_path):
+    """`-m model.tau=… data.pref_top_k=…` computes the probe data and the candidate states once; the
+    jobs after the first only rebuild rows (from cached confidences) and retrain the reranker."""
+    cache, logs = tmp_path / "cache", tmp_path / "logs"
+    command = [sys.executable, "train.py", "-m", "+experiment=reranker_tiny_llama", "model.tau=0.1,1.0",
+               "data.pref_top_k=1,2", "data.relevance_baseline=false", "trainer.fast_dev_run=true", "logger=csv",
+               f"paths.cache_dir={cache}", f"paths.model_dir={MODEL_DIR}", f"paths.log_dir={logs}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    # once: answers and states of the three probe prompt kinds, the empty-context reference, the candidates
+    assert output.count("shards to compute") == 8, output[-3000:]
+    jobs = sorted((logs / "rerank" / "multiruns").glob("*/[0-9]*"))
+    assert len(jobs) == 4
+    settings = {(OmegaConf.load(j / "config_resolved.yaml").model.tau,
+                 OmegaConf.load(j / "config_resolved.yaml").data.pref_top_k) for j in jobs}
+    assert settings == {(0.1, 1), (0.1, 2), (1.0, 1), (1.0, 2)}
+    for job in jobs:
+        k = OmegaConf.load(job / "config_resolved.yaml").data.pref_top_k
+        rows = [json.loads(line) for line in (job / "nq_rerank" / "train.jsonl").read_text().splitlines()]
+        assert rows and max(len(r["pos"]) for r in rows) <= k and max(len(r["neg"]) for r in rows) <= k

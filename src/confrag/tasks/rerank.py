@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 RETRIEVERS = ("bm25", "dense")
 KS = (1, 3, 5)
+UNTUNED = "cross-encoder (untuned)"
+RELEVANCE_FT = "cross-encoder + relevance FT"
+CONFIDENCE_FT = "cross-encoder + confidence-shift FT (ours)"
 
 
 @dataclass
@@ -235,7 +238,7 @@ def table1_systems(cfg: DictConfig, candidates: list[Candidates], corpus: Corpus
     if dense is not None:
         systems["bi-encoder (MiniLM cosine)"] = (
             lambda q, ps: dense.passage_embeddings[corpus_indices(ps)] @ dense.encode([q])[0])
-    for name, module in rerankers.items():
+    for name, module in rerankers.items():  # insertion order: the tuned rows last
         systems[name] = lambda q, ps, m=module: m.score([q] * len(ps), ps, batch_size=int(cfg.data.eval_batch_size))
     return systems
 
@@ -258,15 +261,23 @@ def markdown_table(rows: list[dict], title: str) -> str:
 
 # --- the task --------------------------------------------------------------------------------------
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    from confrag.train import output_dir
+@dataclass
+class RerankStage:
+    """Everything the later stages (RAG evaluation, CBDR) take from this one."""
 
-    out = output_dir(cfg)
-    run_config = OmegaConf.to_container(cfg, resolve=True)
-    loggers: list[Logger] = instantiate_list(cfg.get("logger"))
-    for logger in loggers:
-        logger.log_hyperparams(run_config)
+    probe: Any  # SavedProbe
+    probe_data: Any  # the probe's NQConfidenceDataModule (its questions are not evaluation questions)
+    corpus: Corpus
+    retriever: Any  # the retriever the candidates came from (BM25Retriever or DenseRetriever)
+    preferences: PreferenceStage
+    rerankers: dict[str, RerankerModule]  # Table 1's cross-encoder rows, the fine-tuned ones last
+    scorers: dict[str, Scorer]  # every Table 1 row as (query, passages) -> scores
+    training: dict[str, Any]
 
+
+def rerank_stage(cfg: DictConfig, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
+    """Probe (cached) → candidates → NQ_Rerank → the untuned, relevance-tuned and confidence-shift-tuned
+    cross-encoders (cached), with the BM25 and bi-encoder scorers beside them."""
     probe, probe_dm = ensure_probe(cfg.probe, cfg.paths.cache_dir, cfg.seed, workdir=out / "probe_stage")
     corpus, bm25, dense = build_retrieval(cfg.data, cfg.paths.cache_dir)
     retriever = dense if cfg.data.retriever == "dense" else bm25
@@ -280,20 +291,29 @@ def run(cfg: DictConfig) -> dict[str, float]:
     rerankers: dict[str, RerankerModule] = {}
     training: dict[str, Any] = {}
     base_settings = {**OmegaConf.to_container(cfg.model, resolve=True), "lora": None}
-    rerankers["cross-encoder (untuned)"] = instantiate(base_settings, _convert_="all")
+    rerankers[UNTUNED] = instantiate(base_settings, _convert_="all")
     if cfg.data.relevance_baseline:
-        train_qids = {r["qid"] for r in train_rows}
-        relevance = relevance_rows(stage.candidates, train_qids, int(cfg.data.pref_top_k))
-        rerankers["cross-encoder + relevance FT"], training["relevance"] = ensure_reranker(
-            cfg, relevance, "relevance", [], run_config)
-    model, training["confidence_shift"] = ensure_reranker(cfg, train_rows, "confidence_shift", loggers, run_config)
-    rerankers["cross-encoder + confidence-shift FT (ours)"] = model
-    model.export(out / "reranker")
+        relevance = relevance_rows(stage.candidates, {r["qid"] for r in train_rows}, int(cfg.data.pref_top_k))
+        rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(cfg, relevance, "relevance", [], run_config)
+    rerankers[CONFIDENCE_FT], training["confidence_shift"] = ensure_reranker(cfg, train_rows, "confidence_shift",
+                                                                             loggers, run_config)
+    scorers = table1_systems(cfg, stage.candidates, corpus, bm25, dense, rerankers)
+    return RerankStage(probe, probe_dm, corpus, retriever, stage, rerankers, scorers, training)
 
-    rows = table1(table1_systems(cfg, stage.candidates, corpus, bm25, dense, rerankers), test_rows, cfg.seed)
-    metrics = {f"test/{k}": v / 100 for k, v in rows[-1].items() if k != "system"}
-    _report(cfg, out, stage, rows, training, loggers)
-    return metrics
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    from confrag.train import output_dir
+
+    out = output_dir(cfg)
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    loggers: list[Logger] = instantiate_list(cfg.get("logger"))
+    for logger in loggers:
+        logger.log_hyperparams(run_config)
+    result = rerank_stage(cfg, out, loggers, run_config)
+    result.rerankers[CONFIDENCE_FT].export(out / "reranker")
+    rows = table1(result.scorers, result.preferences.splits["test"], cfg.seed)
+    _report(cfg, out, result.preferences, rows, result.training, loggers)
+    return {f"test/{k}": v / 100 for k, v in rows[-1].items() if k != "system"}
 
 
 def _report(cfg, out: Path, stage: PreferenceStage, rows: list[dict], training: dict, loggers: list[Logger]) -> None:
