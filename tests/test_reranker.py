@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from lightning import Trainer
+from lightning import Callback, Trainer
 
 from confrag.reranker.data import (
     GroupDataset,
@@ -51,9 +51,20 @@ def toy_rows() -> list[dict]:
     return rows
 
 
-def fast_trainer(max_steps: int) -> Trainer:
+def fast_trainer(max_steps: int, callbacks=None) -> Trainer:
     return Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   callbacks=callbacks)
+
+
+class BackboneModeSpy(Callback):
+    """Records whether the backbone is in training mode (dropout on) at every training step."""
+
+    def __init__(self) -> None:
+        self.modes: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.modes.append(all(m.training for m in pl_module.model.modules()))
 
 
 def mean_group_loss(module: RerankerModule, rows: list[dict], group_size: int = 4) -> float:
@@ -210,14 +221,15 @@ def trained(tmp_path_factory):
     module = RerankerModule(lr=2e-4, seed=0)
     before = mean_group_loss(module, rows)
     dm = PreferenceDataModule(train=rows, test=rows, batch_size=4, group_size=4, seed=0)
-    trainer = fast_trainer(max_steps=12)
+    spy = BackboneModeSpy()
+    trainer = fast_trainer(max_steps=12, callbacks=[spy])
     trainer.fit(module, datamodule=dm)
     epoch_seen = trainer.train_dataloader.dataset.epoch  # trainer.test() below drops the train loader
     after = mean_group_loss(module, rows)
     tested = trainer.test(module, datamodule=dm, verbose=False)[0]
     export_dir = module.export(tmp_path_factory.mktemp("export") / "reranker")
     return {"module": module, "before": before, "after": after, "test": tested, "dm": dm, "export": export_dir,
-            "rows": rows, "epoch_seen": epoch_seen}
+            "rows": rows, "epoch_seen": epoch_seen, "modes": spy.modes}
 
 
 def test_infonce_training_lowers_the_loss(trained):
@@ -225,6 +237,7 @@ def test_infonce_training_lowers_the_loss(trained):
     assert trained["module"].trainer.global_step == 12
     # 8 rows / batch 4 = 2 steps an epoch: 6 epochs, each told to the dataset for fresh positives.
     assert trained["epoch_seen"] == 5
+    assert len(trained["modes"]) == 12 and all(trained["modes"])  # fine-tuned with dropout on, as FlagEmbedding does
 
 
 def test_test_metrics_are_table_1_metrics_of_the_scores(trained):

@@ -190,6 +190,11 @@ class RerankerModule(LightningModule):
             raise ValueError(f"the datamodule tokenizes pairs for another model.kind than {self.hparams.kind!r}: "
                              f"build PreferenceDataModule with kind=model.kind")
 
+    def on_train_start(self) -> None:
+        # from_pretrained returns the backbone in eval mode and Lightning keeps modules in the mode it
+        # finds them: without this, fine-tuning would run without dropout.
+        self.model.train()
+
     def on_train_epoch_start(self) -> None:
         # Lightning tells samplers the epoch, not datasets: a fresh positive per epoch needs this call.
         dataset = getattr(self.trainer.train_dataloader, "dataset", None)
