@@ -158,6 +158,7 @@ class RerankerModule(LightningModule):
             self.model = load_cross_encoder(path, fresh_head=fresh_head, seed=seed, trust_remote_code=trust_remote_code)
         if lora is not None:
             self.model = apply_lora(self.model, qwen3.lora_settings(lora) if kind == QWEN3_YES_NO else dict(lora))
+        self.model.train()  # from_pretrained returns eval mode; a LightningModule starts in training mode
         self.val_metrics = RankingMetrics(ks, prefix="val/")
         self.test_metrics = RankingMetrics(ks, prefix="test/")
 
