@@ -3,6 +3,8 @@ relevance ablation's labels, and bad settings named by their key."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from confrag.retrieval.corpus import CorpusPassage
 from confrag.tasks.rerank import relevance_rows, without_duplicates
 
 LAYER = 2
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Interrupted(RuntimeError):
@@ -96,3 +99,26 @@ def test_duplicate_candidate_passages_are_removed_and_counted():
                           [3.0, 2.0, 1.0], None)
     cleaned, removed = without_duplicates(dup)
     assert removed == 1 and [p.text for p in cleaned.passages] == ["same", "x"] and cleaned.scores == [3.0, 2.0]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.tau=0", "model.tau must be > 0"),
+    ("data.pref_top_k=0", "data.pref_top_k must be >= 1"),
+    ("data.retriever=sparse", "data.retriever='sparse' is not one of"),
+    ("data.pref_reference=gold", "data.pref_reference='gold' is not one of"),
+    ("data.group_size=1", "data.group_size must be >= 2"),
+])
+def test_bad_settings_fail_before_any_stage_runs(override, message, tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import confrag.train  # noqa: F401  (registers the confrag_root resolver)
+    from confrag.tasks import rerank
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+experiment=reranker_tiny_llama", override,
+                                                      f"paths.cache_dir={tmp_path}"])
+    monkeypatch.setattr(rerank, "ensure_probe", lambda *a, **k: pytest.fail("the probe stage ran"))
+    with pytest.raises(ValueError, match=message):
+        rerank.rerank_stage(cfg, tmp_path, [])

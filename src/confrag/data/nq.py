@@ -25,7 +25,7 @@ from typing import IO, Any, Iterable, Iterator, Mapping, Sequence
 from confrag.paths import project_root
 
 NQ_PATH_ENV = "CONFRAG_NQ_PATH"
-_PATH_HINT = f"set the path with the `data.nq_path` config value or the `{NQ_PATH_ENV}` environment variable"
+_PATH_HINT = f"set the path with the `paths.nq_path` config value or the `{NQ_PATH_ENV}` environment variable"
 _SUFFIXES = (".jsonl", ".jsonl.gz")
 # Bump when the serialization below changes, so caches keyed on old fingerprints are not reused.
 _FINGERPRINT_SCHEMA = "confrag.nq.rows.v1"

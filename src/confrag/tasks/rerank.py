@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from hydra.utils import instantiate
+from tqdm.auto import tqdm
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
@@ -27,6 +28,7 @@ from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.preferences import (
+    REFERENCES,
     RERANK_INSTRUCTION,
     build_rows,
     confidence_shifts,
@@ -46,6 +48,7 @@ from confrag.retrieval import (
     corpus_from_nq,
     document_text,
     load_candidates_jsonl,
+    load_corpus_jsonl,
     retrieve_candidates,
 )
 from confrag.retrieval.candidates import make_candidates
@@ -70,15 +73,39 @@ class PreferenceStage:
 
 # --- retrieval -------------------------------------------------------------------------------------
 
+def check_settings(cfg: DictConfig) -> None:
+    """Settings checked before anything runs: a typo must not surface after an hour of probe training."""
+    data = cfg.data
+    problems = []
+    if data.retriever not in RETRIEVERS:
+        problems.append(f"data.retriever={data.retriever!r} is not one of {RETRIEVERS}")
+    if data.pref_reference not in REFERENCES:
+        problems.append(f"data.pref_reference={data.pref_reference!r} is not one of {REFERENCES}")
+    if not int(data.pref_top_k) >= 1:
+        problems.append(f"data.pref_top_k must be >= 1 (got {data.pref_top_k})")
+    if not 0 < float(data.pref_test_fraction) < 1:
+        problems.append(f"data.pref_test_fraction must be in (0, 1) (got {data.pref_test_fraction})")
+    if not int(data.group_size) >= 2:
+        problems.append(f"data.group_size must be >= 2: one positive and at least one negative (got {data.group_size})")
+    if not int(data.top_n) >= 2:
+        problems.append(f"data.top_n must be >= 2 candidates per question (got {data.top_n})")
+    if not float(cfg.model.tau) > 0:
+        problems.append(f"model.tau must be > 0 (got {cfg.model.tau})")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def build_retrieval(data_cfg, cache_dir: str) -> tuple[Corpus, BM25Retriever, DenseRetriever | None]:
-    """The corpus of every gold paragraph of the NQ file, its BM25 index, and (when asked for, or for
-    Table 1's bi-encoder row) the dense MiniLM index; all cached."""
-    if data_cfg.retriever not in RETRIEVERS:
-        raise ValueError(f"data.retriever={data_cfg.retriever!r} is not one of {RETRIEVERS}")
-    corpus = corpus_from_nq(load_nq_jsonl(data_cfg.nq_path), words_per_passage=int(data_cfg.words_per_passage))
+    """The corpus (every gold paragraph of the NQ file, or `data.corpus_path`, a JSONL of documents),
+    its BM25 index, and (when asked for, or for Table 1's bi-encoder row) the dense MiniLM index; all cached."""
+    words = int(data_cfg.words_per_passage)
+    if data_cfg.get("corpus_path"):
+        corpus = load_corpus_jsonl(data_cfg.corpus_path, words_per_passage=words)
+    else:
+        corpus = corpus_from_nq(load_nq_jsonl(data_cfg.nq_path), words_per_passage=words)
     bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
     dense = DenseRetriever(corpus, cache_dir=cache_dir) if (data_cfg.retriever == "dense" or data_cfg.bi_encoder) else None
-    log.info("Corpus: %d passages from %d NQ paragraphs", len(corpus), len({p.source_id for p in corpus.passages}))
+    log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
     return corpus, bm25, dense
 
 
@@ -243,10 +270,11 @@ def table1_systems(cfg: DictConfig, candidates: list[Candidates], corpus: Corpus
     return systems
 
 
-def table1(systems: dict[str, Scorer], test_rows: list[dict], seed: int) -> list[dict]:
+def table1(systems: dict[str, Scorer], test_rows: list[dict], seed: int, progress: bool = True) -> list[dict]:
     lists = candidate_lists(test_rows, seed)
     labels = [c["labels"] for c in lists]
-    scores = {name: [np.asarray(score(c["query"], c["passages"]), dtype=np.float64).tolist() for c in lists]
+    scores = {name: [np.asarray(score(c["query"], c["passages"]), dtype=np.float64).tolist()
+                     for c in tqdm(lists, desc=f"Table 1: {name}", unit="query", disable=not progress)]
               for name, score in systems.items()}
     return ranking_table(scores, labels, KS)
 
@@ -278,6 +306,7 @@ class RerankStage:
 def rerank_stage(cfg: DictConfig, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
     """Probe (cached) → candidates → NQ_Rerank → the untuned, relevance-tuned and confidence-shift-tuned
     cross-encoders (cached), with the BM25 and bi-encoder scorers beside them."""
+    check_settings(cfg)
     probe, probe_dm = ensure_probe(cfg.probe, cfg.paths.cache_dir, cfg.seed, workdir=out / "probe_stage")
     corpus, bm25, dense = build_retrieval(cfg.data, cfg.paths.cache_dir)
     retriever = dense if cfg.data.retriever == "dense" else bm25
@@ -328,7 +357,11 @@ def _report(cfg, out: Path, stage: PreferenceStage, rows: list[dict], training: 
         for ref, r in report["by_reference"].items())
     lines = [f"NQ_Rerank — {report['questions']} questions, rows train {report['rows']['train']} / test "
              f"{report['rows']['test']}, dropped {report['dropped']}",
-             f"  retrieval: {report['retrieval']}", by_ref, "", table]
+             "  retrieval: gold passage retrieved for {:.1f} % of questions, an answer-bearing passage for {:.1f} %, "
+             "{} duplicate passages removed".format(100 * report["retrieval"]["gold_retrieved"],
+                                                  100 * report["retrieval"]["answer_in_candidates"],
+                                                  report["retrieval"]["duplicate_passages_removed"]),
+             by_ref, "", table]
     text = "\n".join(lines)
     atomic_write_text(out / "table1.md", table + "\n")
     atomic_write_text(out / "summary.txt", text + "\n")
