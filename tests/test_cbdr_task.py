@@ -1,0 +1,221 @@
+"""Task `cbdr` on the tiny llama end to end (report, tables, plot, the sweep's arithmetic recomputed from the
+saved outcomes, held-out questions, no answer generated twice), and its settings and wiring in isolation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from omegaconf import open_dict
+
+from confrag.cbdr import SweepData, default_beta_grid
+from confrag.data.nq import load_nq_jsonl
+from confrag.probe.datamodule import select_questions
+from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
+from confrag.rag import QuestionOutcome, load_outcomes_jsonl
+from confrag.rag.answers import ScoredAnswer
+from confrag.rag.pipeline import RagAnswer
+from confrag.tasks.cbdr import (
+    cbdr_results,
+    check_settings,
+    chosen_scorers,
+    evaluation_rows,
+    make_gate,
+    slug,
+    split_dev_test,
+)
+from confrag.train import run_task
+
+from test_configs import check_cbdr_outputs, compose_cfg
+
+TINY = ["+experiment=cbdr_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"]
+
+
+def tiny_run(folder: Path, cache: Path, overrides: list[str] = ()):
+    cfg = compose_cfg([*TINY, *overrides], folder)
+    with open_dict(cfg):
+        cfg.paths.cache_dir = str(cache)
+    run_task(cfg)
+    out = folder / "out"
+    return cfg, out, json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cbdr")
+    # A grid of step 0.001: the tiny probe's confidences lie within a few hundredths of each other.
+    grid = "cbdr.betas=[" + ",".join(f"{i / 1000:.3f}" for i in range(1001)) + "]"
+    cfg, out, record = tiny_run(root / "first", root / "cache", [grid])
+    return SimpleNamespace(cfg=cfg, out=out, record=record, root=root)
+
+
+def outcomes_of(first, reranker: str, split: str) -> list[QuestionOutcome]:
+    qids = set(first.record["eval"][split])
+    return [o for o in load_outcomes_jsonl(first.out / "outcomes" / "nq" / f"{slug(reranker)}.jsonl") if o.qid in qids]
+
+
+def cbdr_scores(outcomes: list[QuestionOutcome], k: int, beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """Written out from the rule (β = 0: always retrieve; else retrieve iff Conf < β), not from the library."""
+    retrieve = np.array([beta == 0 or o.confidence < beta for o in outcomes])
+    scores = np.array([o.rag[k].has_answer if r else o.closed_book.has_answer for o, r in zip(outcomes, retrieve)])
+    return scores.astype(float), retrieve
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
+    check_cbdr_outputs(first.out)
+    report = (first.out / "report.md").read_text()
+    assert "HotpotQA Top-1" in report and "HotpotQA: n = 3" in report  # the three fixture questions
+    assert "## Phase-difference analysis" in report and "## The gate run live" in report
+    assert (first.out / "beta_curve.png").is_file() and (first.out / "beta_curve_full.png").is_file()
+    assert first.record["chosen_beta"]["objective"] == "accuracy"
+
+
+def test_evaluation_questions_are_held_out_and_split(first):
+    cfg = first.cfg
+    probe_qids = {r.qid for r in select_questions(load_nq_jsonl(cfg.data.nq_path), cfg.probe.data.num_questions, cfg.seed)}
+    dev, test = set(first.record["eval"]["dev"]), set(first.record["eval"]["test"])
+    assert len(dev) + len(test) == cfg.eval.num_questions and not dev & test
+    assert not (dev | test) & probe_qids
+
+
+def test_sweep_arithmetic_from_the_saved_outcomes(first):
+    cfg, record = first.cfg, first.record
+    test = outcomes_of(first, cfg.cbdr.reranker, "test")
+    rows = record["sweep"]["rows"]
+    assert len(test) == len(record["eval"]["test"]) and rows[0]["beta"] == 0.0
+    for row in rows:
+        for k in record["ks"]:
+            scores, retrieve = cbdr_scores(test, k, row["beta"])
+            assert row[f"top{k}"] == pytest.approx(scores.mean()) and row["retrieval_rate"] == pytest.approx(retrieve.mean())
+    # β = 0 is always retrieving: Table 2's accuracy of the same reranker on the same questions.
+    table2 = next(r for r in record["table2"] if r["reranker"] == cfg.cbdr.reranker and r["dataset"] == "NQ")
+    for k in record["ks"]:
+        assert rows[0][f"top{k}"] == table2[f"top{k}"]["value"] == np.mean([o.rag[k].has_answer for o in test])
+    assert any(0 < row["retrieval_rate"] < 1 for row in rows)  # some β splits the questions
+    # cbdr.conf_quantiles=3: the quartiles of the dev split's confidences joined the grid.
+    dev_conf = [o.confidence for o in outcomes_of(first, cfg.cbdr.reranker, "dev")]
+    quartiles = np.round(np.quantile(dev_conf, [0.25, 0.5, 0.75]), 4)
+    assert record["conf_quantiles"] == quartiles.tolist() and set(quartiles) <= {row["beta"] for row in rows}
+
+
+def test_beta_is_chosen_on_dev_and_reported_on_test(first):
+    cfg, chosen = first.cfg, first.record["chosen_beta"]
+    k = cfg.cbdr.top_k
+    dev, test = outcomes_of(first, cfg.cbdr.reranker, "dev"), outcomes_of(first, cfg.cbdr.reranker, "test")
+    grid = [row["beta"] for row in first.record["sweep"]["rows"]]
+    # Highest dev accuracy, then lowest dev retrieval rate, then smallest β.
+    best = min(grid, key=lambda b: (-round(cbdr_scores(dev, k, b)[0].mean(), 12), cbdr_scores(dev, k, b)[1].mean(), b))
+    assert chosen["beta"] == best
+    scores, retrieve = cbdr_scores(test, k, best)
+    assert chosen["test/accuracy"] == pytest.approx(scores.mean())
+    assert chosen["test/retrieval_rate"] == pytest.approx(retrieve.mean())
+
+
+def test_another_k_and_beta_grid_generate_no_answer(first):
+    assert first.record["answers"]["generated"] > 0
+    cfg, out, record = tiny_run(first.root / "second", first.root / "cache",
+                                ["cbdr.top_k=1", "cbdr.betas=[0.0,0.3,0.6,1.0]", "cbdr.gate_check_questions=0"])
+    assert record["answers"] == {"generated": 0, "reused": first.record["answers"]["reused"]
+                                 + first.record["answers"]["generated"]}
+    assert [row["beta"] for row in record["sweep"]["rows"]] == [0.0, 0.3, 0.6, 1.0]
+    assert record["sweep"]["k"] == 1 and record["table2"] == first.record["table2"]
+
+
+# --- settings and wiring -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, message", [
+    ("cbdr.beta=1.5", r"cbdr\.beta must be a number in \[0, 1\]"),
+    ("cbdr.betas=[0.5,-0.1]", r"cbdr\.betas must be a number in \[0, 1\]"),
+    ("rag.top_k=[1,7]", r"rag\.top_k=\[1, 7\].*data\.top_n=6"),
+    ("cbdr.top_k=0", r"cbdr\.top_k must be an integer >= 1"),
+    ("cbdr.objective=budget", r"cbdr\.objective=budget needs cbdr\.retrieval_budget"),
+    ("cbdr.objective=speed", r"cbdr\.objective='speed' is not one of"),
+    ("cbdr.metric=bleu", r"cbdr\.metric='bleu' is not one of"),
+    ("eval.metric=f1", r"eval\.metric='f1' is not one of"),
+    ("eval.dev_fraction=1.0", r"eval\.dev_fraction must be a number in \(0, 1\)"),
+    ("cbdr.flip_betas=[0.9]", r"cbdr\.flip_betas must list at least two"),
+    ("cbdr.metric=f1", r"cbdr\.metric=f1 has no right and wrong answers"),
+    ("cbdr.beta_step=0", r"cbdr\.beta_step must be a number in \(0, 0\.9\]"),
+])
+def test_bad_settings_are_refused_before_anything_runs(override, message, tmp_path):
+    cfg = compose_cfg([*TINY, override], tmp_path)
+    with pytest.raises(ValueError, match=message):
+        check_settings(cfg)
+    with pytest.raises(ValueError, match=message):
+        run_task(cfg)
+    assert not (tmp_path / "cache").exists()  # nothing computed, nothing half-written
+
+
+def test_the_default_grid_is_the_papers_and_beta_step_refines_it(tmp_path):
+    assert np.array_equal(check_settings(compose_cfg(TINY, tmp_path)).betas, default_beta_grid())
+    fine = check_settings(compose_cfg([*TINY, "cbdr.beta_step=0.01"], tmp_path)).betas
+    assert len(fine) == 101 and np.allclose(np.diff(fine), 0.01) and fine[0] == 0.0 and fine[-1] == 1.0
+
+
+def test_unknown_reranker_names_list_the_rows(tmp_path):
+    settings = check_settings(compose_cfg([*TINY, "eval.base_reranker=nope"], tmp_path))
+    with pytest.raises(ValueError, match=r"eval\.base_reranker='nope' is not a Table 1 row; rows: \['BM25'"):
+        chosen_scorers(settings, {"BM25": None, "cross-encoder + confidence-shift FT (ours)": None})
+    settings = check_settings(compose_cfg([*TINY, "eval.rerankers=[BM25]"], tmp_path))
+    rows = {"BM25": 1, "cross-encoder (untuned)": 2, "cross-encoder + relevance FT": 3,
+            "cross-encoder + confidence-shift FT (ours)": 4}
+    assert list(chosen_scorers(settings, rows)) == ["BM25", "cross-encoder (untuned)",
+                                                     "cross-encoder + confidence-shift FT (ours)"]
+
+
+def test_evaluation_needs_questions_the_probe_did_not_use(tmp_path):
+    cfg = compose_cfg(TINY, tmp_path)
+    with pytest.raises(ValueError, match=r"lower probe\.data\.num_questions"):
+        evaluation_rows(cfg, load_nq_jsonl(cfg.data.nq_path))
+    rows = load_nq_jsonl(cfg.data.nq_path, limit=40)
+    split = split_dev_test(rows, 0.25, seed=3)
+    assert (len(split["dev"]), len(split["test"])) == (10, 30) and split == split_dev_test(rows, 0.25, seed=3)
+    assert {r.qid for r in split["dev"]} | {r.qid for r in split["test"]} == {r.qid for r in rows}
+    with pytest.raises(ValueError, match=r"eval\.dev_fraction=0\.01 of 40 .* empty dev"):
+        split_dev_test(rows, 0.01, seed=3)
+
+
+def test_the_gate_refuses_a_probe_of_another_llm(tiny_llama, tiny_qwen2, templates, tmp_path):
+    cfg = compose_cfg(TINY, tmp_path)
+    module = ProbeModule(input_dim=tiny_llama.model.config.hidden_size, layer=2)
+    identity = {"llm": tiny_qwen2.identity, "prompts": templates.identity(tiny_qwen2.tokenizer), "layer": 2}
+    stage = SimpleNamespace(probe=SavedProbe(module, {"activations": identity}), corpus=None, retriever=None,
+                            scorers={cfg.cbdr.reranker: None})
+    with pytest.raises(ProbeMismatchError, match="llm: trained on"):
+        make_gate(cfg, stage, tiny_llama, templates)
+
+
+def outcome(qid: str, confidence: float, closed: bool, rag: bool) -> QuestionOutcome:
+    scored = lambda right: ScoredAnswer("x", right, right, float(right))  # noqa: E731
+    return QuestionOutcome(qid, qid, ("x",), scored(closed), {1: RagAnswer(**scored(rag).to_dict()),
+                                                               3: RagAnswer(**scored(rag).to_dict())}, confidence)
+
+
+def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
+    settings = check_settings(compose_cfg([*TINY, "cbdr.betas=[0.0,0.5,0.8]", "cbdr.table_betas=[0.5]",
+                                           "cbdr.flip_betas=[0.5,0.8]"], tmp_path))
+    # dev: skipping retrieval above 0.5 helps (the confident question is right closed-book, wrong with RAG).
+    dev = [outcome("d1", 0.9, True, False), outcome("d2", 0.2, False, True)]
+    # test: the opposite, so a β chosen on test would be 0.
+    test = [outcome("t1", 0.9, False, True), outcome("t2", 0.6, False, True), outcome("t3", 0.1, True, True)]
+    base = [outcome(o.qid, o.confidence, False, False) for o in test]
+    data = lambda rows: SweepData.from_outcomes(rows, "has_answer", [1, 3])  # noqa: E731
+    results = cbdr_results(settings, data(dev), data(test), data(base))
+    assert results.chosen["beta"] == 0.5 and results.chosen["dev/accuracy"] == 1.0  # 0.8 ties: the smaller β
+    # on test β = 0.5 skips t1 and t2 (both wrong closed-book) and retrieves for t3.
+    assert results.chosen["test/accuracy"] == pytest.approx(1 / 3) and results.chosen["test/retrieval_rate"] == pytest.approx(1 / 3)
+    assert results.chosen["test/always_retrieve_accuracy"] == 1.0
+    lines = results.table3.splitlines()
+    assert lines[2] == "| cross-encoder (untuned) | 0.00 | 0.00 | 0 | 100.00 |"
+    assert lines[3] == "| cross-encoder + confidence-shift FT (ours) | 100.00 | 100.00 | 0 | 100.00 |"
+    assert lines[-3].endswith("β chosen on dev (accuracy) | 33.33 | 33.33 | 0.5 | 33.33 |")
+    # flips 0.5 → 0.8: t2 (Conf 0.6) now retrieves and turns right; 0 → 0.5 (always retrieve → chosen β): t1, t2 turn wrong.
+    assert [(f.beta_a, f.beta_b, f.turned_right, f.turned_wrong) for f in results.flips] == [(0.5, 0.8, 1, 0),
+                                                                                           (0.0, 0.5, 0, 2)]
+    assert results.at_beta["test/accuracy_at_beta"] == 1.0  # cbdr.beta = 0.95: all three retrieve
+    assert results.at_beta["dev/retrieval_rate_at_beta"] == 1.0

@@ -1,0 +1,175 @@
+"""Task `gates` on the tiny llama end to end (every gate on clean and conflicting contexts, the bounds,
+training on the training split only, the curves and the report), its settings errors, and its pieces
+(conflicting contexts, outcome scoring, the wall-time model) on hand-made inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from omegaconf import open_dict
+
+from confrag.data.conflicts import ConflictExample
+from confrag.data.nq import Passage
+from confrag.gates import Decision, MissingTrainingDataError
+from confrag.gates.evaluation import quantile_grid, score_decisions, wall_time_per_question
+from confrag.retrieval.candidates import make_candidates
+from confrag.retrieval.corpus import CorpusPassage
+from confrag.tasks.gates import CONDITIONS, build_gate, check_settings, conflicting_candidates
+from confrag.train import run_task
+
+from test_configs import check_gates_outputs, compose_cfg
+
+TINY = ["+experiment=gates_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"]
+R, P, X = Decision.RETRIEVE, Decision.PARAMETRIC, Decision.REFUSE
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gates")
+    cfg = compose_cfg(TINY, root)
+    run_task(cfg)
+    out = root / "out"
+    return SimpleNamespace(cfg=cfg, out=out, record=json.loads((out / "metrics.json").read_text()))
+
+
+def rows_by(record, condition: str) -> dict[str, dict]:
+    return {r["gate"]: r for r in record["table"] if r["contexts"] == condition}
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+def test_every_configured_gate_on_clean_and_conflicting_contexts(tiny):
+    check_gates_outputs(tiny.out, list(tiny.cfg.gates.names))
+    assert list(tiny.cfg.gates.names) == ["always", "never", "cbdr", "dragin", "ctrla", "skr_knn", "ccsk", "bridge"]
+    n = len(tiny.record["questions"]["test"])
+    for condition in CONDITIONS:
+        assert all(r["n"] == n for r in rows_by(tiny.record, condition).values())
+        assert all(len(d) == n for d in tiny.record["decisions"][condition].values())
+
+
+def test_bounds_refusals_and_costs(tiny):
+    for condition in CONDITIONS:
+        rows = rows_by(tiny.record, condition)
+        assert rows["always"]["retrieval_rate"] == 1.0 and rows["never"]["retrieval_rate"] == 0.0
+        assert all(r["refusal_rate"] == 0.0 for gate, r in rows.items() if gate != "bridge")
+        assert rows["always"]["llm_passes"] == 1.0 and rows["never"]["llm_passes"] == 1.0
+        # Retrieving costs retrieval + a RAG answer; answering closed-book costs one generation.
+        timings = tiny.record["timings"]
+        assert rows["never"]["wall_s"] == pytest.approx(timings["closed_book"], rel=0.05, abs=1e-3)
+        assert rows["always"]["wall_s"] == pytest.approx(timings["retrieve"] + timings["rag_answer"], rel=0.05, abs=1e-3)
+        for r in rows.values():
+            answered = 1 - r["refusal_rate"]
+            if answered:  # accuracy on answered = correct / answered questions
+                assert r["answered_accuracy"] * answered == pytest.approx(r["accuracy"])
+
+
+def test_conflicting_contexts_do_not_help_always_retrieve(tiny):
+    clean, conflicting = rows_by(tiny.record, "clean"), rows_by(tiny.record, "conflicting")
+    assert conflicting["always"]["accuracy"] <= clean["always"]["accuracy"]
+    # Gates that decide before retrieving decide the same way whatever the contexts hold.
+    for gate in ("never", "cbdr", "dragin", "ctrla", "skr_knn", "ccsk"):
+        assert tiny.record["decisions"]["clean"][gate] == tiny.record["decisions"]["conflicting"][gate]
+
+
+def test_gates_are_fitted_on_the_training_split_only(tiny):
+    train, test = set(tiny.record["questions"]["train"]), set(tiny.record["questions"]["test"])
+    assert train and test and not train & test
+    fits = tiny.record["fits"]
+    for gate in ("ctrla", "skr_knn", "ccsk", "bridge"):  # the gates that learn
+        assert fits[gate]["split"] == "train" and set(fits[gate]["qids"]) == train
+    for gate in ("always", "never", "cbdr", "dragin"):
+        assert fits[gate]["qids"] == []
+
+
+def test_threshold_curves_span_both_conditions(tiny):
+    curves = tiny.record["curves"]
+    for gate in ("cbdr", "dragin", "ctrla", "skr_knn"):
+        for condition in CONDITIONS:
+            points = [c for c in curves if c["gate"] == gate and c["contexts"] == condition]
+            # One point per distinct threshold: a score that takes one value (skr_knn's vote when retrieval
+            # never helped a training question) gives a one-point curve.
+            assert 1 <= len(points) <= tiny.cfg.gates.curve_points
+            assert all(0 <= c["retrieval_rate"] <= 1 and 0 <= c["accuracy"] <= 1 for c in points)
+    cbdr = sorted((c["value"], c["retrieval_rate"]) for c in curves if c["gate"] == "cbdr" and c["contexts"] == "clean")
+    rates = [rate for _, rate in cbdr]
+    assert rates == sorted(rates) and rates[-1] > rates[0]  # a higher β retrieves more
+
+
+# --- settings --------------------------------------------------------------------------------------
+
+def test_unknown_gate_name_lists_the_available_ones(tmp_path):
+    cfg = compose_cfg([*TINY, "gates.names=[always,flare]"], tmp_path)
+    with pytest.raises(ValueError, match=r"unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, never, skr_knn"):
+        check_settings(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("gates.configs.cbdr.beta=1.5", r"gates\.configs\.cbdr: .*beta.*\[0, 1\]"),
+    ("gates.configs.skr_knn.threshold=-0.1", r"gates\.configs\.skr_knn: gate\.threshold=-0\.1 is out of range"),
+    ("gates.curves.skr_knn.values=[0.5,2.0]", r"gates\.configs\.skr_knn: gate\.threshold=2\.0 is out of range"),
+    ("gates.curves.cbdr.param=gamma", r"gates\.curves\.cbdr\.param='gamma'.*parameters: \['beta'\]"),
+    ("gates.top_k=50", r"gates\.top_k=50 asks for more contexts than the data\.top_n=6"),
+    ("gates.metric=f1", r"gates\.metric='f1' is not one of"),
+])
+def test_bad_settings_name_their_key(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        check_settings(compose_cfg([*TINY, override], tmp_path))
+
+
+def test_a_learning_gate_without_training_data_names_the_stage_that_produces_it(tmp_path):
+    settings = check_settings(compose_cfg(TINY, tmp_path))
+    gate = build_gate("skr_knn", settings.configs["skr_knn"])
+    with pytest.raises(MissingTrainingDataError, match="RAG pipeline's cached per-question outcomes"):
+        gate.fit(None)
+
+
+# --- pieces ----------------------------------------------------------------------------------------
+
+def test_conflicting_contexts_put_the_rewritten_gold_paragraph_first_and_drop_the_original():
+    passages = [CorpusPassage("d1#0", "Other", "unrelated text", "d1"),
+                CorpusPassage("g#0", "Gold", "the answer is Paris", "g"),
+                CorpusPassage("d2#0", "More", "more text", "d2"),
+                CorpusPassage("g#1", "Gold", "Paris again", "g"),
+                CorpusPassage("d3#0", "Last", "last text", "d3")]
+    ranked = make_candidates("q1", "capital of france?", ("Paris",), passages, [5.0, 4.0, 3.0, 2.0, 1.0], "g")
+    rewritten = Passage("Gold", "the answer is Lyon")
+    example = ConflictExample("q1", "capital of france?", ("Paris",), Passage("Gold", "the answer is Paris"), rewritten,
+                              "Paris", "Lyon", "name", "q9", 1)
+    conflict = conflicting_candidates(ranked, example, 3)
+    assert [p.text for p in conflict.passages] == ["the answer is Lyon", "unrelated text", "more text"]
+    assert conflict.has_answer == [False, False, False] and math.isnan(conflict.scores[0])
+    assert conflicting_candidates(ranked, example, 1).passages == [rewritten]
+
+
+def test_outcomes_follow_the_decision_and_refusals_are_never_correct():
+    closed_book = np.array([True, False, True, False])
+    rag = np.array([False, True, True, True])
+    assert score_decisions([P, R, X, R], closed_book, rag).tolist() == [True, True, False, True]
+    assert score_decisions([R, P, P, X], closed_book, rag).tolist() == [False, False, True, False]
+    with pytest.raises(ValueError, match="3 decisions for 4"):
+        score_decisions([P, P, P], closed_book, rag)
+
+
+def test_wall_time_model_charges_each_part_once():
+    t = {"closed_book": 1.0, "rag_answer": 2.0, "retrieve": 0.5, "qa_states": 0.1, "draft": 1.2, "internal": 3.0,
+         "matching": 0.2, "embed_question": 0.01}
+    # CBDR: states for everyone; parametric continues to a closed-book answer, retrieval pays retrieve + RAG.
+    assert wall_time_per_question({"confidence"}, [P, R], t, 0.0) == pytest.approx(0.1 + (1.0 + 2.5) / 2)
+    # DRAGIN: the draft is the closed-book answer, so a parametric decision costs nothing more.
+    assert wall_time_per_question({"draft"}, [P, P], t, 0.4) == pytest.approx(1.2 + 0.2)
+    # BRIDGE: decides after retrieving; a refusal costs no answer.
+    assert wall_time_per_question({"matching_scores", "question_embedding"}, [X, R], t, 0.0) == \
+        pytest.approx(3.0 + 1.0 + 0.5 + 0.2 + 0.01 + 2.0 / 2)
+    with pytest.raises(ValueError, match=r"no timing for \['draft'\]"):
+        wall_time_per_question({"draft"}, [P], {"closed_book": 1.0}, 0.0)
+
+
+def test_quantile_grid_ignores_infinite_scores_and_spans_the_range():
+    grid = quantile_grid(np.array([0.2, 0.4, np.inf, 0.9]), 5)
+    assert grid[0] == 0.2 and grid[-1] == 0.9 and len(grid) == 5
+    assert quantile_grid(np.array([np.inf]), 5) == []
