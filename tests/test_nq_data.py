@@ -121,7 +121,7 @@ def test_missing_file_names_path_and_how_to_configure(tmp_path: Path) -> None:
     message = str(info.value)
     assert str(missing) in message
     assert "not found" in message
-    assert "data.nq_path" in message and "CONFRAG_NQ_PATH" in message
+    assert "paths.nq_path" in message and "CONFRAG_NQ_PATH" in message
 
 
 def test_directory_rejected(tmp_path: Path) -> None:

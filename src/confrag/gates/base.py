@@ -13,6 +13,7 @@ Gates that learn (SKR-kNN, CCSK, BRIDGE's allocator, CtrlA's direction) learn in
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -210,7 +211,7 @@ def check_choice(key: str, value: Any, allowed: Sequence[str]) -> str:
     return value
 
 
-class Gate:
+class Gate(abc.ABC):
     """Decides per question: parametric answer, retrieval, or refusal.
 
     Subclasses set `name`, `needs` (the signals `decide` reads), `training_needs` (what `fit` reads;
@@ -254,7 +255,8 @@ class Gate:
         return self
 
     def _fit(self, train: GateTrainingData) -> None:
-        raise NotImplementedError
+        # Only gates with training_needs reach this; those override it.
+        raise TypeError(f"gate '{self.name}' declares training_needs {sorted(self.training_needs)} but no _fit")
 
     def _ready(self, signals: GateSignals) -> None:
         if not self._fitted:
@@ -269,8 +271,9 @@ class Gate:
         assert len(decisions) == len(signals)
         return decisions
 
+    @abc.abstractmethod
     def _decide(self, signals: GateSignals) -> list[Decision]:
-        raise NotImplementedError
+        """The gate's rule over precomputed signals, one decision per question."""
 
     def llm_forward_passes(self, decisions: Sequence[Decision]) -> np.ndarray:
         """LLM calls per question for deciding and answering (a refusal answers without the LLM)."""
