@@ -23,7 +23,9 @@ from confrag.tasks.cbdr import (
     check_settings,
     chosen_scorers,
     evaluation_rows,
+    gold_in_contexts,
     make_gate,
+    secondary_markdown,
     slug,
     split_dev_test,
 )
@@ -120,7 +122,6 @@ def test_beta_is_chosen_on_dev_and_reported_on_test(first):
     assert chosen["test/retrieval_rate"] == pytest.approx(retrieve.mean())
 
 
-@pytest.mark.xfail(reason="issue 4 open: the sweep grid / beta-choice bookkeeping disagrees with these expectations; under repair", strict=False)
 def test_another_k_and_beta_grid_generate_no_answer(first):
     assert first.record["answers"]["generated"] > 0
     cfg, out, record = tiny_run(first.root / "second", first.root / "cache",
@@ -202,7 +203,22 @@ def outcome(qid: str, confidence: float, closed: bool, rag: bool) -> QuestionOut
                                                                3: RagAnswer(**scored(rag).to_dict())}, confidence)
 
 
-@pytest.mark.xfail(reason="issue 4 open: the sweep grid / beta-choice bookkeeping disagrees with these expectations; under repair", strict=False)
+def test_gold_paragraph_share_counts_the_questions_own_passages():
+    def with_contexts(qid, top1, top3):
+        o = outcome(qid, 0.5, False, False)
+        o.rag = {1: RagAnswer("x", False, False, 0.0, contexts=tuple(top1)),
+                 3: RagAnswer("x", False, False, 0.0, contexts=tuple(top3))}
+        return o
+    # q1's own paragraph first; q2's only in its top 3 (chunk 2 of it); q10's id shares a prefix with q1's, not a match.
+    rows = [with_contexts("q1", ["q1#0"], ["q1#0", "q2#0", "q5#1"]),
+            with_contexts("q2", ["q7#0"], ["q7#0", "q9#3", "q2#2"]),
+            with_contexts("q10", ["q1#0"], ["q1#0", "q100#0", "q3#0"])]
+    assert gold_in_contexts(rows, 1) == pytest.approx(1 / 3) and gold_in_contexts(rows, 3) == pytest.approx(2 / 3)
+    table = secondary_markdown({"NQ": {"BM25": rows}}, (1, 3), gold_known=True).splitlines()
+    assert table[0].endswith("| gold ¶ in Top-1 | gold ¶ in Top-3 |") and table[2].endswith("| 33.3 | 66.7 |")
+    assert "gold" not in secondary_markdown({"NQ": {"BM25": rows}}, (1, 3))
+
+
 def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
     settings = check_settings(compose_cfg([*TINY, "cbdr.betas=[0.0,0.5,0.8]", "cbdr.table_betas=[0.5]",
                                            "cbdr.flip_betas=[0.5,0.8]", "cbdr.conf_quantiles=0"], tmp_path))

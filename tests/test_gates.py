@@ -489,8 +489,8 @@ def test_bridge_gate_maps_strategies_to_decisions_and_costs():
     assert gate.strategies(sig) == ["FA", "FI", "FE", "RA"]  # the last: T_Ret = T_LLM = 1 in the reflection band
     decisions = gate.decide(sig)
     assert decisions == [R, P, R, X]
-    # K_int generation, then one answer; a refusal needs no second call.
-    assert gate.llm_forward_passes(decisions).tolist() == [2, 2, 2, 1]
+    # K_int and the closed-book answer K_gen decide; FI answers with K_gen, FA/FE add a RAG call, RA refuses.
+    assert gate.llm_forward_passes(decisions).tolist() == [3, 2, 3, 2]
 
 
 def test_bridge_matching_weights_combine_dense_and_sparse():

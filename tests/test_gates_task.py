@@ -108,6 +108,20 @@ def test_unknown_gate_name_lists_the_available_ones(tmp_path):
         check_settings(cfg)
 
 
+def test_gate_group_selects_one_gate_beside_the_bounds(tmp_path):
+    settings = check_settings(compose_cfg([*TINY, "gate=ccsk", "gate.tau_pred=0.55"], tmp_path))
+    assert settings.names == ("always", "never", "ccsk")
+    assert settings.configs["ccsk"]["tau_pred"] == 0.55 and settings.configs["ccsk"]["tau_single"] == 0.3
+    assert check_settings(compose_cfg([*TINY, "gate=never"], tmp_path)).names == ("always", "never")
+    with pytest.raises(ValueError, match=r"gates\.configs\.cbdr: .*beta.*\[0, 1\]"):
+        check_settings(compose_cfg([*TINY, "gate=cbdr", "gate.beta=2.0"], tmp_path))
+
+
+def test_unknown_gate_group_option_lists_the_available_ones(tmp_path):
+    with pytest.raises(Exception, match=r"(?s)gate/flare.*Available options.*bridge.*ccsk"):
+        compose_cfg([*TINY, "gate=flare"], tmp_path)
+
+
 @pytest.mark.parametrize("override, message", [
     ("gates.configs.cbdr.beta=1.5", r"gates\.configs\.cbdr: .*beta.*\[0, 1\]"),
     ("gates.configs.skr_knn.threshold=-0.1", r"gates\.configs\.skr_knn: gate\.threshold=-0\.1 is out of range"),

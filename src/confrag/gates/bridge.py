@@ -90,7 +90,10 @@ def answer_contexts(strategy: str, internal_passage: str, retrieved: Sequence[Pa
 class BridgeGate(Gate):
     name = "bridge"
     needs = frozenset({"matching_scores", "question_embedding"})
-    decision_passes = 1  # generating the internal passage K_int; FI then answers closed-book (+1)
+    # Deciding takes two LLM calls: the internal passage K_int and the closed-book answer K_gen its matching
+    # reads; FI's answer is that closed-book answer (nothing more), FE/FA answer with a RAG prompt (+1).
+    decision_passes = 2
+    decision_is_closed_book = True
 
     def __init__(
         self,

@@ -286,16 +286,26 @@ def closed_book_line(runs: dict[str, dict[str, list[QuestionOutcome]]], settings
     return f"Closed-book (QA prompt, no retrieval) {settings.eval_metric}: " + ", ".join(parts) + "."
 
 
-def secondary_markdown(runs: dict[str, dict[str, list[QuestionOutcome]]], ks: Sequence[int]) -> str:
-    """has_answer beside exact match and token F1 (means, %), per dataset, reranker and K."""
-    lines = ["| Dataset | Reranker | " + " | ".join(f"Top-{k} has_answer / EM / F1" for k in ks) + " |",
-             "|" + " --- |" * (2 + len(ks))]
+def secondary_markdown(runs: dict[str, dict[str, list[QuestionOutcome]]], ks: Sequence[int],
+                       gold_known: bool = False) -> str:
+    """has_answer beside exact match and token F1 (means, %), per dataset, reranker and K; with `gold_known`
+    (passages cut from the questions' own paragraphs, ids `<qid>#<n>`) also how often the question's own
+    paragraph is among the K contexts."""
+    header = [f"Top-{k} has_answer / EM / F1" for k in ks] + ([f"gold ¶ in Top-{k}" for k in ks] if gold_known else [])
+    lines = ["| Dataset | Reranker | " + " | ".join(header) + " |", "|" + " --- |" * (2 + len(header))]
     for dataset, by_reranker in runs.items():
         for reranker, outcomes in by_reranker.items():
             cells = [" / ".join(f"{100 * np.mean([float(getattr(o.rag[k], m)) for o in outcomes]):.1f}"
                                 for m in ("has_answer", "em", "f1")) for k in ks]
+            if gold_known:
+                cells += [f"{100 * gold_in_contexts(outcomes, k):.1f}" for k in ks]
             lines.append(f"| {dataset} | {reranker} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def gold_in_contexts(outcomes: Sequence[QuestionOutcome], k: int) -> float:
+    """Share of questions whose own paragraph (a passage id `<qid>#<n>`) is among their Top-k contexts."""
+    return float(np.mean([any(c.rsplit("#", 1)[0] == o.qid for c in o.rag[k].contexts) for o in outcomes]))
 
 
 def plain(value: Any) -> Any:
@@ -499,7 +509,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     plots = write_plots(cfg, out, results, settings)
     record = run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))
-    secondary = [closed_book_line(tables, settings, n_resamples, cfg.seed), secondary_markdown(tables, settings.ks)]
+    gold_known = not cfg.data.get("corpus_path") and not cfg.data.get("candidates_path")
+    secondary = [closed_book_line(tables, settings, n_resamples, cfg.seed),
+                 secondary_markdown(tables, settings.ks, gold_known)]
     atomic_write_text(out / "report.md", report_markdown(cfg, stage, settings, rows1, table2_md, *secondary, results,
                                                          plots, record))
     log_results(loggers, record["metrics"], rows1, rows2, results, plots)
@@ -566,10 +578,12 @@ def report_markdown(cfg: DictConfig, stage: RerankStage, settings: Settings, row
            f"{ev['retrieval'][HOTPOTQA]['corpus_passages']} passages of their pooled supporting paragraphs; "
            f"{retrieval_line(ev['retrieval'][HOTPOTQA])}."] if HOTPOTQA in ev["retrieval"] else []),
         f"K larger than a question's candidates is capped to what it has: {capped or 'no question concerned'}.", "",
+        stage_line(stage), "",
         "## Table 1 — reranking on the NQ_Rerank test split", "",
         markdown_table(rows1, f"{cfg.llm.name}, {n_pref} questions (P/R/MRR @K, %)"), "",
         "## Table 2 — end-to-end accuracy (has_answer unless eval.metric says otherwise)", "",
-        table2_md, "", closed_line, "", "has_answer / exact match / token F1 (%), same questions:", "", secondary_md, "",
+        table2_md, "", closed_line, "", "has_answer / exact match / token F1 (%), same questions; gold ¶: the question's own paragraph among the "
+        "contexts (%), when the corpus is cut from the questions' paragraphs:", "", secondary_md, "",
         f"## Table 3 — CBDR on NQ test ({cfg.cbdr.metric}, {settings.reranker} retrieving when it does)", "",
         results.table3, "",
         "## β curve", "",
@@ -596,6 +610,17 @@ def report_markdown(cfg: DictConfig, stage: RerankStage, settings: Settings, row
                   f"the sweep's (largest |Conf live − Conf batch| = {check['max_confidence_difference']:.2e}).", ""]
     lines += ["## Config", "", "```yaml", OmegaConf.to_yaml(cfg, resolve=True).rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def stage_line(stage: RerankStage) -> str:
+    """What the cached stage was built from: the probe's data and test scores, NQ_Rerank's size."""
+    meta, report = stage.probe.meta, stage.preferences.report
+    data, metrics = meta.get("nq_confidence", {}), meta.get("metrics", {})
+    scores = ", ".join(f"{k.split('/')[1]} {metrics[k]:.3f}" for k in ("test/acc", "test/auroc") if k in metrics)
+    return (f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
+            f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
+            f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} of its "
+            f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows.")
 
 
 def conf_summary(values: Sequence[float]) -> str:

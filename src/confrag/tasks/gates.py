@@ -112,6 +112,18 @@ def build_gate(name: str, config: dict[str, Any], **overrides: Any) -> Gate:
     return gate
 
 
+def selected_gate(cfg: DictConfig, configs: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The gate chosen with `gate=<name>` (conf/gate/<name>.yaml, plus any `gate.<key>=` overrides), named as
+    in gates.configs by its _target_ (a gate of the user's own keeps its class name)."""
+    node = OmegaConf.to_container(cfg.gate, resolve=True)
+    target = node.get("_target_") if isinstance(node, dict) else None
+    if not target:
+        raise ValueError(f"gate: expected a gate config with a _target_ (gate=<name>, one of "
+                         f"{', '.join(sorted(configs))}); got {node!r}")
+    same = [name for name, config in configs.items() if config.get("_target_") == target]
+    return (same[0] if same else str(target).rsplit(".", 1)[-1]), node
+
+
 def _int(value: Any, key: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{key} must be an integer >= {minimum}; got {value!r}")
@@ -126,6 +138,9 @@ def check_settings(cfg: DictConfig) -> GateSettings:
                          "conf/experiment/gates_smollm2.yaml)")
     configs = OmegaConf.to_container(section.configs, resolve=True)
     names = [str(n) for n in section.names]
+    if cfg.get("gate") is not None:  # `gate=<name>` on the command line: that gate between the two bounds
+        name, configs[name] = selected_gate(cfg, configs)
+        names = list(dict.fromkeys(["always", "never", name]))
     if not names:
         raise ValueError(f"gates.names is empty; available gates: {', '.join(sorted(configs))}")
     for name in names:
