@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -416,14 +415,6 @@ def gate_check(gate: ConfidenceGate, rows: Sequence[QARow], outcomes: Sequence[Q
 
 # --- the task --------------------------------------------------------------------------------------
 
-def place_rerankers(cfg: DictConfig, stage: RerankStage) -> None:
-    """Score on the GPU when the run trains on one: the stage hands its cross-encoders back on the CPU, and
-    the evaluation scores every candidate of every question with each of them."""
-    if cfg.trainer.get("accelerator") in ("gpu", "cuda") and torch.cuda.is_available():
-        for module in stage.rerankers.values():
-            module.to("cuda")
-
-
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
@@ -498,7 +489,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
     for logger in loggers:
         logger.log_hyperparams(run_config)
     stage = rerank_stage(cfg, out, loggers, run_config)
-    place_rerankers(cfg, stage)
     rows1 = table1(stage.scorers, stage.preferences.splits["test"], cfg.seed)
     stage_seconds = time.perf_counter() - start
     evaluation = evaluate(cfg, settings, stage, out)

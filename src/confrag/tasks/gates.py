@@ -66,7 +66,7 @@ from confrag.rag import AnswerStore, QuestionOutcome, rank_contexts, run_rag, sc
 from confrag.rag.stats import BINARY_METRICS
 from confrag.retrieval import Candidates, DenseRetriever, corpus_from_nq
 from confrag.retrieval.candidates import make_candidates
-from confrag.tasks.cbdr import evaluation_rows, place_rerankers, split_dev_test
+from confrag.tasks.cbdr import evaluation_rows, split_dev_test
 from confrag.tasks.probe import instantiate_list
 from confrag.tasks.rerank import RerankStage, Scorer, question_candidates, rerank_stage
 
@@ -599,7 +599,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
     for logger in loggers:
         logger.log_hyperparams(run_config)
     stage = rerank_stage(cfg, out, loggers, run_config)
-    place_rerankers(cfg, stage)
     llm = load_llm(OmegaConf.to_container(cfg.llm, resolve=True))
     evaluation = evaluate(cfg, settings, stage, gates, llm)
     results = run_gates(evaluation, settings, cfg.seed)

@@ -13,9 +13,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+import torch
 from hydra.utils import instantiate
 from tqdm.auto import tqdm
 from lightning import Trainer
@@ -238,6 +239,15 @@ def ensure_reranker(cfg: DictConfig, train_rows: list[dict], name: str, loggers:
     return model, info
 
 
+def place_on_training_device(cfg: DictConfig, modules: Iterable[RerankerModule]) -> None:
+    """Score where the run trains: Lightning hands a module back on the CPU after `fit`, and a cached or
+    untuned reranker is built there, so with the GPU trainer Table 1 and every later stage would otherwise
+    score each candidate of each question on the CPU."""
+    if cfg.trainer.get("accelerator") in ("gpu", "cuda") and torch.cuda.is_available():
+        for module in modules:
+            module.to("cuda")
+
+
 def load_reranker(model_cfg, directory: Path) -> RerankerModule:
     """A RerankerModule over an exported fine-tuned cross-encoder (its head included, no LoRA)."""
     settings = {**OmegaConf.to_container(model_cfg, resolve=True), "backbone": str(directory), "fresh_head": False,
@@ -326,6 +336,7 @@ def rerank_stage(cfg: DictConfig, out: Path, loggers: list[Logger], run_config: 
         rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(cfg, relevance, "relevance", [], run_config)
     rerankers[CONFIDENCE_FT], training["confidence_shift"] = ensure_reranker(cfg, train_rows, "confidence_shift",
                                                                              loggers, run_config)
+    place_on_training_device(cfg, rerankers.values())
     scorers = table1_systems(cfg, stage.candidates, corpus, bm25, dense, rerankers)
     return RerankStage(probe, probe_dm, corpus, retriever, stage, rerankers, scorers, training)
 
