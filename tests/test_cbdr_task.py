@@ -156,6 +156,7 @@ def test_bad_settings_are_refused_before_anything_runs(override, message, tmp_pa
     with pytest.raises(ValueError, match=message):
         run_task(cfg)
     assert not (tmp_path / "cache").exists()  # nothing computed, nothing half-written
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # no run_info / config files
 
 
 def test_the_default_grid_is_the_papers_and_beta_step_refines_it(tmp_path):

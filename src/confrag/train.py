@@ -32,6 +32,15 @@ def output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.paths.output_dir)
 
 
+def _setting_checks(task_name: str) -> list[Callable[[DictConfig], object]]:
+    """The checks a task runs on its settings, in stage order (a later task includes the earlier stages)."""
+    from confrag.tasks import cbdr, gates, rerank
+
+    order = {"rerank": [rerank.check_settings], "cbdr": [rerank.check_settings, cbdr.check_settings]}
+    order["gates"] = [*order["cbdr"], gates.check_settings]
+    return order.get(task_name, [])
+
+
 def run_task(cfg: DictConfig) -> float | None:
     """Run the configured task; the W&B run is finished whatever happens, so multiruns log one run per job."""
     tasks = _tasks()
@@ -40,6 +49,8 @@ def run_task(cfg: DictConfig) -> float | None:
     # A single-process job should not fight the LLM's intra-op threads with Lightning workers.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     L.seed_everything(cfg.seed, workers=True)
+    for check in _setting_checks(cfg.task_name):  # a bad value fails before the run folder gets any file
+        check(cfg)
     out = output_dir(cfg)
     save_run_info(cfg, out)
     try:
