@@ -205,6 +205,7 @@ def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, template
                ("who wrote hamlet", "what is the capital of the country with the longest name in the world", "why")]
     out = draft_token_signals(tiny_llama, prompts, max_new_tokens=6, batch_size=2)  # a padded batch and a single
     assert tiny_llama.model.config._attn_implementation == "sdpa"  # switched back after the call
+    assert len(out.texts) == len(out.tokens) == len(out.entropy) == len(out.attention) == len(prompts)
     model = tiny_llama.model
     model.set_attn_implementation("eager")
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -50,6 +51,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_save_png(figure: Any, path: str | os.PathLike[str]) -> Path:
+    """A matplotlib Figure written atomically as PNG (a reader never sees half an image)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    path = Path(path)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
 
 
 def atomic_write_text(path: Path, text: str) -> None:

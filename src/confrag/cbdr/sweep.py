@@ -9,7 +9,6 @@ reproduces the always-retrieve accuracy exactly.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -17,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from confrag.artifacts import atomic_write_bytes
+from confrag.artifacts import atomic_save_png
 from confrag.cbdr.gate import check_beta, should_retrieve
 from confrag.rag.pipeline import DEFAULT_KS, QuestionOutcome
 
@@ -203,11 +202,7 @@ def plot_beta_curve(result: SweepResult, path: str | Path, beta_range: tuple[flo
     left.legend(handles, [h.get_label() for h in handles], loc="best", fontsize="small")
     left.set_title(title or f"CBDR: accuracy and skipped retrieval against β (n = {result.n})")
     figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    path = Path(path)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
+    return atomic_save_png(figure, path)
 
 
 # ---------------------------------------------------------------- appendix F: flips

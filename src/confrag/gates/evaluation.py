@@ -14,7 +14,6 @@ own measured `decide` time, plus the mean over its decisions of the answer each 
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -22,7 +21,7 @@ from typing import Mapping, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from confrag.artifacts import atomic_write_bytes
+from confrag.artifacts import atomic_save_png
 from confrag.gates.base import Decision, Gate, GateSignals
 from confrag.gates.ctrla import CtrlAGate
 from confrag.gates.dragin import DraginGate
@@ -192,8 +191,4 @@ def plot_gates(rows: Sequence[GateRow], curves: Sequence[CurvePoint], path: str 
             axis.legend(fontsize="small", loc="best")
     figure.suptitle(title)
     figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    path = Path(path)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
+    return atomic_save_png(figure, path)

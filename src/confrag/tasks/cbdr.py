@@ -58,7 +58,7 @@ from confrag.rag.pipeline import check_ks
 from confrag.rag.stats import BINARY_METRICS
 from confrag.retrieval import BM25Retriever, Candidates, DenseRetriever, corpus_from_nq
 from confrag.retrieval.corpus import document_text
-from confrag.tasks.probe import instantiate_list
+from confrag.tasks.probe import task_loggers
 from confrag.tasks.rerank import (
     RerankStage,
     Scorer,
@@ -484,10 +484,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     start = time.perf_counter()
     settings = check_settings(cfg)
     out = output_dir(cfg)
-    run_config = OmegaConf.to_container(cfg, resolve=True)
-    loggers: list[Logger] = instantiate_list(cfg.get("logger"))
-    for logger in loggers:
-        logger.log_hyperparams(run_config)
+    run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(cfg, out, loggers, run_config)
     rows1 = table1(stage.scorers, stage.preferences.splits["test"], cfg.seed)
     stage_seconds = time.perf_counter() - start

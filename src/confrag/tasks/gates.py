@@ -67,7 +67,7 @@ from confrag.rag.stats import BINARY_METRICS
 from confrag.retrieval import Candidates, DenseRetriever, corpus_from_nq
 from confrag.retrieval.candidates import make_candidates
 from confrag.tasks.cbdr import evaluation_rows, split_dev_test
-from confrag.tasks.probe import instantiate_list
+from confrag.tasks.probe import task_loggers
 from confrag.tasks.rerank import RerankStage, Scorer, question_candidates, rerank_stage
 
 log = logging.getLogger(__name__)
@@ -594,10 +594,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     settings = check_settings(cfg)
     gates = {name: build_gate(name, settings.configs[name]) for name in settings.names}
     out = output_dir(cfg)
-    run_config = OmegaConf.to_container(cfg, resolve=True)
-    loggers: list[Logger] = instantiate_list(cfg.get("logger"))
-    for logger in loggers:
-        logger.log_hyperparams(run_config)
+    run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(cfg, out, loggers, run_config)
     llm = load_llm(OmegaConf.to_container(cfg.llm, resolve=True))
     evaluation = evaluate(cfg, settings, stage, gates, llm)

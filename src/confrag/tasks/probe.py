@@ -29,6 +29,15 @@ def instantiate_list(section: DictConfig | None) -> list[Any]:
     return [instantiate(node) for node in section.values() if isinstance(node, DictConfig) and "_target_" in node]
 
 
+def task_loggers(cfg: DictConfig) -> tuple[dict[str, Any], list[Logger]]:
+    """The resolved config and the run's loggers, each already holding that config as hyperparameters."""
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    loggers: list[Logger] = instantiate_list(cfg.get("logger"))
+    for logger in loggers:
+        logger.log_hyperparams(run_config)
+    return run_config, loggers
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     from confrag.train import output_dir
 

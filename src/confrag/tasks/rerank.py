@@ -53,7 +53,7 @@ from confrag.retrieval import (
     retrieve_candidates,
 )
 from confrag.retrieval.candidates import make_candidates
-from confrag.tasks.probe import ensure_probe, instantiate_list
+from confrag.tasks.probe import ensure_probe, instantiate_list, task_loggers
 
 log = logging.getLogger(__name__)
 
@@ -345,10 +345,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     from confrag.train import output_dir
 
     out = output_dir(cfg)
-    run_config = OmegaConf.to_container(cfg, resolve=True)
-    loggers: list[Logger] = instantiate_list(cfg.get("logger"))
-    for logger in loggers:
-        logger.log_hyperparams(run_config)
+    run_config, loggers = task_loggers(cfg)
     result = rerank_stage(cfg, out, loggers, run_config)
     result.rerankers[CONFIDENCE_FT].export(out / "reranker")
     rows = table1(result.scorers, result.preferences.splits["test"], cfg.seed)
