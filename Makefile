@@ -6,7 +6,7 @@ PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: setup demo demo-full test test-all bench clean
+.PHONY: setup demo demo-full test test-all lint bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest $(ARGS)
+
+# ruff's lint and format check (the suite runs `ruff check` too, in tests/test_architecture.py).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: setup
 	for b in extraction preferences reranker cbdr_latency; do $(PY) benchmarks/$$b.py || exit 1; done

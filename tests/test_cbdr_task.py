@@ -13,25 +13,23 @@ from omegaconf import open_dict
 
 from confrag.cbdr import SweepData, default_beta_grid
 from confrag.data.nq import load_nq_jsonl
-from confrag.probe.datamodule import select_questions
+from confrag.data.splits import select_questions, split_dev_test
 from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
 from confrag.rag import QuestionOutcome, load_outcomes_jsonl
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import RagAnswer
-from confrag.tasks.cbdr import (
-    cbdr_results,
-    check_settings,
-    chosen_scorers,
-    evaluation_rows,
-    gold_in_contexts,
-    make_gate,
-    secondary_markdown,
-    slug,
-    split_dev_test,
-)
+from confrag.cbdr.analysis import cbdr_results
+from confrag.reports.cbdr import gold_in_contexts, secondary_markdown
+from confrag.stages.evaluation import chosen_scorers, confidence_gate, evaluation_rows, slug
+from confrag.tasks import cbdr as cbdr_task
 from confrag.train import run_task
 
-from test_configs import check_cbdr_outputs, compose_cfg
+from helpers.runs import check_cbdr_outputs, compose_cfg
+
+
+def check_settings(cfg):
+    """The task's CBDR settings (every setting of the run checked on the way)."""
+    return cbdr_task.check(cfg).cbdr
 
 TINY = ["+experiment=cbdr_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"]
 # The runs that must reuse each other's answers train their rerankers for real (one epoch), so that the second
@@ -83,7 +81,7 @@ def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
 
 def test_evaluation_questions_are_held_out_and_split(first):
     cfg = first.cfg
-    probe_qids = {r.qid for r in select_questions(load_nq_jsonl(cfg.data.nq_path), cfg.probe.data.num_questions, cfg.seed)}
+    probe_qids = {r.qid for r in select_questions(load_nq_jsonl(cfg.probe.data.nq_path), cfg.probe.data.num_questions, cfg.seed)}
     dev, test = set(first.record["eval"]["dev"]), set(first.record["eval"]["test"])
     assert len(dev) + len(test) == cfg.eval.num_questions and not dev & test
     assert not (dev | test) & probe_qids
@@ -138,7 +136,7 @@ def test_another_k_and_beta_grid_generate_no_answer(first):
 @pytest.mark.parametrize("override, message", [
     ("cbdr.beta=1.5", r"cbdr\.beta must be a number in \[0, 1\]"),
     ("cbdr.betas=[0.5,-0.1]", r"cbdr\.betas must be a number in \[0, 1\]"),
-    ("rag.top_k=[1,7]", r"rag\.top_k=\[1, 7\].*data\.top_n=6"),
+    ("rag.top_k=[1,7]", r"rag\.top_k=\[1, 7\].*retrieval\.top_n=6"),
     ("cbdr.top_k=0", r"cbdr\.top_k must be an integer >= 1"),
     ("cbdr.objective=budget", r"cbdr\.objective=budget needs cbdr\.retrieval_budget"),
     ("cbdr.objective=speed", r"cbdr\.objective='speed' is not one of"),
@@ -179,8 +177,8 @@ def test_unknown_reranker_names_list_the_rows(tmp_path):
 def test_evaluation_needs_questions_the_probe_did_not_use(tmp_path):
     cfg = compose_cfg(TINY, tmp_path)
     with pytest.raises(ValueError, match=r"lower probe\.data\.num_questions"):
-        evaluation_rows(cfg, load_nq_jsonl(cfg.data.nq_path))
-    rows = load_nq_jsonl(cfg.data.nq_path, limit=40)
+        evaluation_rows(cfg.probe.data.nq_path, load_nq_jsonl(cfg.probe.data.nq_path), None, cfg.seed)
+    rows = load_nq_jsonl(cfg.probe.data.nq_path, limit=40)
     split = split_dev_test(rows, 0.25, seed=3)
     assert (len(split["dev"]), len(split["test"])) == (10, 30) and split == split_dev_test(rows, 0.25, seed=3)
     assert {r.qid for r in split["dev"]} | {r.qid for r in split["test"]} == {r.qid for r in rows}
@@ -192,10 +190,10 @@ def test_the_gate_refuses_a_probe_of_another_llm(tiny_llama, tiny_qwen2, templat
     cfg = compose_cfg(TINY, tmp_path)
     module = ProbeModule(input_dim=tiny_llama.model.config.hidden_size, layer=2)
     identity = {"llm": tiny_qwen2.identity, "prompts": templates.identity(tiny_qwen2.tokenizer), "layer": 2}
-    stage = SimpleNamespace(probe=SavedProbe(module, {"activations": identity}), corpus=None, retriever=None,
+    stage = SimpleNamespace(probe=SavedProbe(module, {"activations": identity}), retrieval=None,
                             scorers={cfg.cbdr.reranker: None})
     with pytest.raises(ProbeMismatchError, match="llm: trained on"):
-        make_gate(cfg, stage, tiny_llama, templates)
+        confidence_gate(stage, check_settings(cfg), tiny_llama, templates)
 
 
 def outcome(qid: str, confidence: float, closed: bool, rag: bool) -> QuestionOutcome:

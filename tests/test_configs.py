@@ -3,37 +3,29 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers.runs import (
+    EXPERIMENTS,
+    MODEL_DIR,
+    ROOT,
+    check_cbdr_outputs,
+    check_gates_outputs,
+    check_rerank_outputs,
+    compose_cfg,
+)
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
-import confrag.train  # noqa: F401  (registers the confrag_root resolver)
 from confrag.probe.module import load_probe
 from confrag.train import run_task
 
-ROOT = Path(__file__).resolve().parents[1]
-EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 RUNNABLE_HERE = [name for name in EXPERIMENTS if "tiny" in name]
-MODEL_DIR = str(ROOT / ".cache" / "models")
-
-
-def compose_cfg(overrides: list[str], tmp_path: Path):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(tmp_path / "out")
-        cfg.paths.cache_dir = str(tmp_path / "cache")
-        cfg.paths.model_dir = MODEL_DIR
-    return cfg
 
 
 def test_experiment_list_is_complete():
@@ -64,7 +56,7 @@ def test_gpu_experiments_load_the_papers_models(tmp_path):
     for name in ("reranker_llama3", "reranker_qwen2_5", "cbdr_llama3", "cbdr_qwen2_5"):
         cfg = compose_cfg([f"+experiment={name}"], tmp_path)
         assert cfg.model.backbone == "BAAI/bge-reranker-v2-m3" and cfg.model.lr == 6e-5
-        assert cfg.model.weight_decay == 0.01 and cfg.trainer.max_epochs == 1 and cfg.data.pref_reference == "qa"
+        assert cfg.model.weight_decay == 0.01 and cfg.trainer.max_epochs == 1 and cfg.preferences.reference == "qa"
     for name, repo in (("cbdr_llama3", "meta-llama/Meta-Llama-3-8B-Instruct"), ("cbdr_qwen2_5", "Qwen/Qwen2.5-7B-Instruct")):
         cfg = compose_cfg([f"+experiment={name}"], tmp_path)
         assert cfg.task_name == "cbdr" and cfg.llm.repo_id == repo and list(cfg.rag.top_k) == [1, 3]
@@ -112,48 +104,6 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     assert confidence.shape == (3,) and ((0 <= confidence) & (confidence <= 1)).all()
 
 
-def check_gates_outputs(out: Path, names: list[str]) -> None:
-    """gates.md with a table per context condition, the PNG it shows, every gate's row on both conditions."""
-    report = (out / "gates.md").read_text()
-    for heading in ("## Clean contexts", "## Conflicting contexts", "## Config"):
-        assert heading in report
-    assert "| Gate | n | Accuracy" in report and "![gates](gates.png)" in report
-    assert (out / "gates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = json.loads((out / "metrics.json").read_text())["table"]
-    for condition in ("clean", "conflicting"):
-        assert [r["gate"] for r in table if r["contexts"] == condition] == names
-
-
-def check_rerank_outputs(out: Path) -> None:
-    """NQ_Rerank rows (JSONL + Arrow), its report, Table 1 with the rows the issue names, an export."""
-    rows = [json.loads(line) for line in (out / "nq_rerank" / "train.jsonl").read_text().splitlines()]
-    assert rows and set(rows[0]) == {"qid", "query", "pos", "neg", "pos_scores", "neg_scores", "prompt"}
-    assert all(min(r["pos_scores"]) > 0 > max(r["neg_scores"]) for r in rows)
-    assert (out / "nq_rerank" / "test_arrow").is_dir()
-    report = json.loads((out / "nq_rerank" / "report.json").read_text())
-    assert set(report["by_reference"]) == {"qa", "rag_empty"} and report["examples"]
-    table = json.loads((out / "metrics.json").read_text())["table1"]
-    assert [r["system"] for r in table] == ["BM25", "cross-encoder (untuned)", "cross-encoder + relevance FT",
-                                            "cross-encoder + confidence-shift FT (ours)"]
-    assert all(0 <= r["MRR@5"] <= 100 for r in table)
-    assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
-
-
-def check_cbdr_outputs(out: Path) -> None:
-    """report.md with Tables 1-3, the β curve it shows, the chosen β and the config; per-question outcomes."""
-    report = (out / "report.md").read_text()
-    for heading in ("## Table 1", "## Table 2", "## Table 3", "## β chosen on dev", "## Config"):
-        assert heading in report
-    assert "| Reranker | P@1 |" in report and "| LLM | Reranker | NQ Top-1 |" in report
-    assert "| Reranker | NQ Top-1 | NQ Top-3 | β | RR (%) ↓ |" in report
-    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
-        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "beta_curve_full.png" in report
-    record = json.loads((out / "metrics.json").read_text())
-    assert {"table1", "table2", "table3", "sweep", "chosen_beta", "flips", "answers"} <= set(record)
-    assert sorted((out / "outcomes" / "nq").glob("*.jsonl"))
-
-
 def test_checkpoint_carries_resolved_config(tmp_path):
     cfg = compose_cfg(["+experiment=probe_tiny_llama", "trainer.max_epochs=1", "logger=csv"], tmp_path)
     run_task(cfg)
@@ -195,11 +145,11 @@ def test_missing_nq_file_names_the_path_and_the_setting(tmp_path):
 
 
 def test_tau_and_k_sweep_reuses_probe_and_candidate_states(tmp_path):
-    """`-m model.tau=… data.pref_top_k=…` computes the probe data and the candidate states once; the
+    """`-m model.tau=… preferences.top_k=…` computes the probe data and the candidate states once; the
     jobs after the first only rebuild rows (from cached confidences) and retrain the reranker."""
     cache, logs = tmp_path / "cache", tmp_path / "logs"
     command = [sys.executable, "train.py", "-m", "+experiment=reranker_tiny_llama", "model.tau=0.1,1.0",
-               "data.pref_top_k=1,2", "data.relevance_baseline=false", "trainer.fast_dev_run=true", "logger=csv",
+               "preferences.top_k=1,2", "preferences.relevance_baseline=false", "trainer.fast_dev_run=true", "logger=csv",
                f"paths.cache_dir={cache}", f"paths.model_dir={MODEL_DIR}", f"paths.log_dir={logs}"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -209,9 +159,9 @@ def test_tau_and_k_sweep_reuses_probe_and_candidate_states(tmp_path):
     jobs = sorted((logs / "rerank" / "multiruns").glob("*/[0-9]*"))
     assert len(jobs) == 4
     settings = {(OmegaConf.load(j / "config_resolved.yaml").model.tau,
-                 OmegaConf.load(j / "config_resolved.yaml").data.pref_top_k) for j in jobs}
+                 OmegaConf.load(j / "config_resolved.yaml").preferences.top_k) for j in jobs}
     assert settings == {(0.1, 1), (0.1, 2), (1.0, 1), (1.0, 2)}
     for job in jobs:
-        k = OmegaConf.load(job / "config_resolved.yaml").data.pref_top_k
+        k = OmegaConf.load(job / "config_resolved.yaml").preferences.top_k
         rows = [json.loads(line) for line in (job / "nq_rerank" / "train.jsonl").read_text().splitlines()]
         assert rows and max(len(r["pos"]) for r in rows) <= k and max(len(r["neg"]) for r in rows) <= k

@@ -19,10 +19,17 @@ from confrag.gates import Decision, MissingTrainingDataError
 from confrag.gates.evaluation import quantile_grid, score_decisions, wall_time_per_question
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
-from confrag.tasks.gates import CONDITIONS, build_gate, check_settings, conflicting_candidates
+from confrag.gates.settings import gate_from_config
+from confrag.stages.gate_comparison import CONDITIONS, conflicting_candidates
+from confrag.tasks import gates as gates_task
 from confrag.train import run_task
 
-from test_configs import check_gates_outputs, compose_cfg
+from helpers.runs import check_gates_outputs, compose_cfg
+
+
+def check_settings(cfg):
+    """The task's gate settings (every setting of the run checked on the way)."""
+    return gates_task.check(cfg).gates
 
 TINY = ["+experiment=gates_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"]
 R, P, X = Decision.RETRIEVE, Decision.PARAMETRIC, Decision.REFUSE
@@ -127,7 +134,7 @@ def test_unknown_gate_group_option_lists_the_available_ones(tmp_path):
     ("gates.configs.skr_knn.threshold=-0.1", r"gates\.configs\.skr_knn: gate\.threshold=-0\.1 is out of range"),
     ("gates.curves.skr_knn.values=[0.5,2.0]", r"gates\.configs\.skr_knn: gate\.threshold=2\.0 is out of range"),
     ("gates.curves.cbdr.param=gamma", r"gates\.curves\.cbdr\.param='gamma'.*parameters: \['beta'\]"),
-    ("gates.top_k=50", r"gates\.top_k=50 asks for more contexts than the data\.top_n=6"),
+    ("gates.top_k=50", r"gates\.top_k=50 asks for more contexts than the retrieval\.top_n=6"),
     ("gates.metric=f1", r"gates\.metric='f1' is not one of"),
 ])
 def test_bad_settings_name_their_key(tmp_path, override, message):
@@ -137,7 +144,7 @@ def test_bad_settings_name_their_key(tmp_path, override, message):
 
 def test_a_learning_gate_without_training_data_names_the_stage_that_produces_it(tmp_path):
     settings = check_settings(compose_cfg(TINY, tmp_path))
-    gate = build_gate("skr_knn", settings.configs["skr_knn"])
+    gate = gate_from_config("skr_knn", settings.configs["skr_knn"])
     with pytest.raises(MissingTrainingDataError, match="RAG pipeline's cached per-question outcomes"):
         gate.fit(None)
 

@@ -23,12 +23,14 @@ from confrag.probe.module import ProbeModule
 from confrag.rag import load_outcomes_jsonl
 from confrag.reranker.module import RerankerModule
 from confrag.retrieval import DenseRetriever, corpus_from_nq
-from confrag.tasks.cbdr import slug
-from confrag.tasks.rerank import CONFIDENCE_FT, load_reranker
+from confrag.recipes import reranker_recipe
+from confrag.stages.evaluation import slug
+from confrag.stages.rerank import CONFIDENCE_FT
+from confrag.stages.rerankers import load_reranker
 from confrag.train import run_task
 
 from conftest import TINY_SHAPE
-from test_configs import check_gates_outputs, compose_cfg
+from helpers.runs import check_gates_outputs, compose_cfg
 
 pytestmark = pytest.mark.gpu
 
@@ -193,7 +195,7 @@ def test_probe_task_trains_on_the_gpu(tmp_path, devices):
 def test_rerank_task_trains_and_scores_on_the_gpu(tmp_path, devices):
     # bf16-mixed, as conf/experiment/reranker_llama3.yaml trains.
     cfg = compose_cfg(["+experiment=reranker_tiny_llama", *GPU_WITH_PROBE, "+trainer.precision=bf16-mixed",
-                       "data.bi_encoder=true"], tmp_path)
+                       "retrieval.bi_encoder=true"], tmp_path)
     out, record = run_timed(cfg, "reranker_tiny_llama on cuda (bf16-mixed)")
     assert devices["ProbeModule.training_step"] == devices["RerankerModule.training_step"] == {"cuda"}
     assert devices["HiddenStateEngine.extract_ids"] == {"cuda"}
@@ -205,7 +207,7 @@ def test_rerank_task_trains_and_scores_on_the_gpu(tmp_path, devices):
     if record["training"]["confidence_shift"]["steps"] >= cfg.trainer.log_every_n_steps:
         assert "train/loss" in csv_columns(out)
     # The exported reranker scores the same on both devices (fp32 inference).
-    reranker = load_reranker(cfg.model, out / "reranker")
+    reranker = load_reranker(reranker_recipe(cfg), out / "reranker")
     rows = [json.loads(line) for line in (out / "nq_rerank" / "test.jsonl").read_text().splitlines()]
     queries = [row["query"] for row in rows for _ in row["pos"] + row["neg"]]
     passages = [passage for row in rows for passage in row["pos"] + row["neg"]]

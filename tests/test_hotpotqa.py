@@ -93,7 +93,7 @@ def test_bad_hf_line_names_file_and_line(tmp_path):
 
 
 def test_file_level_errors(tmp_path):
-    with pytest.raises(DataFormatError, match=r"not found; set the path with the `data.hotpotqa_path`"):
+    with pytest.raises(DataFormatError, match=r"not found; set the path with the `eval.hotpotqa_path`"):
         load_hotpotqa(tmp_path / "missing.json")
     duplicate = write_official(tmp_path, official_rows()[:1] * 2)
     with pytest.raises(DataFormatError, match=r"row 1 \(0-based\): duplicate id '5a8b0001fixture0001'"):

@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.preferences import build_rows, confidence_shifts
+from confrag.preferences import build_rows, confidence_shifts, relevance_rows
 from confrag.probe.module import ProbeModule, SavedProbe
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
-from confrag.tasks.rerank import relevance_rows, without_duplicates
+from confrag.stages.retrieval import without_duplicates
+from confrag.train import run_task
+
+from helpers.runs import compose_cfg
 
 LAYER = 2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Interrupted(RuntimeError):
@@ -103,22 +105,15 @@ def test_duplicate_candidate_passages_are_removed_and_counted():
 
 @pytest.mark.parametrize("override, message", [
     ("model.tau=0", "model.tau must be > 0"),
-    ("data.pref_top_k=0", "data.pref_top_k must be >= 1"),
-    ("data.retriever=sparse", "data.retriever='sparse' is not one of"),
-    ("data.pref_reference=gold", "data.pref_reference='gold' is not one of"),
-    ("data.group_size=1", "data.group_size must be >= 2"),
+    ("preferences.top_k=0", "preferences.top_k must be an integer >= 1"),
+    ("retrieval.retriever=sparse", "retrieval.retriever='sparse' is not one of"),
+    ("preferences.reference=gold", "preferences.reference='gold' is not one of"),
+    ("data.group_size=1", "data.group_size must be an integer >= 2"),
+    ("preferences.test_fraction=1.5", r"preferences.test_fraction must be in \(0, 1\)"),
 ])
-def test_bad_settings_fail_before_any_stage_runs(override, message, tmp_path, monkeypatch):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    import confrag.train  # noqa: F401  (registers the confrag_root resolver)
-    from confrag.tasks import rerank
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["+experiment=reranker_tiny_llama", override,
-                                                      f"paths.cache_dir={tmp_path}"])
-    monkeypatch.setattr(rerank, "ensure_probe", lambda *a, **k: pytest.fail("the probe stage ran"))
+def test_bad_settings_fail_before_any_stage_runs(override, message, tmp_path):
+    cfg = compose_cfg(["+experiment=reranker_tiny_llama", override, "logger=csv"], tmp_path)
     with pytest.raises(ValueError, match=message):
-        rerank.rerank_stage(cfg, tmp_path, [])
+        run_task(cfg)
+    assert not (tmp_path / "cache").exists()  # nothing computed
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # no run files either

@@ -18,3 +18,15 @@ def default_cache_dir() -> Path:
     """`$CONFRAG_CACHE` if set, else `<project root>/.cache` (ignored by git)."""
     env = os.environ.get("CONFRAG_CACHE")
     return Path(env) if env else project_root() / ".cache"
+
+
+def register_resolvers() -> None:
+    """`${confrag_root:}` in the configs (conf/paths/default.yaml): the project root, wherever Python runs."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("confrag_root"):
+        OmegaConf.register_new_resolver("confrag_root", lambda: str(project_root()))
+
+
+# Registered on import, so that anything composing the configs (train.py, tests, notebooks) has it.
+register_resolvers()

@@ -106,7 +106,7 @@ def select_preferences(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int
     """Indices of the top-K contexts with Inc > 0 (largest first) and with Inc < 0 (smallest first).
     Ties keep the retrieval order."""
     if top_k < 1:
-        raise ValueError(f"data.pref_top_k must be >= 1 (got {top_k})")
+        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
     order_pos = sorted((i for i in range(len(inc)) if inc[i] > 0), key=lambda i: -inc[i])
     order_neg = sorted((i for i in range(len(inc)) if inc[i] < 0), key=lambda i: inc[i])
     return order_pos[:top_k], order_neg[:top_k]
@@ -116,7 +116,7 @@ def build_rows(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, r
                top_k: int) -> tuple[list[dict], dict[str, int]]:
     """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts."""
     if reference not in REFERENCES:
-        raise ValueError(f"data.pref_reference={reference!r} is not one of {REFERENCES}")
+        raise ValueError(f"preferences.reference={reference!r} is not one of {REFERENCES}")
     rows, drops = [], {"no_positive": 0, "no_negative": 0, "neither": 0}
     for i, cs in enumerate(candidate_sets):
         inc = shifts.candidates[i] - shifts.reference[reference][i]
@@ -190,9 +190,23 @@ def _examples(candidate_sets, shifts, reference, count: int = 3) -> list[dict]:
     return examples
 
 
+def relevance_rows(candidate_sets: Sequence[Candidates], qids: set[str], top_k: int) -> list[dict]:
+    """The ablation's labels: passages holding a gold answer are positives, the others negatives (the
+    top-K of each in retrieval order); questions lacking either are left out."""
+    rows = []
+    for c in candidate_sets:
+        if c.qid not in qids:
+            continue
+        pos = [document_text(p) for p, hit in zip(c.passages, c.has_answer) if hit][:top_k]
+        neg = [document_text(p) for p, hit in zip(c.passages, c.has_answer) if not hit][:top_k]
+        if pos and neg:
+            rows.append({"qid": c.qid, "query": c.question, "pos": pos, "neg": neg, "prompt": RERANK_INSTRUCTION})
+    return rows
+
+
 def split_by_question(rows: list[dict], test_fraction: float, seed: int) -> dict[str, list[dict]]:
     if not 0 < test_fraction < 1:
-        raise ValueError(f"data.pref_test_fraction must be in (0, 1) (got {test_fraction})")
+        raise ValueError(f"preferences.test_fraction must be in (0, 1) (got {test_fraction})")
     qids = sorted({r["qid"] for r in rows})
     rng = np.random.default_rng(seed)
     test = set(rng.permutation(qids)[: round(len(qids) * test_fraction)].tolist())

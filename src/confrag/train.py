@@ -1,66 +1,47 @@
-"""Entry point shared by `python train.py` and `confrag-train`: picks the task named in the config."""
+"""Entry point shared by `python train.py` and `confrag-train`: picks the task named in the config.
+
+Each task module (`confrag.tasks.<name>`) has `check(cfg)`, every setting it and its stages read checked
+before the run folder gets a file, and `run(cfg)`, which returns the run's metrics.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
-from pathlib import Path
-from typing import Callable
+from types import ModuleType
 
 import lightning as L
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from confrag.paths import project_root
+from confrag.instantiators import output_dir
+from confrag.paths import project_root, register_resolvers
 from confrag.run_info import save_run_info
+from confrag.tasks import cbdr, gates, probe, rerank
 
-log = logging.getLogger(__name__)
-
-if not OmegaConf.has_resolver("confrag_root"):
-    OmegaConf.register_new_resolver("confrag_root", lambda: str(project_root()))
-
-
-def _tasks() -> dict[str, Callable[[DictConfig], dict]]:
-    from confrag.tasks import cbdr, gates, probe, rerank
-
-    return {"probe": probe.run, "rerank": rerank.run, "cbdr": cbdr.run, "gates": gates.run}
-
-
-def output_dir(cfg: DictConfig) -> Path:
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
-    return Path(cfg.paths.output_dir)
-
-
-def _setting_checks(task_name: str) -> list[Callable[[DictConfig], object]]:
-    """The checks a task runs on its settings, in stage order (a later task includes the earlier stages)."""
-    from confrag.tasks import cbdr, gates, rerank
-
-    order = {"rerank": [rerank.check_settings], "cbdr": [rerank.check_settings, cbdr.check_settings]}
-    order["gates"] = [*order["cbdr"], gates.check_settings]
-    return order.get(task_name, [])
+TASKS: dict[str, ModuleType] = {"probe": probe, "rerank": rerank, "cbdr": cbdr, "gates": gates}
 
 
 def run_task(cfg: DictConfig) -> float | None:
-    """Run the configured task; the W&B run is finished whatever happens, so multiruns log one run per job."""
-    tasks = _tasks()
-    if cfg.task_name not in tasks:
-        raise ValueError(f"task_name={cfg.task_name!r} is not one of {sorted(tasks)}")
+    """Run the configured task; the W&B run is finished whatever happens, so multiruns log one run per job.
+    Returns `optimized_metric` for sweepers (Optuna); a name the task does not log is an error."""
+    if cfg.task_name not in TASKS:
+        raise ValueError(f"task_name={cfg.task_name!r} is not one of {sorted(TASKS)}")
+    task = TASKS[cfg.task_name]
     # A single-process job should not fight the LLM's intra-op threads with Lightning workers.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     L.seed_everything(cfg.seed, workers=True)
-    for check in _setting_checks(cfg.task_name):  # a bad value fails before the run folder gets any file
-        check(cfg)
-    out = output_dir(cfg)
-    save_run_info(cfg, out)
+    task.check(cfg)  # a bad value fails before the run folder gets any file
+    save_run_info(cfg, output_dir(cfg))
     try:
-        metrics = tasks[cfg.task_name](cfg)
+        metrics = task.run(cfg)
     finally:
         _finish_wandb()
     metric_name = cfg.get("optimized_metric")
-    if metric_name and metric_name in metrics:
-        return float(metrics[metric_name])
-    return None
+    if not metric_name:
+        return None
+    if metric_name not in metrics:
+        raise ValueError(f"optimized_metric={metric_name!r} is not a metric of task {cfg.task_name!r}; it logs "
+                         f"{sorted(metrics)}")
+    return float(metrics[metric_name])
 
 
 def _finish_wandb() -> None:
@@ -75,9 +56,9 @@ def _finish_wandb() -> None:
 def main() -> None:
     import hydra
 
-    config_dir = str(project_root() / "conf")
+    register_resolvers()
 
-    @hydra.main(version_base="1.3", config_path=config_dir, config_name="train")
+    @hydra.main(version_base="1.3", config_path=str(project_root() / "conf"), config_name="train")
     def _main(cfg: DictConfig) -> float | None:
         return run_task(cfg)
 

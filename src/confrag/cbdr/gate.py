@@ -201,3 +201,24 @@ def evaluate_gate(gate: ConfidenceGate, questions: Sequence[str], gold: Sequence
             "accuracy": sum(r["has_answer"] for r in records) / n, "em": sum(r["em"] for r in records) / n,
             "f1": sum(r["f1"] for r in records) / n, "retrieval_rate": sum(r["retrieved"] for r in records) / n,
             "records": records}
+
+
+def gate_check(gate: ConfidenceGate, rows: Sequence[Any], outcomes: Sequence[Any], k: int) -> dict[str, Any]:
+    """The gate run live on `rows` (QARow) against what the β sweep assumes from the cached outcomes
+    (QuestionOutcome) at the same β: its decision (from its own Conf) and its answer (closed-book or top-K RAG)."""
+    if not rows:
+        return {}
+    by_qid = {o.qid: o for o in outcomes}
+    results = gate.answer_batch([row.question for row in rows])
+    records = []
+    for row, result in zip(rows, results):
+        cached = by_qid[row.qid]
+        expect_retrieve = bool(should_retrieve(cached.confidence, gate.beta))
+        expected = cached.rag[k].answer if expect_retrieve else cached.closed_book.answer
+        records.append({"qid": row.qid, "confidence_live": result.confidence, "confidence_batch": cached.confidence,
+                        "decision_agrees": result.retrieved == expect_retrieve, "answer_agrees": result.answer == expected})
+    return {"questions": len(records), "beta": gate.beta, "k": k,
+            "decisions_agree": sum(r["decision_agrees"] for r in records),
+            "answers_agree": sum(r["answer_agrees"] for r in records),
+            "max_confidence_difference": max(abs(r["confidence_live"] - r["confidence_batch"]) for r in records),
+            "records": records}

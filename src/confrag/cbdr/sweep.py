@@ -39,6 +39,28 @@ def check_betas(betas: Sequence[float] | None, key: str = "cbdr.betas") -> np.nd
     return np.asarray(values, dtype=np.float64)
 
 
+def beta_grid(betas: Any, step: Any) -> np.ndarray:
+    """`cbdr.betas` when it lists thresholds; else 0 to 0.90 by `cbdr.beta_step`, then 0.90 to 1.00 by 0.01
+    (with step 0.05, the papers' range and `default_beta_grid()`)."""
+    if betas is not None:
+        return check_betas(list(betas) if isinstance(betas, (list, tuple)) else [betas], "cbdr.betas")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 0.9:
+        raise ValueError(f"cbdr.beta_step must be a number in (0, 0.9] (the grid's step below 0.90), or set "
+                         f"cbdr.betas; got {step!r}")
+    coarse = np.arange(0.0, 0.9 - 1e-9, step)
+    return np.unique(np.round(np.concatenate([coarse, 0.90 + np.arange(11) * 0.01]), 6))
+
+
+def with_conf_quantiles(grid: np.ndarray, dev_confidence: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The grid plus `count` evenly spaced quantiles of the dev split's Conf(H(Q)) (rounded to 1e-4), and those
+    quantiles. A probe may squeeze every confidence into a band narrower than the grid's step; its quantiles
+    put thresholds inside the band. Only dev confidences are read, and no label, so test stays unseen."""
+    if count == 0:
+        return grid, np.zeros(0)
+    quantiles = np.round(np.quantile(dev_confidence, np.arange(1, count + 1) / (count + 1)), 4)
+    return np.unique(np.concatenate([grid, quantiles])), quantiles
+
+
 @dataclass
 class SweepData:
     """Per-question arrays for the sweep, aligned by position."""

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 
 from confrag.data.nq import DataFormatError, Passage, QARow, _numbered_lines, _RowCollector, _check_limit
 
-HOTPOTQA_PATH_KEY = "data.hotpotqa_path"
+HOTPOTQA_PATH_KEY = "eval.hotpotqa_path"
 _SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
 _SHAPES = ('official {"_id", "question", "answer", "supporting_facts": [[title, sent_id], ...], '
            '"context": [[title, [sentences]], ...]} or Hugging Face {"id", "question", "answer", '

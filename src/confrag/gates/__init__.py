@@ -18,7 +18,8 @@ from confrag.gates.base import (
 )
 from confrag.gates.bridge import BridgeGate
 from confrag.gates.ccsk import CCSKGate
-from confrag.gates.ctrla import ConfidenceDirection, CtrlAGate
+from confrag.gates.ctrla import CtrlAGate
+from confrag.gates.directions import ConfidenceDirection
 from confrag.gates.dragin import DraginGate
 from confrag.gates.simple import AlwaysGate, CBDRGate, NeverGate
 from confrag.gates.skr import SKRKnnGate

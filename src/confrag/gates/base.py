@@ -17,14 +17,13 @@ import abc
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
 from confrag.artifacts import fingerprint
+from confrag.gates.directions import ConfidenceDirection
 
-if TYPE_CHECKING:  # only for annotations; ctrla imports this module
-    from confrag.gates.ctrla import ConfidenceDirection
 
 
 class Decision(str, Enum):
@@ -146,7 +145,7 @@ class GateTrainingData:
     rag_correct: np.ndarray | None = None  # (n,) bool
     answers: list[tuple[str, ...]] | None = None  # gold answers, first = the "best answer"
     answer_embedding: np.ndarray | None = None  # (n, d): embedding of each first gold answer
-    confidence_direction: "ConfidenceDirection | None" = None
+    confidence_direction: ConfidenceDirection | None = None
     split: str = "train"
 
     def __post_init__(self) -> None:

@@ -14,12 +14,12 @@ before answering, on the QA prompt's last token (the state the CBDR probe reads)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
+from confrag.gates.directions import ConfidenceDirection, direction_from_states
 
 
 # CtrlA follows representation engineering: the same content under opposite personas.
@@ -31,44 +31,6 @@ def check_template(key: str, template: str) -> str:
     if not isinstance(template, str) or "{question}" not in template:
         raise ValueError(f"{key} must be a string containing {{question}}; got {template!r}")
     return template
-
-
-@dataclass(frozen=True)
-class ConfidenceDirection:
-    layers: tuple[int, ...]
-    directions: np.ndarray  # (len(layers), d), unit rows
-    centers: np.ndarray  # (len(layers), d)
-
-    def project(self, hidden_states: np.ndarray, hidden_layers: Sequence[int]) -> np.ndarray:
-        """(n,) scores of states (len(hidden_layers), n, d); every direction layer must be present."""
-        hidden_layers = [int(layer) for layer in hidden_layers]
-        missing = [layer for layer in self.layers if layer not in hidden_layers]
-        if missing:
-            raise ValueError(f"the confidence direction is at layers {list(self.layers)}; signals.hidden_states "
-                             f"lack layer(s) {missing} (they hold {hidden_layers})")
-        states = np.stack([np.asarray(hidden_states[hidden_layers.index(layer)], dtype=np.float64)
-                           for layer in self.layers])
-        return np.einsum("lnd,ld->n", states - self.centers[:, None, :], self.directions) / len(self.layers)
-
-
-def direction_from_states(confident: np.ndarray, unconfident: np.ndarray, layers: Sequence[int]) -> ConfidenceDirection:
-    """Direction from paired states of shape (len(layers), n_pairs, d)."""
-    confident = np.asarray(confident, dtype=np.float64)
-    unconfident = np.asarray(unconfident, dtype=np.float64)
-    if confident.shape != unconfident.shape or confident.ndim != 3 or confident.shape[0] != len(layers):
-        raise ValueError(f"confident and unconfident states must both have shape (len(layers)={len(layers)}, "
-                         f"pairs, d); got {confident.shape} and {unconfident.shape}")
-    if confident.shape[1] < 1:
-        raise ValueError("at least one contrastive prompt pair is needed")
-    directions = []
-    for diff in confident - unconfident:
-        _, _, vt = np.linalg.svd(diff, full_matrices=False)
-        direction = vt[0]
-        if diff.mean(axis=0) @ direction < 0:
-            direction = -direction
-        directions.append(direction)
-    centers = (confident + unconfident).mean(axis=1) / 2
-    return ConfidenceDirection(layers=tuple(int(x) for x in layers), directions=np.stack(directions), centers=centers)
 
 
 class CtrlAGate(Gate):

@@ -17,7 +17,8 @@ from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
 from confrag.artifacts import ActivationStore
-from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.data.nq import load_nq_jsonl
+from confrag.data.splits import select_questions
 from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import ConfidenceData, Example, activation_identity, build_confidence_data
@@ -38,16 +39,6 @@ class ActivationDataset(Dataset):
         example = self.examples[i]
         hidden = self.stores[example.kind].get(self.layer, example.index)
         return torch.from_numpy(hidden), torch.tensor(example.label, dtype=torch.long)
-
-
-def select_questions(rows: Sequence[QARow], num_questions: int | None, seed: int) -> list[QARow]:
-    """A seeded sample of `num_questions` rows, kept in file order (all rows when None)."""
-    if num_questions is None or num_questions >= len(rows):
-        return list(rows)
-    if num_questions < 2:
-        raise ValueError(f"data.num_questions must be >= 2 (got {num_questions})")
-    chosen = np.sort(np.random.default_rng(seed).choice(len(rows), num_questions, replace=False))
-    return [rows[i] for i in chosen]
 
 
 class NQConfidenceDataModule(LightningDataModule):

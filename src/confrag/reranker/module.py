@@ -26,7 +26,8 @@ from torch import nn
 
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
-from confrag.reranker.data import CROSS_ENCODER, QWEN3_YES_NO, pair_encoder
+from confrag.reranker.data import pair_encoder
+from confrag.reranker.tokenization import CROSS_ENCODER, QWEN3_YES_NO
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import RankingMetrics
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from confrag.reranker.data import EncodedPairs, _cut_queries, pair_max_length
+from confrag.reranker.tokenization import EncodedPairs, cut_queries, pair_max_length
 
 __all__ = ["PREFIX", "SUFFIX", "BODY", "DEFAULT_INSTRUCTION", "LORA_TARGETS", "YesNoScorer", "answer_token_ids",
            "encode_yes_no_pairs", "load_yes_no_scorer", "lora_settings"]
@@ -73,7 +73,7 @@ def encode_yes_no_pairs(tokenizer, queries: Sequence[str], passages: Sequence[st
     overhead = len(prefix) + len(suffix) + len(frame)
     max_length = min(pair_max_length(tokenizer, query_max_len, passage_max_len),
                      int(tokenizer.model_max_length) - overhead)
-    cut_q, q_len = _cut_queries(tokenizer, list(dict.fromkeys(queries)), query_max_len)
+    cut_q, q_len = cut_queries(tokenizer, list(dict.fromkeys(queries)), query_max_len)
     unique_p = list(dict.fromkeys(passages))
     offsets = dict(zip(unique_p, tokenizer(unique_p, add_special_tokens=False, return_offsets_mapping=True,
                                            verbose=False)["offset_mapping"]))

@@ -161,7 +161,7 @@ def load_candidates_jsonl(path: str | os.PathLike[str]) -> list[Candidates]:
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataFormatError(f"candidates file {path} {reason}; set it with the `data.candidates_path` config value")
+        raise DataFormatError(f"candidates file {path} {reason}; set it with the `retrieval.candidates_path` config value")
     first_line_of: dict[str, int] = {}
     out: list[Candidates] = []
     with contextlib.closing(_numbered_lines(path)) as lines:

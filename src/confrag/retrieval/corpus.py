@@ -59,7 +59,7 @@ def document_text(passage: CorpusPassage) -> str:
 
 def check_words_per_passage(words_per_passage: int) -> None:
     if isinstance(words_per_passage, bool) or not isinstance(words_per_passage, int) or words_per_passage < 1:
-        raise ValueError(f"data.words_per_passage must be an integer >= 1; got {words_per_passage!r}")
+        raise ValueError(f"retrieval.words_per_passage must be an integer >= 1; got {words_per_passage!r}")
 
 
 def split_passages(
@@ -147,7 +147,7 @@ def load_corpus_jsonl(path: str | os.PathLike[str], words_per_passage: int = DEF
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataFormatError(f"corpus file {path} {reason}; set it with the `data.corpus_path` config value")
+        raise DataFormatError(f"corpus file {path} {reason}; set it with the `retrieval.corpus_path` config value")
     first_line_of: dict[str, int] = {}
     passages: list[CorpusPassage] = []
     # closing(): an error mid-file must close the (possibly gzip) handle now, not at garbage collection.

@@ -1,0 +1,122 @@
+"""The validated `gates` node (and `gate=<name>`): which gates run, each gate's `_target_` config, the
+threshold curves, the answer and timing settings. Every gate is built once here, so a bad value fails
+before anything expensive runs, named by its key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from confrag.gates import GATES, BridgeGate, Gate
+from confrag.rag.stats import BINARY_METRICS
+
+
+@dataclass(frozen=True)
+class CurveSpec:
+    param: str  # the constructor parameter swept (cbdr: beta; dragin, ctrla, skr_knn: threshold)
+    values: tuple[float, ...] | None  # None: quantiles of the gate's own score on the test questions
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    names: tuple[str, ...]
+    configs: dict[str, dict[str, Any]]  # gates.configs.<name>: the `_target_` node of conf/gate/<name>.yaml
+    top_k: int
+    reranker: str
+    metric: str
+    curves: dict[str, CurveSpec]
+    curve_points: int
+    timing_questions: int
+    draft_max_new_tokens: int
+    internal_max_new_tokens: int
+    batch_size: int
+    n_resamples: int
+
+    def build(self, name: str, **overrides: Any) -> Gate:
+        return gate_from_config(name, self.configs[name], **overrides)
+
+
+def gate_from_config(name: str, config: dict[str, Any], **overrides: Any) -> Gate:
+    """The gate of `gates.configs.<name>` (with `overrides`); a bad value is reported under that key."""
+    try:
+        gate = instantiate({**config, **overrides}, _convert_="all")
+    except Exception as err:  # Hydra wraps the constructor's ValueError; show the constructor's message
+        raise ValueError(f"gates.configs.{name}: {err.__cause__ or err}") from err
+    if not isinstance(gate, Gate):
+        raise ValueError(f"gates.configs.{name} builds a {type(gate).__name__}, not a gate; its _target_ must be one "
+                         f"of {', '.join(f'{c.__module__}.{c.__name__}' for c in GATES.values())}")
+    return gate
+
+
+def selected_gate(gate_node: DictConfig, configs: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The gate chosen with `gate=<name>` (conf/gate/<name>.yaml, plus any `gate.<key>=` overrides), named as
+    in gates.configs by its _target_ (a gate of the user's own keeps its class name)."""
+    node = OmegaConf.to_container(gate_node, resolve=True)
+    target = node.get("_target_") if isinstance(node, dict) else None
+    if not target:
+        raise ValueError(f"gate: expected a gate config with a _target_ (gate=<name>, one of "
+                         f"{', '.join(sorted(configs))}); got {node!r}")
+    same = [name for name, config in configs.items() if config.get("_target_") == target]
+    return (same[0] if same else str(target).rsplit(".", 1)[-1]), node
+
+
+def _int(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}; got {value!r}")
+    return value
+
+
+def gate_settings(section: DictConfig | None, gate_node: DictConfig | None, top_n: int,
+                  candidates_file: bool) -> GateSettings:
+    """Every bad value of the `gates` section, named by its key, before anything expensive runs."""
+    if section is None:
+        raise ValueError("task gates needs a `gates` section: compose conf/gates/default.yaml (see "
+                         "conf/experiment/gates_smollm2.yaml)")
+    configs = OmegaConf.to_container(section.configs, resolve=True)
+    names = [str(n) for n in section.names]
+    if gate_node is not None:  # `gate=<name>` on the command line: that gate between the two bounds
+        name, configs[name] = selected_gate(gate_node, configs)
+        names = list(dict.fromkeys(["always", "never", name]))
+    if not names:
+        raise ValueError(f"gates.names is empty; available gates: {', '.join(sorted(configs))}")
+    for name in names:
+        if name not in configs:
+            raise ValueError(f"unknown gate {name!r} in gates.names; available gates: {', '.join(sorted(configs))} "
+                             f"(each gates.configs.<name>, from conf/gate/<name>.yaml)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"gates.names lists a gate twice: {names}")
+    gates = {name: gate_from_config(name, configs[name]) for name in names}
+    curves = {}
+    curve_section = section.get("curves")
+    for name, spec in (OmegaConf.to_container(curve_section, resolve=True) if curve_section else {}).items():
+        if name not in gates:  # a curve of a gate that is not run this time
+            continue
+        if isinstance(gates[name], BridgeGate):
+            raise ValueError("gates.curves.bridge: BRIDGE's FA answers are new generations for every new decision, so "
+                             "its curve cannot come from cached answers; curves are for cbdr, dragin, ctrla, skr_knn")
+        param = spec.get("param")
+        if param not in configs[name] or param == "_target_":
+            raise ValueError(f"gates.curves.{name}.param={param!r} is not a parameter of gates.configs.{name}; "
+                             f"parameters: {sorted(k for k in configs[name] if k != '_target_')}")
+        values = spec.get("values")
+        if values is not None:
+            values = tuple(float(v) for v in values)
+            for value in values:  # out-of-range thresholds fail here, named by the gate's config key
+                gate_from_config(name, configs[name], **{param: value})
+        curves[name] = CurveSpec(param, values)
+    top_k = _int(section.top_k, "gates.top_k", 1)
+    if top_k > top_n and not candidates_file:
+        raise ValueError(f"gates.top_k={top_k} asks for more contexts than the retrieval.top_n={top_n} retrieved")
+    if section.metric not in BINARY_METRICS:
+        raise ValueError(f"gates.metric={section.metric!r} is not one of {BINARY_METRICS}")
+    return GateSettings(
+        names=tuple(names), configs=configs, top_k=top_k, reranker=str(section.reranker), metric=str(section.metric),
+        curves=curves, curve_points=_int(section.curve_points, "gates.curve_points", 2),
+        timing_questions=_int(section.timing_questions, "gates.timing_questions", 1),
+        draft_max_new_tokens=_int(section.draft_max_new_tokens, "gates.draft_max_new_tokens", 1),
+        internal_max_new_tokens=_int(section.internal_max_new_tokens, "gates.internal_max_new_tokens", 1),
+        batch_size=_int(section.batch_size, "gates.batch_size", 1),
+        n_resamples=_int(section.n_resamples, "gates.n_resamples", 100))

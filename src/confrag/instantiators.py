@@ -1,0 +1,60 @@
+"""Objects built from config nodes: a group's `_target_` nodes, the run's loggers, typed settings.
+
+This module and the `*/settings.py` modules are where a Hydra / OmegaConf config is read; everything
+else in the library takes typed arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig, OmegaConf
+
+T = TypeVar("T")
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python values (interpolations resolved); plain values pass through."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def instantiate_list(section: DictConfig | None) -> list[Any]:
+    """Instantiate every `_target_` node of a config group such as `callbacks` or `logger`."""
+    if not section:
+        return []
+    return [instantiate(node) for node in section.values() if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def task_loggers(cfg: DictConfig) -> tuple[dict[str, Any], list[Logger]]:
+    """The resolved config and the run's loggers, each already holding that config as hyperparameters."""
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    loggers: list[Logger] = instantiate_list(cfg.get("logger"))
+    for logger in loggers:
+        logger.log_hyperparams(run_config)
+    return run_config, loggers
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """The run folder (`paths.output_dir`: Hydra's run or job folder, or what a caller composed in)."""
+    return Path(cfg.paths.output_dir)
+
+
+def settings_from(cls: type[T], node: Any, key: str) -> T:
+    """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes."""
+    values = plain(node) or {}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"{key}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+    return cls(**values)
+
+
+def config_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML, for reports."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

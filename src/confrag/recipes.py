@@ -1,0 +1,66 @@
+"""The stages' recipes built from the config: what each `_target_` node becomes, and the settings nodes
+as typed settings. Like `instantiators`, a config-boundary module: the stages never see the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
+from confrag.llm.prompts import PromptTemplates
+from confrag.reranker.data import check_group_size
+from confrag.stages.nq_rerank import PreferenceSettings
+from confrag.stages.probe import ProbeRecipe
+from confrag.stages.rerank import RerankRecipe
+from confrag.stages.rerankers import RerankerRecipe
+from confrag.stages.retrieval import RetrievalSettings
+
+# The reranker `data` keys that change what training learns (not workers, not the scoring batch).
+RERANKER_DATA_KEYS = ("group_size", "batch_size", "query_max_len", "passage_max_len")
+TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
+
+
+def probe_recipe(node: DictConfig, seed: int) -> ProbeRecipe:
+    """From a node holding the probe's `data` (NQConfidenceDataModule), `model` and `trainer`: the probe
+    task's root config, or the `probe` node of a later task."""
+    data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
+    return ProbeRecipe(
+        make_datamodule=lambda: instantiate(data_cfg, _convert_="all"),
+        make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
+        make_trainer=lambda **kw: instantiate(trainer_cfg, **kw),
+        identity={"model": OmegaConf.to_container(model_cfg, resolve=True), "max_epochs": trainer_cfg.get("max_epochs")},
+        seed=seed)
+
+
+def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
+    """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
+    check_group_size(cfg.data.group_size)
+    if not float(cfg.model.tau) > 0:
+        raise ValueError(f"model.tau must be > 0 (got {cfg.model.tau})")
+    on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
+    return RerankerRecipe(
+        make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
+        make_datamodule=lambda **kw: instantiate(cfg.data, _convert_="all")(**kw),
+        make_trainer=lambda **kw: instantiate(cfg.trainer, callbacks=instantiate_list(cfg.get("callbacks")), **kw),
+        identity={"model": OmegaConf.to_container(cfg.model, resolve=True),
+                  "data": {k: cfg.data[k] for k in RERANKER_DATA_KEYS},
+                  "trainer": {k: cfg.trainer.get(k) for k in TRAINER_KEYS},
+                  "seed": cfg.seed},
+        cache_dir=Path(cfg.paths.cache_dir), output_dir=output_dir(cfg), eval_batch_size=int(cfg.data.eval_batch_size),
+        fast_dev_run=bool(cfg.trainer.get("fast_dev_run")), device="cuda" if on_gpu else None)
+
+
+def templates(cfg: DictConfig) -> PromptTemplates:
+    return PromptTemplates(**plain(cfg.prompts))
+
+
+def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
+    """Everything the rerank stage is built from; every setting checked here, before anything runs."""
+    return RerankRecipe(
+        probe=probe_recipe(cfg.probe, cfg.seed), llm=plain(cfg.llm), templates=templates(cfg),
+        retrieval=settings_from(RetrievalSettings, cfg.retrieval, "retrieval"),
+        preferences=settings_from(PreferenceSettings, cfg.preferences, "preferences"),
+        reranker=reranker_recipe(cfg), cache_dir=str(cfg.paths.cache_dir), seed=int(cfg.seed),
+        progress=bool(cfg.get("progress", True)))

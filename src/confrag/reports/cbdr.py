@@ -1,0 +1,200 @@
+"""The cbdr task's report: Table 2, Table 3, the β curves, the chosen β, the flips and the live gate check
+(report.md), every number in metrics.json, the tables and plots on W&B."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from lightning.pytorch.loggers import Logger
+
+from confrag.cbdr import flips_markdown, plot_beta_curve
+from confrag.cbdr.analysis import CBDRResults
+from confrag.cbdr.settings import CBDRSettings
+from confrag.rag import QuestionOutcome, accuracy_ci, table2_markdown, table2_rows
+from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
+from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
+from confrag.stages.rerank import RerankStage
+
+CURVE_RANGE = (0.90, 1.00)  # the papers' Figure 8
+Outcomes = dict[str, dict[str, list[QuestionOutcome]]]  # dataset -> reranker -> outcomes
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the report says about the run beside its results."""
+
+    llm_name: str
+    run_folder: str
+    retriever: str
+    top_n: int
+    config_yaml: str
+    gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
+
+
+def table2(llm_name: str, runs: Outcomes, settings: CBDRSettings, n_resamples: int, seed: int) -> tuple[list[dict], str]:
+    keyed = {(llm_name, reranker, dataset): outcomes for dataset, by_reranker in runs.items()
+             for reranker, outcomes in by_reranker.items()}
+    rows = table2_rows(keyed, settings.base, settings.ks, settings.eval_metric, n_resamples, seed)
+    return rows, table2_markdown(rows, settings.base, settings.ks)
+
+
+def closed_book_line(runs: Outcomes, metric: str, n_resamples: int, seed: int) -> str:
+    """The LLM alone (QA prompt) on the same questions: the floor retrieval has to beat."""
+    parts = []
+    for dataset, by_reranker in runs.items():
+        outcomes = next(iter(by_reranker.values()))
+        acc = accuracy_ci([getattr(o.closed_book, metric) for o in outcomes], n_resamples=n_resamples, seed=seed)
+        parts.append(f"{dataset} {acc.format()}")
+    return f"Closed-book (QA prompt, no retrieval) {metric}: " + ", ".join(parts) + "."
+
+
+def gold_in_contexts(outcomes: Sequence[QuestionOutcome], k: int) -> float:
+    """Share of questions whose own paragraph (a passage id `<qid>#<n>`) is among their Top-k contexts."""
+    return float(np.mean([any(c.rsplit("#", 1)[0] == o.qid for c in o.rag[k].contexts) for o in outcomes]))
+
+
+def secondary_markdown(runs: Outcomes, ks: Sequence[int], gold_known: bool = False) -> str:
+    """has_answer beside exact match and token F1 (means, %), per dataset, reranker and K; with `gold_known`
+    (passages cut from the questions' own paragraphs, ids `<qid>#<n>`) also how often the question's own
+    paragraph is among the K contexts."""
+    header = [f"Top-{k} has_answer / EM / F1" for k in ks] + ([f"gold ¶ in Top-{k}" for k in ks] if gold_known else [])
+    lines = ["| Dataset | Reranker | " + " | ".join(header) + " |", "|" + " --- |" * (2 + len(header))]
+    for dataset, by_reranker in runs.items():
+        for reranker, outcomes in by_reranker.items():
+            cells = [" / ".join(f"{100 * np.mean([float(getattr(o.rag[k], m)) for o in outcomes]):.1f}"
+                                for m in ("has_answer", "em", "f1")) for k in ks]
+            if gold_known:
+                cells += [f"{100 * gold_in_contexts(outcomes, k):.1f}" for k in ks]
+            lines.append(f"| {dataset} | {reranker} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_record(settings: CBDRSettings, evaluation: RagEvaluation, rows1: list[dict], rows2: list[dict],
+               results: CBDRResults, seconds: float) -> dict[str, Any]:
+    """metrics.json: the scalar metrics (also returned to sweepers and loggers) and every table's data."""
+    chosen = results.chosen
+    metrics = {**results.at_beta, "chosen/beta": chosen["beta"], "chosen/test_accuracy": chosen["test/accuracy"],
+               "chosen/test_retrieval_rate": chosen["test/retrieval_rate"],
+               "test/always_retrieve_accuracy": chosen["test/always_retrieve_accuracy"],
+               "answers/generated": float(evaluation.answers["generated"])}
+    return {
+        "metrics": metrics, "table1": rows1, "table2": plain(rows2), "table3": results.table3_rows,
+        "sweep": {"reranker": settings.reranker, "k": settings.k, "metric": settings.metric, "split": "test",
+                  "rows": results.grid.rows()},
+        "chosen_beta": chosen, "flips": [f.to_dict() for f in results.flips], "answers": evaluation.answers,
+        "confidence": results.confidence, "conf_quantiles": results.quantiles.tolist(),
+        "gate_check": evaluation.gate_check, "ks": list(settings.ks),
+        "eval": {"dev": [r.qid for r in evaluation.splits["dev"]], "test": [r.qid for r in evaluation.splits["test"]],
+                 "retrieval": {s.dataset: s.retrieval for s in evaluation.sets},
+                 "capped": {d: {n: r.capped for n, r in by.items()} for d, by in evaluation.runs.items()},
+                 "hotpotqa_questions": sum(len(s.rows) for s in evaluation.sets if s.dataset == HOTPOTQA)},
+        "wall_seconds": seconds, "seconds": evaluation.seconds}
+
+
+def write_plots(out: Path, llm_name: str, results: CBDRResults) -> dict[str, Path]:
+    """Figure 8's range (0.90-1.00), the whole [0, 1], and (with cbdr.conf_quantiles) the probe's band."""
+    title = f"{llm_name}: CBDR on NQ test (n = {results.grid.n})"  # the reranker is named in the report
+    plots = {}
+    if ((results.grid.betas >= CURVE_RANGE[0] - 1e-12) & (results.grid.betas <= CURVE_RANGE[1] + 1e-12)).any():
+        plots["beta_curve"] = plot_beta_curve(results.grid, out / "beta_curve.png", CURVE_RANGE, title)
+    plots["beta_curve_full"] = plot_beta_curve(results.grid, out / "beta_curve_full.png", (0.0, 1.0), title)
+    if results.quantiles.size:  # the band of the probe's confidences, where the dev quantiles lie
+        band = (max(0.0, float(results.quantiles.min()) - 0.01), min(1.0, float(results.quantiles.max()) + 0.01))
+        plots["beta_curve_band"] = plot_beta_curve(results.grid, out / "beta_curve_band.png", band, title)
+    return plots
+
+
+def stage_line(stage: RerankStage) -> str:
+    """What the cached stage was built from: the probe's data and test scores, NQ_Rerank's size."""
+    meta, report = stage.probe.meta, stage.preferences.report
+    data, metrics = meta.get("nq_confidence", {}), meta.get("metrics", {})
+    scores = ", ".join(f"{k.split('/')[1]} {metrics[k]:.3f}" for k in ("test/acc", "test/auroc") if k in metrics)
+    return (f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
+            f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
+            f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} of its "
+            f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows.")
+
+
+def conf_summary(values: Sequence[float]) -> str:
+    return " / ".join(f"{v:.3f}" for v in values)
+
+
+def retrieval_line(stats: dict[str, Any]) -> str:
+    return (f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
+            f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %")
+
+
+def report_markdown(run: RunContext, stage: RerankStage, settings: CBDRSettings, rows1: list[dict], table2_md: str,
+                    closed_line: str, secondary_md: str, results: CBDRResults, plots: dict[str, Path],
+                    record: dict[str, Any]) -> str:
+    chosen, ev = results.chosen, record["eval"]
+    n_pref = len(stage.preferences.splits["test"])
+    capped = {f"{d} / {n}": {k: c for k, c in caps.items() if c} for d, by in ev["capped"].items()
+              for n, caps in by.items() if any(caps.values())}
+    budget = f", budget {chosen['budget']:.2f}" if chosen["budget"] is not None else ""
+    lines = [
+        f"# CBDR report — {run.llm_name}", "",
+        f"Run folder: `{run.run_folder}`; wall time {record['wall_seconds']:.0f} s (probe, "
+        f"preference data, rerankers and Table 1: {record['seconds']['stage']:.0f} s; evaluation answers: "
+        f"{record['seconds']['answers']:.0f} s); answers generated {record['answers']['generated']}, read from "
+        f"the cache {record['answers']['reused']}.", "",
+        f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions not used by the probe (nor, so, by "
+        f"the preference data or the rerankers): dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the "
+        f"tables). Candidates: top-{run.top_n} by {run.retriever} over the NQ paragraphs; "
+        f"{retrieval_line(ev['retrieval'][NQ])}.",
+        *([f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "
+           f"{ev['retrieval'][HOTPOTQA]['corpus_passages']} passages of their pooled supporting paragraphs; "
+           f"{retrieval_line(ev['retrieval'][HOTPOTQA])}."] if HOTPOTQA in ev["retrieval"] else []),
+        f"K larger than a question's candidates is capped to what it has: {capped or 'no question concerned'}.", "",
+        stage_line(stage), "",
+        "## Table 1 — reranking on the NQ_Rerank test split", "",
+        markdown_table(rows1, f"{run.llm_name}, {n_pref} questions (P/R/MRR @K, %)"), "",
+        "## Table 2 — end-to-end accuracy (has_answer unless eval.metric says otherwise)", "",
+        table2_md, "", closed_line, "", "has_answer / exact match / token F1 (%), same questions; gold ¶: the "
+        "question's own paragraph among the contexts (%), when the corpus is cut from the questions' paragraphs:", "",
+        secondary_md, "",
+        f"## Table 3 — CBDR on NQ test ({settings.metric}, {settings.reranker} retrieving when it does)", "",
+        results.table3, "",
+        "## β curve", "",
+        f"Conf(H(Q)) min / median / max: dev {conf_summary(results.confidence['dev'])}, test "
+        f"{conf_summary(results.confidence['test'])}. Grid: {len(results.grid.betas)} thresholds"
+        + (f", with {results.quantiles.size} quantiles of the dev confidences" if results.quantiles.size else "")
+        + ".", "",
+        *[f"![{name}]({path.name})" for name, path in plots.items()], "",
+        f"## β chosen on dev, reported on test (Top-{settings.k}, objective {chosen['objective']}{budget})", "",
+        f"β = {chosen['beta']:g}: dev accuracy {100 * chosen['dev/accuracy']:.2f} % at retrieval rate "
+        f"{100 * chosen['dev/retrieval_rate']:.2f} %; test accuracy {100 * chosen['test/accuracy']:.2f} % at "
+        f"retrieval rate {100 * chosen['test/retrieval_rate']:.2f} % against "
+        f"{100 * chosen['test/always_retrieve_accuracy']:.2f} % always retrieving (n = {chosen['test/n']}).",
+        f"At cbdr.beta = {settings.beta:g}: test accuracy {100 * results.at_beta['test/accuracy_at_beta']:.2f} %, "
+        f"retrieval rate {100 * results.at_beta['test/retrieval_rate_at_beta']:.2f} %.", "",
+        "## Phase-difference analysis (appendix F), NQ test", "",
+        *[flips_markdown(f) for f in results.flips],
+    ]
+    check = record["gate_check"]
+    if check:
+        lines += ["## The gate run live", "",
+                  f"`ConfidenceGate` at β = {check['beta']:g}, Top-{check['k']}, on the first {check['questions']} test "
+                  f"questions: {check['decisions_agree']} decisions and {check['answers_agree']} answers agree with "
+                  f"the sweep's (largest |Conf live − Conf batch| = {check['max_confidence_difference']:.2e}).", ""]
+    lines += ["## Config", "", "```yaml", run.config_yaml.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def log_results(loggers: Sequence[Logger], metrics: dict[str, float], rows1: list[dict], rows2: list[dict],
+                results: CBDRResults, plots: dict[str, Path]) -> None:
+    for logger in loggers:
+        logger.log_metrics(metrics)
+        logger.save()
+    for logger in wandb_loggers(loggers):
+        log_rows(logger, "table1", rows1)
+        log_rows(logger, "table2", [{"llm": r["llm"], "reranker": r["reranker"], "dataset": r["dataset"], "n": r["n"],
+                                     **{k: r[k].value for k in r if k.startswith("top") and not k.endswith("_vs_base")}}
+                                    for r in rows2])
+        log_rows(logger, "table3", results.table3_rows)
+        log_rows(logger, "beta_sweep", results.grid.rows())
+        for name, path in plots.items():
+            logger.log_image(name, [str(path)])

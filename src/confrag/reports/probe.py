@@ -1,0 +1,58 @@
+"""The probe task's report: metrics.json, summary.txt, the per-layer scan plot, W&B tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from lightning.pytorch.loggers import Logger
+
+from confrag.artifacts import atomic_write_text
+from confrag.probe.datamodule import NQConfidenceDataModule
+from confrag.reports.tables import log_rows, wandb_loggers
+
+
+def write_probe_report(out: Path, llm_name: str, datamodule: NQConfidenceDataModule, metrics: dict[str, float],
+                       summary: dict[str, Any], scan: list[dict], loggers: Sequence[Logger]) -> str:
+    result = {"layer": datamodule.layer, "train_states": datamodule.train_states, "metrics": metrics,
+              "nq_confidence": summary, "layer_scan": scan}
+    atomic_write_text(out / "metrics.json", json.dumps(result, indent=2))
+    lines = [f"Probe on layer {datamodule.layer} ({datamodule.train_states} states) — {llm_name}",
+             f"  questions {summary['questions']}, closed-book has_answer {summary['qa/has_answer']:.3f}",
+             "  balanced examples: " + ", ".join(f"{s} {summary[f'{s}/examples']}" for s in ("train", "dev", "test")),
+             "  test: " + ", ".join(f"{k.split('/')[1]} {metrics[k]:.3f}" for k in ("test/acc", "test/auroc", "test/ece")
+                                     if k in metrics)]
+    if scan:
+        lines.append("  per-layer 5-fold logistic AUROC (all questions of " + "+".join(datamodule.data.stores) + "):")
+        lines += [f"    layer {r['layer']:>3}: {r['auroc_mean']:.3f} ± {r['auroc_std']:.3f}" for r in scan]
+        plot_layer_scan(scan, datamodule.num_layers // 2, out / "layer_scan.png", f"{llm_name}: probe AUROC by layer")
+    text = "\n".join(lines)
+    atomic_write_text(out / "summary.txt", text + "\n")
+    if scan:
+        for logger in wandb_loggers(loggers):
+            log_rows(logger, "layer_scan", scan)
+            logger.log_image("layer_scan_plot", [str(out / "layer_scan.png")])
+    return text
+
+
+def plot_layer_scan(scan: list[dict], mid_layer: int, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [r["layer"] for r in scan]
+    mean = [r["auroc_mean"] for r in scan]
+    std = [r["auroc_std"] for r in scan]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.errorbar(layers, mean, yerr=std, marker="o", capsize=3)
+    ax.axhline(0.5, color="grey", linestyle=":", label="chance")
+    ax.axvline(mid_layer, color="tab:red", linestyle="--", label="Layer/2")
+    ax.set_xlabel("layer (hidden_states index)")
+    ax.set_ylabel("5-fold AUROC (logistic)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,38 @@
+"""Small shared pieces of the reports: Markdown tables of metric rows, JSON-ready values, W&B tables."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from lightning.pytorch.loggers import Logger, WandbLogger
+
+
+def markdown_table(rows: list[dict], title: str) -> str:
+    """Rows of {"system", metric: value in %} as a bold title over a Markdown table (two decimals)."""
+    columns = [k for k in rows[0] if k != "system"]
+    lines = [f"**{title}**", "", "| Reranker | " + " | ".join(columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    lines += ["| " + r["system"] + " | " + " | ".join(f"{r[c]:.2f}" for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plain(value: Any) -> Any:
+    """Dataclasses (Accuracy, McNemar, ...) inside dicts and lists as JSON-ready values."""
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def wandb_loggers(loggers: Sequence[Logger]) -> list[WandbLogger]:
+    return [logger for logger in loggers if isinstance(logger, WandbLogger)]
+
+
+def log_rows(logger: WandbLogger, key: str, rows: Sequence[dict]) -> None:
+    """A list of same-keyed dicts as one W&B table."""
+    if rows:
+        logger.log_table(key, columns=list(rows[0]), data=[list(r.values()) for r in rows])

@@ -1,0 +1,183 @@
+"""The evaluation stage: held-out questions → candidates → Conf(H(Q)) → answers under every reranker and K.
+
+Evaluation questions are NQ questions the probe never saw, and so neither did the preference data nor
+the fine-tuned rerankers (their questions are a sample of the probe's); `check_disjoint` asserts it.
+They are split by question into dev (choosing β, or fitting the gates) and test (every table). Their
+candidates come from the stage's retriever over the NQ paragraphs, which hold their own gold paragraphs,
+as for the preference questions.
+
+HotpotQA (`eval.hotpotqa_path`) gets a corpus of its own: the supporting paragraphs of the sampled
+questions, indexed by the same kind of retriever; a question's candidates are therefore its gold
+paragraphs among the other questions' (the file's own distractor paragraphs are not used). It appears in
+Table 2 only, over all sampled questions, as in the papers.
+
+Every answer goes through one `AnswerStore`: another K, β grid or reranker subset, or a rerun, generates
+nothing it has generated before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from confrag.cbdr import ConfidenceGate, SweepData, question_confidences
+from confrag.cbdr.gate import gate_check
+from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings
+from confrag.data.hotpotqa import load_hotpotqa
+from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.data.splits import check_disjoint, held_out, select_questions, split_dev_test
+from confrag.llm.loading import LoadedLLM, load_llm
+from confrag.llm.prompts import PromptTemplates
+from confrag.rag import AnswerStore, QuestionOutcome, RagRun, run_rag, save_outcomes_jsonl
+from confrag.retrieval import Candidates
+from confrag.stages.rerank import RerankStage, Scorer, table1_systems
+from confrag.stages.retrieval import build_retrieval, question_candidates, retrieve_fn
+
+log = logging.getLogger(__name__)
+
+NQ, HOTPOTQA = "NQ", "HotpotQA"
+
+
+@dataclass
+class EvalSet:
+    dataset: str
+    rows: list[QARow]
+    candidates: list[Candidates]
+    scorers: dict[str, Scorer]
+    retrieval: dict[str, Any]
+
+
+def evaluation_rows(nq_path: str, probe_rows: Sequence[QARow], num_questions: int | None, seed: int) -> list[QARow]:
+    """A seeded sample of the NQ questions the probe was not built from."""
+    pool = held_out(load_nq_jsonl(nq_path), probe_rows, "evaluation", nq_path)
+    return select_questions(pool, num_questions, seed)
+
+
+def check_held_out(stage: RerankStage, rows: Sequence[QARow]) -> None:
+    """No evaluation question was used by the probe, the preference rows or the rerankers."""
+    check_disjoint([r.qid for r in rows], {"the probe's questions": [r.qid for r in stage.probe_data.data.rows],
+                                           "the preference questions": [c.qid for c in stage.preferences.candidates]})
+
+
+def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[str, Scorer]:
+    """Table 2's rows: `eval.rerankers` (or every Table 1 row); the base and CBDR's reranker always."""
+    names = list(scorers) if settings.rerankers is None else list(settings.rerankers)
+    for key, name in [("eval.base_reranker", settings.base), ("cbdr.reranker", settings.reranker)] + \
+                     [("eval.rerankers", n) for n in names]:
+        if name not in scorers:
+            raise ValueError(f"{key}={name!r} is not a Table 1 row; rows: {list(scorers)}")
+    keep = set(names) | {settings.base, settings.reranker}
+    return {name: score for name, score in scorers.items() if name in keep}
+
+
+def hotpotqa_eval_set(evaluation: EvalSettings, stage: RerankStage, settings: CBDRSettings, cache_dir: str,
+                      seed: int, eval_batch_size: int) -> EvalSet | None:
+    """HotpotQA questions with candidates retrieved from their pooled supporting paragraphs (see the
+    module docstring), scored by the same systems (BM25 / bi-encoder rebuilt over that corpus)."""
+    if not evaluation.hotpotqa_path:
+        return None
+    rows = select_questions(load_hotpotqa(evaluation.hotpotqa_path), evaluation.hotpotqa_num_questions, seed)
+    retrieval = build_retrieval(stage.retrieval.settings, cache_dir, rows=rows)
+    # The NQ candidates file (retrieval.candidates_path) does not cover HotpotQA questions: always retrieve.
+    candidates, stats = question_candidates(retrieval, rows)
+    scorers = chosen_scorers(settings, table1_systems(retrieval, stage.rerankers, eval_batch_size))
+    return EvalSet(HOTPOTQA, rows, candidates, scorers, {**stats, "corpus_passages": len(retrieval.corpus)})
+
+
+def answer_set(eval_set: EvalSet, store: AnswerStore, ks: Sequence[int],
+               confidences: dict[str, float] | None = None) -> dict[str, RagRun]:
+    """Closed-book and top-K RAG answers of every question under every reranker (one store for all)."""
+    runs = {}
+    for name, scorer in eval_set.scorers.items():
+        before = store.generated
+        runs[name] = run_rag(eval_set.rows, eval_set.candidates, store, ks, scorer, confidences)
+        log.info("%s / %s: %d answers generated, the rest from the cache", eval_set.dataset, name,
+                 store.generated - before)
+    return runs
+
+
+def only(outcomes: Sequence[QuestionOutcome], rows: Sequence[QARow]) -> list[QuestionOutcome]:
+    qids = {row.qid for row in rows}
+    return [o for o in outcomes if o.qid in qids]
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def confidence_gate(stage: RerankStage, settings: CBDRSettings, llm: LoadedLLM, templates: PromptTemplates,
+                    beta: float | None = None) -> ConfidenceGate:
+    """CBDR for one question at a time: the stage's probe, retriever and `cbdr.reranker`, at `cbdr.beta`
+    (or `beta`). Refuses a probe trained on another LLM, prompt template or layer."""
+    if settings.reranker not in stage.scorers:
+        raise ValueError(f"cbdr.reranker={settings.reranker!r} is not a Table 1 row; rows: {list(stage.scorers)}")
+    return ConfidenceGate(llm, templates, stage.probe, settings.beta if beta is None else beta,
+                          retrieve_fn=retrieve_fn(stage.retrieval), rerank_fn=stage.scorers[settings.reranker],
+                          top_k=settings.k, max_new_tokens=settings.gate_max_new_tokens,
+                          batch_size=settings.gate_batch_size, progress=False)
+
+
+@dataclass
+class RagEvaluation:
+    """Everything generated for the evaluation questions (the only part of the cbdr task that runs the LLM)."""
+
+    splits: dict[str, list[QARow]]  # NQ dev / test
+    sets: list[EvalSet]
+    runs: dict[str, dict[str, RagRun]]  # dataset -> reranker -> outcomes
+    answers: dict[str, int]  # AnswerStore counts: generated, reused
+    gate_check: dict[str, Any]
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time by part of the run
+
+    def tables(self) -> dict[str, dict[str, list[QuestionOutcome]]]:
+        """Table 2's outcomes: NQ test; HotpotQA (Table 2 only) all its sampled questions."""
+        tables = {NQ: {name: only(r.outcomes, self.splits["test"]) for name, r in self.runs[NQ].items()}}
+        tables.update({d: {name: r.outcomes for name, r in by.items()} for d, by in self.runs.items() if d != NQ})
+        return tables
+
+    def sweep_data(self, settings: CBDRSettings) -> tuple[SweepData, SweepData, SweepData]:
+        """CBDR's reranker on dev and test, and the base reranker on test."""
+        ours = self.runs[NQ][settings.reranker].outcomes
+        dev, test = (SweepData.from_outcomes(only(ours, self.splits[s]), settings.metric, settings.ks)
+                     for s in ("dev", "test"))
+        base = SweepData.from_outcomes(only(self.runs[NQ][settings.base].outcomes, self.splits["test"]),
+                                       settings.metric, settings.ks)
+        return dev, test, base
+
+
+def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSettings, answers: AnswerSettings,
+             llm_config: dict, templates: PromptTemplates, cache_dir: str, seed: int, out: Path,
+             eval_batch_size: int, progress: bool = True) -> RagEvaluation:
+    """Held-out questions → candidates → Conf(H(Q)) → answers under every reranker and K (cached per prompt),
+    saved as outcomes; then the live gate on a few test questions."""
+    eval_rows = evaluation_rows(stage.probe_data.nq_path, stage.probe_data.data.rows, evaluation.num_questions, seed)
+    check_held_out(stage, eval_rows)
+    splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), seed)
+    candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
+    sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
+    hotpot = hotpotqa_eval_set(evaluation, stage, settings, cache_dir, seed, eval_batch_size)
+    sets += [hotpot] if hotpot else []
+    llm = load_llm(llm_config)
+    try:
+        store = AnswerStore(llm, templates, cache_dir, max_new_tokens=answers.max_new_tokens,
+                            batch_size=answers.batch_size, chunk_size=answers.chunk_size, progress=progress)
+        confidence = question_confidences(llm, templates, stage.probe, [r.question for r in eval_rows], cache_dir,
+                                          batch_size=answers.extract_batch_size, progress=progress)
+        confidences = {row.qid: float(c) for row, c in zip(eval_rows, confidence)}
+        runs = {s.dataset: answer_set(s, store, settings.ks, confidences if s.dataset == NQ else None) for s in sets}
+        log.info("answers: %d generated, %d from the cache", store.generated, store.reused)
+        counts = {"generated": store.generated, "reused": store.reused}
+        check = gate_check(confidence_gate(stage, settings, llm, templates),
+                           splits["test"][:settings.gate_check_questions], runs[NQ][settings.reranker].outcomes,
+                           settings.k) if settings.gate_check_questions else {}
+    finally:
+        del llm
+        gc.collect()
+    for dataset, by_reranker in runs.items():
+        for name, rag_run in by_reranker.items():
+            save_outcomes_jsonl(rag_run.outcomes, out / "outcomes" / slug(dataset) / f"{slug(name)}.jsonl")
+    return RagEvaluation(splits, sets, runs, counts, check)

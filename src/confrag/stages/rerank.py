@@ -1,0 +1,120 @@
+"""The rerank stage: probe (cached) → retrieval → NQ_Rerank → the untuned, relevance-tuned and
+confidence-shift-tuned cross-encoders (cached) → every Table 1 row as a scorer.
+
+The cbdr and gates tasks reuse this stage as it is: every piece comes from the cache once a run of the
+same settings has built it, so a sweep over τ or K recomputes only the rows and the training it reaches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from lightning.pytorch.loggers import Logger
+from tqdm.auto import tqdm
+
+from confrag.llm.prompts import PromptTemplates
+from confrag.preferences import relevance_rows
+from confrag.probe.datamodule import NQConfidenceDataModule
+from confrag.probe.module import SavedProbe
+from confrag.reranker.data import candidate_lists
+from confrag.reranker.metrics import ranking_table
+from confrag.reranker.module import RerankerModule
+from confrag.retrieval import document_text
+from confrag.stages.nq_rerank import PreferenceSettings, PreferenceStage, build_nq_rerank
+from confrag.stages.probe import ProbeRecipe, ensure_probe
+from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device
+from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retrieval
+
+KS = (1, 3, 5)
+BM25, BI_ENCODER = "BM25", "bi-encoder (MiniLM cosine)"
+UNTUNED = "cross-encoder (untuned)"
+RELEVANCE_FT = "cross-encoder + relevance FT"
+CONFIDENCE_FT = "cross-encoder + confidence-shift FT (ours)"
+
+Scorer = Callable[[str, list[str]], np.ndarray]  # (query, passages) -> one score per passage
+
+
+@dataclass
+class RerankRecipe:
+    """Everything the stage is built from; the task fills it from the config (`rerank_recipe`)."""
+
+    probe: ProbeRecipe
+    llm: dict[str, Any]  # the `llm` node (confrag.llm.loading.LLMConfig fields)
+    templates: PromptTemplates
+    retrieval: RetrievalSettings
+    preferences: PreferenceSettings
+    reranker: RerankerRecipe
+    cache_dir: str
+    seed: int
+    progress: bool = True
+
+
+@dataclass
+class RerankStage:
+    """Everything the later stages (RAG evaluation, CBDR, gates) take from this one."""
+
+    probe: SavedProbe
+    probe_data: NQConfidenceDataModule  # its questions are not evaluation questions
+    retrieval: Retrieval
+    preferences: PreferenceStage
+    rerankers: dict[str, RerankerModule]  # Table 1's cross-encoder rows, the fine-tuned ones last
+    scorers: dict[str, Scorer]  # every Table 1 row as (query, passages) -> scores
+    training: dict[str, Any]
+
+
+def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
+    probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
+    retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
+    stage = build_nq_rerank(recipe.preferences, recipe.llm, recipe.templates, probe, probe_data, retrieval,
+                            recipe.retrieval.candidates_path, recipe.cache_dir, recipe.seed, out, recipe.progress)
+    train_rows, test_rows = stage.splits["train"], stage.splits["test"]
+    if not train_rows or not test_rows:
+        raise ValueError(f"NQ_Rerank has {len(train_rows)} train and {len(test_rows)} test rows after dropping "
+                         f"{stage.report['dropped']}; raise preferences.num_questions or retrieval.top_n, or try "
+                         f"preferences.reference (qa / rag_empty)")
+
+    rerankers: dict[str, RerankerModule] = {}
+    training: dict[str, Any] = {}
+    rerankers[UNTUNED] = recipe.reranker.make_model(lora=None)
+    if recipe.preferences.relevance_baseline:
+        relevance = relevance_rows(stage.candidates, {r["qid"] for r in train_rows}, recipe.preferences.top_k)
+        rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(recipe.reranker, relevance, "relevance", [],
+                                                                         run_config)
+    rerankers[CONFIDENCE_FT], training["confidence_shift"] = ensure_reranker(recipe.reranker, train_rows,
+                                                                             "confidence_shift", loggers, run_config)
+    place_on_device(recipe.reranker, rerankers.values())
+    scorers = table1_systems(retrieval, rerankers, recipe.reranker.eval_batch_size)
+    return RerankStage(probe, probe_data, retrieval, stage, rerankers, scorers, training)
+
+
+def table1_systems(retrieval: Retrieval, rerankers: dict[str, RerankerModule], eval_batch_size: int) -> dict[str, Scorer]:
+    """The rows of Table 1 as scoring functions (query, passages) → scores: BM25 and the bi-encoder over the
+    retrieval corpus (the passages must be in it), then each cross-encoder."""
+    index_of = {document_text(p): i for i, p in enumerate(retrieval.corpus.passages)}
+
+    def corpus_indices(passages: list[str]) -> list[int]:
+        missing = [p[:60] for p in passages if p not in index_of]
+        if missing:
+            raise ValueError(f"passages not in the retrieval corpus (BM25/bi-encoder rows need them): {missing[:2]}")
+        return [index_of[p] for p in passages]
+
+    bm25, dense = retrieval.bm25, retrieval.dense
+    systems: dict[str, Scorer] = {BM25: lambda q, ps: bm25.scores(q)[corpus_indices(ps)]}
+    if dense is not None:
+        systems[BI_ENCODER] = lambda q, ps: dense.passage_embeddings[corpus_indices(ps)] @ dense.encode([q])[0]
+    for name, module in rerankers.items():  # insertion order: the tuned rows last
+        systems[name] = lambda q, ps, m=module: m.score([q] * len(ps), ps, batch_size=eval_batch_size)
+    return systems
+
+
+def table1(systems: dict[str, Scorer], test_rows: list[dict], seed: int, progress: bool = True) -> list[dict]:
+    """P@K, R@K, MRR@K (K = 1, 3, 5) of every system on the preference test split's candidate lists."""
+    lists = candidate_lists(test_rows, seed)
+    labels = [c["labels"] for c in lists]
+    scores = {name: [np.asarray(score(c["query"], c["passages"]), dtype=np.float64).tolist()
+                     for c in tqdm(lists, desc=f"Table 1: {name}", unit="query", disable=not progress)]
+              for name, score in systems.items()}
+    return ranking_table(scores, labels, KS)

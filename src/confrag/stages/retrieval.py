@@ -1,0 +1,134 @@
+"""Retrieval for every stage: the corpus, its BM25 (and dense) index, and each question's candidates.
+
+The corpus is every gold paragraph of the NQ file split into passages (or `retrieval.corpus_path`, a
+JSONL of documents); candidates are the retriever's top N with repeated texts removed, or a prebuilt
+list read from `retrieval.candidates_path`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.retrieval import (
+    BM25Retriever,
+    Candidates,
+    Corpus,
+    DenseRetriever,
+    corpus_from_nq,
+    document_text,
+    load_candidates_jsonl,
+    load_corpus_jsonl,
+    retrieve_candidates,
+)
+from confrag.retrieval.candidates import make_candidates
+
+log = logging.getLogger(__name__)
+
+RETRIEVERS = ("bm25", "dense")
+
+
+@dataclass(frozen=True)
+class RetrievalSettings:
+    """The `retrieval` config node."""
+
+    nq_path: str
+    retriever: str = "bm25"  # bm25 | dense (MiniLM bi-encoder, exact search)
+    top_n: int = 20
+    words_per_passage: int = 100
+    candidates_path: str | None = None
+    corpus_path: str | None = None
+    bi_encoder: bool = True  # build the dense index too (Table 1's bi-encoder row)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.retriever not in RETRIEVERS:
+            problems.append(f"retrieval.retriever={self.retriever!r} is not one of {RETRIEVERS}")
+        if isinstance(self.top_n, bool) or not isinstance(self.top_n, int) or self.top_n < 2:
+            problems.append(f"retrieval.top_n must be an integer >= 2 candidates per question (got {self.top_n!r})")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class Retrieval:
+    corpus: Corpus
+    bm25: BM25Retriever
+    dense: DenseRetriever | None
+    settings: RetrievalSettings
+
+    @property
+    def retriever(self) -> BM25Retriever | DenseRetriever:
+        """The retriever the candidates come from."""
+        return self.dense if self.settings.retriever == "dense" else self.bm25
+
+
+def build_retrieval(settings: RetrievalSettings, cache_dir: str | Path, rows: Sequence[QARow] | None = None) -> Retrieval:
+    """The corpus (the paragraphs of `rows`, else `retrieval.corpus_path`, else every gold paragraph of the
+    NQ file), its BM25 index, and (when asked for, or for Table 1's bi-encoder row) the dense MiniLM index;
+    all cached."""
+    words = int(settings.words_per_passage)
+    if rows is not None:
+        corpus = corpus_from_nq(rows, words_per_passage=words)
+    elif settings.corpus_path:
+        corpus = load_corpus_jsonl(settings.corpus_path, words_per_passage=words)
+    else:
+        corpus = corpus_from_nq(load_nq_jsonl(settings.nq_path), words_per_passage=words)
+    bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
+    dense = DenseRetriever(corpus, cache_dir=cache_dir) if (settings.retriever == "dense" or settings.bi_encoder) else None
+    log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
+    return Retrieval(corpus, bm25, dense, settings)
+
+
+def without_duplicates(candidates: Candidates) -> tuple[Candidates, int]:
+    """The same candidates with repeated passage texts removed (first kept), and how many went."""
+    seen: set[str] = set()
+    keep = []
+    for j, passage in enumerate(candidates.passages):
+        text = document_text(passage)
+        if text not in seen:
+            seen.add(text)
+            keep.append(j)
+    if len(keep) == len(candidates.passages):
+        return candidates, 0
+    return make_candidates(candidates.qid, candidates.question, candidates.answers,
+                           [candidates.passages[j] for j in keep], [candidates.scores[j] for j in keep],
+                           candidates.gold_source), len(candidates.passages) - len(keep)
+
+
+def question_candidates(retrieval: Retrieval, rows: Sequence[QARow],
+                        candidates_path: str | None = None) -> tuple[list[Candidates], dict[str, Any]]:
+    """Top-N candidates per question: retrieved, or read from `candidates_path` (a prebuilt list)."""
+    if candidates_path:
+        by_qid = {c.qid: c for c in load_candidates_jsonl(candidates_path)}
+        missing = [r.qid for r in rows if r.qid not in by_qid]
+        if missing:
+            raise ValueError(f"retrieval.candidates_path={candidates_path}: no candidates for {len(missing)} "
+                             f"questions, e.g. {missing[:3]}")
+        found = [by_qid[r.qid] for r in rows]
+    else:
+        found = retrieve_candidates(rows, retrieval.corpus, retrieval.retriever, top_n=int(retrieval.settings.top_n))
+    cleaned, removed = zip(*(without_duplicates(c) for c in found)) if found else ((), ())
+    empty = [c.qid for c in cleaned if not c.passages]
+    if empty:
+        raise ValueError(f"questions without any retrieved context: {empty[:5]}")
+    stats = {"questions": len(cleaned), "duplicate_passages_removed": int(sum(removed)),
+             "gold_retrieved": float(np.mean([c.gold_retrieved for c in cleaned])),
+             "answer_in_candidates": float(np.mean([any(c.has_answer) for c in cleaned]))}
+    return list(cleaned), stats
+
+
+def retrieve_fn(retrieval: Retrieval):
+    """question -> the retriever's top-N passages (repeated texts removed), as the batch stages get them."""
+    def retrieve(question: str) -> list:
+        texts: dict[str, Any] = {}
+        for index, _ in retrieval.retriever.search([question], int(retrieval.settings.top_n))[0]:
+            passage = retrieval.corpus.passages[index]
+            texts.setdefault(document_text(passage), passage)
+        return list(texts.values())
+    return retrieve

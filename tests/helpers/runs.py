@@ -1,0 +1,71 @@
+"""Composing the project's configs in tests, and checking what a task wrote into its run folder."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import open_dict
+
+import confrag.paths  # noqa: F401  (registers the confrag_root resolver)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+MODEL_DIR = str(ROOT / ".cache" / "models")
+
+
+def compose_cfg(overrides: list[str], tmp_path: Path):
+    """The `train` config with `overrides`, its run folder and caches under `tmp_path` (converted models shared)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path / "out")
+        cfg.paths.cache_dir = str(tmp_path / "cache")
+        cfg.paths.model_dir = MODEL_DIR
+    return cfg
+
+
+def check_gates_outputs(out: Path, names: list[str]) -> None:
+    """gates.md with a table per context condition, the PNG it shows, every gate's row on both conditions."""
+    report = (out / "gates.md").read_text()
+    for heading in ("## Clean contexts", "## Conflicting contexts", "## Config"):
+        assert heading in report
+    assert "| Gate | n | Accuracy" in report and "![gates](gates.png)" in report
+    assert (out / "gates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = json.loads((out / "metrics.json").read_text())["table"]
+    for condition in ("clean", "conflicting"):
+        assert [r["gate"] for r in table if r["contexts"] == condition] == names
+
+
+def check_rerank_outputs(out: Path) -> None:
+    """NQ_Rerank rows (JSONL + Arrow), its report, Table 1 with the rows the issue names, an export."""
+    rows = [json.loads(line) for line in (out / "nq_rerank" / "train.jsonl").read_text().splitlines()]
+    assert rows and set(rows[0]) == {"qid", "query", "pos", "neg", "pos_scores", "neg_scores", "prompt"}
+    assert all(min(r["pos_scores"]) > 0 > max(r["neg_scores"]) for r in rows)
+    assert (out / "nq_rerank" / "test_arrow").is_dir()
+    report = json.loads((out / "nq_rerank" / "report.json").read_text())
+    assert set(report["by_reference"]) == {"qa", "rag_empty"} and report["examples"]
+    table = json.loads((out / "metrics.json").read_text())["table1"]
+    assert [r["system"] for r in table] == ["BM25", "cross-encoder (untuned)", "cross-encoder + relevance FT",
+                                            "cross-encoder + confidence-shift FT (ours)"]
+    assert all(0 <= r["MRR@5"] <= 100 for r in table)
+    assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
+
+
+def check_cbdr_outputs(out: Path) -> None:
+    """report.md with Tables 1-3, the β curve it shows, the chosen β and the config; per-question outcomes."""
+    report = (out / "report.md").read_text()
+    for heading in ("## Table 1", "## Table 2", "## Table 3", "## β chosen on dev", "## Config"):
+        assert heading in report
+    assert "| Reranker | P@1 |" in report and "| LLM | Reranker | NQ Top-1 |" in report
+    assert "| Reranker | NQ Top-1 | NQ Top-3 | β | RR (%) ↓ |" in report
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
+        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "beta_curve_full.png" in report
+    record = json.loads((out / "metrics.json").read_text())
+    assert {"table1", "table2", "table3", "sweep", "chosen_beta", "flips", "answers"} <= set(record)
+    assert sorted((out / "outcomes" / "nq").glob("*.jsonl"))

@@ -1,0 +1,102 @@
+"""The house rules that keep the code navigable: every module imports on its own, the library never reaches
+up into the tasks, no two modules import each other (directly or around a loop), Hydra stays at the edge,
+and the tree passes ruff."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+MODULES = sorted(".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+                 for p in (SRC / "confrag").rglob("*.py"))
+TOP = ("confrag.tasks", "confrag.train")
+# Where a Hydra / OmegaConf config object is the point: the entry point, the tasks, building objects and
+# typed settings from config nodes, the path resolver, and the run record (which saves the resolved config).
+CONFIG_MODULES = {"confrag.train", "confrag.instantiators", "confrag.recipes", "confrag.paths", "confrag.run_info",
+                  "confrag.gates.settings"}
+
+
+def module_path(name: str) -> Path:
+    base = SRC / Path(*name.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def imports_of(name: str) -> set[str]:
+    """Every confrag module `name` imports, at module level or inside a function."""
+    tree = ast.parse(module_path(name).read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {m for m in found if m in MODULES and m != name}
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    done = subprocess.run([sys.executable, "-c", code, *MODULES], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_library_never_imports_the_tasks_or_the_entry_point():
+    offenders = {name: sorted(m for m in imports_of(name) if m.startswith(TOP))
+                 for name in MODULES if not name.startswith(TOP)}
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_no_import_loops():
+    graph = {name: imports_of(name) for name in MODULES}
+    # A package's __init__ re-exporting its modules is not a loop with them: drop edges parent <- child.
+    for name, targets in graph.items():
+        graph[name] = {t for t in targets if not name.startswith(t + ".")}
+    loops, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                loops.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = "done"
+
+    for name in MODULES:
+        if name not in state:
+            visit(name, [name])
+    assert not loops, "\n".join(" -> ".join(loop) for loop in loops)
+
+
+def test_hydra_and_omegaconf_stay_at_the_config_boundary():
+    readers = set()
+    for name in MODULES:
+        tree = ast.parse(module_path(name).read_text())
+        for node in ast.walk(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(m.split(".")[0] in ("hydra", "omegaconf") for m in mods):
+                readers.add(name)
+    assert readers - CONFIG_MODULES - {m for m in MODULES if m.startswith("confrag.tasks")} == set()
+
+
+def test_task_modules_are_thin():
+    for path in (SRC / "confrag" / "tasks").glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 150, f"{path.name}: move stages, reports and settings out"
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"],
+                                                                    capture_output=True).returncode != 0,
+                    reason="ruff is not installed (it is a dev dependency: `pip install -e .[dev]`)")
+def test_ruff_check_passes():
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
