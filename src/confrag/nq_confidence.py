@@ -5,6 +5,8 @@ For each selected question and each prompt kind
 - `qa`        the QA prompt (closed book; the paper's training states),
 - `rag_gold`  the RAG prompt holding the question's gold paragraph,
 - `rag_other` the RAG prompt holding another question's gold paragraph,
+- `rag_cand<j>` the RAG prompt holding the question's j-th retrieved candidate (`train_states` ending in
+  `+candidates`): the post-retrieval states the probe is later applied to, with their hard contexts,
 
 the stage caches the greedy answer and the last-prompt-token hidden states of the requested layers.
 The label of a state is "the answer under that prompt contains a gold answer" (has_answer; exact
@@ -32,7 +34,28 @@ from confrag.qa_metrics import exact_match, has_answer
 log = logging.getLogger(__name__)
 
 KINDS = ("qa", "rag_gold", "rag_other")
-TRAIN_STATES = {"qa": ("qa",), "qa+rag": ("qa", "rag_gold", "rag_other")}
+CANDIDATE_KIND = "rag_cand"
+TRAIN_STATES = {"qa": ("qa",), "qa+rag": ("qa", "rag_gold", "rag_other"), "qa+candidates": ("qa",),
+                "qa+rag+candidates": ("qa", "rag_gold", "rag_other")}
+
+
+def uses_candidates(train_states: str) -> bool:
+    return train_states.endswith("+candidates")
+
+
+def kinds_of(train_states: str, num_candidates: int) -> tuple[str, ...]:
+    """The prompt kinds of a `train_states` option; `+candidates` adds one kind per retrieved candidate."""
+    if train_states not in TRAIN_STATES:
+        raise ValueError(f"data.train_states={train_states!r} is not one of {tuple(TRAIN_STATES)}")
+    extra = tuple(f"{CANDIDATE_KIND}{j}" for j in range(num_candidates)) if uses_candidates(train_states) else ()
+    return TRAIN_STATES[train_states] + extra
+
+
+def kind_order(kind: str) -> tuple[int, int]:
+    """Sort key of a prompt kind: the fixed kinds first, then the candidates by rank."""
+    if kind.startswith(CANDIDATE_KIND):
+        return len(KINDS), int(kind[len(CANDIDATE_KIND):])
+    return KINDS.index(kind), 0
 PAPER_SPLIT_SIZES = {"train": 1000, "dev": 300, "test": 500}
 SPLITS = tuple(PAPER_SPLIT_SIZES)
 
@@ -62,6 +85,9 @@ class ConfidenceData:
         for kind, labels in self.labels.items():
             out[f"{kind}/has_answer"] = float(labels.mean()) if len(labels) else 0.0
             out[f"{kind}/exact_match"] = float(self.exact[kind].mean()) if len(labels) else 0.0
+        candidate_labels = [labels for kind, labels in self.labels.items() if kind.startswith(CANDIDATE_KIND)]
+        if candidate_labels:
+            out["candidates/has_answer"] = float(np.concatenate(candidate_labels).mean())
         for split, examples in self.examples.items():
             positives = sum(e.label for e in examples)
             out[f"{split}/examples"] = len(examples)
@@ -92,10 +118,16 @@ def partner_indices(num_rows: int, seed: int) -> np.ndarray:
     return partner
 
 
-def build_prompts(llm: LoadedLLM, templates: PromptTemplates, rows: Sequence[QARow], kind: str, seed: int) -> list[str]:
+def build_prompts(llm: LoadedLLM, templates: PromptTemplates, rows: Sequence[QARow], kind: str, seed: int,
+                  candidates: Sequence[Sequence[Any]] | None = None) -> list[str]:
     tok = llm.tokenizer
     if kind == "qa":
         return [templates.qa_prompt(tok, row.question) for row in rows]
+    if kind.startswith(CANDIDATE_KIND):
+        j = int(kind[len(CANDIDATE_KIND):])
+        if candidates is None or len(candidates) != len(rows) or any(len(c) <= j for c in candidates):
+            raise ValueError(f"prompt kind {kind!r} needs at least {j + 1} retrieved candidates for every question")
+        return [templates.rag_prompt(tok, row.question, [c[j]]) for row, c in zip(rows, candidates)]
     missing = [row.qid for row in rows if not row.contexts]
     if missing:
         raise ValueError(f"prompt kind {kind!r} needs a gold paragraph; rows without one: {missing[:5]}")
@@ -128,7 +160,7 @@ def balanced_examples(candidates: list[Example], cap: int, seed: int) -> list[Ex
     by_class = [[e for e in candidates if e.label == cls] for cls in (0, 1)]
     count = min(cap, *(len(group) for group in by_class))
     chosen = [group[i] for group in by_class for i in sorted(rng.choice(len(group), count, replace=False))]
-    return sorted(chosen, key=lambda e: (KINDS.index(e.kind), e.index))
+    return sorted(chosen, key=lambda e: (kind_order(e.kind), e.index))
 
 
 def build_confidence_data(
@@ -147,22 +179,30 @@ def build_confidence_data(
     cache_dir: str = ".cache",
     shard_size: int = 256,
     progress: bool = True,
+    candidates: Sequence[Sequence[Any]] | None = None,
 ) -> ConfidenceData:
-    if train_states not in TRAIN_STATES:
-        raise ValueError(f"data.train_states={train_states!r} is not one of {tuple(TRAIN_STATES)}")
+    """NQ_Confidence for `rows`; `candidates[i]` (passages with .title and .text) are question i's retrieved
+    contexts, needed by the `+candidates` options (one prompt kind per rank)."""
+    num_candidates = min((len(c) for c in candidates), default=0) if candidates is not None else 0
+    kinds = kinds_of(train_states, num_candidates)
+    if uses_candidates(train_states) and num_candidates == 0:
+        raise ValueError(f"data.train_states={train_states!r} needs retrieved candidates for every question "
+                         "(data.candidates_top_n >= 1)")
     sizes = dict(split_sizes or PAPER_SPLIT_SIZES)
     if set(sizes) != set(SPLITS) or any(int(v) < 1 for v in sizes.values()):
         raise ValueError(f"data.split_sizes must give positive sizes for exactly {SPLITS}; got {sizes}")
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
-    kinds = TRAIN_STATES[train_states]
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress)
 
     stores, responses, labels, exact = {}, {}, {}, {}
     for kind in kinds:
-        prompts = build_prompts(llm, templates, rows, kind, seed)
+        prompts = build_prompts(llm, templates, rows, kind, seed, candidates)
         kind_spec = {**base_spec, "kind": kind, "partner_seed": seed if kind == "rag_other" else None}
+        if kind.startswith(CANDIDATE_KIND):  # the contexts are part of what the states are states of
+            j = int(kind[len(CANDIDATE_KIND):])
+            kind_spec["contexts"] = fingerprint([[c[j].title, c[j].text] for c in candidates])
         generations = ShardedArtifact(cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens},
                                       len(rows), shard_size, fmt="json")
         generations.compute(

@@ -5,11 +5,18 @@ For a question Q with candidate contexts C1..Cn,
     Inc(Q, Ci) = Conf(H(Q + Ci)) − Conf(H(reference)),
 
 where H(Q + Ci) is the hidden state of the RAG prompt holding Ci alone, and the reference is either
-the QA prompt (`qa`, the paper) or the RAG prompt with an empty context (`rag_empty`). The top-K
-contexts with Inc > 0 become `pos`, the top-K with Inc < 0 `neg` (most negative first); questions
-lacking either are dropped and counted. Every hidden state goes through the engine and the
-activation cache: H(Q) of the QA prompt is the probe stage's own artifact (same key, so it is read,
-not recomputed), and the candidate states are one sharded, resumable artifact.
+the QA prompt (`qa`, the paper) or the RAG prompt with an empty context (`rag_empty`). Three rules
+(`preferences.selection`) turn a question's candidates into `pos` and `neg`:
+
+- `sign` (the paper): the top-K contexts with Inc > 0 are `pos`, the top-K with Inc < 0 `neg` (most
+  negative first); questions lacking either are dropped and counted;
+- `rank`: within the question, the K candidates with the highest Conf(Q + Ci) are `pos`, the K lowest
+  `neg` (at most half of the candidates each), no threshold: the reference cancels out;
+- `utility`: what the probe stands in for, the LLM's actual greedy answer under each candidate: those
+  under which it answered correctly (has_answer) are `pos`, the others `neg`, K each in retrieval order.
+
+Every hidden state goes through the engine and the activation cache, and the candidate states are one
+sharded, resumable artifact. `pos_scores` / `neg_scores` always hold Inc (the probe's teacher scores).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from confrag.retrieval.corpus import document_text
 log = logging.getLogger(__name__)
 
 REFERENCES = ("qa", "rag_empty")
+SELECTIONS = ("sign", "rank", "utility")
 RERANK_INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question."
 
 
@@ -112,15 +120,55 @@ def select_preferences(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int
     return order_pos[:top_k], order_neg[:top_k]
 
 
+def select_by_rank(conf: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
+    """Indices of the K highest Conf(Q + Ci) (highest first) and the K lowest (lowest first), at most half of
+    the candidates each so that no context is on both sides. Ties keep the retrieval order."""
+    if top_k < 1:
+        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
+    k = min(top_k, len(conf) // 2)
+    order = sorted(range(len(conf)), key=lambda i: -conf[i])
+    low = sorted(range(len(conf)), key=lambda i: conf[i])
+    return order[:k], low[:k]
+
+
+def select_by_utility(correct: Sequence[bool], top_k: int) -> tuple[list[int], list[int]]:
+    """Indices of the first K candidates under which the LLM answered correctly, and the first K under
+    which it did not (retrieval order)."""
+    if top_k < 1:
+        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
+    return ([i for i, ok in enumerate(correct) if ok][:top_k], [i for i, ok in enumerate(correct) if not ok][:top_k])
+
+
+def check_selection(selection: str, utility: Sequence[np.ndarray] | None = None) -> str:
+    if selection not in SELECTIONS:
+        raise ValueError(f"preferences.selection={selection!r} is not one of {SELECTIONS}")
+    if selection == "utility" and utility is None:
+        raise ValueError("preferences.selection=utility needs the LLM's answer under every candidate (utility)")
+    return selection
+
+
+def select(selection: str, inc: np.ndarray, conf: np.ndarray, correct: Sequence[bool] | None,
+           top_k: int) -> tuple[list[int], list[int]]:
+    """One question's (pos, neg) indices under a rule (see the module docstring)."""
+    if selection == "sign":
+        return select_preferences(inc, top_k)
+    if selection == "rank":
+        return select_by_rank(conf, top_k)
+    return select_by_utility(correct, top_k)
+
+
 def build_rows(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, reference: str,
-               top_k: int) -> tuple[list[dict], dict[str, int]]:
-    """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts."""
+               top_k: int, selection: str = "sign",
+               utility: Sequence[np.ndarray] | None = None) -> tuple[list[dict], dict[str, int]]:
+    """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts. `utility[i]` holds, per
+    candidate of question i, whether the LLM's answer under it was correct (needed by `utility` only)."""
     if reference not in REFERENCES:
         raise ValueError(f"preferences.reference={reference!r} is not one of {REFERENCES}")
+    check_selection(selection, utility)
     rows, drops = [], {"no_positive": 0, "no_negative": 0, "neither": 0}
     for i, cs in enumerate(candidate_sets):
         inc = shifts.candidates[i] - shifts.reference[reference][i]
-        pos, neg = select_preferences(inc, top_k)
+        pos, neg = select(selection, inc, shifts.candidates[i], None if utility is None else utility[i], top_k)
         if not pos or not neg:
             drops["neither" if not pos and not neg else "no_positive" if not pos else "no_negative"] += 1
             continue
@@ -137,14 +185,15 @@ def build_rows(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, r
 
 
 def gold_placement(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, reference: str,
-                   top_k: int) -> dict[str, float]:
+                   top_k: int, selection: str = "sign", utility: Sequence[np.ndarray] | None = None) -> dict[str, float]:
     """Of the questions whose gold paragraph was retrieved: how often a gold passage lands in pos / neg."""
     counts = {"questions_with_gold": 0, "gold_in_pos": 0, "gold_in_neg": 0, "gold_in_neither": 0}
     for i, cs in enumerate(candidate_sets):
         gold = {j for j, flag in enumerate(cs.from_gold) if flag}
         if not gold:
             continue
-        pos, neg = select_preferences(shifts.candidates[i] - shifts.reference[reference][i], top_k)
+        inc = shifts.candidates[i] - shifts.reference[reference][i]
+        pos, neg = select(selection, inc, shifts.candidates[i], None if utility is None else utility[i], top_k)
         counts["questions_with_gold"] += 1
         key = "gold_in_pos" if gold & set(pos) else "gold_in_neg" if gold & set(neg) else "gold_in_neither"
         counts[key] += 1
@@ -153,10 +202,13 @@ def gold_placement(candidate_sets: Sequence[Candidates], shifts: ConfidenceShift
 
 
 def dataset_report(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, top_k: int,
-                   splits: dict[str, list[dict]], reference: str, drops: dict[str, int]) -> dict[str, Any]:
-    """Sizes, drops, the Inc distribution and gold placement for every reference choice, and examples."""
-    report: dict[str, Any] = {"reference": reference, "top_k": top_k, "questions": len(candidate_sets),
-                              "rows": {s: len(r) for s, r in splits.items()}, "dropped": drops, "by_reference": {}}
+                   splits: dict[str, list[dict]], reference: str, drops: dict[str, int], selection: str = "sign",
+                   utility: Sequence[np.ndarray] | None = None) -> dict[str, Any]:
+    """Sizes, drops, the Inc distribution and gold placement for every reference choice and every rule whose
+    data is there (`utility` needs the answers), and examples."""
+    report: dict[str, Any] = {"reference": reference, "selection": selection, "top_k": top_k,
+                              "questions": len(candidate_sets), "rows": {s: len(r) for s, r in splits.items()},
+                              "dropped": drops, "by_reference": {}, "by_selection": {}}
     for ref in REFERENCES:
         inc = np.concatenate([shifts.candidates[i] - shifts.reference[ref][i] for i in range(len(candidate_sets))])
         report["by_reference"][ref] = {
@@ -165,6 +217,17 @@ def dataset_report(candidate_sets: Sequence[Candidates], shifts: ConfidenceShift
             "gold": gold_placement(candidate_sets, shifts, ref, top_k),
             "kept": len(build_rows(candidate_sets, shifts, ref, top_k)[0]),
         }
+    for rule in SELECTIONS:
+        if rule == "utility" and utility is None:
+            continue
+        report["by_selection"][rule] = {
+            "gold": gold_placement(candidate_sets, shifts, reference, top_k, rule, utility),
+            "kept": len(build_rows(candidate_sets, shifts, reference, top_k, rule, utility)[0]),
+        }
+    if utility is not None:
+        flat = np.concatenate([np.asarray(u, dtype=bool) for u in utility]) if utility else np.zeros(0, bool)
+        report["utility"] = {"candidates": int(flat.size), "correct_share": float(flat.mean()) if flat.size else 0.0,
+                             "questions_with_a_correct_candidate": float(np.mean([bool(np.any(u)) for u in utility]))}
     report["examples"] = _examples(candidate_sets, shifts, reference)
     return report
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
 from confrag.reranker.data import check_group_size
+from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 from confrag.stages.probe import ProbeRecipe
 from confrag.stages.rerank import RerankRecipe
@@ -62,5 +63,6 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
         probe=probe_recipe(cfg.probe, cfg.seed), llm=plain(cfg.llm), templates=templates(cfg),
         retrieval=settings_from(RetrievalSettings, cfg.retrieval, "retrieval"),
         preferences=settings_from(PreferenceSettings, cfg.preferences, "preferences"),
+        base=settings_from(BaseRerankerSettings, cfg.get("base_reranker"), "base_reranker"),
         reranker=reranker_recipe(cfg), cache_dir=str(cfg.paths.cache_dir), seed=int(cfg.seed),
         progress=bool(cfg.get("progress", True)))

@@ -57,6 +57,7 @@ class EvalSettings:
     n_resamples: int = 10000  # bootstrap resamples of each 95 % interval
     hotpotqa_path: str | None = None  # HotpotQA (official JSON or JSONL); None = NQ only
     hotpotqa_num_questions: int | None = 200
+    diagnostics: bool = True  # Table 2's probe-as-reranker and utility-oracle rows (one answer per candidate)
 
     def __post_init__(self) -> None:
         if self.metric not in BINARY_METRICS:

@@ -7,11 +7,13 @@ seen in training" is checked in one place (`check_disjoint`), not only trusted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from confrag.data.nq import QARow
+from confrag.qa_metrics import normalize_answer
 
 
 def select_questions(rows: Sequence[QARow], num_questions: int | None, seed: int) -> list[QARow]:
@@ -44,12 +46,52 @@ def held_out(rows: Sequence[QARow], used: Iterable[QARow], what: str, where: str
     return pool
 
 
-def check_disjoint(evaluation: Iterable[str], training: Mapping[str, Iterable[str]],
+def question_key(row: QARow) -> str:
+    """A question as compared across files: its normalized text (qids are line positions, not identities)."""
+    return normalize_answer(row.question)
+
+
+def check_disjoint(evaluation: Sequence[QARow], training: Mapping[str, Sequence[QARow]],
                    what: str = "the evaluation questions") -> None:
-    """Raise when a question id of `evaluation` is in one of the named `training` sets."""
-    held_out_ids = set(evaluation)
-    for name, ids in training.items():
-        shared = held_out_ids & set(ids)
+    """Raise when a question of `evaluation` is in one of the named `training` sets (compared by normalized
+    text, so that two files numbering their questions differently are still compared correctly)."""
+    held_out_keys = {question_key(r): r for r in evaluation}
+    for name, rows in training.items():
+        shared = sorted({held_out_keys[k].qid for k in map(question_key, rows) if k in held_out_keys})
         if shared:
-            raise AssertionError(f"{len(shared)} of {what} are in {name}, e.g. {sorted(shared)[:3]}: training and "
-                                 "evaluation questions must be disjoint")
+            raise ValueError(f"{len(shared)} of {what} are also in {name}, e.g. {shared[:3]}: training and "
+                             "evaluation questions must be disjoint")
+
+
+@dataclass(frozen=True)
+class QuestionPlan:
+    """Which questions of one NQ file each stage uses; disjoint, asserted on construction."""
+
+    probe: list[QARow]  # NQ_Confidence and the probe
+    preference: list[QARow]  # NQ_Rerank and the aligned rerankers
+    base: list[QARow]  # the base reranker's relevance training
+    held_out: list[QARow]  # what is left: the evaluation questions are sampled from these
+
+    def __post_init__(self) -> None:
+        check_disjoint(self.held_out, {"the probe's questions": self.probe, "the preference questions": self.preference,
+                                       "the base reranker's questions": self.base}, "the held-out questions")
+        check_disjoint(self.preference, {"the probe's questions": self.probe,
+                                         "the base reranker's questions": self.base}, "the preference questions")
+        check_disjoint(self.base, {"the probe's questions": self.probe}, "the base reranker's questions")
+
+
+def plan_questions(rows: Sequence[QARow], probe: Sequence[QARow], preference_questions: int | None,
+                   base_questions: int | None, seed: int, where: str) -> QuestionPlan:
+    """The probe's questions as given; then, each a seeded sample of what is left in this order: the
+    preference questions, the base reranker's (0 when it is not trained); the rest is held out. The order
+    makes the preference rows and the base independent of how many evaluation questions a run asks for."""
+    pool = held_out(rows, probe, "the preference data", where)
+    preference = select_questions(pool, preference_questions, seed)
+    pool = held_out(pool, preference, "the base reranker and the evaluation", where)
+    base = [] if base_questions == 0 else select_questions(pool, base_questions, seed)
+    rest = [r for r in pool if r.qid not in {b.qid for b in base}]
+    if len(rest) < 2:
+        raise ValueError(f"{where}: the probe ({len(probe)}), preference ({len(preference)}) and base reranker "
+                         f"({len(base)}) questions leave {len(rest)} of {len(rows)} for evaluation; lower "
+                         "probe.data.num_questions, preferences.num_questions or base_reranker.num_questions")
+    return QuestionPlan(list(probe), preference, base, rest)

@@ -2,7 +2,9 @@
 
 Hidden states are read from memory-mapped shards example by example: training never needs the
 whole activation cache in memory. `prepare_data` loads the LLM only when something is missing
-from the cache and frees it afterwards.
+from the cache and frees it afterwards. With `train_states` ending in `+candidates`, each question's
+top `candidates_top_n` BM25 passages over the NQ file's paragraphs (the retrieval stage's default
+corpus) are added as prompt kinds, labelled by the LLM's answer under each.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from confrag.data.nq import load_nq_jsonl
 from confrag.data.splits import select_questions
 from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
-from confrag.nq_confidence import ConfidenceData, Example, activation_identity, build_confidence_data
+from confrag.nq_confidence import (
+    ConfidenceData,
+    Example,
+    activation_identity,
+    build_confidence_data,
+    uses_candidates,
+)
+from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +70,15 @@ class NQConfidenceDataModule(LightningDataModule):
         cache_dir: str = ".cache",
         seed: int = 0,
         progress: bool = True,
+        candidates_top_n: int = 5,
+        words_per_passage: int = 100,
     ) -> None:
         super().__init__()
+        if uses_candidates(train_states) and (isinstance(candidates_top_n, bool) or not isinstance(candidates_top_n, int)
+                                              or candidates_top_n < 1):
+            raise ValueError(f"data.candidates_top_n must be an integer >= 1 with data.train_states={train_states!r} "
+                             f"(got {candidates_top_n!r})")
+        self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
         self.nq_path, self.layer_spec, self.layers = nq_path, layer, layers
@@ -77,7 +93,9 @@ class NQConfidenceDataModule(LightningDataModule):
 
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
-        rows = select_questions(load_nq_jsonl(self.nq_path), self.num_questions, self.seed)
+        all_rows = load_nq_jsonl(self.nq_path)
+        rows = select_questions(all_rows, self.num_questions, self.seed)
+        candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         own = llm is None
         llm = llm or load_llm(self.llm_cfg)
         try:
@@ -85,7 +103,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 llm, self.templates, rows, layers=self.layers, train_states=self.train_states, seed=self.seed,
                 split_sizes=self.split_sizes, balance=self.balance, max_new_tokens=self.max_new_tokens,
                 gen_batch_size=self.gen_batch_size, extract_batch_size=self.extract_batch_size,
-                cache_dir=self.cache_dir, progress=self.progress,
+                cache_dir=self.cache_dir, progress=self.progress, candidates=candidates,
             )
             num_layers = self.num_layers = llm.num_layers
             self.layer = num_layers // 2 if self.layer_spec in (None, "mid") else int(self.layer_spec)
@@ -98,6 +116,13 @@ class NQConfidenceDataModule(LightningDataModule):
                 del llm
                 gc.collect()
         return data
+
+    def retrieved(self, all_rows, rows) -> list[list]:
+        """Each question's top `candidates_top_n` BM25 passages over every paragraph of the NQ file (cached)."""
+        corpus = corpus_from_nq(all_rows, words_per_passage=self.words_per_passage)
+        found = retrieve_candidates(rows, corpus, BM25Retriever(corpus, cache_dir=self.cache_dir),
+                                    top_n=self.candidates_top_n)
+        return [c.passages for c in found]
 
     def prepare_data(self) -> None:
         if self.data is None:

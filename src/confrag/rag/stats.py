@@ -123,23 +123,31 @@ def table2_markdown(rows: Sequence[Mapping[str, Any]], base_reranker: str, ks: S
     cells = {(row["llm"], row["reranker"], row["dataset"]): row for row in rows}
     sizes = {d: sorted({row["n"] for row in rows if row["dataset"] == d}) for d in datasets}
     header = ["LLM", "Reranker"] + (["Params"] if reranker_params else [])
+    # The share of questions whose own paragraph is among the contexts, when the caller measured it.
+    gold = {d: any(f"gold_top{ks[0]}" in row for row in rows if row["dataset"] == d) for d in datasets}
+    ks_label = " / ".join(f"Top-{k}" for k in ks)
     for d in datasets:
-        header += [f"{d} Top-{k}" for k in ks] + [f"{d} p vs base ({' / '.join(f'Top-{k}' for k in ks)})"]
+        header += [f"{d} Top-{k}" for k in ks] + [f"{d} p vs base ({ks_label})"]
+        header += [f"{d} own ¶ ({ks_label})"] if gold[d] else []
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for llm, reranker in systems:
         line = [llm, reranker] + ([reranker_params.get(reranker, "")] if reranker_params else [])
         for d in datasets:
             row = cells.get((llm, reranker, d))
             if row is None:
-                line += ["—"] * (len(ks) + 1)
+                line += ["—"] * (len(ks) + 1 + gold[d])
                 continue
             line += [row[f"top{k}"].format() for k in ks]
             tests = [row[f"top{k}_vs_base"] for k in ks]
             line.append("base" if reranker == base_reranker else
                         " / ".join("—" if t is None else f"{t.pvalue:.3f}" for t in tests))
+            if gold[d]:
+                line.append(" / ".join(f"{100 * row[f'gold_top{k}']:.1f}" for k in ks))
         lines.append("| " + " | ".join(line) + " |")
     notes = ", ".join(f"{d}: n = {'/'.join(map(str, sizes[d]))}" for d in datasets)
     lines.append("")
     lines.append(f"Accuracy in % with 95 % percentile-bootstrap CI; p: exact McNemar test against "
-                 f"{base_reranker} on the same questions (same LLM). {notes}.")
+                 f"{base_reranker} on the same questions (same LLM). {notes}."
+                 + (" own ¶: % of questions whose own (gold) paragraph is among the contexts." if any(gold.values())
+                    else ""))
     return "\n".join(lines)

@@ -34,10 +34,18 @@ class RunContext:
     gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
 
 
-def table2(llm_name: str, runs: Outcomes, settings: CBDRSettings, n_resamples: int, seed: int) -> tuple[list[dict], str]:
+def table2(llm_name: str, runs: Outcomes, settings: CBDRSettings, n_resamples: int, seed: int,
+           gold_of: dict[str, dict[str, str | None]] | None = None) -> tuple[list[dict], str]:
+    """Table 2's rows (and Markdown); with `gold_of` (dataset -> qid -> source id of the question's own
+    paragraph) each row also says how often that paragraph is among the Top-K contexts."""
     keyed = {(llm_name, reranker, dataset): outcomes for dataset, by_reranker in runs.items()
              for reranker, outcomes in by_reranker.items()}
     rows = table2_rows(keyed, settings.base, settings.ks, settings.eval_metric, n_resamples, seed)
+    for row in rows:
+        sources = (gold_of or {}).get(row["dataset"])
+        if sources:
+            outcomes = runs[row["dataset"]][row["reranker"]]
+            row.update({f"gold_top{k}": gold_in_contexts(outcomes, k, sources) for k in settings.ks})
     return rows, table2_markdown(rows, settings.base, settings.ks)
 
 
@@ -51,12 +59,17 @@ def closed_book_line(runs: Outcomes, metric: str, n_resamples: int, seed: int) -
     return f"Closed-book (QA prompt, no retrieval) {metric}: " + ", ".join(parts) + "."
 
 
-def gold_in_contexts(outcomes: Sequence[QuestionOutcome], k: int) -> float:
-    """Share of questions whose own paragraph (a passage id `<qid>#<n>`) is among their Top-k contexts."""
-    return float(np.mean([any(c.rsplit("#", 1)[0] == o.qid for c in o.rag[k].contexts) for o in outcomes]))
+def gold_in_contexts(outcomes: Sequence[QuestionOutcome], k: int, gold_of: dict[str, str | None] | None = None) -> float:
+    """Share of questions whose own paragraph is among their Top-k contexts: a context id `<source>#<n>` whose
+    source is the question's gold document (`gold_of`, qid -> source id; without it, the question's qid)."""
+    def own(o: QuestionOutcome) -> bool:
+        source = gold_of.get(o.qid) if gold_of is not None else o.qid
+        return source is not None and any(c.rsplit("#", 1)[0] == source for c in o.rag[k].contexts)
+    return float(np.mean([own(o) for o in outcomes])) if outcomes else 0.0
 
 
-def secondary_markdown(runs: Outcomes, ks: Sequence[int], gold_known: bool = False) -> str:
+def secondary_markdown(runs: Outcomes, ks: Sequence[int], gold_known: bool = False,
+                       gold_of: dict[str, dict[str, str | None]] | None = None) -> str:
     """has_answer beside exact match and token F1 (means, %), per dataset, reranker and K; with `gold_known`
     (passages cut from the questions' own paragraphs, ids `<qid>#<n>`) also how often the question's own
     paragraph is among the K contexts."""
@@ -67,7 +80,8 @@ def secondary_markdown(runs: Outcomes, ks: Sequence[int], gold_known: bool = Fal
             cells = [" / ".join(f"{100 * np.mean([float(getattr(o.rag[k], m)) for o in outcomes]):.1f}"
                                 for m in ("has_answer", "em", "f1")) for k in ks]
             if gold_known:
-                cells += [f"{100 * gold_in_contexts(outcomes, k):.1f}" for k in ks]
+                sources = (gold_of or {}).get(dataset)
+                cells += [f"{100 * gold_in_contexts(outcomes, k, sources):.1f}" for k in ks]
             lines.append(f"| {dataset} | {reranker} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -86,7 +100,7 @@ def run_record(settings: CBDRSettings, evaluation: RagEvaluation, rows1: list[di
                   "rows": results.grid.rows()},
         "chosen_beta": chosen, "flips": [f.to_dict() for f in results.flips], "answers": evaluation.answers,
         "confidence": results.confidence, "conf_quantiles": results.quantiles.tolist(),
-        "gate_check": evaluation.gate_check, "ks": list(settings.ks),
+        "gate_check": evaluation.gate_check, "ks": list(settings.ks), "diagnostics": evaluation.diagnostics,
         "eval": {"dev": [r.qid for r in evaluation.splits["dev"]], "test": [r.qid for r in evaluation.splits["test"]],
                  "retrieval": {s.dataset: s.retrieval for s in evaluation.sets},
                  "capped": {d: {n: r.capped for n, r in by.items()} for d, by in evaluation.runs.items()},
@@ -107,6 +121,13 @@ def write_plots(out: Path, llm_name: str, results: CBDRResults) -> dict[str, Pat
     return plots
 
 
+def base_line(info: dict[str, Any]) -> str:
+    if not info.get("trained"):
+        return "the backbone as it is"
+    return (f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
+            f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s")
+
+
 def stage_line(stage: RerankStage) -> str:
     """What the cached stage was built from: the probe's data and test scores, NQ_Rerank's size."""
     meta, report = stage.probe.meta, stage.preferences.report
@@ -116,6 +137,49 @@ def stage_line(stage: RerankStage) -> str:
             f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
             f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} of its "
             f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows.")
+
+
+def pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f} %"
+
+
+def chain_markdown(stage: RerankStage, rows2: list[dict], diagnostics: dict[str, dict[str, Any]], ks: Sequence[int],
+                   dataset: str = NQ) -> str:
+    """Every link from probe to answer on one dataset's test questions, one line each: the probe on retrieved
+    contexts, the labels each rule builds from it, the rankers trained on them, the answers they lead to."""
+    by_name = {r["reranker"]: r for r in rows2 if r["dataset"] == dataset}
+    k1 = ks[0]
+
+    def answer_cells(name: str) -> str:
+        row = by_name.get(name)
+        if row is None:
+            return "not in Table 2"
+        gold = f"own ¶ first {pct(row.get(f'gold_top{k1}'))}, " if f"gold_top{k1}" in row else ""
+        test = row.get(f"top{k1}_vs_base")
+        return (f"{gold}Top-{k1} {row[f'top{k1}'].format()}"
+                + ("" if test is None else f" (p vs base {test.pvalue:.3f})"))
+
+    d = diagnostics.get(dataset, {})
+    report = stage.preferences.report
+    lines = [f"| link | measured as | {dataset} test |", "| --- | --- | --- |"]
+    if d:
+        auroc = d["probe_auroc_on_candidates"]
+        lines.append(f"| probe on retrieved contexts | AUROC of Conf(Q + C) against the LLM's answer under C "
+                     f"({d['candidates']} candidates; {pct(d['correct_share'])} of them make it right) | "
+                     f"{'undefined (one class)' if auroc is None else f'{auroc:.3f}'} |")
+        lines.append(f"| probe as reranker | own ¶ ranked first by Conf(Q + C) (chance {pct(d['chance_gold_first'])}, "
+                     f"mean rank {d['probe_gold_mean_rank'] or float('nan'):.1f}); answers | "
+                     f"{pct(d['probe_gold_first'])}; {answer_cells('probe as reranker')} |")
+    for rule, r in report.get("by_selection", {}).items():
+        lines.append(f"| labels: rule {rule} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
+                     f"{pct(r['gold']['gold_in_pos_rate'])} / {pct(r['gold']['gold_in_neg_rate'])}, {r['kept']} |")
+    for name in [n for n in by_name if n not in ("probe as reranker", "utility oracle (upper bound)")]:
+        lines.append(f"| ranker: {name} | answers | {answer_cells(name)} |")
+    if d:
+        lines.append(f"| utility oracle (upper bound) | answers ({pct(d['questions_with_a_correct_candidate'])} of "
+                     f"questions have a candidate that makes the LLM right) | "
+                     f"{answer_cells('utility oracle (upper bound)')} |")
+    return "\n".join(lines)
 
 
 def conf_summary(values: Sequence[float]) -> str:
@@ -129,8 +193,9 @@ def retrieval_line(stats: dict[str, Any]) -> str:
 
 def report_markdown(run: RunContext, stage: RerankStage, settings: CBDRSettings, rows1: list[dict], table2_md: str,
                     closed_line: str, secondary_md: str, results: CBDRResults, plots: dict[str, Path],
-                    record: dict[str, Any]) -> str:
+                    record: dict[str, Any], rows2: list[dict]) -> str:
     chosen, ev = results.chosen, record["eval"]
+    chain = chain_markdown(stage, rows2, record.get("diagnostics", {}), settings.ks)
     n_pref = len(stage.preferences.splits["test"])
     capped = {f"{d} / {n}": {k: c for k, c in caps.items() if c} for d, by in ev["capped"].items()
               for n, caps in by.items() if any(caps.values())}
@@ -151,9 +216,17 @@ def report_markdown(run: RunContext, stage: RerankStage, settings: CBDRSettings,
         f"K larger than a question's candidates is capped to what it has: {capped or 'no question concerned'}.", "",
         stage_line(stage), "",
         "## Table 1 — reranking on the NQ_Rerank test split", "",
+        f"Labels of rule {stage.preferences.report.get('selection', 'sign')}; base reranker: "
+        f"{base_line(stage.training.get('base', {}))}.", "",
         markdown_table(rows1, f"{run.llm_name}, {n_pref} questions (P/R/MRR @K, %)"), "",
         "## Table 2 — end-to-end accuracy (has_answer unless eval.metric says otherwise)", "",
-        table2_md, "", closed_line, "", "has_answer / exact match / token F1 (%), same questions; gold ¶: the "
+        table2_md, "", closed_line, "",
+        "## From probe to answer", "",
+        "Each link of the method measured on the same test questions: does the probe's confidence under a "
+        "retrieved context predict the LLM's answer, does it rank the question's own paragraph first, do the "
+        "labels built from it put that paragraph among the positives, and what the rankers trained on them "
+        "give as answers. The utility oracle is an upper bound, not a method.", "",
+        chain, "", "has_answer / exact match / token F1 (%), same questions; gold ¶: the "
         "question's own paragraph among the contexts (%), when the corpus is cut from the questions' paragraphs:", "",
         secondary_md, "",
         f"## Table 3 — CBDR on NQ test ({settings.metric}, {settings.reranker} retrieving when it does)", "",

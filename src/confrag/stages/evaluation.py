@@ -1,10 +1,11 @@
 """The evaluation stage: held-out questions → candidates → Conf(H(Q)) → answers under every reranker and K.
 
-Evaluation questions are NQ questions the probe never saw, and so neither did the preference data nor
-the fine-tuned rerankers (their questions are a sample of the probe's); `check_disjoint` asserts it.
+Evaluation questions are a seeded sample of the NQ questions no stage trained on: not the probe's, not the
+preference questions, not the base reranker's (`QuestionPlan`); `check_disjoint` asserts it again here.
 They are split by question into dev (choosing β, or fitting the gates) and test (every table). Their
 candidates come from the stage's retriever over the NQ paragraphs, which hold their own gold paragraphs,
-as for the preference questions.
+as for the preference questions. With `eval.diagnostics`, Table 2 also gets the probe as a reranker and
+the utility oracle (`stages.diagnostics`), on the test questions (and every HotpotQA question).
 
 HotpotQA (`eval.hotpotqa_path`) gets a corpus of its own: the supporting paragraphs of the sampled
 questions, indexed by the same kind of retriever; a question's candidates are therefore its gold
@@ -29,12 +30,13 @@ from confrag.cbdr import ConfidenceGate, SweepData, question_confidences
 from confrag.cbdr.gate import gate_check
 from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings
 from confrag.data.hotpotqa import load_hotpotqa
-from confrag.data.nq import QARow, load_nq_jsonl
-from confrag.data.splits import check_disjoint, held_out, select_questions, split_dev_test
+from confrag.data.nq import QARow
+from confrag.data.splits import check_disjoint, select_questions, split_dev_test
 from confrag.llm.loading import LoadedLLM, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, RagRun, run_rag, save_outcomes_jsonl
 from confrag.retrieval import Candidates
+from confrag.stages.diagnostics import candidate_diagnostics
 from confrag.stages.rerank import RerankStage, Scorer, table1_systems
 from confrag.stages.retrieval import build_retrieval, question_candidates, retrieve_fn
 
@@ -52,16 +54,18 @@ class EvalSet:
     retrieval: dict[str, Any]
 
 
-def evaluation_rows(nq_path: str, probe_rows: Sequence[QARow], num_questions: int | None, seed: int) -> list[QARow]:
-    """A seeded sample of the NQ questions the probe was not built from."""
-    pool = held_out(load_nq_jsonl(nq_path), probe_rows, "evaluation", nq_path)
-    return select_questions(pool, num_questions, seed)
+def evaluation_rows(stage: RerankStage, num_questions: int | None, seed: int) -> list[QARow]:
+    """A seeded sample of the NQ questions no stage trained on."""
+    rows = select_questions(stage.questions.held_out, num_questions, seed)
+    check_held_out(stage, rows)
+    return rows
 
 
 def check_held_out(stage: RerankStage, rows: Sequence[QARow]) -> None:
-    """No evaluation question was used by the probe, the preference rows or the rerankers."""
-    check_disjoint([r.qid for r in rows], {"the probe's questions": [r.qid for r in stage.probe_data.data.rows],
-                                           "the preference questions": [c.qid for c in stage.preferences.candidates]})
+    """No evaluation question was used by the probe, the preference rows or the base reranker."""
+    check_disjoint(rows, {"the probe's questions": stage.probe_data.data.rows,
+                          "the preference questions": stage.questions.preference,
+                          "the base reranker's questions": stage.questions.base})
 
 
 def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[str, Scorer]:
@@ -128,10 +132,15 @@ class RagEvaluation:
 
     splits: dict[str, list[QARow]]  # NQ dev / test
     sets: list[EvalSet]
-    runs: dict[str, dict[str, RagRun]]  # dataset -> reranker -> outcomes
+    runs: dict[str, dict[str, RagRun]]  # dataset -> reranker -> outcomes (diagnostic rows: test questions only)
     answers: dict[str, int]  # AnswerStore counts: generated, reused
     gate_check: dict[str, Any]
+    diagnostics: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # dataset -> summary
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time by part of the run
+
+    def gold_sources(self) -> dict[str, dict[str, str | None]]:
+        """dataset -> qid -> the source id of the question's own (gold) paragraph in its corpus."""
+        return {s.dataset: {c.qid: c.gold_source for c in s.candidates} for s in self.sets}
 
     def tables(self) -> dict[str, dict[str, list[QuestionOutcome]]]:
         """Table 2's outcomes: NQ test; HotpotQA (Table 2 only) all its sampled questions."""
@@ -154,8 +163,7 @@ def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSetting
              eval_batch_size: int, progress: bool = True) -> RagEvaluation:
     """Held-out questions → candidates → Conf(H(Q)) → answers under every reranker and K (cached per prompt),
     saved as outcomes; then the live gate on a few test questions."""
-    eval_rows = evaluation_rows(stage.probe_data.nq_path, stage.probe_data.data.rows, evaluation.num_questions, seed)
-    check_held_out(stage, eval_rows)
+    eval_rows = evaluation_rows(stage, evaluation.num_questions, seed)
     splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), seed)
     candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
     sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
@@ -169,6 +177,18 @@ def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSetting
                                           batch_size=answers.extract_batch_size, progress=progress)
         confidences = {row.qid: float(c) for row, c in zip(eval_rows, confidence)}
         runs = {s.dataset: answer_set(s, store, settings.ks, confidences if s.dataset == NQ else None) for s in sets}
+        summaries = {}
+        if evaluation.diagnostics:
+            test = {r.qid for r in splits["test"]}
+            for s in sets:
+                rows = [r for r in s.rows if s.dataset != NQ or r.qid in test]
+                chosen = [c for c in s.candidates if s.dataset != NQ or c.qid in test]
+                diagnostics = candidate_diagnostics(llm, templates, stage.probe, chosen, store, cache_dir,
+                                                    answers.extract_batch_size, progress)
+                summaries[s.dataset] = diagnostics.summary()
+                for name, scorer in diagnostics.scorers().items():
+                    runs[s.dataset][name] = run_rag(rows, chosen, store, settings.ks, scorer,
+                                                    confidences if s.dataset == NQ else None)
         log.info("answers: %d generated, %d from the cache", store.generated, store.reused)
         counts = {"generated": store.generated, "reused": store.reused}
         check = gate_check(confidence_gate(stage, settings, llm, templates),
@@ -180,4 +200,4 @@ def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSetting
     for dataset, by_reranker in runs.items():
         for name, rag_run in by_reranker.items():
             save_outcomes_jsonl(rag_run.outcomes, out / "outcomes" / slug(dataset) / f"{slug(name)}.jsonl")
-    return RagEvaluation(splits, sets, runs, counts, check)
+    return RagEvaluation(splits, sets, runs, counts, check, summaries)

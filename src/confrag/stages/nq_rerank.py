@@ -1,8 +1,11 @@
-"""The NQ_Rerank stage: a sample of the probe's questions → candidates → confidence shifts → rows.
+"""The NQ_Rerank stage: preference questions → candidates → confidence shifts (and, for the `utility`
+rule, the LLM's answer under every candidate) → preference rows for every rule asked for.
 
-The questions are a seeded sample of the probe's, so their QA states H(Q) come from the probe stage's
-activation cache (read, not recomputed); the candidate states are one resumable activation artifact.
-The rows are written to `<run>/nq_rerank/` (JSONL + Arrow) beside `report.json`.
+The preference questions are NQ questions the probe was not trained on (as in the paper, where
+NQ_Rerank comes from another set than the probe's data): a probe that saw a question's candidates
+would label them from memory. Their QA states are extracted here (one prompt each). Rows are split by
+question once, the same split for every rule, and written to `<run>/nq_rerank/` (JSONL + Arrow) beside
+`report.json`; the other rules' rows to `<run>/nq_rerank/<rule>/`.
 """
 
 from __future__ import annotations
@@ -11,16 +14,27 @@ import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from confrag.artifacts import atomic_write_text, fingerprint
-from confrag.data.splits import select_questions
+from confrag.data.nq import QARow
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
-from confrag.preferences import REFERENCES, build_rows, confidence_shifts, dataset_report, save_rows, split_by_question
-from confrag.probe.datamodule import NQConfidenceDataModule
+from confrag.preferences import (
+    REFERENCES,
+    SELECTIONS,
+    build_rows,
+    confidence_shifts,
+    dataset_report,
+    save_rows,
+    split_by_question,
+)
 from confrag.probe.module import SavedProbe
+from confrag.qa_metrics import has_answer
+from confrag.rag import AnswerStore
 from confrag.retrieval import Candidates
 from confrag.stages.retrieval import Retrieval, question_candidates
 
@@ -29,57 +43,107 @@ from confrag.stages.retrieval import Retrieval, question_candidates
 class PreferenceSettings:
     """The `preferences` config node."""
 
-    num_questions: int | None = 300  # a seeded sample of the probe's questions; None = all
-    top_k: int = 5  # K: top-K contexts with Inc > 0 are pos, top-K with Inc < 0 neg
+    num_questions: int | None = 300  # a seeded sample of the NQ questions the probe does not use; None = all
+    top_k: int = 5  # K: at most K contexts on each side
     reference: str = "qa"  # qa (the paper) | rag_empty (RAG prompt with an empty context)
+    selection: str = "sign"  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
+    compare: tuple[str, ...] = ()  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
     test_fraction: float = 0.2  # questions held out for Table 1
-    relevance_baseline: bool = True  # also fine-tune on relevance labels: the ablation row
+    relevance_baseline: bool = True  # also fine-tune on relevance labels (answer in passage): the control row
     extract_batch_size: int = 16
+    # Greedy answers under each candidate (the utility rule): keep equal to rag.* so the answers are shared.
+    max_new_tokens: int = 24
+    answer_batch_size: int = 16
+    answer_chunk_size: int = 64
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "compare", tuple(self.compare or ()))
         problems = []
         if self.reference not in REFERENCES:
             problems.append(f"preferences.reference={self.reference!r} is not one of {REFERENCES}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            problems.append(f"preferences.top_k must be an integer >= 1 (got {self.top_k!r})")
+        for key, rule in [("preferences.selection", self.selection)] + [("preferences.compare", r) for r in self.compare]:
+            if rule not in SELECTIONS:
+                problems.append(f"{key}: {rule!r} is not one of {SELECTIONS}")
+        for key in ("top_k", "extract_batch_size", "max_new_tokens", "answer_batch_size", "answer_chunk_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"preferences.{key} must be an integer >= 1 (got {value!r})")
         if not 0 < float(self.test_fraction) < 1:
             problems.append(f"preferences.test_fraction must be in (0, 1) (got {self.test_fraction})")
         if problems:
             raise ValueError("; ".join(problems))
 
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """Every rule trained, the selection first."""
+        return tuple(dict.fromkeys([self.selection, *self.compare]))
+
 
 @dataclass
 class PreferenceStage:
     candidates: list[Candidates]  # every preference question, retrieval order, duplicates removed
-    splits: dict[str, list[dict]]  # NQ_Rerank rows by split
+    splits: dict[str, list[dict]]  # the selection rule's rows by split
+    splits_by_rule: dict[str, dict[str, list[dict]]]  # every rule's rows by split (the same questions' split)
     report: dict[str, Any]
     key: str  # identity of the rows: everything that produced them
+    utility: list[np.ndarray] | None  # per question, per candidate: the LLM answered correctly under it
+
+
+def candidate_utility(store: AnswerStore, candidates: Sequence[Candidates]) -> list[np.ndarray]:
+    """Per question, per candidate: does the LLM's greedy answer with that candidate alone in the RAG prompt
+    hold a gold answer (the prompt of a Top-1 answer, so the answer cache shares them with Table 2)."""
+    items = [(c.question, [p]) for c in candidates for p in c.passages]
+    answers = store.answer(items)
+    flags = np.array([has_answer(a, c.answers) for a, c in zip(answers, (c for c in candidates for _ in c.passages))],
+                     dtype=bool)
+    bounds = np.cumsum([0] + [len(c.passages) for c in candidates])
+    return [flags[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def split_rows(rows: list[dict], test_qids: set[str]) -> dict[str, list[dict]]:
+    return {"train": [r for r in rows if r["qid"] not in test_qids], "test": [r for r in rows if r["qid"] in test_qids]}
 
 
 def build_nq_rerank(settings: PreferenceSettings, llm_config: LLMConfig | dict, templates: PromptTemplates,
-                    probe: SavedProbe, probe_data: NQConfidenceDataModule, retrieval: Retrieval,
-                    candidates_path: str | None, cache_dir: str | Path, seed: int, out: Path,
-                    progress: bool = True) -> PreferenceStage:
-    """NQ_Rerank for a seeded sample of the probe's questions (so H(Q) comes from the probe's cache)."""
-    probe_rows = probe_data.data.rows
-    rows = select_questions(probe_rows, settings.num_questions, seed)
+                    probe: SavedProbe, rows: Sequence[QARow], retrieval: Retrieval, candidates_path: str | None,
+                    cache_dir: str | Path, seed: int, out: Path, progress: bool = True) -> PreferenceStage:
+    """NQ_Rerank for `rows` under every rule of `settings.rules`."""
     candidates, retrieval_stats = question_candidates(retrieval, rows, candidates_path)
-    position = {row.qid: i for i, row in enumerate(probe_rows)}
-    qa_states = probe_data.data.stores["qa"].take(probe.layer, [position[r.qid] for r in rows])
-
+    if settings.top_k > max(len(c.passages) for c in candidates):
+        raise ValueError(f"preferences.top_k={settings.top_k} is larger than any question's candidate list "
+                         f"(at most {max(len(c.passages) for c in candidates)}); lower it or raise retrieval.top_n")
+    needs_utility = "utility" in settings.rules
     llm = load_llm(llm_config)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=int(settings.extract_batch_size), progress=progress)
     try:
         shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir,
-                                   qa_states=qa_states, progress=progress)
+                                   progress=progress)
+        utility = None
+        if needs_utility:
+            store = AnswerStore(llm, templates, cache_dir, max_new_tokens=settings.max_new_tokens,
+                                batch_size=settings.answer_batch_size, chunk_size=settings.answer_chunk_size,
+                                progress=progress)
+            utility = candidate_utility(store, candidates)
     finally:
         del engine, llm
         gc.collect()
-    rows_all, drops = build_rows(candidates, shifts, settings.reference, settings.top_k)
-    splits = split_by_question(rows_all, float(settings.test_fraction), seed)
-    report = {**dataset_report(candidates, shifts, settings.top_k, splits, settings.reference, drops),
-              "retrieval": retrieval_stats}
-    key = fingerprint({"rows": splits, "probe": probe.meta.get("activations", {}).get("key")})
+    # One split by question for every rule: each rule's Table 1 holds out the same questions.
+    test_qids = {r["qid"] for r in split_by_question([{"qid": c.qid} for c in candidates],
+                                                       float(settings.test_fraction), seed)["test"]}
+    splits_by_rule, drops = {}, {}
+    for rule in settings.rules:
+        kept, drops[rule] = build_rows(candidates, shifts, settings.reference, settings.top_k, rule, utility)
+        splits_by_rule[rule] = split_rows(kept, test_qids)
+    splits = splits_by_rule[settings.selection]
+    report = {**dataset_report(candidates, shifts, settings.top_k, splits, settings.reference,
+                               drops[settings.selection], settings.selection, utility),
+              "retrieval": retrieval_stats,
+              "rules": {rule: {"rows": {s: len(r) for s, r in sp.items()}, "dropped": drops[rule]}
+                        for rule, sp in splits_by_rule.items()}}
+    key = fingerprint({"rows": splits_by_rule, "probe": probe.meta.get("activations", {}).get("key")})
     save_rows(splits, out / "nq_rerank")
+    for rule, rule_splits in splits_by_rule.items():
+        if rule != settings.selection:
+            save_rows(rule_splits, out / "nq_rerank" / rule)
     atomic_write_text(out / "nq_rerank" / "report.json", json.dumps(report, indent=2, ensure_ascii=False))
-    return PreferenceStage(candidates, splits, report, key)
+    return PreferenceStage(candidates, splits, splits_by_rule, report, key, utility)

@@ -1,8 +1,11 @@
-"""The rerank stage: probe (cached) → retrieval → NQ_Rerank → the untuned, relevance-tuned and
-confidence-shift-tuned cross-encoders (cached) → every Table 1 row as a scorer.
+"""The rerank stage: probe (cached) → retrieval → the question plan → NQ_Rerank → the base reranker →
+the base fine-tuned on relevance labels (the control) and on each preference rule (cached) → every
+Table 1 row as a scorer.
 
-The cbdr and gates tasks reuse this stage as it is: every piece comes from the cache once a run of the
-same settings has built it, so a sweep over τ or K recomputes only the rows and the training it reaches.
+As in the paper, alignment starts from a relevance reranker and is compared with that reranker before
+alignment and with the same reranker fine-tuned for the same number of steps on relevance labels of the
+same questions. The cbdr and gates tasks reuse this stage as it is: every piece comes from the cache once
+a run of the same settings has built it, so a sweep over τ or K recomputes only what it reaches.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import numpy as np
 from lightning.pytorch.loggers import Logger
 from tqdm.auto import tqdm
 
+from confrag.data.nq import load_nq_jsonl
+from confrag.data.splits import QuestionPlan, plan_questions
 from confrag.llm.prompts import PromptTemplates
 from confrag.preferences import relevance_rows
 from confrag.probe.datamodule import NQConfidenceDataModule
@@ -23,6 +28,7 @@ from confrag.reranker.data import candidate_lists
 from confrag.reranker.metrics import ranking_table
 from confrag.reranker.module import RerankerModule
 from confrag.retrieval import document_text
+from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
 from confrag.stages.nq_rerank import PreferenceSettings, PreferenceStage, build_nq_rerank
 from confrag.stages.probe import ProbeRecipe, ensure_probe
 from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device
@@ -30,9 +36,13 @@ from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retriev
 
 KS = (1, 3, 5)
 BM25, BI_ENCODER = "BM25", "bi-encoder (MiniLM cosine)"
-UNTUNED = "cross-encoder (untuned)"
-RELEVANCE_FT = "cross-encoder + relevance FT"
-CONFIDENCE_FT = "cross-encoder + confidence-shift FT (ours)"
+BASE = "base reranker"
+RELEVANCE_FT = "base + relevance FT"
+
+
+def confidence_ft(rule: str) -> str:
+    """The Table 1 / Table 2 name of the base fine-tuned on a preference rule's rows."""
+    return f"base + confidence FT ({rule})"
 
 Scorer = Callable[[str, list[str]], np.ndarray]  # (query, passages) -> one score per passage
 
@@ -46,6 +56,7 @@ class RerankRecipe:
     templates: PromptTemplates
     retrieval: RetrievalSettings
     preferences: PreferenceSettings
+    base: BaseRerankerSettings
     reranker: RerankerRecipe
     cache_dir: str
     seed: int
@@ -57,37 +68,53 @@ class RerankStage:
     """Everything the later stages (RAG evaluation, CBDR, gates) take from this one."""
 
     probe: SavedProbe
-    probe_data: NQConfidenceDataModule  # its questions are not evaluation questions
+    probe_data: NQConfidenceDataModule
     retrieval: Retrieval
+    questions: QuestionPlan  # who uses which question; the evaluation samples `questions.held_out`
     preferences: PreferenceStage
-    rerankers: dict[str, RerankerModule]  # Table 1's cross-encoder rows, the fine-tuned ones last
+    base: BaseReranker
+    rerankers: dict[str, RerankerModule]  # Table 1's cross-encoder rows: the base first, the aligned ones last
     scorers: dict[str, Scorer]  # every Table 1 row as (query, passages) -> scores
     training: dict[str, Any]
+    main: str  # the row of the selection rule's reranker
 
 
 def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
     probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
     retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
-    stage = build_nq_rerank(recipe.preferences, recipe.llm, recipe.templates, probe, probe_data, retrieval,
+    questions = plan_questions(load_nq_jsonl(probe_data.nq_path), probe_data.data.rows,
+                               recipe.preferences.num_questions,
+                               recipe.base.num_questions if recipe.base.train else 0, recipe.seed, probe_data.nq_path)
+    stage = build_nq_rerank(recipe.preferences, recipe.llm, recipe.templates, probe, questions.preference, retrieval,
                             recipe.retrieval.candidates_path, recipe.cache_dir, recipe.seed, out, recipe.progress)
     train_rows, test_rows = stage.splits["train"], stage.splits["test"]
     if not train_rows or not test_rows:
-        raise ValueError(f"NQ_Rerank has {len(train_rows)} train and {len(test_rows)} test rows after dropping "
-                         f"{stage.report['dropped']}; raise preferences.num_questions or retrieval.top_n, or try "
-                         f"preferences.reference (qa / rag_empty)")
-
-    rerankers: dict[str, RerankerModule] = {}
-    training: dict[str, Any] = {}
-    rerankers[UNTUNED] = recipe.reranker.make_model(lora=None)
+        raise ValueError(f"NQ_Rerank ({recipe.preferences.selection}) has {len(train_rows)} train and {len(test_rows)} "
+                         f"test rows after dropping {stage.report['dropped']}; raise preferences.num_questions or "
+                         "retrieval.top_n, or try another preferences.reference / preferences.selection")
+    base = ensure_base_reranker(recipe.base, recipe.reranker, retrieval, questions.base)
+    rerankers: dict[str, RerankerModule] = {BASE: base.module}
+    training: dict[str, Any] = {"base": base.info}
+    for rule in recipe.preferences.rules:
+        rows = stage.splits_by_rule[rule]["train"]
+        if not rows:  # a compared rule that keeps no row: reported, not trained
+            training[rule] = {"train_rows": 0}
+            continue
+        rerankers[confidence_ft(rule)], training[rule] = ensure_reranker(
+            recipe.reranker, rows, f"confidence_{rule}", loggers if rule == recipe.preferences.selection else [],
+            run_config, start_from=base.directory)
     if recipe.preferences.relevance_baseline:
+        # The control: the same base, the same questions, as many steps, labels from answer containment.
         relevance = relevance_rows(stage.candidates, {r["qid"] for r in train_rows}, recipe.preferences.top_k)
-        rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(recipe.reranker, relevance, "relevance", [],
-                                                                         run_config)
-    rerankers[CONFIDENCE_FT], training["confidence_shift"] = ensure_reranker(recipe.reranker, train_rows,
-                                                                             "confidence_shift", loggers, run_config)
+        steps = int(training[recipe.preferences.selection]["steps"])
+        rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(
+            recipe.reranker, relevance, "relevance", [], run_config, start_from=base.directory,
+            trainer_settings={"max_steps": max(steps, 1), "max_epochs": -1})
+        rerankers = {k: rerankers[k] for k in [BASE, RELEVANCE_FT, *(r for r in rerankers if r not in (BASE, RELEVANCE_FT))]}
     place_on_device(recipe.reranker, rerankers.values())
     scorers = table1_systems(retrieval, rerankers, recipe.reranker.eval_batch_size)
-    return RerankStage(probe, probe_data, retrieval, stage, rerankers, scorers, training)
+    return RerankStage(probe, probe_data, retrieval, questions, stage, base, rerankers, scorers, training,
+                       confidence_ft(recipe.preferences.selection))
 
 
 def table1_systems(retrieval: Retrieval, rerankers: dict[str, RerankerModule], eval_batch_size: int) -> dict[str, Scorer]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import lightning as L
 import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
@@ -39,9 +41,16 @@ class RerankerRecipe:
     device: str | None = None  # where the rerankers score ("cuda" with the GPU trainer)
 
 
-def reranker_cache_dir(recipe: RerankerRecipe, train_rows: list[dict]) -> Path:
-    """Where a reranker fine-tuned on exactly these rows with these settings is kept."""
-    return recipe.cache_dir / "rerankers" / fingerprint({"rows": fingerprint(train_rows), **recipe.identity})
+def reranker_cache_dir(recipe: RerankerRecipe, train_rows: list[dict], start_from: Path | None = None,
+                       trainer_settings: dict[str, Any] | None = None) -> Path:
+    """Where a reranker fine-tuned on exactly these rows with these settings (from `start_from`, an exported
+    reranker, instead of the `model` backbone; with `trainer_settings` over the trainer's) is kept."""
+    key = {"rows": fingerprint(train_rows), **recipe.identity}
+    if start_from is not None:  # a cached reranker's folder name is its own key
+        key["start_from"] = Path(start_from).name
+    if trainer_settings:
+        key["trainer_settings"] = trainer_settings
+    return recipe.cache_dir / "rerankers" / fingerprint(key)
 
 
 def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:
@@ -50,23 +59,35 @@ def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:
 
 
 def ensure_reranker(recipe: RerankerRecipe, train_rows: list[dict], name: str, loggers: list[Logger],
-                    run_config: dict | None = None) -> tuple[RerankerModule, dict[str, Any]]:
-    """A cross-encoder fine-tuned with group InfoNCE on `train_rows`: loaded from the cache when the same
-    rows and settings trained one before, else trained now and exported there."""
-    directory = reranker_cache_dir(recipe, train_rows)
+                    run_config: dict | None = None, *, start_from: Path | None = None,
+                    trainer_settings: dict[str, Any] | None = None,
+                    **model_overrides: Any) -> tuple[RerankerModule, dict[str, Any]]:
+    """A cross-encoder fine-tuned with group InfoNCE on `train_rows` (from the `model` backbone, or from the
+    exported reranker `start_from`): loaded from the cache when the same rows and settings trained one
+    before, else trained now and exported there. The global RNG is seeded right before training, so a
+    reranker depends on its key only, not on what else this process trained before it (a resumed run
+    trains what is missing exactly as an uninterrupted one)."""
+    directory = reranker_cache_dir(recipe, train_rows, start_from, trainer_settings)
     if (directory / "confrag_training.json").is_file() and not recipe.fast_dev_run:
         log.info("Reranker %s: cached at %s", name, directory)
         info = json.loads((directory / "confrag_training.json").read_text())
         return load_reranker(recipe, directory), info
-    model = recipe.make_model()
+    start = time.perf_counter()
+    L.seed_everything(int(recipe.identity.get("seed", 0)), workers=True, verbose=False)
+    if start_from is not None:
+        model_overrides = {"backbone": str(start_from), "fresh_head": False, **model_overrides}
+    model = recipe.make_model(**model_overrides)
     model.run_config = run_config
     datamodule = recipe.make_datamodule(train=train_rows, tokenizer=model.hparams.backbone, kind=model.hparams.kind)
     datamodule.setup("fit")
-    trainer = recipe.make_trainer(logger=loggers or False, default_root_dir=str(recipe.output_dir / name))
+    trainer = recipe.make_trainer(logger=loggers or False, default_root_dir=str(recipe.output_dir / name),
+                                  **(trainer_settings or {}))
     trainer.fit(model, datamodule=datamodule)
     info = {"name": name, "train_rows": len(train_rows), "steps": int(trainer.global_step),
             "train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
-            "truncation": datamodule.truncation.get("train", {})}
+            "truncation": datamodule.truncation.get("train", {}), "train_seconds": time.perf_counter() - start,
+            "start_from": None if start_from is None else Path(start_from).name,
+            "trainer_settings": trainer_settings or {}}
     if not recipe.fast_dev_run:
         model.export(directory)
         atomic_write_text(directory / "confrag_training.json", json.dumps(info, indent=2))

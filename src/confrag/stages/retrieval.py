@@ -101,9 +101,10 @@ def without_duplicates(candidates: Candidates) -> tuple[Candidates, int]:
                            candidates.gold_source), len(candidates.passages) - len(keep)
 
 
-def question_candidates(retrieval: Retrieval, rows: Sequence[QARow],
-                        candidates_path: str | None = None) -> tuple[list[Candidates], dict[str, Any]]:
-    """Top-N candidates per question: retrieved, or read from `candidates_path` (a prebuilt list)."""
+def question_candidates(retrieval: Retrieval, rows: Sequence[QARow], candidates_path: str | None = None,
+                        top_n: int | None = None) -> tuple[list[Candidates], dict[str, Any]]:
+    """Top-N candidates per question (N = `retrieval.top_n` unless `top_n` says otherwise): retrieved, or
+    read from `candidates_path` (a prebuilt list)."""
     if candidates_path:
         by_qid = {c.qid: c for c in load_candidates_jsonl(candidates_path)}
         missing = [r.qid for r in rows if r.qid not in by_qid]
@@ -112,7 +113,8 @@ def question_candidates(retrieval: Retrieval, rows: Sequence[QARow],
                              f"questions, e.g. {missing[:3]}")
         found = [by_qid[r.qid] for r in rows]
     else:
-        found = retrieve_candidates(rows, retrieval.corpus, retrieval.retriever, top_n=int(retrieval.settings.top_n))
+        found = retrieve_candidates(rows, retrieval.corpus, retrieval.retriever,
+                                    top_n=int(top_n or retrieval.settings.top_n))
     cleaned, removed = zip(*(without_duplicates(c) for c in found)) if found else ((), ())
     empty = [c.qid for c in cleaned if not c.passages]
     if empty:

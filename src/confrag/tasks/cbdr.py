@@ -56,7 +56,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
                           recipe.cache_dir, recipe.seed, out, recipe.reranker.eval_batch_size, recipe.progress)
     evaluation.seconds = {"stage": stage_seconds, "answers": time.perf_counter() - start - stage_seconds}
     tables, n_resamples = evaluation.tables(), checked.evaluation.n_resamples
-    rows2, table2_md = report.table2(cfg.llm.name, tables, settings, n_resamples, cfg.seed)
+    rows2, table2_md = report.table2(cfg.llm.name, tables, settings, n_resamples, cfg.seed, evaluation.gold_sources())
     results = cbdr_results(settings, *evaluation.sweep_data(settings))
     plots = report.write_plots(out, cfg.llm.name, results)
     record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
@@ -65,9 +65,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
                             config_yaml(cfg), gold_known=not (recipe.retrieval.corpus_path or
                                                               recipe.retrieval.candidates_path))
     secondary = [report.closed_book_line(tables, settings.eval_metric, n_resamples, cfg.seed),
-                 report.secondary_markdown(tables, settings.ks, run.gold_known)]
+                 report.secondary_markdown(tables, settings.ks, run.gold_known, evaluation.gold_sources())]
     atomic_write_text(out / "report.md", report.report_markdown(run, stage, settings, rows1, table2_md, *secondary,
-                                                                results, plots, record))
+                                                                results, plots, record, rows2))
     report.log_results(loggers, record["metrics"], rows1, rows2, results, plots)
     print(f"CBDR report: {out / 'report.md'}\n\n{table2_md}\n\n{results.table3}", flush=True)
     return record["metrics"]

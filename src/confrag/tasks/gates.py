@@ -53,8 +53,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
     llm = load_llm(recipe.llm)
-    rows = evaluation_rows(stage.probe_data.nq_path, stage.probe_data.data.rows, checked.evaluation.num_questions,
-                           recipe.seed)
+    rows = evaluation_rows(stage, checked.evaluation.num_questions, recipe.seed)
     evaluation = prepare_gate_evaluation(stage, rows, settings, gates, llm, recipe.templates, checked.answers,
                                          checked.evaluation.dev_fraction, recipe.cache_dir, recipe.seed,
                                          recipe.progress)

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from confrag.instantiators import output_dir, task_loggers
 from confrag.recipes import rerank_recipe
 from confrag.reports.rerank import write_rerank_report
-from confrag.stages.rerank import CONFIDENCE_FT, RerankRecipe, rerank_stage, table1
+from confrag.stages.rerank import RerankRecipe, rerank_stage, table1
 
 
 def check(cfg: DictConfig) -> RerankRecipe:
@@ -23,9 +23,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
     out = output_dir(cfg)
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
-    stage.rerankers[CONFIDENCE_FT].export(out / "reranker")
+    stage.rerankers[stage.main].export(out / "reranker")
     test_rows = stage.preferences.splits["test"]
     rows = table1(stage.scorers, test_rows, cfg.seed)
     print(write_rerank_report(out, cfg.llm.name, stage.preferences.report, len(test_rows), rows, stage.training,
                               loggers), flush=True)
-    return {f"test/{k}": v / 100 for k, v in rows[-1].items() if k != "system"}
+    main = next(r for r in rows if r["system"] == stage.main)
+    return {f"test/{k}": v / 100 for k, v in main.items() if k != "system"}
