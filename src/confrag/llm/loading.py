@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from confrag.artifacts import exclusive, make_temp_dir
 from confrag.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -236,31 +236,45 @@ def _load_gguf(cfg: LLMConfig):
     path = gguf_location(cfg)
     sha = _file_sha256(path)[:16]
     converted = _model_cache(cfg) / f"{path.stem}-{sha}"
-    if not (converted / "config.json").is_file():
+    if not _converted_complete(converted):
         _convert_gguf(path, converted)
     tokenizer = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, **_from_pretrained_kwargs(cfg))
     return _place(model, cfg), tokenizer, f"gguf:{path.name}@{sha}"
 
 
+def _converted_complete(target: Path) -> bool:
+    # The folder only ever appears by rename of a finished conversion, so its config marks it whole.
+    return (target / "config.json").is_file()
+
+
 def _convert_gguf(path: Path, target: Path) -> None:
-    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy; written to a temp dir, then renamed."""
-    log.info("Dequantizing %s into %s (once)", path.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # The dequantized weights are plain fp32: drop the GGUF marker so save_pretrained accepts them.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
+    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy; written to a temp dir, then renamed.
+
+    Several processes may start on a fresh cache at once (a multirun, two runs, torchrun ranks): the
+    conversion runs under a file lock, and a process that finds the target complete after waiting for
+    the lock uses it instead of converting again."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with exclusive(target.parent / f".{target.name}.lock", f"the conversion of {path.name}"):
+        if _converted_complete(target):
+            return
+        log.info("Dequantizing %s into %s (once)", path.name, target)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        # The dequantized weights are plain fp32: drop the GGUF marker so save_pretrained accepts them.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        if target.exists():  # left incomplete by something other than this function: rebuilt
+            shutil.rmtree(target)
+        tmp = make_temp_dir(target.parent, target.name + ".tmp-")
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 # --- tiny random model (tests, fast_dev_run) -------------------------------------------------------
@@ -305,6 +319,6 @@ def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
     )
     path = gguf_location(source)
     converted = _model_cache(source) / f"{path.stem}-{_file_sha256(path)[:16]}"
-    if not (converted / "config.json").is_file():
+    if not _converted_complete(converted):
         _convert_gguf(path, converted)
     return AutoTokenizer.from_pretrained(converted)
