@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from confrag.artifacts import ShardedArtifact
 from confrag.data import DataFormatError, Passage, QARow, default_nq_path, load_nq_jsonl
 from confrag.retrieval import (
     BM25Retriever,
@@ -219,10 +220,15 @@ def test_dense_cache_round_trips(tmp_path: Path, dense_toy: DenseRetriever) -> N
     files = sorted(p.name for p in tmp_path.rglob("*.npy"))
     assert files == ["shard-00000.npy", "shard-00001.npy", "shard-00002.npy"]
     np.testing.assert_allclose(first.passage_embeddings, dense_toy.passage_embeddings, atol=1e-6)
-    # A second retriever reads the cache: tampering with it shows up in its embeddings.
+    # A second retriever reads the cache: a shard rewritten with its digest shows up in its embeddings.
     shard = next(tmp_path.rglob("shard-00000.npy"))
-    np.save(shard, np.zeros_like(np.load(shard)))
+    artifact = ShardedArtifact.from_directory(shard.parent)
+    artifact.write(0, np.zeros_like(np.load(shard)))
     assert not DenseRetriever(dense_toy.corpus, cache_dir=tmp_path, progress=False, shard_size=2).passage_embeddings[:2].any()
+    # A shard changed behind the cache's back fails its checksum and is recomputed.
+    np.save(shard, np.ones_like(np.load(shard)))
+    again = DenseRetriever(dense_toy.corpus, cache_dir=tmp_path, progress=False, shard_size=2)
+    np.testing.assert_allclose(again.passage_embeddings, dense_toy.passage_embeddings, atol=1e-6)
 
 
 # ---------------------------------------------------------------- candidates

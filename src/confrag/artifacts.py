@@ -106,6 +106,20 @@ def make_temp_dir(parent: Path | str, prefix: str) -> Path:
     return path
 
 
+def honour_umask(root: Path | str) -> None:
+    """Give `root` and everything under it the permissions `open()` / `mkdir` would give: for a folder
+    built by a library before it is renamed into place (transformers' save_pretrained writes its
+    weights 0600, whatever the umask)."""
+    files, dirs = file_mode(), dir_mode()
+    root = Path(root)
+    os.chmod(root, dirs)
+    for parent, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            os.chmod(os.path.join(parent, name), dirs)
+        for name in filenames:
+            os.chmod(os.path.join(parent, name), files)
+
+
 # --- atomic writes ---------------------------------------------------------------------------------
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

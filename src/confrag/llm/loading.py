@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from confrag.artifacts import exclusive, make_temp_dir
+from confrag.artifacts import exclusive, honour_umask, make_temp_dir
 from confrag.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -271,6 +271,7 @@ def _convert_gguf(path: Path, target: Path) -> None:
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            honour_umask(tmp)
             os.replace(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -15,12 +15,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from lightning import LightningModule
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
-from confrag.artifacts import atomic_write_text
+from confrag.artifacts import atomic_write_bytes, atomic_write_text, exclusive
 
 
 class ProbeMismatchError(ValueError):
@@ -134,13 +134,15 @@ class SavedProbe:
 
 
 def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str, Any], extra: dict[str, Any]) -> Path:
+    """Weights and metadata, each written atomically; two processes saving to one directory take turns,
+    so the weights and the metadata found there always come from the same save."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-    save_file(tensors, str(directory / "probe.safetensors.tmp"))
-    (directory / "probe.safetensors.tmp").replace(directory / "probe.safetensors")
     meta = {"hparams": dict(module.hparams), "activations": activations, **extra}
-    atomic_write_text(directory / "probe.json", json.dumps(meta, indent=2, default=str))
+    with exclusive(directory / ".probe.lock", f"the probe in {directory}"):
+        atomic_write_bytes(directory / "probe.safetensors", save(tensors))
+        atomic_write_text(directory / "probe.json", json.dumps(meta, indent=2, default=str))
     return directory
 
 
