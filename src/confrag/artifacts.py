@@ -442,40 +442,7 @@ class ShardedArtifact:
 
         Safe with other processes computing the same artifact: each shard is claimed under its lock and
         computed by one process only; this returns once every shard is on disk, whoever computed it."""
-        todo = self.pending()
-        if not todo:
-            return self
-        log.info("%s %s: %d of %d shards to compute", self.kind, self.key, len(todo), self.num_shards)
-        rank = distributed.rank_info()
-        distributed.warn_if_more_ranks_than_shards(len(todo), f"{self.kind} {self.key}", rank)
-        waiting_since = last_said = None
-        with tqdm(total=len(todo), desc=desc or self.kind, unit="shard", disable=not progress) as bar:
-            while todo:
-                computed_now = False
-                for index in distributed.spread(todo, rank):
-                    lock = self._try_claim(index)
-                    if lock is None:  # another process is computing it
-                        continue
-                    try:
-                        if self._readable(index):  # finished by another process since the last look
-                            continue
-                        self.write(index, fn(*self.shard_range(index)))
-                        self.computed.append(index)
-                        computed_now = True
-                    finally:
-                        lock.release()
-                todo = self.pending()
-                bar.n = bar.total - len(todo)
-                bar.refresh()
-                if todo and not computed_now:
-                    now = time.monotonic()
-                    waiting_since = waiting_since or now
-                    if last_said is None or now - last_said >= WAIT_LOG_SECONDS:
-                        log.info("%s %s: waiting for %d shard(s) that other processes are computing (%s); "
-                                 "waited %.0f s so far", self.kind, self.key, len(todo),
-                                 ", ".join(self.shard_path(i).name for i in todo[:4]), now - waiting_since)
-                        last_said = now
-                    time.sleep(poll_seconds)
+        compute_shards([(self, fn)], desc=desc or self.kind, progress=progress, poll_seconds=poll_seconds)
         return self
 
     def shards(self, mmap: bool = True) -> list[Any]:
@@ -486,6 +453,51 @@ class ShardedArtifact:
     def records(self) -> list[Any]:
         """All items of a json artifact, in order."""
         return [item for shard in self.shards() for item in shard]
+
+
+def compute_shards(jobs: Sequence[tuple[ShardedArtifact, Callable[[int, int], Any]]], desc: str = "shards",
+                   progress: bool = True, poll_seconds: float = WAIT_POLL_SECONDS) -> None:
+    """Compute the missing shards of several artifacts (each with its own `fn(start, stop)`), claiming
+    shards across all of them: a process never waits for a shard another one holds while some shard of
+    any of the artifacts is still free (many small artifacts, such as answer chunks, split between
+    processes as well as the shards of one big one). Returns when every shard of every artifact exists."""
+    todo = [(artifact, fn, index) for artifact, fn in jobs for index in artifact.pending()]
+    if not todo:
+        return
+    for artifact, _ in jobs:
+        missing = sum(a is artifact for a, _, _ in todo)
+        if missing:
+            log.info("%s %s: %d of %d shards to compute", artifact.kind, artifact.key, missing, artifact.num_shards)
+    rank = distributed.rank_info()
+    distributed.warn_if_more_ranks_than_shards(len(todo), desc, rank)
+    waiting_since = last_said = None
+    with tqdm(total=len(todo), desc=desc, unit="shard", disable=not progress) as bar:
+        while todo:
+            computed_now = False
+            for artifact, fn, index in distributed.spread(todo, rank):
+                lock = artifact._try_claim(index)
+                if lock is None:  # another process is computing it
+                    continue
+                try:
+                    if artifact._readable(index):  # finished by another process since the last look
+                        continue
+                    artifact.write(index, fn(*artifact.shard_range(index)))
+                    artifact.computed.append(index)
+                    computed_now = True
+                finally:
+                    lock.release()
+            todo = [(artifact, fn, index) for artifact, fn, index in todo if not artifact._readable(index)]
+            bar.n = bar.total - len(todo)
+            bar.refresh()
+            if todo and not computed_now:
+                now = time.monotonic()
+                waiting_since = waiting_since or now
+                if last_said is None or now - last_said >= WAIT_LOG_SECONDS:
+                    names = ", ".join(f"{a.kind}/{a.key}/{a.shard_path(i).name}" for a, _, i in todo[:3])
+                    log.info("waiting for %d shard(s) that other processes are computing (%s%s); waited %.0f s so "
+                             "far", len(todo), names, ", ..." if len(todo) > 3 else "", now - waiting_since)
+                    last_said = now
+                time.sleep(poll_seconds)
 
 
 class ActivationStore:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from confrag.artifacts import CacheMismatchError, ShardedArtifact, fingerprint
+from confrag.artifacts import CacheMismatchError, ShardedArtifact, compute_shards, fingerprint
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -142,16 +142,21 @@ class AnswerStore:
         return [self._known[h] for h in hashes]
 
     def _generate(self, missing: dict[str, str]) -> None:
-        # A canonical order makes the chunks of a resumed run the chunks of an uninterrupted one.
+        # A canonical order makes the chunks of a resumed run the chunks of an uninterrupted one, and the
+        # chunks of processes asking for the same prompts at once the same chunks: they claim them in
+        # turn (compute_shards), so each chunk is generated once.
         order = sorted(missing, key=lambda h: (len(missing[h]), h))
-        chunks = [order[i:i + self.chunk_size] for i in range(0, len(order), self.chunk_size)]
-        log.info("answers %s: %d prompts to generate in %d chunk(s)", self.key, len(order), len(chunks))
-        for number, chunk_hashes in enumerate(chunks, start=1):
+        groups = [order[i:i + self.chunk_size] for i in range(0, len(order), self.chunk_size)]
+        log.info("answers %s: %d prompts to generate in %d chunk(s)", self.key, len(order), len(groups))
+        jobs = []
+        for number, chunk_hashes in enumerate(groups, start=1):
             chunk_prompts = [missing[h] for h in chunk_hashes]
             chunk = self._chunk({**self.spec, "prompt_hashes": chunk_hashes}, len(chunk_hashes))
-            chunk.compute(lambda start, stop: generate_greedy(
-                self.llm.model, self.llm.tokenizer, chunk_prompts[start:stop], self.max_new_tokens, self.batch_size,
-                desc=f"answers {number}/{len(chunks)}", progress=self.progress), progress=False)
+            jobs.append((chunk, lambda start, stop, p=chunk_prompts, n=number: generate_greedy(
+                self.llm.model, self.llm.tokenizer, p[start:stop], self.max_new_tokens, self.batch_size,
+                desc=f"answers {n}/{len(groups)}", progress=self.progress)))
+        compute_shards(jobs, desc=f"answers {self.key}", progress=False)
+        for (chunk, _), chunk_hashes in zip(jobs, groups):
             self._known.update(zip(chunk_hashes, chunk.records()))
             self._seen_chunks.add(chunk.dir.name)
-            self.generated += len(chunk_hashes)
+            self.generated += len(chunk_hashes) if chunk.computed else 0
