@@ -283,3 +283,26 @@ def test_table2_has_cis_and_paired_tests_against_the_base_row():
     runs[("Llama3", "bge-ft", "NQ")] = fake_outcomes({1: ft_nq, 3: ft_nq}, qids=[f"z{i}" for i in range(10)])
     with pytest.raises(ValueError, match="answer different questions"):
         table2_rows(runs, base_reranker="bge-base")
+
+
+def test_rows_and_candidates_joined_by_qid_must_hold_the_same_question(tiny_llama, templates, nq_rows, tmp_path):
+    rows = nq_rows[:3]
+    cands = candidates_for(rows)
+    # Candidates built from a file in which the rows sat one line further: same qids, other questions.
+    shifted = [make_candidates(rows[i].qid, c.question, c.answers, c.passages, c.scores, c.gold_source)
+               for i, c in enumerate(candidates_for(nq_rows[1:4]))]
+    with pytest.raises(ValueError, match=rf"the candidates: 3 of 3 questions differ .*qid '{rows[0].qid}'"):
+        run_rag(rows, shifted, store(tiny_llama, templates, tmp_path))
+    assert not (tmp_path / "answers").exists()  # refused before any answer was generated
+    run_rag(rows, cands, store(tiny_llama, templates, tmp_path), ks=[1])
+
+
+def test_table2_pairs_runs_only_on_the_same_questions():
+    base = fake_outcomes({1: [1, 0, 1]})
+    other = fake_outcomes({1: [1, 1, 1]})
+    other[1].question = "a question from another file"
+    runs = {("Llama3", "bge-base", "NQ"): base, ("Llama3", "bge-ft", "NQ"): other}
+    with pytest.raises(ValueError, match=r"hold other questions under 1 qid\(s\), e.g. 'q1'"):
+        table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)
+    other[1].question = "Question Q1?"  # the same question up to case and punctuation
+    assert len(table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)) == 2
