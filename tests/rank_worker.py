@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 import confrag.nq_confidence as nq_confidence
 import confrag.rag.answers as answers
 from confrag.data.nq import load_nq_jsonl
-from confrag.distributed import rank_device, rank_info
+from confrag.distributed import rank_info
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore
@@ -47,7 +47,7 @@ def main() -> None:
     info = rank_info()
     nq_confidence.generate_greedy = counting("nq_confidence", nq_confidence.generate_greedy, counter)
     answers.generate_greedy = counting("answers", answers.generate_greedy, counter)
-    llm = load_llm(dict(name="tiny_llama", source="tiny", device=rank_device(info), tiny=TINY))
+    llm = load_llm(dict(name="tiny_llama", source="tiny", device="rank", tiny=TINY))
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(Path(root) / "conf/prompts/paper.yaml")))
     rows = load_nq_jsonl(nq_path, limit=NUM_ROWS)
 

@@ -56,9 +56,12 @@ class ConfidenceData:
     split_of: list[str]
     examples: dict[str, list[Example]]
     identity: dict[str, Any] = field(default_factory=dict)
+    requested_questions: int | None = None  # set when more questions were asked for than the data holds
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"questions": len(self.rows)}
+        if self.requested_questions is not None:
+            out["questions_requested"] = self.requested_questions
         for kind, labels in self.labels.items():
             out[f"{kind}/has_answer"] = float(labels.mean()) if len(labels) else 0.0
             out[f"{kind}/exact_match"] = float(self.exact[kind].mean()) if len(labels) else 0.0

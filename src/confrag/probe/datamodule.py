@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from confrag.artifacts import ActivationStore
 from confrag.data.nq import QARow, load_nq_jsonl
-from confrag.llm.loading import LLMConfig, load_llm
+from confrag.llm.loading import LLMConfig, load_llm, model_num_layers
 from confrag.llm.prompts import PromptTemplates
-from confrag.nq_confidence import ConfidenceData, Example, activation_identity, build_confidence_data
+from confrag.nq_confidence import ConfidenceData, Example, activation_identity, build_confidence_data, resolve_layers
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,39 @@ class ActivationDataset(Dataset):
 
 
 def select_questions(rows: Sequence[QARow], num_questions: int | None, seed: int) -> list[QARow]:
-    """A seeded sample of `num_questions` rows, kept in file order (all rows when None)."""
+    """A seeded sample of `num_questions` rows, kept in file order (all rows when None). Asking for more
+    rows than there are gives all of them, with a warning naming both numbers."""
     if num_questions is None or num_questions >= len(rows):
+        if num_questions is not None and num_questions > len(rows):
+            log.warning("num_questions=%d asks for more questions than the data holds: using all %d",
+                        num_questions, len(rows))
         return list(rows)
     if num_questions < 2:
         raise ValueError(f"data.num_questions must be >= 2 (got {num_questions})")
     chosen = np.sort(np.random.default_rng(seed).choice(len(rows), num_questions, replace=False))
     return [rows[i] for i in chosen]
+
+
+def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num_layers: int) -> tuple[int, list[int]]:
+    """The probe's layer (`model.layer`; `mid` or None = Layer/2) and the extracted layers (`data.layers`),
+    checked against the model's layer count: the layer must be in range and among the extracted ones."""
+    try:
+        extracted = resolve_layers(layers, num_layers)
+    except ValueError as err:
+        raise ValueError(f"data.layers={layers!r}: {err}") from None
+    chosen = num_layers // 2 if layer in (None, "mid") else layer
+    if isinstance(chosen, str) and chosen.strip().lstrip("-").isdigit():
+        chosen = int(chosen)
+    if isinstance(chosen, bool) or not isinstance(chosen, (int, np.integer)):
+        raise ValueError(f"model.layer={layer!r}: use 'mid' or an integer in 0..{num_layers}")
+    chosen = int(chosen)
+    if not 0 <= chosen <= num_layers:
+        raise ValueError(f"model.layer={chosen} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
+                         f"{num_layers // 2} = the paper's Layer/2, {num_layers} = final norm output)")
+    if chosen not in extracted:
+        raise ValueError(f"model.layer={chosen} is not among the extracted data.layers={extracted}; add it there "
+                         f"(or use data.layers=all)")
+    return chosen, extracted
 
 
 class NQConfidenceDataModule(LightningDataModule):
@@ -84,9 +110,17 @@ class NQConfidenceDataModule(LightningDataModule):
         self.llm_identity: dict[str, Any] | None = None
         self.prompts_identity: str | None = None
 
+    def check_settings(self) -> None:
+        """Refuse a layer setting the model does not have, from its config alone (no weights are loaded):
+        before any answer is generated, not after."""
+        probe_layers(self.layer_spec, self.layers, model_num_layers(self.llm_cfg))
+
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
-        rows = select_questions(load_nq_jsonl(self.nq_path), self.num_questions, self.seed)
+        num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
+        self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
+        all_rows = load_nq_jsonl(self.nq_path)
+        rows = select_questions(all_rows, self.num_questions, self.seed)
         own = llm is None
         llm = llm or load_llm(self.llm_cfg)
         try:
@@ -96,10 +130,9 @@ class NQConfidenceDataModule(LightningDataModule):
                 gen_batch_size=self.gen_batch_size, extract_batch_size=self.extract_batch_size,
                 cache_dir=self.cache_dir, progress=self.progress,
             )
-            num_layers = self.num_layers = llm.num_layers
-            self.layer = num_layers // 2 if self.layer_spec in (None, "mid") else int(self.layer_spec)
-            if not 0 <= self.layer <= num_layers:
-                raise ValueError(f"model.layer={self.layer} out of range: valid layers are 0..{num_layers}")
+            if self.num_questions is not None and self.num_questions > len(all_rows):
+                data.requested_questions = int(self.num_questions)
+            self.num_layers = llm.num_layers
             self.llm_identity = llm.identity
             self.prompts_identity = self.templates.identity(llm.tokenizer)
         finally:
