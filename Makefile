@@ -35,7 +35,7 @@ test-all: setup
 	$(PY) -m pytest $(ARGS)
 
 bench: setup
-	for b in extraction preferences reranker cbdr_latency; do $(PY) benchmarks/$$b.py || exit 1; done
+	for b in extraction preferences reranker cbdr_latency checksums; do $(PY) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .cache logs
