@@ -114,9 +114,9 @@ def load_llm(cfg: LLMConfig | dict[str, Any]) -> LoadedLLM:
 
 def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
     """The model's number of decoder layers (`num_hidden_layers`), read from its configuration without
-    loading weights or converting anything: the HF cache's or the local folder's config.json, the GGUF
-    file's metadata (`<arch>.block_count`), or the tiny model's shape. Layer settings can so be
-    checked before any generation."""
+    loading weights or converting anything: the HF cache's or the local folder's config.json, for a GGUF
+    file its converted folder's config.json or else the file's metadata (`<arch>.block_count`), or the
+    tiny model's shape. Layer settings can so be checked before any generation."""
     if not isinstance(cfg, LLMConfig):
         cfg = LLMConfig(**dict(cfg))
     if cfg.source == "tiny":
@@ -125,7 +125,11 @@ def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
             raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
         return int(cfg.tiny.get("num_hidden_layers", AutoConfig.for_model(arch).num_hidden_layers))
     if cfg.source == "gguf":
-        return _gguf_block_count(gguf_location(cfg), cfg.name)
+        path = gguf_location(cfg)
+        converted = _model_cache(cfg) / f"{path.stem}-{_file_sha256(path)[:16]}"
+        if _converted_complete(converted):  # a JSON read, where parsing the GGUF metadata takes seconds
+            return int(AutoConfig.from_pretrained(converted).num_hidden_layers)
+        return _gguf_block_count(path, cfg.name)
     if cfg.source == "local":
         if not cfg.local_dir:
             raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
