@@ -442,3 +442,27 @@ def test_written_files_honour_the_umask(tmp_path, umask):
     from confrag.artifacts import make_temp_dir
 
     assert mode(make_temp_dir(tmp_path, ".tmp-export-")) == 0o777 & ~umask
+
+
+def test_exclusive_is_reentrant_and_excludes_other_threads(tmp_path):
+    import threading
+
+    from confrag.artifacts import exclusive
+
+    lock = tmp_path / ".thing.lock"
+    order = []
+
+    def other_thread():
+        with exclusive(lock, "the thing"):
+            order.append("other")
+
+    with exclusive(lock, "the thing"):
+        with exclusive(lock, "the thing"):  # an export inside a train-if-missing block: no self-deadlock
+            order.append("nested")
+        other = threading.Thread(target=other_thread)
+        other.start()
+        other.join(timeout=0.3)
+        assert other.is_alive() and order == ["nested"]  # the other thread waits for the lock
+        order.append("released")
+    other.join(timeout=30)
+    assert order == ["nested", "released", "other"]

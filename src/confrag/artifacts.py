@@ -167,10 +167,12 @@ def atomic_save_npy(path: Path, array: np.ndarray) -> None:
 def exclusive(lock_path: Path | str, what: str) -> Iterator[None]:
     """Hold the file lock `lock_path` (waiting for it, with a log line saying so) while the block runs:
     for "compute it if it is missing" on a single-file or single-directory result that several
-    processes may want at once. The lock is a flock: the kernel releases it when its owner dies."""
+    processes may want at once. The lock is a flock: the kernel releases it when its owner dies. It is
+    reentrant within a thread: a block already holding `lock_path` may enter it again (an export inside
+    a "train it if missing" block that holds the same lock) instead of waiting for itself."""
     lock_path = Path(lock_path)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_path))
+    lock = FileLock(str(lock_path), is_singleton=True)
     try:
         lock.acquire(timeout=0)
     except Timeout:
