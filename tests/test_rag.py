@@ -306,3 +306,20 @@ def test_table2_pairs_runs_only_on_the_same_questions():
         table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)
     other[1].question = "Question Q1?"  # the same question up to case and punctuation
     assert len(table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)) == 2
+
+
+def test_a_prompt_answered_in_two_chunks_reads_the_same_everywhere(tiny_llama, templates, nq_rows, tmp_path):
+    # Two processes filling one cache may each generate a prompt, in different chunks (a rare near-tie
+    # could even decode differently): every reader must take the same one.
+    items = [(row.question, ()) for row in nq_rows[:2]]
+    first = store(tiny_llama, templates, tmp_path)
+    first.answer(items)
+    prompt_hash = answers_module.prompt_hash(first.prompt(*items[0]))
+    other = first._chunk({**first.spec, "prompt_hashes": [prompt_hash]}, 1)
+    other.compute(lambda a, b: ["a different answer"], progress=False)  # the other process's chunk
+    fresh = store(tiny_llama, templates, tmp_path)
+    expected = fresh.answer(items[:1])
+    first._refresh()
+    assert first.answer(items[:1]) == expected
+    first_chunk = min(p.name for p in fresh.dir.iterdir() if p.is_dir())
+    assert (expected == ["a different answer"]) == (first_chunk == other.dir.name)

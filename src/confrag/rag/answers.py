@@ -14,7 +14,9 @@ by length, then hash), so it ends with the same answers.
 
 Answers are batched, left-padded greedy generations (`generate_greedy`). Padding and batch
 composition can move float rounding, so a prompt generated alone might in rare near-ties decode
-differently; the store keeps the first answer computed for a prompt and every reader uses that one.
+differently. A prompt is generated once per store; should two processes filling one cache generate
+it in different chunks, every reader takes the answer of the chunk whose name sorts first, so all
+agree whichever order they found the chunks in.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class AnswerStore:
         self.kind = f"{KIND}/{self.key}"
         self.dir = self.root / self.kind
         self._known: dict[str, str] = {}
+        self._source: dict[str, str] = {}  # prompt hash -> name of the chunk its answer comes from
         self._seen_chunks: set[str] = set()
         self.generated = 0
         self.reused = 0
@@ -110,8 +113,13 @@ class AnswerStore:
             chunk = self._open_chunk(manifest_path)
             if chunk is None or not chunk.complete:  # incomplete: a run killed while generating it
                 continue
-            self._known.update(zip(chunk.spec["prompt_hashes"], chunk.records()))
-            self._seen_chunks.add(name)
+            self._learn(name, chunk.spec["prompt_hashes"], chunk.records())
+
+    def _learn(self, chunk_name: str, hashes: Sequence[str], answers: Sequence[str]) -> None:
+        for h, answer in zip(hashes, answers):
+            if h not in self._source or chunk_name < self._source[h]:
+                self._known[h], self._source[h] = answer, chunk_name
+        self._seen_chunks.add(chunk_name)
 
     def _open_chunk(self, manifest_path: Path) -> ShardedArtifact | None:
         try:
@@ -157,6 +165,5 @@ class AnswerStore:
                 desc=f"answers {n}/{len(groups)}", progress=self.progress)))
         compute_shards(jobs, desc=f"answers {self.key}", progress=False)
         for (chunk, _), chunk_hashes in zip(jobs, groups):
-            self._known.update(zip(chunk_hashes, chunk.records()))
-            self._seen_chunks.add(chunk.dir.name)
+            self._learn(chunk.dir.name, chunk_hashes, chunk.records())
             self.generated += len(chunk_hashes) if chunk.computed else 0
