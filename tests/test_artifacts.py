@@ -212,7 +212,8 @@ def test_stale_temp_files_are_removed_on_open(tmp_path):
     assert not any(path.exists() for path in stale)
     assert fresh.exists()  # a live writer's temp file is left alone
     fresh.unlink()
-    assert sorted(p.name for p in reopened.dir.iterdir()) == ["manifest.json"] + [f"shard-{i:05d}.npy" for i in range(4)]
+    shard_files = [f"shard-{i:05d}.npy{suffix}" for i in range(4) for suffix in ("", ".digest", ".lock")]
+    assert sorted(p.name for p in reopened.dir.iterdir()) == sorted(["manifest.json", *shard_files])
     reopened.compute(must_not_run, progress=False)
 
 
@@ -316,3 +317,152 @@ def test_store_pickles_without_arrays(store):
     assert clone._arrays is None  # the worker maps the files itself
     np.testing.assert_array_equal(clone.take(2, range(10)), store.take(2, range(10)))
     assert isinstance(clone.arrays[0], np.memmap)
+
+
+# --- checksums -------------------------------------------------------------------------------------
+
+def flip_data_bytes(path, count: int = 8) -> None:
+    """Change `count` bytes in the middle of an npy file's data, leaving its header (and size) intact."""
+    data = bytearray(path.read_bytes())
+    header = 128  # np.save's header is 128 bytes for these small arrays
+    middle = header + (len(data) - header) // 2
+    for offset in range(middle, middle + count):
+        data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_bit_flips_in_shard_data_are_detected_and_the_shard_recomputed(tmp_path, caplog):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    path = artifact.shard_path(2)
+    flip_data_bytes(path)
+    assert np.load(path).shape == (2, 3, DIM)  # still a well-formed array of the right shape: only the digest can tell
+
+    reopened = npy_artifact(tmp_path)
+    with caplog.at_level("WARNING", logger="confrag.artifacts"):
+        assert reopened.pending() == [2]
+    assert "shard-00002.npy" in caplog.text and "checksum mismatch" in caplog.text
+    counter = Counter()
+    reopened.compute(counter, progress=False)
+    assert counter.calls == [(6, 9)]
+    np.testing.assert_array_equal(all_values(reopened), fake_states(0, 10))
+    assert npy_artifact(tmp_path).pending() == []
+
+
+def test_edited_json_shard_of_the_same_length_is_detected(tmp_path):
+    texts = [f"answer {i}" for i in range(7)]
+    artifact = ShardedArtifact(tmp_path, "generations", SPEC, 7, shard_size=3, fmt="json")
+    artifact.compute(lambda a, b: texts[a:b], progress=False)
+    path = artifact.shard_path(1)
+    path.write_text(path.read_text().replace("answer 4", "answer 9"))
+    reopened = ShardedArtifact(tmp_path, "generations", SPEC, 7, shard_size=3, fmt="json")
+    assert reopened.pending() == [1]
+    counter = Counter(lambda a, b: texts[a:b])
+    reopened.compute(counter, progress=False)
+    assert counter.calls == [(3, 6)] and reopened.records() == texts
+
+
+@pytest.mark.parametrize("damage", ["garbage", "other-digest", "missing-fields"])
+def test_damaged_digest_file_means_a_damaged_shard(tmp_path, damage):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    digest = artifact.digest_path(0)
+    record = json.loads(digest.read_text())
+    if damage == "garbage":
+        digest.write_text("{not json")
+    elif damage == "other-digest":
+        digest.write_text(json.dumps({**record, "digest": "0" * 32}))
+    else:
+        digest.write_text(json.dumps({"algorithm": record["algorithm"]}))
+    counter = Counter()
+    npy_artifact(tmp_path).compute(counter, progress=False)
+    assert counter.calls == [(0, 3)]
+    assert json.loads(digest.read_text()) == record  # the recomputed shard has the same bytes
+
+
+def test_shards_written_without_digests_are_used_and_get_one(tmp_path):
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    records = {i: artifact.digest_path(i).read_text() for i in range(4)}
+    for i in range(4):
+        artifact.digest_path(i).unlink()  # a cache written before digests existed
+    legacy = npy_artifact(tmp_path)
+    assert legacy.pending() == []
+    legacy.compute(must_not_run, progress=False)
+    np.testing.assert_array_equal(all_values(legacy), fake_states(0, 10))
+    assert {i: artifact.digest_path(i).read_text() for i in range(4)} == records  # recorded on first read
+    flip_data_bytes(artifact.shard_path(1))
+    assert npy_artifact(tmp_path).pending() == [1]  # from then on damage is caught
+
+
+def test_a_handle_verifies_each_shard_once(tmp_path, monkeypatch):
+    import confrag.artifacts as artifacts
+
+    npy_artifact(tmp_path).compute(Counter(), progress=False)
+    reopened = npy_artifact(tmp_path)
+    hashed = []
+    original = artifacts.file_digest
+    monkeypatch.setattr(artifacts, "file_digest", lambda path: hashed.append(path.name) or original(path))
+    reopened.compute(must_not_run, progress=False)
+    reopened.shards()
+    ActivationStore(reopened, LAYERS).take(0, range(10))
+    assert sorted(hashed) == [f"shard-{i:05d}.npy" for i in range(4)]
+    # A shard replaced behind the handle's back is looked at again.
+    reopened.shard_path(0).write_bytes(reopened.shard_path(0).read_bytes())
+    assert reopened.pending() == []
+    assert hashed.count("shard-00000.npy") == 2
+
+
+# --- permissions -----------------------------------------------------------------------------------
+
+@pytest.fixture(params=[0o022, 0o002, 0o077])
+def umask(request):
+    old = os.umask(request.param)
+    yield request.param
+    os.umask(old)
+
+
+def test_written_files_honour_the_umask(tmp_path, umask):
+    from confrag.artifacts import atomic_save_npy, atomic_save_png, atomic_write_text
+
+    mode = lambda path: path.stat().st_mode & 0o777  # noqa: E731
+    atomic_write_text(tmp_path / "metrics.json", "{}")
+    atomic_save_npy(tmp_path / "array.npy", np.zeros(3))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure = plt.figure(figsize=(1, 1))
+    atomic_save_png(figure, tmp_path / "plot.png")
+    plt.close(figure)
+    artifact = npy_artifact(tmp_path / "cache").compute(Counter(), progress=False)
+    files = [tmp_path / "metrics.json", tmp_path / "array.npy", tmp_path / "plot.png", artifact.manifest_path,
+             artifact.shard_path(0)]
+    assert {path.name: mode(path) for path in files} == {path.name: 0o666 & ~umask for path in files}  # before: 0600
+    assert mode(artifact.digest_path(0)) == mode(artifact.lock_path(0)) == 0o666 & ~umask
+    assert mode(artifact.dir) == 0o777 & ~umask
+    from confrag.artifacts import make_temp_dir
+
+    assert mode(make_temp_dir(tmp_path, ".tmp-export-")) == 0o777 & ~umask
+
+
+def test_exclusive_is_reentrant_and_excludes_other_threads(tmp_path):
+    import threading
+
+    from confrag.artifacts import exclusive
+
+    lock = tmp_path / ".thing.lock"
+    order = []
+
+    def other_thread():
+        with exclusive(lock, "the thing"):
+            order.append("other")
+
+    with exclusive(lock, "the thing"):
+        with exclusive(lock, "the thing"):  # an export inside a train-if-missing block: no self-deadlock
+            order.append("nested")
+        other = threading.Thread(target=other_thread)
+        other.start()
+        other.join(timeout=0.3)
+        assert other.is_alive() and order == ["nested"]  # the other thread waits for the lock
+        order.append("released")
+    other.join(timeout=30)
+    assert order == ["nested", "released", "other"]

@@ -283,3 +283,43 @@ def test_table2_has_cis_and_paired_tests_against_the_base_row():
     runs[("Llama3", "bge-ft", "NQ")] = fake_outcomes({1: ft_nq, 3: ft_nq}, qids=[f"z{i}" for i in range(10)])
     with pytest.raises(ValueError, match="answer different questions"):
         table2_rows(runs, base_reranker="bge-base")
+
+
+def test_rows_and_candidates_joined_by_qid_must_hold_the_same_question(tiny_llama, templates, nq_rows, tmp_path):
+    rows = nq_rows[:3]
+    cands = candidates_for(rows)
+    # Candidates built from a file in which the rows sat one line further: same qids, other questions.
+    shifted = [make_candidates(rows[i].qid, c.question, c.answers, c.passages, c.scores, c.gold_source)
+               for i, c in enumerate(candidates_for(nq_rows[1:4]))]
+    with pytest.raises(ValueError, match=rf"the candidates: 3 of 3 questions differ .*qid '{rows[0].qid}'"):
+        run_rag(rows, shifted, store(tiny_llama, templates, tmp_path))
+    assert not (tmp_path / "answers").exists()  # refused before any answer was generated
+    run_rag(rows, cands, store(tiny_llama, templates, tmp_path), ks=[1])
+
+
+def test_table2_pairs_runs_only_on_the_same_questions():
+    base = fake_outcomes({1: [1, 0, 1]})
+    other = fake_outcomes({1: [1, 1, 1]})
+    other[1].question = "a question from another file"
+    runs = {("Llama3", "bge-base", "NQ"): base, ("Llama3", "bge-ft", "NQ"): other}
+    with pytest.raises(ValueError, match=r"hold other questions under 1 qid\(s\), e.g. 'q1'"):
+        table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)
+    other[1].question = "Question Q1?"  # the same question up to case and punctuation
+    assert len(table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)) == 2
+
+
+def test_a_prompt_answered_in_two_chunks_reads_the_same_everywhere(tiny_llama, templates, nq_rows, tmp_path):
+    # Two processes filling one cache may each generate a prompt, in different chunks (a rare near-tie
+    # could even decode differently): every reader must take the same one.
+    items = [(row.question, ()) for row in nq_rows[:2]]
+    first = store(tiny_llama, templates, tmp_path)
+    first.answer(items)
+    prompt_hash = answers_module.prompt_hash(first.prompt(*items[0]))
+    other = first._chunk({**first.spec, "prompt_hashes": [prompt_hash]}, 1)
+    other.compute(lambda a, b: ["a different answer"], progress=False)  # the other process's chunk
+    fresh = store(tiny_llama, templates, tmp_path)
+    expected = fresh.answer(items[:1])
+    first._refresh()
+    assert first.answer(items[:1]) == expected
+    first_chunk = min(p.name for p in fresh.dir.iterdir() if p.is_dir())
+    assert (expected == ["a different answer"]) == (first_chunk == other.dir.name)

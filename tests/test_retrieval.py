@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from confrag.artifacts import ShardedArtifact
 from confrag.data import DataFormatError, Passage, QARow, default_nq_path, load_nq_jsonl
 from confrag.retrieval import (
     BM25Retriever,
     Candidates,
+    CandidatesMismatchError,
     Corpus,
     CorpusPassage,
     DenseRetriever,
@@ -21,10 +23,14 @@ from confrag.retrieval import (
     default_model_dir,
     load_candidates_jsonl,
     load_corpus_jsonl,
+    match_candidates,
     retrieve_candidates,
     save_candidates_jsonl,
     split_passages,
+    validate_candidates_jsonl,
+    validate_corpus_jsonl,
 )
+from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import passages_fingerprint
 
 TOY_DOCS = [
@@ -219,10 +225,15 @@ def test_dense_cache_round_trips(tmp_path: Path, dense_toy: DenseRetriever) -> N
     files = sorted(p.name for p in tmp_path.rglob("*.npy"))
     assert files == ["shard-00000.npy", "shard-00001.npy", "shard-00002.npy"]
     np.testing.assert_allclose(first.passage_embeddings, dense_toy.passage_embeddings, atol=1e-6)
-    # A second retriever reads the cache: tampering with it shows up in its embeddings.
+    # A second retriever reads the cache: a shard rewritten with its digest shows up in its embeddings.
     shard = next(tmp_path.rglob("shard-00000.npy"))
-    np.save(shard, np.zeros_like(np.load(shard)))
+    artifact = ShardedArtifact.from_directory(shard.parent)
+    artifact.write(0, np.zeros_like(np.load(shard)))
     assert not DenseRetriever(dense_toy.corpus, cache_dir=tmp_path, progress=False, shard_size=2).passage_embeddings[:2].any()
+    # A shard changed behind the cache's back fails its checksum and is recomputed.
+    np.save(shard, np.ones_like(np.load(shard)))
+    again = DenseRetriever(dense_toy.corpus, cache_dir=tmp_path, progress=False, shard_size=2)
+    np.testing.assert_allclose(again.passage_embeddings, dense_toy.passage_embeddings, atol=1e-6)
 
 
 # ---------------------------------------------------------------- candidates
@@ -296,3 +307,60 @@ def test_malformed_candidates_line_names_file_and_line(tmp_path: Path, line: str
     path = write_lines(tmp_path / "c.jsonl", [good, line])
     with pytest.raises(DataFormatError, match=re.escape(str(path)) + ", " + message):
         load_candidates_jsonl(path)
+
+
+# ---------------------------------------------------------------- joined by id, checked by content
+
+
+def shifted_candidates_file(tmp_path: Path, rows: list[QARow], corpus: Corpus) -> Path:
+    """A candidates file built from the same NQ file with one line removed at its start: every default
+    qid (a line position) now carries the next row's question and contexts."""
+    built = retrieve_candidates(rows[1:], corpus, BM25Retriever(corpus), top_n=3)
+    renamed = [make_candidates(rows[i].qid, c.question, c.answers, c.passages, c.scores, c.gold_source)
+               for i, c in enumerate(built)]
+    return save_candidates_jsonl(renamed, tmp_path / "shifted.jsonl")
+
+
+def test_candidates_under_the_right_qids_but_other_questions_are_refused(tmp_path: Path) -> None:
+    rows = load_nq_jsonl(default_nq_path(), limit=12)
+    corpus = corpus_from_nq(rows)
+    path = shifted_candidates_file(tmp_path, rows, corpus)
+    loaded = load_candidates_jsonl(path)
+    assert [c.qid for c in loaded] == [r.qid for r in rows[:11]]  # by qid alone, every row "has" candidates
+    with pytest.raises(CandidatesMismatchError) as caught:
+        match_candidates(rows[:11], loaded, source=f"candidates file {path}")
+    message = str(caught.value)
+    assert str(path) in message and "11 of 11 questions differ" in message
+    assert f"qid '{rows[0].qid}': the data asks {rows[0].question!r}, candidates file {path} has {rows[1].question!r}" \
+        in message
+    assert message.count("the data asks") == 3  # the first mismatches, not all of them
+    with pytest.raises(CandidatesMismatchError, match=str(path)):
+        validate_candidates_jsonl(path, rows[:11])
+
+
+def test_matching_candidates_come_back_in_row_order_up_to_normalization(tmp_path: Path) -> None:
+    rows = load_nq_jsonl(default_nq_path(), limit=6)
+    corpus = corpus_from_nq(rows)
+    candidates = retrieve_candidates(rows, corpus, BM25Retriever(corpus), top_n=2)
+    retyped = [make_candidates(c.qid, f"  {c.question.upper()}? ", c.answers, c.passages, c.scores, c.gold_source)
+               for c in candidates]  # case, punctuation and spacing do not make another question
+    matched = match_candidates(list(reversed(rows)), retyped)
+    assert [c.qid for c in matched] == [r.qid for r in reversed(rows)]
+    with pytest.raises(CandidatesMismatchError, match=r"file\.jsonl: no candidates for 1 of 6 questions"):
+        match_candidates(rows, retyped[1:], source="file.jsonl")
+    path = save_candidates_jsonl(candidates, tmp_path / "c.jsonl.gz")
+    assert validate_candidates_jsonl(path, rows) == 6 and validate_candidates_jsonl(path) == 6
+
+
+def test_corpus_file_is_validated_whole_without_building_anything(tmp_path: Path) -> None:
+    good = [json.dumps({"id": f"d{i}", "title": "t", "text": f"text {i}"}) for i in range(3)]
+    path = write_lines(tmp_path / "corpus.jsonl", good)
+    assert validate_corpus_jsonl(path) == 3
+    bad = write_lines(tmp_path / "bad.jsonl", good + ['{"id": "d9", "title": "t"}'])
+    with pytest.raises(DataFormatError, match=r'bad\.jsonl, line 4: field "text" must be a non-empty string'):
+        validate_corpus_jsonl(bad)
+    with pytest.raises(DataFormatError, match=r'each line must be \{"id": str, "title": str, "text": str\}'):
+        validate_corpus_jsonl(write_lines(tmp_path / "json.jsonl", good + ["{oops"]))
+    with pytest.raises(DataFormatError, match="no documents"):
+        validate_corpus_jsonl(write_lines(tmp_path / "blank.jsonl", ["", " "]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "blank.jsonl", "corpus.jsonl", "json.jsonl"]

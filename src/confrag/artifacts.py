@@ -4,8 +4,23 @@ An artifact lives in `<cache>/<kind>/<key>/`, where `key` hashes exactly the inp
 change its content (model identity, prompt template, data rows, layers, dtype, ...). Each shard is
 computed independently from a fixed slice of the items and written atomically (temp file + rename),
 so a process killed at any moment leaves only whole shards behind, and a rerun computes the missing
-ones to the same result as an uninterrupted run. A shard that cannot be read is reported and
-recomputed; a manifest whose spec differs from the requested one is refused.
+ones to the same result as an uninterrupted run. A manifest whose spec differs from the requested one
+is refused.
+
+Integrity: beside each shard, `<shard>.digest` records the xxh3-128 hash and size of the shard's
+bytes; it is written (atomically) before the shard itself, so a shard on disk always has its digest.
+A handle verifies every shard once, on its first read, and a shard that fails (digest mismatch,
+truncation, wrong shape or length) is reported by name and recomputed. Shards written before digests
+existed are checked for shape and length as before, and their digest is recorded on that first read.
+
+Several processes (jobs of a multirun, ranks of a torchrun launch, SLURM jobs) may fill one artifact
+together: `compute` claims a shard by taking its lock (`<shard>.lock`, a `filelock` flock) without
+waiting, checks again that it is still missing, computes and writes it, and releases it. When only
+shards held by others remain it waits for them; a lock whose owner died is released by the kernel,
+and the next process to try takes the shard over. Every process returns the complete artifact.
+
+Files get the permissions `open()` would give them (0666 less the umask), directories those of
+`mkdir` (0777 less the umask), so a cache on a shared disk is readable by whom the umask allows.
 """
 
 from __future__ import annotations
@@ -15,19 +30,32 @@ import hashlib
 import io
 import json
 import logging
+import mmap
 import os
+import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+import xxhash
+from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
+
+from confrag import distributed
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("npy", "json")
 STALE_TMP_SECONDS = 600
+DIGEST_ALGORITHM = "xxh3_128"
+DIGEST_SUFFIX = ".digest"
+LOCK_SUFFIX = ".lock"
+WAIT_POLL_SECONDS = 0.5  # how often a process waiting for other processes' shards looks again
+WAIT_LOG_SECONDS = 60.0  # how often it says it is still waiting
 
 
 class CacheMismatchError(RuntimeError):
@@ -39,10 +67,67 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
 
 
+# --- permissions -----------------------------------------------------------------------------------
+
+_umask_guard = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's umask. Read from /proc where possible: `os.umask` can only be read by setting it,
+    and a file another thread creates in between would get the wrong mode."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    with _umask_guard:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """What `open(path, "w")` gives a new file: 0666 less the umask."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """What `mkdir` gives a new directory: 0777 less the umask."""
+    return 0o777 & ~current_umask()
+
+
+def make_temp_dir(parent: Path | str, prefix: str) -> Path:
+    """A fresh directory in `parent` to build something in before renaming it into place. Unlike
+    `tempfile.mkdtemp` (always 0700), it gets the permissions `mkdir` would give."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(path, dir_mode())
+    return path
+
+
+def honour_umask(root: Path | str) -> None:
+    """Give `root` and everything under it the permissions `open()` / `mkdir` would give: for a folder
+    built by a library before it is renamed into place (transformers' save_pretrained writes its
+    weights 0600, whatever the umask)."""
+    files, dirs = file_mode(), dir_mode()
+    root = Path(root)
+    os.chmod(root, dirs)
+    for parent, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            os.chmod(os.path.join(parent, name), dirs)
+        for name in filenames:
+            os.chmod(os.path.join(parent, name), files)
+
+
+# --- atomic writes ---------------------------------------------------------------------------------
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())  # mkstemp creates 0600 whatever the umask
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -66,19 +151,70 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
-def atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.save(handle, array, allow_pickle=False)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
 
+
+def atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    atomic_write_bytes(path, npy_bytes(array))
+
+
+# --- locks -----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path | str, what: str) -> Iterator[None]:
+    """Hold the file lock `lock_path` (waiting for it, with a log line saying so) while the block runs:
+    for "compute it if it is missing" on a single-file or single-directory result that several
+    processes may want at once. The lock is a flock: the kernel releases it when its owner dies. It is
+    reentrant within a thread: a block already holding `lock_path` may enter it again (an export inside
+    a "train it if missing" block that holds the same lock) instead of waiting for itself."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path), is_singleton=True)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("Waiting for %s: another process holds %s", what, lock_path)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+# --- digests ---------------------------------------------------------------------------------------
+
+def bytes_digest(data: bytes | memoryview | mmap.mmap) -> str:
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    """(xxh3-128 hex digest, size) of a file's bytes, read through a memory map (no copy)."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            return bytes_digest(b""), 0
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return bytes_digest(mapped), size
+
+
+def digest_record(data: bytes) -> dict[str, Any]:
+    return {"algorithm": DIGEST_ALGORITHM, "digest": bytes_digest(data), "bytes": len(data)}
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """What a look at one shard found: `state` is ok, legacy (whole, written without a digest),
+    missing or damaged; `reason` says why a damaged shard is damaged."""
+
+    index: int
+    state: str
+    reason: str = ""
+
+
+# --- sharded artifacts -----------------------------------------------------------------------------
 
 class ShardedArtifact:
     def __init__(self, root: Path | str, kind: str, spec: dict[str, Any], num_items: int,
@@ -87,11 +223,43 @@ class ShardedArtifact:
             raise ValueError(f"fmt={fmt!r} is not one of {FORMATS}")
         if shard_size < 1 or num_items < 0:
             raise ValueError(f"shard_size must be >= 1 and num_items >= 0 (got {shard_size}, {num_items})")
+        self._layout(Path(root) / kind, kind, spec, num_items, shard_size, fmt)
+        self._open()
+
+    def _layout(self, parent: Path, kind: str, spec: dict[str, Any], num_items: int, shard_size: int,
+                fmt: str) -> None:
         self.kind, self.spec, self.num_items, self.shard_size, self.fmt = kind, spec, num_items, shard_size, fmt
         self.key = fingerprint({"kind": kind, "spec": spec, "num_items": num_items, "shard_size": shard_size, "fmt": fmt})
-        self.dir = Path(root) / kind / self.key
+        self.dir = parent / self.key
         self.manifest_path = self.dir / "manifest.json"
-        self._open()
+        # Shards this handle has verified, with the file identity they had then: verified once, not per read.
+        self._verified: dict[int, tuple[int, int, int]] = {}
+        self._reported: set[int] = set()
+        self.computed: list[int] = []  # shards this handle computed (the others came from the cache)
+
+    @classmethod
+    def from_directory(cls, directory: Path | str) -> "ShardedArtifact":
+        """A read-only handle on an existing artifact directory (its manifest), writing nothing: what
+        `verify` uses. Raises CacheMismatchError when the manifest is unreadable or does not match
+        its directory name."""
+        directory = Path(directory)
+        manifest_path = directory / "manifest.json"
+        try:
+            stored = json.loads(manifest_path.read_text())
+            kind, spec, num_items = stored["kind"], stored["spec"], int(stored["num_items"])
+            shard_size, fmt = int(stored["shard_size"]), stored["fmt"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CacheMismatchError(f"unreadable manifest {manifest_path}: {err}") from err
+        if fmt not in FORMATS or shard_size < 1 or num_items < 0:
+            raise CacheMismatchError(f"{manifest_path}: invalid layout (fmt {fmt!r}, shard_size {shard_size}, "
+                                     f"num_items {num_items})")
+        artifact = cls.__new__(cls)
+        artifact._layout(directory.parent, kind, spec, num_items, shard_size, fmt)
+        if artifact.key != directory.name or stored.get("key") != directory.name:
+            raise CacheMismatchError(f"{manifest_path} describes another artifact than its directory name promises "
+                                     f"(its content hashes to {artifact.key})")
+        artifact.dir = directory
+        return artifact
 
     # --- layout -------------------------------------------------------------------------------
     @property
@@ -104,6 +272,12 @@ class ShardedArtifact:
 
     def shard_path(self, index: int) -> Path:
         return self.dir / f"shard-{index:05d}.{self.fmt}"
+
+    def digest_path(self, index: int) -> Path:
+        return self.dir / f"shard-{index:05d}.{self.fmt}{DIGEST_SUFFIX}"
+
+    def lock_path(self, index: int) -> Path:
+        return self.dir / f"shard-{index:05d}.{self.fmt}{LOCK_SUFFIX}"
 
     # --- state --------------------------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
@@ -131,25 +305,103 @@ class ShardedArtifact:
                 if time.time() - stale.stat().st_mtime > STALE_TMP_SECONDS:
                     stale.unlink()
 
-    def _readable(self, index: int) -> bool:
+    def inspect(self, index: int) -> ShardStatus:
+        """Read shard `index` whole and check it against its digest, shape and length; writes nothing."""
         path = self.shard_path(index)
-        if not path.exists():
-            return False
+        try:
+            with open(path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                data = handle.read() if self.fmt == "json" else None
+        except FileNotFoundError:
+            return ShardStatus(index, "missing")
+        except OSError as err:
+            return ShardStatus(index, "damaged", f"unreadable: {err}")
+        recorded = self._recorded_digest(index)
+        if isinstance(recorded, str):
+            return ShardStatus(index, "damaged", recorded)
+        if recorded is not None:
+            if recorded["bytes"] != size:
+                return ShardStatus(index, "damaged", f"holds {size} bytes, its digest file says {recorded['bytes']}")
+            try:
+                found = bytes_digest(data) if data is not None else file_digest(path)[0]
+            except OSError as err:
+                return ShardStatus(index, "damaged", f"unreadable: {err}")
+            if found != recorded["digest"]:
+                return ShardStatus(index, "damaged", f"checksum mismatch ({DIGEST_ALGORITHM} {found}, "
+                                                     f"recorded {recorded['digest']})")
+        problem = self._shape_problem(index, path, data)
+        if problem:
+            return ShardStatus(index, "damaged", problem)
+        return ShardStatus(index, "ok" if recorded is not None else "legacy")
+
+    def _recorded_digest(self, index: int) -> dict[str, Any] | str | None:
+        """The shard's digest record, None when it has none (written before digests), or a problem."""
+        path = self.digest_path(index)
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            return f"unreadable digest file {path.name} ({err})"
+        if (not isinstance(record, dict) or record.get("algorithm") != DIGEST_ALGORITHM
+                or not isinstance(record.get("digest"), str) or not isinstance(record.get("bytes"), int)):
+            return f"digest file {path.name} is not a {DIGEST_ALGORITHM} record"
+        return record
+
+    def _shape_problem(self, index: int, path: Path, data: bytes | None) -> str:
         start, stop = self.shard_range(index)
         try:
-            payload = self._read(path, mmap=True)
-            if self.fmt == "npy" and payload.ndim != 3:
-                raise ValueError(f"has {payload.ndim} dimensions, expected 3 (layers, items, dim)")
-            if self.fmt == "json" and not isinstance(payload, list):
-                raise ValueError("is not a JSON list")
-            rows = payload.shape[1] if self.fmt == "npy" else len(payload)
-            if rows != stop - start:
-                raise ValueError(f"holds {rows} items, expected {stop - start}")
-            return True
-        except (OSError, ValueError, EOFError, json.JSONDecodeError) as err:
-            log.warning("Cache shard %s is damaged (%s); recomputing it.", path, err)
-            path.unlink(missing_ok=True)
+            if self.fmt == "npy":
+                payload = np.load(path, mmap_mode="r", allow_pickle=False)
+                if payload.ndim != 3:
+                    return f"has {payload.ndim} dimensions, expected 3 (layers, items, dim)"
+                rows = payload.shape[1]
+            else:
+                payload = json.loads(data.decode("utf-8"))
+                if not isinstance(payload, list):
+                    return "is not a JSON list"
+                rows = len(payload)
+        except (OSError, ValueError, EOFError, UnicodeDecodeError) as err:
+            return f"unreadable: {err}"
+        if rows != stop - start:
+            return f"holds {rows} items, expected {stop - start}"
+        return ""
+
+    def _identity(self, index: int) -> tuple[int, int, int] | None:
+        try:
+            stat = self.shard_path(index).stat()
+        except OSError:
+            return None
+        return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+    def _readable(self, index: int) -> bool:
+        identity = self._identity(index)
+        if identity is None:
             return False
+        if self._verified.get(index) == identity:
+            return True
+        status = self.inspect(index)
+        if status.state == "damaged":
+            if index not in self._reported:  # said once per handle, not at every look
+                self._reported.add(index)
+                log.warning("Cache shard %s is damaged (%s); it is recomputed.", self.shard_path(index), status.reason)
+            return False
+        if status.state == "legacy":
+            self._record_legacy_digest(index)
+        if status.state in ("ok", "legacy"):
+            self._verified[index] = identity
+            return True
+        return False
+
+    def _record_legacy_digest(self, index: int) -> None:
+        # A shard from before digests: whole and the right shape, so its digest is recorded now and any
+        # later damage is caught. A read-only cache simply stays without one.
+        try:
+            data = self.shard_path(index).read_bytes()
+            atomic_write_text(self.digest_path(index), json.dumps(digest_record(data)))
+            log.debug("Recorded the digest of %s (written before digests)", self.shard_path(index))
+        except OSError as err:
+            log.debug("Could not record the digest of %s: %s", self.shard_path(index), err)
 
     def pending(self) -> list[int]:
         return [i for i in range(self.num_shards) if not self._readable(i)]
@@ -165,18 +417,34 @@ class ShardedArtifact:
         return json.loads(path.read_text())
 
     def write(self, index: int, payload: Any) -> None:
+        """Write shard `index`: its digest first, then the shard, each atomically, so that a shard on disk
+        always has the digest of its own bytes (a crash in between leaves the shard missing)."""
         if self.fmt == "npy":
-            atomic_save_npy(self.shard_path(index), np.ascontiguousarray(payload))
+            data = npy_bytes(np.ascontiguousarray(payload))
         else:
-            atomic_write_text(self.shard_path(index), json.dumps(payload, ensure_ascii=False))
+            data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        atomic_write_text(self.digest_path(index), json.dumps(digest_record(data)))
+        atomic_write_bytes(self.shard_path(index), data)
+        self._reported.discard(index)
+        identity = self._identity(index)
+        if identity is not None:
+            self._verified[index] = identity
 
-    def compute(self, fn: Callable[[int, int], Any], desc: str | None = None, progress: bool = True) -> "ShardedArtifact":
-        """Compute every missing shard with `fn(start, stop)`; shards already on disk are kept."""
-        todo = self.pending()
-        if todo:
-            log.info("%s %s: %d of %d shards to compute", self.kind, self.key, len(todo), self.num_shards)
-        for index in tqdm(todo, desc=desc or self.kind, unit="shard", disable=not progress or not todo):
-            self.write(index, fn(*self.shard_range(index)))
+    def _try_claim(self, index: int) -> FileLock | None:
+        lock = FileLock(str(self.lock_path(index)))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return None
+        return lock
+
+    def compute(self, fn: Callable[[int, int], Any], desc: str | None = None, progress: bool = True,
+                poll_seconds: float = WAIT_POLL_SECONDS) -> "ShardedArtifact":
+        """Compute every missing shard with `fn(start, stop)`; shards already on disk are kept.
+
+        Safe with other processes computing the same artifact: each shard is claimed under its lock and
+        computed by one process only; this returns once every shard is on disk, whoever computed it."""
+        compute_shards([(self, fn)], desc=desc or self.kind, progress=progress, poll_seconds=poll_seconds)
         return self
 
     def shards(self, mmap: bool = True) -> list[Any]:
@@ -187,6 +455,51 @@ class ShardedArtifact:
     def records(self) -> list[Any]:
         """All items of a json artifact, in order."""
         return [item for shard in self.shards() for item in shard]
+
+
+def compute_shards(jobs: Sequence[tuple[ShardedArtifact, Callable[[int, int], Any]]], desc: str = "shards",
+                   progress: bool = True, poll_seconds: float = WAIT_POLL_SECONDS) -> None:
+    """Compute the missing shards of several artifacts (each with its own `fn(start, stop)`), claiming
+    shards across all of them: a process never waits for a shard another one holds while some shard of
+    any of the artifacts is still free (many small artifacts, such as answer chunks, split between
+    processes as well as the shards of one big one). Returns when every shard of every artifact exists."""
+    todo = [(artifact, fn, index) for artifact, fn in jobs for index in artifact.pending()]
+    if not todo:
+        return
+    for artifact, _ in jobs:
+        missing = sum(a is artifact for a, _, _ in todo)
+        if missing:
+            log.info("%s %s: %d of %d shards to compute", artifact.kind, artifact.key, missing, artifact.num_shards)
+    rank = distributed.rank_info()
+    distributed.warn_if_more_ranks_than_shards(len(todo), desc, rank)
+    waiting_since = last_said = None
+    with tqdm(total=len(todo), desc=desc, unit="shard", disable=not progress) as bar:
+        while todo:
+            computed_now = False
+            for artifact, fn, index in distributed.spread(todo, rank):
+                lock = artifact._try_claim(index)
+                if lock is None:  # another process is computing it
+                    continue
+                try:
+                    if artifact._readable(index):  # finished by another process since the last look
+                        continue
+                    artifact.write(index, fn(*artifact.shard_range(index)))
+                    artifact.computed.append(index)
+                    computed_now = True
+                finally:
+                    lock.release()
+            todo = [(artifact, fn, index) for artifact, fn, index in todo if not artifact._readable(index)]
+            bar.n = bar.total - len(todo)
+            bar.refresh()
+            if todo and not computed_now:
+                now = time.monotonic()
+                waiting_since = waiting_since or now
+                if last_said is None or now - last_said >= WAIT_LOG_SECONDS:
+                    names = ", ".join(f"{a.kind}/{a.key}/{a.shard_path(i).name}" for a, _, i in todo[:3])
+                    log.info("waiting for %d shard(s) that other processes are computing (%s%s); waited %.0f s so "
+                             "far", len(todo), names, ", ..." if len(todo) > 3 else "", now - waiting_since)
+                    last_said = now
+                time.sleep(poll_seconds)
 
 
 class ActivationStore:
@@ -237,3 +550,9 @@ class ActivationStore:
             shard, offset = self._locate(index)
             out[row] = self.arrays[shard][position, offset]
         return out
+
+
+if __name__ == "__main__":  # python -m confrag.artifacts verify [CACHE_DIR]
+    from confrag.cache_verify import main
+
+    sys.exit(main())

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from confrag.artifacts import ActivationStore, ShardedArtifact, fingerprint
+from confrag.artifacts import ActivationStore, ShardedArtifact, compute_shards, fingerprint
 from confrag.data.nq import QARow, rows_fingerprint
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
@@ -79,9 +79,12 @@ class ConfidenceData:
     split_of: list[str]
     examples: dict[str, list[Example]]
     identity: dict[str, Any] = field(default_factory=dict)
+    requested_questions: int | None = None  # set when more questions were asked for than the data holds
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"questions": len(self.rows)}
+        if self.requested_questions is not None:
+            out["questions_requested"] = self.requested_questions
         for kind, labels in self.labels.items():
             out[f"{kind}/has_answer"] = float(labels.mean()) if len(labels) else 0.0
             out[f"{kind}/exact_match"] = float(self.exact[kind].mean()) if len(labels) else 0.0
@@ -196,7 +199,9 @@ def build_confidence_data(
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress)
 
-    stores, responses, labels, exact = {}, {}, {}, {}
+    # Every answer and state shard of every prompt kind goes into one pool of claimable shards: processes
+    # filling the cache together (torchrun ranks, parallel jobs) never wait while some shard is free.
+    jobs, artifacts = [], {}
     for kind in kinds:
         prompts = build_prompts(llm, templates, rows, kind, seed, candidates)
         kind_spec = {**base_spec, "kind": kind, "partner_seed": seed if kind == "rag_other" else None}
@@ -205,14 +210,17 @@ def build_confidence_data(
             kind_spec["contexts"] = fingerprint([[c[j].title, c[j].text] for c in candidates])
         generations = ShardedArtifact(cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens},
                                       len(rows), shard_size, fmt="json")
-        generations.compute(
-            lambda a, b: generate_greedy(llm.model, llm.tokenizer, prompts[a:b], max_new_tokens,
-                                         gen_batch_size, desc=f"answers [{kind}]", progress=progress),
-            desc=f"{kind} answers", progress=progress)
         activations = ShardedArtifact(cache_dir, "activations", {**kind_spec, "layers": layer_list, "store": "float32"},
                                       len(rows), shard_size, fmt="npy")
-        activations.compute(lambda a, b: engine.extract(prompts[a:b], layer_list, desc=f"states [{kind}]"),
-                            desc=f"{kind} hidden states", progress=progress)
+        jobs.append((generations, lambda a, b, p=prompts, k=kind: generate_greedy(
+            llm.model, llm.tokenizer, p[a:b], max_new_tokens, gen_batch_size, desc=f"answers [{k}]", progress=progress)))
+        jobs.append((activations, lambda a, b, p=prompts, k=kind: engine.extract(p[a:b], layer_list,
+                                                                               desc=f"states [{k}]")))
+        artifacts[kind] = (generations, activations)
+    compute_shards(jobs, desc="NQ_Confidence answers and hidden states", progress=progress)
+
+    stores, responses, labels, exact = {}, {}, {}, {}
+    for kind, (generations, activations) in artifacts.items():
         responses[kind] = generations.records()
         labels[kind] = np.array([has_answer(r, row.answers) for r, row in zip(responses[kind], rows)], dtype=np.int64)
         exact[kind] = np.array([exact_match(r, row.answers) for r, row in zip(responses[kind], rows)], dtype=np.int64)

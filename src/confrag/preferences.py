@@ -25,14 +25,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from confrag.artifacts import ActivationStore, ShardedArtifact, atomic_write_text, fingerprint
+from confrag.artifacts import ActivationStore, ShardedArtifact, atomic_write_text, fingerprint, honour_umask, make_temp_dir
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -285,7 +284,12 @@ def save_rows(splits: dict[str, list[dict]], directory: Path) -> None:
         atomic_write_text(directory / f"{split}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         if rows:  # written beside, then renamed: a killed run never leaves half a dataset
             target = directory / f"{split}_arrow"
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{split}_arrow-", dir=directory))
-            Dataset.from_list(rows).save_to_disk(str(tmp))
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(tmp, target)
+            tmp = make_temp_dir(directory, f".tmp-{split}_arrow-")
+            try:
+                Dataset.from_list(rows).save_to_disk(str(tmp))
+                honour_umask(tmp)
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise

@@ -25,8 +25,10 @@ TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision
 
 def probe_recipe(node: DictConfig, seed: int) -> ProbeRecipe:
     """From a node holding the probe's `data` (NQConfidenceDataModule), `model` and `trainer`: the probe
-    task's root config, or the `probe` node of a later task."""
+    task's root config, or the `probe` node of a later task. The DataModule is built once here (it loads
+    no model) to check its settings against the model's config, before anything runs."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
+    instantiate(data_cfg, _convert_="all").check_settings()
     return ProbeRecipe(
         make_datamodule=lambda: instantiate(data_cfg, _convert_="all"),
         make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
@@ -59,9 +61,11 @@ def templates(cfg: DictConfig) -> PromptTemplates:
 
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
     """Everything the rerank stage is built from; every setting checked here, before anything runs."""
+    retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
+    retrieval.check_files()
     return RerankRecipe(
         probe=probe_recipe(cfg.probe, cfg.seed), llm=plain(cfg.llm), templates=templates(cfg),
-        retrieval=settings_from(RetrievalSettings, cfg.retrieval, "retrieval"),
+        retrieval=retrieval,
         preferences=settings_from(PreferenceSettings, cfg.preferences, "preferences"),
         base=settings_from(BaseRerankerSettings, cfg.get("base_reranker"), "base_reranker"),
         reranker=reranker_recipe(cfg), cache_dir=str(cfg.paths.cache_dir), seed=int(cfg.seed),

@@ -115,10 +115,12 @@ def cbdr_settings(cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSet
     objective, budget = cbdr["objective"], cbdr.get("retrieval_budget")
     if objective not in OBJECTIVES:
         raise ValueError(f"cbdr.objective={objective!r} is not one of {OBJECTIVES}")
-    if objective == "budget":
-        if budget is None:
-            raise ValueError("cbdr.objective=budget needs cbdr.retrieval_budget, a fraction in [0, 1]")
+    if objective == "budget" and budget is None:
+        raise ValueError("cbdr.objective=budget needs cbdr.retrieval_budget, a fraction in [0, 1]")
+    if budget is not None:  # checked whatever the objective: a bad value is a typo either way
         budget = check_beta(budget, "cbdr.retrieval_budget")
+        if objective != "budget":
+            budget = None  # only the budget objective reads it
     if cbdr["metric"] not in METRICS:
         raise ValueError(f"cbdr.metric={cbdr['metric']!r} is not one of {METRICS}")
     return CBDRSettings(

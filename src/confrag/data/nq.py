@@ -205,6 +205,9 @@ def load_nq_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> lis
                     f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
                 ) from exc
             collector.add(_row_from_mapping(obj, len(collector.rows), where), where)
+    if not collector.rows:
+        raise DataFormatError(f"NQ-open data file {path} is empty (no rows); each line must be one JSON object "
+                              f'with "question" and "answers"; {_PATH_HINT}')
     return collector.rows
 
 

@@ -7,6 +7,7 @@ seen in training" is checked in one place (`check_disjoint`), not only trusted.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -15,10 +16,16 @@ import numpy as np
 from confrag.data.nq import QARow
 from confrag.qa_metrics import normalize_answer
 
+log = logging.getLogger(__name__)
+
 
 def select_questions(rows: Sequence[QARow], num_questions: int | None, seed: int) -> list[QARow]:
-    """A seeded sample of `num_questions` rows, kept in file order (all rows when None)."""
+    """A seeded sample of `num_questions` rows, kept in file order (all rows when None). Asking for more
+    rows than there are gives all of them, with a warning naming both numbers."""
     if num_questions is None or num_questions >= len(rows):
+        if num_questions is not None and num_questions > len(rows):
+            log.warning("num_questions=%d asks for more questions than the data holds: using all %d",
+                        num_questions, len(rows))
         return list(rows)
     if num_questions < 2:
         raise ValueError(f"data.num_questions must be >= 2 (got {num_questions})")

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from confrag.artifacts import exclusive, honour_umask, make_temp_dir
+from confrag.distributed import rank_device
 from confrag.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class LLMConfig:
     gguf_file: str | None = None
     gguf_path: str | None = None
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda[:N], auto (device_map), rank (cuda:LOCAL_RANK of a torchrun rank, else cpu)
     attn_implementation: str | None = "sdpa"
     tiny: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
@@ -95,6 +97,8 @@ class LoadedLLM:
 def load_llm(cfg: LLMConfig | dict[str, Any]) -> LoadedLLM:
     if not isinstance(cfg, LLMConfig):
         cfg = LLMConfig(**dict(cfg))
+    if cfg.device == "rank":  # one device per process of a torchrun / SLURM launch
+        cfg = dataclasses.replace(cfg, device=rank_device())
     loader = {"hf": _load_hf, "local": _load_local, "gguf": _load_gguf, "tiny": _load_tiny}[cfg.source]
     model, tokenizer, ref = loader(cfg)
     if cfg.chat_template:
@@ -106,6 +110,58 @@ def load_llm(cfg: LLMConfig | dict[str, Any]) -> LoadedLLM:
     identity = {"name": cfg.name, "source": cfg.source, "ref": ref, "dtype": cfg.dtype}
     log.info("Loaded LLM %s (%d layers, dtype %s)", cfg.name, model.config.num_hidden_layers, cfg.dtype)
     return LoadedLLM(model=model, tokenizer=tokenizer, identity=identity)
+
+
+def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
+    """The model's number of decoder layers (`num_hidden_layers`), read from its configuration without
+    loading weights or converting anything: the HF cache's or the local folder's config.json, for a GGUF
+    file its converted folder's config.json or else the file's metadata (`<arch>.block_count`), or the
+    tiny model's shape. Layer settings can so be checked before any generation."""
+    if not isinstance(cfg, LLMConfig):
+        cfg = LLMConfig(**dict(cfg))
+    if cfg.source == "tiny":
+        arch = cfg.tiny.get("arch", "llama")
+        if arch not in TINY_ARCHS:
+            raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
+        return int(cfg.tiny.get("num_hidden_layers", AutoConfig.for_model(arch).num_hidden_layers))
+    if cfg.source == "gguf":
+        path = gguf_location(cfg)
+        converted = _model_cache(cfg) / f"{path.stem}-{_file_sha256(path)[:16]}"
+        if _converted_complete(converted):  # a JSON read, where parsing the GGUF metadata takes seconds
+            return int(AutoConfig.from_pretrained(converted).num_hidden_layers)
+        return _gguf_block_count(path, cfg.name)
+    if cfg.source == "local":
+        if not cfg.local_dir:
+            raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
+        path = Path(cfg.local_dir).expanduser()
+        if not (path / "config.json").is_file():
+            raise LLMNotAvailableError(f"LLM '{cfg.name}': directory {path} lacks config.json")
+        return int(AutoConfig.from_pretrained(path).num_hidden_layers)
+    if not cfg.repo_id:
+        raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
+    try:
+        return int(AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision).num_hidden_layers)
+    except (OSError, ValueError) as err:
+        raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+
+
+def _gguf_block_count(path: Path, name: str) -> int:
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(path).fields
+        arch = _gguf_field(fields["general.architecture"])
+        return int(_gguf_field(fields[f"{arch}.block_count"]))
+    except (KeyError, ValueError, OSError) as err:
+        raise LLMNotAvailableError(f"LLM '{name}': {path} has no readable layer count in its GGUF metadata "
+                                   f"({type(err).__name__}: {err})") from err
+
+
+def _gguf_field(field: Any) -> Any:
+    if hasattr(field, "contents"):
+        return field.contents()
+    value = field.parts[field.data[0]]  # older gguf releases: raw parts
+    return bytes(value).decode("utf-8") if value.dtype.kind == "u" and value.dtype.itemsize == 1 else value[0]
 
 
 def _from_pretrained_kwargs(cfg: LLMConfig) -> dict[str, Any]:
@@ -236,31 +292,46 @@ def _load_gguf(cfg: LLMConfig):
     path = gguf_location(cfg)
     sha = _file_sha256(path)[:16]
     converted = _model_cache(cfg) / f"{path.stem}-{sha}"
-    if not (converted / "config.json").is_file():
+    if not _converted_complete(converted):
         _convert_gguf(path, converted)
     tokenizer = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, **_from_pretrained_kwargs(cfg))
     return _place(model, cfg), tokenizer, f"gguf:{path.name}@{sha}"
 
 
+def _converted_complete(target: Path) -> bool:
+    # The folder only ever appears by rename of a finished conversion, so its config marks it whole.
+    return (target / "config.json").is_file()
+
+
 def _convert_gguf(path: Path, target: Path) -> None:
-    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy; written to a temp dir, then renamed."""
-    log.info("Dequantizing %s into %s (once)", path.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # The dequantized weights are plain fp32: drop the GGUF marker so save_pretrained accepts them.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
+    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy; written to a temp dir, then renamed.
+
+    Several processes may start on a fresh cache at once (a multirun, two runs, torchrun ranks): the
+    conversion runs under a file lock, and a process that finds the target complete after waiting for
+    the lock uses it instead of converting again."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with exclusive(target.parent / f".{target.name}.lock", f"the conversion of {path.name}"):
+        if _converted_complete(target):
+            return
+        log.info("Dequantizing %s into %s (once)", path.name, target)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        # The dequantized weights are plain fp32: drop the GGUF marker so save_pretrained accepts them.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        if target.exists():  # left incomplete by something other than this function: rebuilt
+            shutil.rmtree(target)
+        tmp = make_temp_dir(target.parent, target.name + ".tmp-")
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            honour_umask(tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 # --- tiny random model (tests, fast_dev_run) -------------------------------------------------------
@@ -305,6 +376,6 @@ def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
     )
     path = gguf_location(source)
     converted = _model_cache(source) / f"{path.stem}-{_file_sha256(path)[:16]}"
-    if not (converted / "config.json").is_file():
+    if not _converted_complete(converted):
         _convert_gguf(path, converted)
     return AutoTokenizer.from_pretrained(converted)

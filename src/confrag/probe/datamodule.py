@@ -21,13 +21,14 @@ from torch.utils.data import DataLoader, Dataset
 from confrag.artifacts import ActivationStore
 from confrag.data.nq import load_nq_jsonl
 from confrag.data.splits import select_questions
-from confrag.llm.loading import LLMConfig, load_llm
+from confrag.llm.loading import LLMConfig, load_llm, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import (
     ConfidenceData,
     Example,
     activation_identity,
     build_confidence_data,
+    resolve_layers,
     uses_candidates,
 )
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
@@ -48,6 +49,28 @@ class ActivationDataset(Dataset):
         example = self.examples[i]
         hidden = self.stores[example.kind].get(self.layer, example.index)
         return torch.from_numpy(hidden), torch.tensor(example.label, dtype=torch.long)
+
+
+def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num_layers: int) -> tuple[int, list[int]]:
+    """The probe's layer (`model.layer`; `mid` or None = Layer/2) and the extracted layers (`data.layers`),
+    checked against the model's layer count: the layer must be in range and among the extracted ones."""
+    try:
+        extracted = resolve_layers(layers, num_layers)
+    except ValueError as err:
+        raise ValueError(f"data.layers={layers!r}: {err}") from None
+    chosen = num_layers // 2 if layer in (None, "mid") else layer
+    if isinstance(chosen, str) and chosen.strip().lstrip("-").isdigit():
+        chosen = int(chosen)
+    if isinstance(chosen, bool) or not isinstance(chosen, (int, np.integer)):
+        raise ValueError(f"model.layer={layer!r}: use 'mid' or an integer in 0..{num_layers}")
+    chosen = int(chosen)
+    if not 0 <= chosen <= num_layers:
+        raise ValueError(f"model.layer={chosen} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
+                         f"{num_layers // 2} = the paper's Layer/2, {num_layers} = final norm output)")
+    if chosen not in extracted:
+        raise ValueError(f"model.layer={chosen} is not among the extracted data.layers={extracted}; add it there "
+                         f"(or use data.layers=all)")
+    return chosen, extracted
 
 
 class NQConfidenceDataModule(LightningDataModule):
@@ -91,8 +114,15 @@ class NQConfidenceDataModule(LightningDataModule):
         self.llm_identity: dict[str, Any] | None = None
         self.prompts_identity: str | None = None
 
+    def check_settings(self) -> None:
+        """Refuse a layer setting the model does not have, from its config alone (no weights are loaded):
+        before any answer is generated, not after."""
+        probe_layers(self.layer_spec, self.layers, model_num_layers(self.llm_cfg))
+
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
+        num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
+        self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
         all_rows = load_nq_jsonl(self.nq_path)
         rows = select_questions(all_rows, self.num_questions, self.seed)
         candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
@@ -105,10 +135,9 @@ class NQConfidenceDataModule(LightningDataModule):
                 gen_batch_size=self.gen_batch_size, extract_batch_size=self.extract_batch_size,
                 cache_dir=self.cache_dir, progress=self.progress, candidates=candidates,
             )
-            num_layers = self.num_layers = llm.num_layers
-            self.layer = num_layers // 2 if self.layer_spec in (None, "mid") else int(self.layer_spec)
-            if not 0 <= self.layer <= num_layers:
-                raise ValueError(f"model.layer={self.layer} out of range: valid layers are 0..{num_layers}")
+            if self.num_questions is not None and self.num_questions > len(all_rows):
+                data.requested_questions = int(self.num_questions)
+            self.num_layers = llm.num_layers
             self.llm_identity = llm.identity
             self.prompts_identity = self.templates.identity(llm.tokenizer)
         finally:

@@ -9,18 +9,37 @@ was trained on (model, prompt template, layer); `load_probe(...).check(...)` ref
 from __future__ import annotations
 
 import json
+import logging
+import math
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from lightning import LightningModule
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
-from torchmetrics import MetricCollection
+from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
-from confrag.artifacts import atomic_write_text
+from confrag.artifacts import atomic_write_bytes, atomic_write_text, exclusive
+
+log = logging.getLogger(__name__)
+
+
+def metric_value(value: float | None) -> float | None:
+    """A metric for JSON: NaN (an undefined metric, such as AUROC on one class) becomes null."""
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def metric_text(value: float | None, digits: int = 3) -> str:
+    """A metric for a printed summary: `undefined` for NaN / None, else the number."""
+    value = metric_value(value)
+    return "undefined" if value is None else f"{value:.{digits}f}"
 
 
 class ProbeMismatchError(ValueError):
@@ -53,6 +72,9 @@ class ProbeModule(LightningModule):
         metrics = MetricCollection({"acc": BinaryAccuracy(), "auroc": BinaryAUROC(), "ece": BinaryCalibrationError(n_bins=10)})
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
+        # Examples and positives seen per split (synced across DDP ranks like the metrics): AUROC needs both classes.
+        self.val_counts = MetricCollection({"examples": SumMetric(), "positives": SumMetric()})
+        self.test_counts = self.val_counts.clone()
 
     def set_standardization(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
         self.mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
@@ -85,18 +107,42 @@ class ProbeModule(LightningModule):
     def validation_step(self, batch, batch_idx):
         _, probs, labels = self._step(batch, "val")
         self.val_metrics.update(probs, labels)
+        self._count(self.val_counts, labels)
 
     def on_validation_epoch_end(self):
-        self.log_dict(self.val_metrics.compute(), prog_bar=True)
-        self.val_metrics.reset()
+        self.log_dict(self._epoch_metrics(self.val_metrics, self.val_counts, "val"), prog_bar=True)
 
     def test_step(self, batch, batch_idx):
         _, probs, labels = self._step(batch, "test")
         self.test_metrics.update(probs, labels)
+        self._count(self.test_counts, labels)
 
     def on_test_epoch_end(self):
-        self.log_dict(self.test_metrics.compute())
-        self.test_metrics.reset()
+        self.log_dict(self._epoch_metrics(self.test_metrics, self.test_counts, "test"))
+
+    @staticmethod
+    def _count(counts: MetricCollection, labels: torch.Tensor) -> None:
+        counts["examples"].update(torch.tensor(float(labels.numel()), device=labels.device))
+        counts["positives"].update(labels.sum().float())
+
+    def _epoch_metrics(self, metrics: MetricCollection, counts: MetricCollection, stage: str) -> dict[str, torch.Tensor]:
+        """The split's metrics; AUROC is NaN ("undefined") when the split holds one class only, where
+        torchmetrics would report 0."""
+        seen = counts.compute() if counts["examples"].update_called else {"examples": 0, "positives": 0}
+        examples, positives = int(seen["examples"]), int(seen["positives"])
+        single_class = positives in (0, examples)
+        with warnings.catch_warnings():
+            if single_class:  # torchmetrics' own warning says the value is meaningless; ours says why
+                warnings.simplefilter("ignore", UserWarning)
+            values = metrics.compute()
+        metrics.reset()
+        counts.reset()
+        if single_class:
+            values[f"{stage}/auroc"] = torch.tensor(float("nan"), device=self.device)
+            only = "positive" if positives else "negative"
+            log.warning("%s/auroc is undefined: the %s split holds only %s examples (%d of them); reported as NaN "
+                        "(null in metrics.json)", stage, "dev" if stage == "val" else stage, only, examples)
+        return values
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The resolved run config travels inside each checkpoint (set by the task that trains the probe).
@@ -134,13 +180,15 @@ class SavedProbe:
 
 
 def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str, Any], extra: dict[str, Any]) -> Path:
+    """Weights and metadata, each written atomically; two processes saving to one directory take turns,
+    so the weights and the metadata found there always come from the same save."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-    save_file(tensors, str(directory / "probe.safetensors.tmp"))
-    (directory / "probe.safetensors.tmp").replace(directory / "probe.safetensors")
     meta = {"hparams": dict(module.hparams), "activations": activations, **extra}
-    atomic_write_text(directory / "probe.json", json.dumps(meta, indent=2, default=str))
+    with exclusive(directory / ".probe.lock", f"the probe in {directory}"):
+        atomic_write_bytes(directory / "probe.safetensors", save(tensors))
+        atomic_write_text(directory / "probe.json", json.dumps(meta, indent=2, default=str))
     return directory
 
 

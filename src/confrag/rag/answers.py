@@ -14,7 +14,9 @@ by length, then hash), so it ends with the same answers.
 
 Answers are batched, left-padded greedy generations (`generate_greedy`). Padding and batch
 composition can move float rounding, so a prompt generated alone might in rare near-ties decode
-differently; the store keeps the first answer computed for a prompt and every reader uses that one.
+differently. A prompt is generated once per store; should two processes filling one cache generate
+it in different chunks, every reader takes the answer of the chunk whose name sorts first, so all
+agree whichever order they found the chunks in.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from confrag.artifacts import CacheMismatchError, ShardedArtifact, fingerprint
+from confrag.artifacts import CacheMismatchError, ShardedArtifact, compute_shards, fingerprint
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -80,6 +82,7 @@ class AnswerStore:
         self.kind = f"{KIND}/{self.key}"
         self.dir = self.root / self.kind
         self._known: dict[str, str] = {}
+        self._source: dict[str, str] = {}  # prompt hash -> name of the chunk its answer comes from
         self._seen_chunks: set[str] = set()
         self.generated = 0
         self.reused = 0
@@ -110,8 +113,13 @@ class AnswerStore:
             chunk = self._open_chunk(manifest_path)
             if chunk is None or not chunk.complete:  # incomplete: a run killed while generating it
                 continue
-            self._known.update(zip(chunk.spec["prompt_hashes"], chunk.records()))
-            self._seen_chunks.add(name)
+            self._learn(name, chunk.spec["prompt_hashes"], chunk.records())
+
+    def _learn(self, chunk_name: str, hashes: Sequence[str], answers: Sequence[str]) -> None:
+        for h, answer in zip(hashes, answers):
+            if h not in self._source or chunk_name < self._source[h]:
+                self._known[h], self._source[h] = answer, chunk_name
+        self._seen_chunks.add(chunk_name)
 
     def _open_chunk(self, manifest_path: Path) -> ShardedArtifact | None:
         try:
@@ -142,16 +150,20 @@ class AnswerStore:
         return [self._known[h] for h in hashes]
 
     def _generate(self, missing: dict[str, str]) -> None:
-        # A canonical order makes the chunks of a resumed run the chunks of an uninterrupted one.
+        # A canonical order makes the chunks of a resumed run the chunks of an uninterrupted one, and the
+        # chunks of processes asking for the same prompts at once the same chunks: they claim them in
+        # turn (compute_shards), so each chunk is generated once.
         order = sorted(missing, key=lambda h: (len(missing[h]), h))
-        chunks = [order[i:i + self.chunk_size] for i in range(0, len(order), self.chunk_size)]
-        log.info("answers %s: %d prompts to generate in %d chunk(s)", self.key, len(order), len(chunks))
-        for number, chunk_hashes in enumerate(chunks, start=1):
+        groups = [order[i:i + self.chunk_size] for i in range(0, len(order), self.chunk_size)]
+        log.info("answers %s: %d prompts to generate in %d chunk(s)", self.key, len(order), len(groups))
+        jobs = []
+        for number, chunk_hashes in enumerate(groups, start=1):
             chunk_prompts = [missing[h] for h in chunk_hashes]
             chunk = self._chunk({**self.spec, "prompt_hashes": chunk_hashes}, len(chunk_hashes))
-            chunk.compute(lambda start, stop: generate_greedy(
-                self.llm.model, self.llm.tokenizer, chunk_prompts[start:stop], self.max_new_tokens, self.batch_size,
-                desc=f"answers {number}/{len(chunks)}", progress=self.progress), progress=False)
-            self._known.update(zip(chunk_hashes, chunk.records()))
-            self._seen_chunks.add(chunk.dir.name)
-            self.generated += len(chunk_hashes)
+            jobs.append((chunk, lambda start, stop, p=chunk_prompts, n=number: generate_greedy(
+                self.llm.model, self.llm.tokenizer, p[start:stop], self.max_new_tokens, self.batch_size,
+                desc=f"answers {n}/{len(groups)}", progress=self.progress)))
+        compute_shards(jobs, desc=f"answers {self.key}", progress=False)
+        for (chunk, _), chunk_hashes in zip(jobs, groups):
+            self._learn(chunk.dir.name, chunk_hashes, chunk.records())
+            self.generated += len(chunk_hashes) if chunk.computed else 0

@@ -25,7 +25,7 @@ import numpy as np
 from confrag.artifacts import atomic_write_text
 from confrag.data.nq import DataFormatError, QARow, _numbered_lines
 from confrag.rag.answers import AnswerStore, ScoredAnswer, score_answer
-from confrag.retrieval.candidates import Candidates
+from confrag.retrieval.candidates import Candidates, match_candidates
 from confrag.retrieval.corpus import document_text
 
 log = logging.getLogger(__name__)
@@ -94,16 +94,15 @@ def rank_contexts(question: str, passages: Sequence[Any], reranker: Reranker | N
 
 def _candidates_by_qid(rows: Sequence[QARow], candidates: Sequence[Candidates]) -> list[Candidates]:
     by_qid = {c.qid: c for c in candidates}
-    out = []
     for row in rows:
-        found = by_qid.get(row.qid)
-        if found is None:
+        if row.qid not in by_qid:
             raise ValueError(f"question {row.qid!r} has no candidates entry; retrieve for every question first")
+    matched = match_candidates(rows, candidates, source="the candidates")  # same qid, same question
+    for row, found in zip(rows, matched):
         if not found.passages:
             raise ValueError(f"question {row.qid!r} has no retrieved context (empty candidates); "
                              "RAG needs at least one")
-        out.append(found)
-    return out
+    return matched
 
 
 def run_rag(

@@ -15,6 +15,7 @@ import numpy as np
 from scipy.stats import binomtest, bootstrap
 
 from confrag.rag.pipeline import DEFAULT_KS, QuestionOutcome
+from confrag.retrieval.candidates import same_question
 
 BINARY_METRICS = ("has_answer", "em")
 
@@ -74,6 +75,7 @@ def mcnemar_exact(a: Sequence[Any], b: Sequence[Any]) -> McNemar:
 
 # ---------------------------------------------------------------- Table 2
 
+
 RunKey = tuple[str, str, str]  # (LLM, reranker, dataset)
 
 
@@ -109,6 +111,13 @@ def table2_rows(runs: Mapping[RunKey, Sequence[QuestionOutcome]], base_reranker:
                 raise ValueError(f"{where} and its base run answer different questions "
                                  f"({len(set(mine) ^ set(theirs))} differ); a paired test needs the same ones")
             qids = sorted(mine)
+            asked = {o.qid: o.question for o in outcomes}
+            base_asked = {o.qid: o.question for o in base}
+            differ = [q for q in qids if not same_question(asked[q], base_asked[q])]
+            if differ:  # paired by qid, so the qids must name the same questions in both runs
+                raise ValueError(f"{where} and its base run hold other questions under {len(differ)} qid(s), e.g. "
+                                 f"{differ[0]!r}: {asked[differ[0]]!r} vs {base_asked[differ[0]]!r}; a paired test "
+                                 f"needs the same questions")
             row[f"top{k}_vs_base"] = mcnemar_exact([mine[q] for q in qids], [theirs[q] for q in qids])
         rows.append(row)
     return rows

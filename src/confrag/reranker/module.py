@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,6 +23,7 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
+from confrag.artifacts import exclusive, honour_umask, make_temp_dir
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
 from confrag.reranker.data import pair_encoder
@@ -252,24 +252,27 @@ class RerankerModule(LightningModule):
         return copy.deepcopy(self.model).merge_and_unload()
 
     def export(self, directory: str | Path) -> Path:
-        """Write model + tokenizer with `save_pretrained`, atomically (built beside, then renamed)."""
+        """Write model + tokenizer with `save_pretrained`, atomically (built beside, then renamed). Two
+        processes exporting to one directory take turns (a lock), so neither rename meets the other's."""
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         model = self.plain_model()
         if self.hparams.kind == CROSS_ENCODER:  # a causal LM export is no CrossEncoder
             model.config.sentence_transformers = {"activation_fn": IDENTITY_ACTIVATION}
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{directory.name}-", dir=directory.parent))
-        try:
-            model.save_pretrained(str(tmp))
-            self.tokenizer.save_pretrained(str(tmp))
-            old = None
-            if directory.exists():
-                old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
-                os.replace(directory, old)
-            os.replace(tmp, directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with exclusive(directory.parent / f".{directory.name}.lock", f"the export to {directory}"):
+            tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
+            try:
+                model.save_pretrained(str(tmp))
+                self.tokenizer.save_pretrained(str(tmp))
+                honour_umask(tmp)
+                old = None
+                if directory.exists():
+                    old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
+                    os.replace(directory, old)
+                os.replace(tmp, directory)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         return directory

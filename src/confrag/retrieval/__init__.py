@@ -4,10 +4,13 @@ top-N candidate contexts of each question (with whether they hold the gold docum
 from confrag.retrieval.bm25 import BM25Retriever
 from confrag.retrieval.candidates import (
     Candidates,
+    CandidatesMismatchError,
     Retriever,
     load_candidates_jsonl,
+    match_candidates,
     retrieve_candidates,
     save_candidates_jsonl,
+    validate_candidates_jsonl,
 )
 from confrag.retrieval.corpus import (
     Corpus,
@@ -16,12 +19,14 @@ from confrag.retrieval.corpus import (
     document_text,
     load_corpus_jsonl,
     split_passages,
+    validate_corpus_jsonl,
 )
 from confrag.retrieval.dense import DenseRetriever, default_model_dir, model_fingerprint
 
 __all__ = [
     "BM25Retriever",
     "Candidates",
+    "CandidatesMismatchError",
     "Corpus",
     "CorpusPassage",
     "DenseRetriever",
@@ -31,8 +36,11 @@ __all__ = [
     "document_text",
     "load_candidates_jsonl",
     "load_corpus_jsonl",
+    "match_candidates",
     "model_fingerprint",
     "retrieve_candidates",
     "save_candidates_jsonl",
     "split_passages",
+    "validate_candidates_jsonl",
+    "validate_corpus_jsonl",
 ]

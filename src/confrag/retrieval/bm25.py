@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import bm25s
 import numpy as np
 
-from confrag.artifacts import STALE_TMP_SECONDS, fingerprint
+from confrag.artifacts import STALE_TMP_SECONDS, exclusive, fingerprint, honour_umask, make_temp_dir
 from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
 
@@ -45,11 +44,17 @@ class BM25Retriever:
         self.key = fingerprint({"schema": _INDEX_SCHEMA, "corpus": corpus.fingerprint, "stopwords": STOPWORDS,
                                 "params": BM25_PARAMS, "bm25s": bm25s.__version__})
         self.index_dir = Path(cache_dir) / "retrieval" / "bm25" / self.key if cache_dir is not None else None
-        self.model = self._load() if self.index_dir is not None else None
-        if self.model is None:
+        if self.index_dir is None:
             self.model = self._build()
-            if self.index_dir is not None:
-                self._save(self.model)
+            return
+        self.model = self._load()  # without the lock: a complete cache may be read-only
+        if self.model is None:
+            # One process builds an index that several want at once; the others wait and load it.
+            with exclusive(self.index_dir.parent / f".{self.key}.lock", f"the BM25 index {self.key}"):
+                self.model = self._load()
+                if self.model is None:
+                    self.model = self._build()
+                    self._save(self.model)
 
     def _build(self) -> bm25s.BM25:
         tokens = bm25s.tokenize([document_text(p) for p in self.corpus.passages], stopwords=STOPWORDS,
@@ -78,9 +83,10 @@ class BM25Retriever:
         assert self.index_dir is not None
         self.index_dir.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale_tmp()
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.index_dir.parent))
+        tmp = make_temp_dir(self.index_dir.parent, ".tmp-")
         try:
             model.save(tmp, show_progress=False)
+            honour_umask(tmp)
             tmp.rename(self.index_dir)
         except OSError:
             # Another process renamed the same index into place first: its content is identical.

@@ -6,7 +6,10 @@ A candidates file holds one question per line:
      "contexts": [{"title": str, "text": str, "score": float, "pid": str, "source_id": str}, ...]}
 
 Only "qid", "question", "answers" and each context's "title", "text" and "score" are required, so a
-prebuilt retrieval (any retriever, any corpus) can be brought in. Without "gold_source" the
+prebuilt retrieval (any retriever, any corpus) can be brought in. Rows are joined to the dataset by
+qid and checked by content (`match_candidates`): a file whose question under a qid is not the dataset's
+question (default qids are line positions, so a file built from another NQ file or version shifts) is
+refused, naming the first mismatches. Without "gold_source" the
 question's gold document is unknown and `gold_retrieved` is False. `has_answer` is never read from
 the file: it is recomputed from the answers, so it cannot disagree with `qa_metrics.has_answer`.
 """
@@ -24,7 +27,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from confrag.artifacts import atomic_write_bytes
 from confrag.data.nq import DataFormatError, QARow, _numbered_lines
-from confrag.qa_metrics import has_answer
+from confrag.qa_metrics import has_answer, normalize_answer
 from confrag.retrieval.corpus import Corpus, CorpusPassage
 from confrag.retrieval.ranking import Hits, check_top_n
 
@@ -182,3 +185,45 @@ def load_candidates_jsonl(path: str | os.PathLike[str]) -> list[Candidates]:
             first_line_of[candidates.qid] = lineno
             out.append(candidates)
     return out
+
+
+class CandidatesMismatchError(DataFormatError):
+    """Candidates joined to dataset rows by qid hold other questions, or none for some rows."""
+
+
+def same_question(a: str, b: str) -> bool:
+    """Equal up to case, punctuation, articles, whitespace and Unicode form (the answer normalization)."""
+    return normalize_answer(a) == normalize_answer(b)
+
+
+def match_candidates(rows: Sequence[QARow], candidates: Sequence[Candidates], source: str = "candidates",
+                     shown: int = 3) -> list[Candidates]:
+    """The candidates of each row, in row order: joined by qid, then checked by content. Raises
+    CandidatesMismatchError naming `source` (e.g. the file) when some row has no entry, or when an entry's
+    question differs from the row's question under the same qid, listing the first `shown` of them."""
+    by_qid = {c.qid: c for c in candidates}
+    missing = [row.qid for row in rows if row.qid not in by_qid]
+    if missing:
+        raise CandidatesMismatchError(f"{source}: no candidates for {len(missing)} of {len(rows)} questions, "
+                                      f"e.g. {missing[:shown]}")
+    differ = [(row, by_qid[row.qid]) for row in rows if not same_question(row.question, by_qid[row.qid].question)]
+    if differ:
+        listed = "; ".join(f"qid {row.qid!r}: the data asks {row.question!r}, {source} has {found.question!r}"
+                           for row, found in differ[:shown])
+        raise CandidatesMismatchError(
+            f"{source}: {len(differ)} of {len(rows)} questions differ from the data's question with the same qid "
+            f"({listed}{'; ...' if len(differ) > shown else ''}). The candidates were built from other data (another "
+            f"NQ file or version; default qids are line positions): rebuild them from this data, or give the "
+            f'rows stable "id"s')
+    return [by_qid[row.qid] for row in rows]
+
+
+def validate_candidates_jsonl(path: str | os.PathLike[str], rows: Sequence[QARow] | None = None) -> int:
+    """Parse and check a whole candidates file (format in the module docstring) without keeping it or
+    building anything: a bad file fails here, naming the file, line and allowed format, before any
+    expensive work. With `rows`, also check it holds every row's question under its qid
+    (`match_candidates`). Returns the number of questions in the file."""
+    found = load_candidates_jsonl(path)
+    if rows is not None:
+        match_candidates(rows, found, source=f"candidates file {path}")
+    return len(found)

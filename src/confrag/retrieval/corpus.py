@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from confrag.artifacts import fingerprint
 from confrag.data.nq import DataFormatError, QARow, _numbered_lines
@@ -139,17 +139,15 @@ def _parse_document(obj: Any, where: str) -> tuple[str, str, str]:
     return str(doc_id), title, text
 
 
-def load_corpus_jsonl(path: str | os.PathLike[str], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE) -> Corpus:
-    """A corpus from a `.jsonl` / `.jsonl.gz` file of `{"id", "title", "text"}` objects, each split
-    into passages; blank lines are skipped. Raises DataFormatError naming the file and line of the
-    first bad record, and both lines of a duplicate id."""
-    check_words_per_passage(words_per_passage)
+def _documents(path: str | os.PathLike[str]) -> Iterator[tuple[str, str, str]]:
+    """(id, title, text) of every document of a corpus file, checked line by line; blank lines skipped.
+    Raises DataFormatError naming the file and line of the first bad record, and both lines of a
+    duplicate id."""
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
         raise DataFormatError(f"corpus file {path} {reason}; set it with the `retrieval.corpus_path` config value")
     first_line_of: dict[str, int] = {}
-    passages: list[CorpusPassage] = []
     # closing(): an error mid-file must close the (possibly gzip) handle now, not at garbage collection.
     with contextlib.closing(_numbered_lines(path)) as lines:
         for lineno, line in lines:
@@ -168,7 +166,24 @@ def load_corpus_jsonl(path: str | os.PathLike[str], words_per_passage: int = DEF
                     f"{where}: duplicate id {doc_id!r} (first at line {first_line_of[doc_id]}); ids must be unique"
                 )
             first_line_of[doc_id] = lineno
-            passages.extend(split_passages(title, text, doc_id, words_per_passage))
-    if not passages:
+            yield doc_id, title, text
+    if not first_line_of:
         raise DataFormatError(f"{path}: no documents; each line must be {_CORPUS_FIELDS}")
+
+
+def load_corpus_jsonl(path: str | os.PathLike[str], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE) -> Corpus:
+    """A corpus from a `.jsonl` / `.jsonl.gz` file of `{"id", "title", "text"}` objects, each split
+    into passages; blank lines are skipped. Raises DataFormatError naming the file and line of the
+    first bad record, and both lines of a duplicate id."""
+    check_words_per_passage(words_per_passage)
+    passages: list[CorpusPassage] = []
+    for doc_id, title, text in _documents(path):
+        passages.extend(split_passages(title, text, doc_id, words_per_passage))
     return _make_corpus(passages, {})
+
+
+def validate_corpus_jsonl(path: str | os.PathLike[str]) -> int:
+    """Parse and check a whole corpus file (`{"id", "title", "text"}` per line) without splitting it or
+    building any index: a bad file fails here, naming the file, line and allowed format, before any
+    expensive work. Returns the number of documents."""
+    return sum(1 for _ in _documents(path))

@@ -18,7 +18,8 @@ from lightning.pytorch.loggers import Logger
 
 from confrag.artifacts import fingerprint
 from confrag.probe.datamodule import NQConfidenceDataModule
-from confrag.probe.module import ProbeModule, SavedProbe, load_probe, save_probe
+from confrag.artifacts import exclusive
+from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,9 @@ def probe_cache_dir(cache_dir: str | Path, datamodule: NQConfidenceDataModule, r
 
 def save_trained_probe(model: ProbeModule, datamodule: NQConfidenceDataModule, metrics: dict, best: str,
                        *directories: Path) -> None:
-    """The probe with its metrics and data summary, in each of `directories` (the run folder, the cache)."""
-    extra = {"metrics": metrics, "best_checkpoint": best, "nq_confidence": datamodule.data.summary()}
+    """The probe with its metrics (undefined ones as null) and data summary, in each of `directories`."""
+    extra = {"metrics": {k: metric_value(v) for k, v in metrics.items()}, "best_checkpoint": best,
+             "nq_confidence": datamodule.data.summary()}
     for directory in directories:
         save_probe(model, directory, datamodule.activations(), extra)
 
@@ -92,9 +94,12 @@ def ensure_probe(recipe: ProbeRecipe, cache_dir: str | Path, workdir: Path) -> t
     datamodule = prepared_datamodule(recipe)
     directory = probe_cache_dir(cache_dir, datamodule, recipe)
     if not (directory / "probe.json").is_file():
-        log.info("No cached probe at %s: training it", directory)
-        checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor="val/auroc", mode="max")
-        model, datamodule, metrics, best = fit_probe(recipe, [checkpoint], [], datamodule=datamodule,
-                                                     enable_progress_bar=False, default_root_dir=str(workdir))
-        save_trained_probe(model, datamodule, metrics, best, directory)
+        # One process trains it; another one asking at the same time waits, then reads it.
+        with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}"):
+            if not (directory / "probe.json").is_file():
+                log.info("No cached probe at %s: training it", directory)
+                checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor="val/auroc", mode="max")
+                model, datamodule, metrics, best = fit_probe(recipe, [checkpoint], [], datamodule=datamodule,
+                                                             enable_progress_bar=False, default_root_dir=str(workdir))
+                save_trained_probe(model, datamodule, metrics, best, directory)
     return load_probe(directory), datamodule

@@ -19,7 +19,7 @@ import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
 
-from confrag.artifacts import atomic_write_text, fingerprint
+from confrag.artifacts import atomic_write_text, exclusive, fingerprint
 from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
 
@@ -68,10 +68,22 @@ def ensure_reranker(recipe: RerankerRecipe, train_rows: list[dict], name: str, l
     reranker depends on its key only, not on what else this process trained before it (a resumed run
     trains what is missing exactly as an uninterrupted one)."""
     directory = reranker_cache_dir(recipe, train_rows, start_from, trainer_settings)
-    if (directory / "confrag_training.json").is_file() and not recipe.fast_dev_run:
-        log.info("Reranker %s: cached at %s", name, directory)
-        info = json.loads((directory / "confrag_training.json").read_text())
-        return load_reranker(recipe, directory), info
+    marker = directory / "confrag_training.json"
+    if recipe.fast_dev_run:
+        return _train(recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings,
+                      model_overrides)
+    # One process trains it; another one asking at the same time waits, then reads it.
+    with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
+        if marker.is_file():
+            log.info("Reranker %s: cached at %s", name, directory)
+            return load_reranker(recipe, directory), json.loads(marker.read_text())
+        return _train(recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings,
+                      model_overrides)
+
+
+def _train(recipe: RerankerRecipe, train_rows: list[dict], name: str, loggers: list[Logger], run_config: dict | None,
+           directory: Path, start_from: Path | None, trainer_settings: dict[str, Any] | None,
+           model_overrides: dict[str, Any]) -> tuple[RerankerModule, dict[str, Any]]:
     start = time.perf_counter()
     L.seed_everything(int(recipe.identity.get("seed", 0)), workers=True, verbose=False)
     if start_from is not None:

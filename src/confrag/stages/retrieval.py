@@ -24,7 +24,10 @@ from confrag.retrieval import (
     document_text,
     load_candidates_jsonl,
     load_corpus_jsonl,
+    match_candidates,
     retrieve_candidates,
+    validate_candidates_jsonl,
+    validate_corpus_jsonl,
 )
 from confrag.retrieval.candidates import make_candidates
 
@@ -53,6 +56,14 @@ class RetrievalSettings:
             problems.append(f"retrieval.top_n must be an integer >= 2 candidates per question (got {self.top_n!r})")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def check_files(self) -> None:
+        """Parse a user corpus and a candidates file whole (naming file, line and format on a bad one)
+        before anything expensive runs; nothing is built or kept."""
+        if self.corpus_path:
+            validate_corpus_jsonl(self.corpus_path)
+        if self.candidates_path:
+            validate_candidates_jsonl(self.candidates_path)
 
 
 @dataclass
@@ -105,13 +116,9 @@ def question_candidates(retrieval: Retrieval, rows: Sequence[QARow], candidates_
                         top_n: int | None = None) -> tuple[list[Candidates], dict[str, Any]]:
     """Top-N candidates per question (N = `retrieval.top_n` unless `top_n` says otherwise): retrieved, or
     read from `candidates_path` (a prebuilt list)."""
-    if candidates_path:
-        by_qid = {c.qid: c for c in load_candidates_jsonl(candidates_path)}
-        missing = [r.qid for r in rows if r.qid not in by_qid]
-        if missing:
-            raise ValueError(f"retrieval.candidates_path={candidates_path}: no candidates for {len(missing)} "
-                             f"questions, e.g. {missing[:3]}")
-        found = [by_qid[r.qid] for r in rows]
+    if candidates_path:  # joined by qid, then checked by question text
+        found = match_candidates(rows, load_candidates_jsonl(candidates_path),
+                                 source=f"retrieval.candidates_path={candidates_path}")
     else:
         found = retrieve_candidates(rows, retrieval.corpus, retrieval.retriever,
                                     top_n=int(top_n or retrieval.settings.top_n))

