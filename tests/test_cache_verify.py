@@ -1,4 +1,4 @@
-"""`python -m confrag.artifacts verify [CACHE_DIR]`: reports damaged artifacts (exit 1), incomplete ones and
+"""`python -m confrag.cache_verify verify [CACHE_DIR]`: reports damaged artifacts (exit 1), incomplete ones and
 shards without digests (exit 0), and writes nothing."""
 
 from __future__ import annotations

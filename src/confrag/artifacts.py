@@ -550,9 +550,3 @@ class ActivationStore:
             shard, offset = self._locate(index)
             out[row] = self.arrays[shard][position, offset]
         return out
-
-
-if __name__ == "__main__":  # python -m confrag.artifacts verify [CACHE_DIR]
-    from confrag.cache_verify import main
-
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Check a whole cache: every sharded artifact's manifest, and every shard against its digest, shape and length.
 
-    python -m confrag.artifacts verify [CACHE_DIR]     (or: python -m confrag.cache_verify verify ...)
+    python -m confrag.cache_verify verify [CACHE_DIR]     (installed as: confrag-cache verify [CACHE_DIR])
 
 CACHE_DIR defaults to the cache the runs use ($CONFRAG_CACHE, else <project>/.cache). Nothing is
 written or deleted: a damaged shard is reported (a run recomputes it when it next needs it). The exit
