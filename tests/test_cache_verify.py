@@ -89,9 +89,9 @@ def test_a_manifest_that_does_not_match_its_directory_is_damage(cache, capsys):
 
 
 def test_command_line(cache, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "confrag.artifacts", "verify", str(cache)], capture_output=True,
+    ok = subprocess.run([sys.executable, "-m", "confrag.cache_verify", "verify", str(cache)], capture_output=True,
                         text=True, timeout=60)
     assert ok.returncode == 0 and "3 whole" in ok.stdout, ok.stderr
-    missing = subprocess.run([sys.executable, "-m", "confrag.artifacts", "verify", str(tmp_path / "nowhere")],
+    missing = subprocess.run([sys.executable, "-m", "confrag.cache_verify", "verify", str(tmp_path / "nowhere")],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "not a directory" in missing.stderr
