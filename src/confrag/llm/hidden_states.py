@@ -6,7 +6,8 @@ layer i, and `num_hidden_layers` is the final-norm output. The engine
 - runs only the decoder layers up to the deepest layer requested (the rest of the stack is cut off
   for the call, and no LM head runs), and that deepest layer only for the last token (Llama/Qwen2);
 - captures every requested layer in the same pass, and only at the last real token;
-- groups prompts of similar length so that batches carry little padding (left or right);
+- groups prompts of similar length so that batches carry little padding (left or right), with batch
+  sizes chosen from the device's free memory when set to "auto" (`confrag.llm.batching`);
 - computes the keys/values of the token prefix shared by all prompts of a call once and reuses them
   for every batch (RAG prompts share the system prompt and instruction).
 
@@ -27,6 +28,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from confrag.llm.batching import AUTO, check_batch_size, extraction_budget
 from confrag.llm.prompts import encode_prompts
 
 PADDING_SIDES = ("left", "right")
@@ -59,8 +61,8 @@ class HiddenStateEngine:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        batch_size: int = 16,
-        max_batch_tokens: int = 4096,
+        batch_size: int | str = 16,
+        max_batch_tokens: int | str = AUTO,
         padding_tolerance: float = 0.1,
         padding_side: str = "right",
         share_prefix: bool = True,
@@ -70,12 +72,12 @@ class HiddenStateEngine:
     ) -> None:
         if padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side={padding_side!r} is not one of {PADDING_SIDES}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        # "auto": rows and padded tokens per batch from the device's free memory at each call (on the
+        # CPU, the measured defaults 16 rows / 4096 tokens).
+        self.batch_size = check_batch_size(batch_size, "batch_size")
+        self.max_batch_tokens = check_batch_size(max_batch_tokens, "max_batch_tokens")
         self.model = model
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.max_batch_tokens = max_batch_tokens
         self.padding_tolerance = padding_tolerance
         self.padding_side = padding_side
         self.share_prefix = share_prefix
@@ -111,7 +113,10 @@ class HiddenStateEngine:
         tail = self.last_token_tail and depth >= 1 and _plain_decoder_layer(self.model, self.decoder_layers[depth - 1])
         prefix_len = self._shared_prefix_length(ids)
         out = np.zeros((len(layers), len(ids), self.model.config.hidden_size), dtype=np.float32)
-        batches = self.length_batches([len(seq) - prefix_len for seq in ids])
+        if not len(ids):
+            return out
+        rows, tokens = self.batch_limits(depth, max(len(seq) for seq in ids))
+        batches = self.length_batches([len(seq) - prefix_len for seq in ids], rows, tokens)
         with _truncated(self.base, min(depth, self.num_layers)):
             prefix_cache = self._prefix_cache(ids[0][:prefix_len]) if prefix_len else None
         with _truncated(self.base, depth - 1 if tail else depth):
@@ -120,19 +125,27 @@ class HiddenStateEngine:
                 out[:, batch, :] = states
         return out
 
-    def length_batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Indices grouped by length: a batch closes at `batch_size` rows, `max_batch_tokens` padded
-        tokens, or when padding would exceed `padding_tolerance` of its real tokens (padding is wasted
-        matrix work, and on CPU it costs more than small batches do)."""
+    def batch_limits(self, depth: int, max_length: int) -> tuple[int, int]:
+        """(rows, padded tokens) per batch: the configured numbers, "auto" ones from free memory."""
+        if AUTO not in (self.batch_size, self.max_batch_tokens):
+            return int(self.batch_size), int(self.max_batch_tokens)
+        rows, tokens = extraction_budget(self.model, depth, max_length)
+        return (rows if self.batch_size == AUTO else int(self.batch_size),
+                tokens if self.max_batch_tokens == AUTO else int(self.max_batch_tokens))
+
+    def length_batches(self, lengths: Sequence[int], rows: int, tokens: int) -> list[list[int]]:
+        """Indices grouped by length: a batch closes at `rows` rows, `tokens` padded tokens, or when
+        padding would exceed `padding_tolerance` of its real tokens (padding is wasted matrix work, and
+        on CPU it costs more than small batches do)."""
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         batches: list[list[int]] = []
         current: list[int] = []
         real = 0
         for index in order:
             width = lengths[index]  # ascending: the newcomer is the longest
-            rows = len(current) + 1
-            if current and (rows > self.batch_size or rows * width > self.max_batch_tokens
-                            or rows * width > (1 + self.padding_tolerance) * (real + width)):
+            count = len(current) + 1
+            if current and (count > rows or count * width > tokens
+                            or count * width > (1 + self.padding_tolerance) * (real + width)):
                 batches.append(current)
                 current, real = [], 0
             current.append(index)
