@@ -70,6 +70,26 @@ def test_auto_batches_use_free_memory_and_stay_exact(templates, nq_rows):
     assert error <= 1e-5
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_engine_blocks_stay_exact_and_compile_once(arch, templates, nq_rows):
+    import torch._dynamo.utils as dynamo_utils
+
+    llm = tiny_on_cuda(arch)
+    ids = rag_ids(llm, templates, nq_rows, 32)
+    layers = [1, 2, 4]
+    reference = np.stack([naive_hidden_states(llm.model, seq, layers) for seq in ids], axis=1)
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=5, compile=True, progress=False)
+    before = dynamo_utils.counters["stats"].get("unique_graphs", 0)
+    got = engine.extract_ids(ids, layers)
+    graphs = dynamo_utils.counters["stats"].get("unique_graphs", 0) - before
+    error = float((np.abs(got - reference).max(-1) / np.abs(reference).max(-1)).max())
+    print(f"\n{arch}: compiled norm/MLP blocks, {graphs} graph(s) for {len(engine.length_batches([len(s) for s in ids], 5, 4096))}"
+          f" batches x 4 layers; fp32 relative error {error:.2e}")
+    assert error <= 1e-5 and not engine._compile_failed
+    assert 1 <= graphs <= 6  # per block kind and input rank, not per layer or batch shape
+    assert all(layer.mlp._compiled_call_impl is None for layer in llm.model.base_model.layers)  # restored
+
+
 def test_llama3_shape_loads_in_bf16_and_answers_through_the_compiled_path(templates, nq_rows):
     llm = load_llm(dict(name="llama3_8b_shape", source="random", dtype="bfloat16", device="cuda",
                         random=dict(shape="llama3_8b", num_hidden_layers=4)))

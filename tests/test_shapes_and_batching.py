@@ -91,3 +91,13 @@ def test_engine_auto_batches_are_the_cpu_defaults_here_and_stay_exact(tiny_llama
     assert float((np.abs(got - reference).max(-1) / np.abs(reference).max(-1)).max()) <= 1e-5
     with pytest.raises(ValueError, match="max_batch_tokens must be an integer >= 1 or 'auto'"):
         HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, max_batch_tokens="lots")
+
+
+def test_engine_compile_is_a_cuda_lever_and_leaves_the_cpu_path_as_it_was(tiny_llama, templates, nq_rows):
+    prompts = [templates.qa_prompt(tiny_llama.tokenizer, r.question) for r in nq_rows[:4]]
+    eager = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False).extract(prompts, [1, 2])
+    engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, compile=True, progress=False)
+    assert np.array_equal(engine.extract(prompts, [1, 2]), eager)
+    assert all(layer.mlp._compiled_call_impl is None for layer in tiny_llama.model.base_model.layers)
+    with pytest.raises(ValueError, match="compile must be true or false"):
+        HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, compile="yes")
