@@ -5,7 +5,9 @@ their published config numbers, full vocabularies, untied heads, Qwen's q/k/v bi
 bf16 on CUDA, and the workload of issue 12: 2,048 RAG-like prompts of random token ids, a 40-token prefix
 shared by all, then 120-260 tokens of their own (~469k tokens), hidden states at Layer/2. Side by side:
 
-- engine: `HiddenStateEngine.extract_ids` (batch sizes "auto" by default: from free device memory);
+- engine: `HiddenStateEngine.extract_ids` (batch sizes "auto" by default: from free device memory), eager,
+  then on CUDA with its norm/MLP blocks compiled (`compile=True`; `--no-engine-compile` skips it); the
+  ratios are those of the compiled engine when it ran (`engine_eager_share_of_peak` keeps the eager one);
 - batched full forward, what a user writes first: batches of `--baseline-batch` prompts in data order,
   right padding, `model(..., output_hidden_states=True)`, the state at each row's last real token;
 - per-prompt full forward (the papers' Algorithm 1) on the first `--per-prompt` prompts, extrapolated to
@@ -202,22 +204,35 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
     print(f"workload: {len(ids)} prompts, shared prefix {prefix} tokens, own {args.own_min}-{args.own_max} tokens, "
           f"{tokens:,} tokens; hidden states at layer {layer} (Layer/2 = {cost.layers // 2})")
 
-    # Engine.
-    engine = HiddenStateEngine(model, _PadOnly(pad_id), batch_size=args.engine_batch, max_batch_tokens=args.engine_tokens,
-                               progress=False)
-    rows, batch_tokens = engine.batch_limits(layer, max(lengths))
-    engine.extract_ids(ids[:min(len(ids), 64)], [layer])  # warm-up
-    with PeakMemory(device) as engine_mem:
-        engine_s, states = best_of(args.repeats, device, lambda: engine.extract_ids(ids, [layer]))
-    states = states[0]
+    # Engine: as configured, then (CUDA, --engine-compile) with its norm/MLP blocks compiled.
     useful = engine_flops(cost, lengths, prefix, layer)
-    batches = len(engine.length_batches([n - prefix for n in lengths], rows, batch_tokens))
+
+    def run_engine(compiled: bool) -> tuple[float, np.ndarray, PeakMemory, int, int]:
+        engine = HiddenStateEngine(model, _PadOnly(pad_id), batch_size=args.engine_batch,
+                                   max_batch_tokens=args.engine_tokens, compile=compiled, progress=False)
+        rows, batch_tokens = engine.batch_limits(layer, max(lengths))
+        warm_s, _ = timed(device, lambda: engine.extract_ids(ids[:min(len(ids), 64)], [layer]))  # warm-up (compiles)
+        with PeakMemory(device) as memory:
+            seconds, states = best_of(args.repeats, device, lambda: engine.extract_ids(ids, [layer]))
+        batches = len(engine.length_batches([n - prefix for n in lengths], rows, batch_tokens))
+        print(f"engine{' with compiled norm/MLP blocks' if compiled else ''} (extract_ids; batch limits {rows} rows / "
+              f"{batch_tokens} tokens"
+              f"{' from free memory' if AUTO in (args.engine_batch, args.engine_tokens) and device.type == 'cuda' else ''}"
+              f", {batches} batches; warm-up {warm_s:.1f} s): {seconds:.2f} s  {tokens / seconds:,.0f} tokens/s  "
+              f"useful {flops_text(useful)} -> {flops_text(useful / seconds)}/s = {useful / seconds / peak:.1%} of peak  "
+              f"peak memory {memory}")
+        result.setdefault("engine_runs", []).append(dict(compiled=compiled, seconds=seconds, rows=rows,
+                                                         batch_tokens=batch_tokens, batches=batches, warmup=warm_s,
+                                                         peak_memory=memory.bytes))
+        return seconds, states[0], memory, rows, batch_tokens
+
+    engine_s, states, engine_mem, rows, batch_tokens = run_engine(False)
+    uncompiled_s, compiled_ran = engine_s, args.engine_compile and device.type == "cuda"
+    if compiled_ran:
+        engine_s, compiled_states, engine_mem, rows, batch_tokens = run_engine(True)
+        print(f"compiled vs eager engine: largest relative L2 error of a state {relative_error(compiled_states, states):.2e}")
+        states = compiled_states
     engine_share = useful / engine_s / peak
-    print(f"engine (extract_ids; batch limits {rows} rows / {batch_tokens} tokens"
-          f"{' from free memory' if AUTO in (args.engine_batch, args.engine_tokens) and device.type == 'cuda' else ''}"
-          f", {batches} batches): {engine_s:.2f} s  {tokens / engine_s:,.0f} tokens/s  useful {flops_text(useful)} "
-          f"-> {flops_text(useful / engine_s)}/s = {engine_share:.1%} of peak  peak memory {engine_mem}")
-    del engine
 
     # Batched full forward.
     batched_full_forward(model, ids[:args.baseline_batch], layer, args.baseline_batch, pad_id)  # warm-up
@@ -296,7 +311,9 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
         engine_vs_forward_rel_error=error, plain_generate_seconds=plain_s, fast_generate_seconds=fast_s,
         fast_generate_warmup_seconds=warm_s, fast_generate_rows=fast_rows, fast_generate_peak_memory=fast_mem.bytes,
         same_tokens=same, gen_prompts=len(gen_ids),
-        ratios={"engine_share_of_peak": engine_share, "engine_speedup_vs_batched_forward": forward_s / engine_s,
+        ratios={"engine_share_of_peak": engine_share,
+                **({"engine_eager_share_of_peak": useful / uncompiled_s / peak} if compiled_ran else {}),
+                "engine_speedup_vs_batched_forward": forward_s / engine_s,
                 "engine_speedup_vs_per_prompt": per_prompt_s / engine_s,
                 "generation_share_of_bound": fast_share, "plain_generation_share_of_bound": plain_share,
                 "generation_speedup_vs_plain_generate": plain_s / fast_s})
@@ -325,6 +342,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--per-prompt", type=int, default=None, help="prompts run one by one (default 64; tiny 16)")
     parser.add_argument("--gen-prompts", type=int, default=None, help="prompts answered (default 512; tiny 32)")
     parser.add_argument("--gen-batch", type=int, default=None, help="plain generate rows (default 64; tiny 8)")
+    parser.add_argument("--engine-compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the engine with compiled norm/MLP blocks (CUDA only; the ratios are then its own)")
     parser.add_argument("--fast-gen-batch", type=batch_arg, default=AUTO, help="fast generation rows (int or auto)")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None,
