@@ -42,11 +42,13 @@ def check_batch_size(value: Any, key: str) -> int | str:
 
 
 def free_device_memory(device: torch.device) -> int | None:
-    """Free bytes on a CUDA device; None elsewhere (the CPU defaults apply)."""
+    """Bytes a new batch can take on a CUDA device: what the driver reports free plus what PyTorch's
+    caching allocator holds without using (freed by earlier batches, reusable at once); None off CUDA
+    (the CPU defaults apply)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def model_dtype_bytes(model: torch.nn.Module) -> int:
