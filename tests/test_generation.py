@@ -169,3 +169,16 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
     with pytest.raises(ValueError, match="rag.batch_size must be an integer >= 1 or 'auto'"):
         AnswerStore(tiny_llama, templates, tmp_path, batch_size="many")
     release_static_caches(tiny_llama.model)
+
+
+def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
+    from dataclasses import asdict
+
+    from confrag.probe.datamodule import NQConfidenceDataModule
+
+    common = dict(llm=dict(name="tiny_llama", source="tiny"), prompts=asdict(templates), nq_path="unused.jsonl")
+    module = NQConfidenceDataModule(**common, extract_batch_size="auto", gen_batch_size="auto", extract_compile=True,
+                                    generation={"static_cache": True, "cache_buckets": [256, 512]})
+    assert module.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
+    with pytest.raises(ValueError, match=r"data.generation: unknown key\(s\) \['static'\]"):
+        NQConfidenceDataModule(**common, generation={"static": True})

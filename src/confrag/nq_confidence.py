@@ -23,7 +23,7 @@ import numpy as np
 
 from confrag.artifacts import ActivationStore, ShardedArtifact, fingerprint
 from confrag.data.nq import QARow, rows_fingerprint
-from confrag.llm.generation import generate_greedy
+from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -142,11 +142,13 @@ def build_confidence_data(
     split_sizes: dict[str, int] | None = None,
     balance: bool = True,
     max_new_tokens: int = 24,
-    gen_batch_size: int = 16,
-    extract_batch_size: int = 16,
+    gen_batch_size: int | str = 16,
+    extract_batch_size: int | str = 16,
     cache_dir: str = ".cache",
     shard_size: int = 256,
     progress: bool = True,
+    extract_compile: bool = False,
+    generation: GreedyOptions | None = None,
 ) -> ConfidenceData:
     if train_states not in TRAIN_STATES:
         raise ValueError(f"data.train_states={train_states!r} is not one of {tuple(TRAIN_STATES)}")
@@ -157,7 +159,8 @@ def build_confidence_data(
     layer_list = resolve_layers(layers, llm.num_layers)
     kinds = TRAIN_STATES[train_states]
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
-    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress)
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress,
+                               compile=extract_compile)
 
     stores, responses, labels, exact = {}, {}, {}, {}
     for kind in kinds:
@@ -167,7 +170,8 @@ def build_confidence_data(
                                       len(rows), shard_size, fmt="json")
         generations.compute(
             lambda a, b: generate_greedy(llm.model, llm.tokenizer, prompts[a:b], max_new_tokens,
-                                         gen_batch_size, desc=f"answers [{kind}]", progress=progress),
+                                         gen_batch_size, desc=f"answers [{kind}]", progress=progress,
+                                         options=generation),
             desc=f"{kind} answers", progress=progress)
         activations = ShardedArtifact(cache_dir, "activations", {**kind_spec, "layers": layer_list, "store": "float32"},
                                       len(rows), shard_size, fmt="npy")

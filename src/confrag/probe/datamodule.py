@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from confrag.artifacts import ActivationStore
 from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.llm.generation import GreedyOptions
 from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import ConfidenceData, Example, activation_identity, build_confidence_data
@@ -63,15 +64,20 @@ class NQConfidenceDataModule(LightningDataModule):
         split_sizes: dict[str, int] | None = None,
         balance: bool = True,
         max_new_tokens: int = 24,
-        gen_batch_size: int = 16,
-        extract_batch_size: int = 16,
+        gen_batch_size: int | str = 16,
+        extract_batch_size: int | str = 16,
         batch_size: int = 64,
         num_workers: int = 0,
         cache_dir: str = ".cache",
         seed: int = 0,
         progress: bool = True,
+        extract_compile: bool = False,
+        generation: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
+        self.extract_compile = extract_compile
+        self.generation = GreedyOptions.from_mapping(generation, "data.generation")
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
         self.nq_path, self.layer_spec, self.layers = nq_path, layer, layers
@@ -94,7 +100,8 @@ class NQConfidenceDataModule(LightningDataModule):
                 llm, self.templates, rows, layers=self.layers, train_states=self.train_states, seed=self.seed,
                 split_sizes=self.split_sizes, balance=self.balance, max_new_tokens=self.max_new_tokens,
                 gen_batch_size=self.gen_batch_size, extract_batch_size=self.extract_batch_size,
-                cache_dir=self.cache_dir, progress=self.progress,
+                cache_dir=self.cache_dir, progress=self.progress, extract_compile=self.extract_compile,
+                generation=self.generation,
             )
             num_layers = self.num_layers = llm.num_layers
             self.layer = num_layers // 2 if self.layer_spec in (None, "mid") else int(self.layer_spec)
