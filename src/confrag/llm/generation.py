@@ -158,7 +158,10 @@ def generation_batch_rows(model: PreTrainedModel, ids: Sequence[Sequence[int]], 
     the next power of two above their count (less filler)."""
     longest = max(len(seq) for seq in ids)
     if batch_size == AUTO:
-        rows = generation_rows(model, longest - prefix_len, longest + max_new_tokens)
+        total = longest + max_new_tokens
+        if options.static_cache:  # the cache holds the whole bucket
+            total = cache_length(total, options.cache_buckets)
+        rows = generation_rows(model, longest - prefix_len, total)
         if options.static_cache:
             kept = [r for r, _length in _STATIC_CACHES.get(model, {}) if r <= rows]
             rows = max(kept) if kept else 1 << (rows.bit_length() - 1)
@@ -229,7 +232,7 @@ class _Runner:
                 kwargs["past_key_values"] = DynamicCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1))
                                                           for k, v in self.prefix])
             output = self.model.generate(**kwargs)
-        return [output[row, total:].tolist() for row in range(len(batch))]
+        return output[:len(batch), total:].tolist()  # one device-to-host copy for the batch
 
     def _static_cache(self, rows: int, length: int) -> StaticCache:
         kept = _STATIC_CACHES.setdefault(self.model, {})
