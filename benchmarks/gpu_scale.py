@@ -87,6 +87,10 @@ def best_of(repeats: int, device: torch.device, fn: Callable[[], Any]) -> tuple[
     return min(runs, key=lambda run: run[0])
 
 
+def params_text(count: int) -> str:
+    return f"{count / 1e9:.2f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"
+
+
 def flops_text(value: float) -> str:
     return f"{value / 1e12:.1f} TFLOP" if value >= 1e11 else f"{value / 1e9:.2f} GFLOP"
 
@@ -200,7 +204,7 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
     result: dict[str, Any] = {"shape": name, "params": cost.params, "tokens": tokens, "layer": layer}
     print(f"\n== {name}{' (tiny)' if args.tiny else ''}: hidden {cost.hidden}, MLP {cost.intermediate}, {cost.layers} layers, "
           f"{cost.heads}/{cost.kv_heads} heads, vocab {cost.vocab}, qkv bias {cost.qkv_bias}, tied {cost.tied}; "
-          f"{cost.params / 1e9:.2f} B ({cost.params:,}) parameters in {str(dtype).removeprefix('torch.')}, built in {load_s:.1f} s")
+          f"{params_text(cost.params)} parameters in {str(dtype).removeprefix('torch.')}, built in {load_s:.1f} s")
     print(f"workload: {len(ids)} prompts, shared prefix {prefix} tokens, own {args.own_min}-{args.own_max} tokens, "
           f"{tokens:,} tokens; hidden states at layer {layer} (Layer/2 = {cost.layers // 2})")
 
