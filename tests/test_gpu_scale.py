@@ -28,8 +28,8 @@ def benchmark_module():
 
 @pytest.mark.parametrize("static", [False, True])
 def test_tiny_run_prints_every_ratio_and_the_paths_agree(capsys, tmp_path, static):
-    # Both shapes with the CPU's default path; the static cache (eager here) once, on the Qwen2 family.
-    shapes = ["qwen2_5_7b"] if static else ["llama3_8b", "qwen2_5_7b"]
+    # One family each: Llama with the CPU's default path, Qwen2 with the static cache (eager here).
+    shapes = ["qwen2_5_7b"] if static else ["llama3_8b"]
     results = benchmark_module().main(TINY_RUN + ["--static-cache" if static else "--no-static-cache",
                                                   "--shapes", ",".join(shapes), "--json", str(tmp_path / "out.json")])
     lines = capsys.readouterr().out.strip().splitlines()
