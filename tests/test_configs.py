@@ -44,7 +44,8 @@ def test_every_experiment_composes_and_resolves(name, tmp_path):
     probe = resolved["probe"] if resolved["task_name"] in ("rerank", "cbdr", "gates") else resolved
     assert probe["data"]["layer"] == probe["model"]["layer"]
     assert probe["data"]["llm"] == resolved["llm"]  # one LLM for the probe and the confidence shifts
-    assert resolved["llm"]["name"] in {"smollm2_135m", "llama3_8b", "qwen2_5_7b", "tiny_llama", "tiny_qwen2"}
+    assert resolved["llm"]["name"] in {"smollm2_135m", "llama3_8b", "qwen2_5_7b", "tiny_llama", "tiny_qwen2",
+                                       "llama3_8b_shape"}
     if name.endswith(("llama3", "qwen2_5")):
         assert resolved["llm"]["dtype"] == "bfloat16" and resolved["llm"]["device"] == "cuda"
         assert resolved["trainer"]["accelerator"] == "gpu" and probe["trainer"]["accelerator"] == "gpu"

@@ -11,7 +11,7 @@ from confrag.llm.prompts import PromptTemplates
 
 
 def test_unknown_source_and_dtype_are_refused():
-    with pytest.raises(ValueError, match=r"llm.source='ftp' is not one of \('hf', 'local', 'gguf', 'tiny'\)"):
+    with pytest.raises(ValueError, match=r"llm.source='ftp' is not one of \('hf', 'local', 'gguf', 'tiny', 'random'\)"):
         LLMConfig(name="x", source="ftp")
     with pytest.raises(ValueError, match="llm.dtype"):
         LLMConfig(name="x", source="tiny", dtype="int3")

@@ -25,7 +25,7 @@ import numpy as np
 
 from confrag.artifacts import ActivationStore, ShardedArtifact, compute_shards, fingerprint
 from confrag.data.nq import QARow, rows_fingerprint
-from confrag.llm.generation import generate_greedy
+from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -177,12 +177,14 @@ def build_confidence_data(
     split_sizes: dict[str, int] | None = None,
     balance: bool = True,
     max_new_tokens: int = 24,
-    gen_batch_size: int = 16,
-    extract_batch_size: int = 16,
+    gen_batch_size: int | str = 16,
+    extract_batch_size: int | str = 16,
     cache_dir: str = ".cache",
     shard_size: int = 256,
     progress: bool = True,
     candidates: Sequence[Sequence[Any]] | None = None,
+    extract_compile: bool = False,
+    generation: GreedyOptions | None = None,
 ) -> ConfidenceData:
     """NQ_Confidence for `rows`; `candidates[i]` (passages with .title and .text) are question i's retrieved
     contexts, needed by the `+candidates` options (one prompt kind per rank)."""
@@ -197,7 +199,8 @@ def build_confidence_data(
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
-    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress)
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress,
+                               compile=extract_compile)
 
     # Every answer and state shard of every prompt kind goes into one pool of claimable shards: processes
     # filling the cache together (torchrun ranks, parallel jobs) never wait while some shard is free.
@@ -213,7 +216,8 @@ def build_confidence_data(
         activations = ShardedArtifact(cache_dir, "activations", {**kind_spec, "layers": layer_list, "store": "float32"},
                                       len(rows), shard_size, fmt="npy")
         jobs.append((generations, lambda a, b, p=prompts, k=kind: generate_greedy(
-            llm.model, llm.tokenizer, p[a:b], max_new_tokens, gen_batch_size, desc=f"answers [{k}]", progress=progress)))
+            llm.model, llm.tokenizer, p[a:b], max_new_tokens, gen_batch_size, desc=f"answers [{k}]", progress=progress,
+            options=generation)))
         jobs.append((activations, lambda a, b, p=prompts, k=kind: engine.extract(p[a:b], layer_list,
                                                                                desc=f"states [{k}]")))
         artifacts[kind] = (generations, activations)

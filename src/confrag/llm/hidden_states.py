@@ -6,9 +6,14 @@ layer i, and `num_hidden_layers` is the final-norm output. The engine
 - runs only the decoder layers up to the deepest layer requested (the rest of the stack is cut off
   for the call, and no LM head runs), and that deepest layer only for the last token (Llama/Qwen2);
 - captures every requested layer in the same pass, and only at the last real token;
-- groups prompts of similar length so that batches carry little padding (left or right);
+- groups prompts of similar length so that batches carry little padding (left or right), with batch
+  sizes chosen from the device's free memory when set to "auto" (`confrag.llm.batching`);
 - computes the keys/values of the token prefix shared by all prompts of a call once and reuses them
-  for every batch (RAG prompts share the system prompt and instruction).
+  for every batch (RAG prompts share the system prompt and instruction);
+- with `compile=True`, on CUDA, runs the RMSNorms and MLPs of the layers it uses through
+  `torch.compile` (one graph per block kind, shared by every layer and batch shape): their float32
+  upcasts and activation are fused instead of each being a pass over memory. Off by default; if
+  compilation fails, the engine logs it and goes on eagerly.
 
 The result equals the per-prompt full forward with `output_hidden_states=True` up to float rounding
 (tests check ≤ 1e-5 relative error in fp32).
@@ -17,6 +22,7 @@ The result equals the per-prompt full forward with `output_hidden_states=True` u
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from typing import Iterator, Sequence
 
@@ -27,7 +33,10 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from confrag.llm.batching import AUTO, check_batch_size, extraction_budget
 from confrag.llm.prompts import encode_prompts
+
+log = logging.getLogger(__name__)
 
 PADDING_SIDES = ("left", "right")
 
@@ -59,29 +68,35 @@ class HiddenStateEngine:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        batch_size: int = 16,
-        max_batch_tokens: int = 4096,
+        batch_size: int | str = 16,
+        max_batch_tokens: int | str = AUTO,
         padding_tolerance: float = 0.1,
         padding_side: str = "right",
         share_prefix: bool = True,
         min_shared_prefix: int = 8,
         last_token_tail: bool = True,
         progress: bool = True,
+        compile: bool = False,
     ) -> None:
         if padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side={padding_side!r} is not one of {PADDING_SIDES}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        # "auto": rows and padded tokens per batch from the device's free memory at each call (on the
+        # CPU, the measured defaults 16 rows / 4096 tokens).
+        self.batch_size = check_batch_size(batch_size, "batch_size")
+        self.max_batch_tokens = check_batch_size(max_batch_tokens, "max_batch_tokens")
         self.model = model
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.max_batch_tokens = max_batch_tokens
         self.padding_tolerance = padding_tolerance
         self.padding_side = padding_side
         self.share_prefix = share_prefix
         self.last_token_tail = last_token_tail
         self.min_shared_prefix = min_shared_prefix
         self.progress = progress
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be true or false; got {compile!r}")
+        self.compile = compile
+        self._compiled: dict[int, object] = {}  # module id -> its compiled call
+        self._compile_failed = self._told_cpu = False
         self.base = model.base_model
         self.decoder_layers = list(self.base.layers)  # the whole stack; `_truncated` shortens base.layers
         self.num_layers = int(model.config.num_hidden_layers)
@@ -111,28 +126,74 @@ class HiddenStateEngine:
         tail = self.last_token_tail and depth >= 1 and _plain_decoder_layer(self.model, self.decoder_layers[depth - 1])
         prefix_len = self._shared_prefix_length(ids)
         out = np.zeros((len(layers), len(ids), self.model.config.hidden_size), dtype=np.float32)
-        batches = self.length_batches([len(seq) - prefix_len for seq in ids])
+        if not len(ids):
+            return out
+        rows, tokens = self.batch_limits(depth, max(len(seq) for seq in ids))
+        batches = self.length_batches([len(seq) - prefix_len for seq in ids], rows, tokens)
         with _truncated(self.base, min(depth, self.num_layers)):
             prefix_cache = self._prefix_cache(ids[0][:prefix_len]) if prefix_len else None
-        with _truncated(self.base, depth - 1 if tail else depth):
+        with _truncated(self.base, depth - 1 if tail else depth), self._compiled_blocks(depth) as compiled:
             for batch in tqdm(batches, desc=desc, unit="batch", disable=not self.progress, leave=False):
-                states = self._run_batch([ids[i][prefix_len:] for i in batch], prefix_len, prefix_cache, layers, tail)
+                suffixes = [ids[i][prefix_len:] for i in batch]
+                try:
+                    states = self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail)
+                except Exception as err:
+                    if not compiled:
+                        raise
+                    # A compiler failure (no Triton, an unsupported op): the eager blocks compute the same.
+                    log.warning("compiled norm/MLP blocks failed (%s: %s); extracting eagerly from now on",
+                                type(err).__name__, err)
+                    self._compile_failed = True
+                    _eager(compiled)
+                    states = self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail)
                 out[:, batch, :] = states
         return out
 
-    def length_batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Indices grouped by length: a batch closes at `batch_size` rows, `max_batch_tokens` padded
-        tokens, or when padding would exceed `padding_tolerance` of its real tokens (padding is wasted
-        matrix work, and on CPU it costs more than small batches do)."""
+    @contextlib.contextmanager
+    def _compiled_blocks(self, depth: int) -> Iterator[list]:
+        """Within the block, the norms and MLPs of layers 1..depth run compiled (see the module doc);
+        yields the patched modules (`_eager(them)` goes back to eager early)."""
+        patched: list[nn.Module] = []
+        if self.compile and not self._compile_failed and self.device.type == "cuda":
+            for layer in self.decoder_layers[:depth]:
+                for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+                    module = getattr(layer, name, None)
+                    if module is None or module._compiled_call_impl is not None:
+                        continue
+                    if id(module) not in self._compiled:
+                        # dynamic: one graph for every batch shape; reused by all layers (same code, params as inputs)
+                        self._compiled[id(module)] = torch.compile(module._call_impl, dynamic=True)
+                    module._compiled_call_impl = self._compiled[id(module)]
+                    patched.append(module)
+        elif self.compile and self.device.type != "cuda" and not self._told_cpu:
+            log.info("engine compile applies on CUDA only; extracting eagerly on %s", self.device)
+            self._told_cpu = True
+        try:
+            yield patched
+        finally:
+            _eager(patched)
+
+    def batch_limits(self, depth: int, max_length: int) -> tuple[int, int]:
+        """(rows, padded tokens) per batch: the configured numbers, "auto" ones from free memory."""
+        if AUTO not in (self.batch_size, self.max_batch_tokens):
+            return int(self.batch_size), int(self.max_batch_tokens)
+        rows, tokens = extraction_budget(self.model, depth, max_length)
+        return (rows if self.batch_size == AUTO else int(self.batch_size),
+                tokens if self.max_batch_tokens == AUTO else int(self.max_batch_tokens))
+
+    def length_batches(self, lengths: Sequence[int], rows: int, tokens: int) -> list[list[int]]:
+        """Indices grouped by length: a batch closes at `rows` rows, `tokens` padded tokens, or when
+        padding would exceed `padding_tolerance` of its real tokens (padding is wasted matrix work, and
+        on CPU it costs more than small batches do)."""
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         batches: list[list[int]] = []
         current: list[int] = []
         real = 0
         for index in order:
             width = lengths[index]  # ascending: the newcomer is the longest
-            rows = len(current) + 1
-            if current and (rows > self.batch_size or rows * width > self.max_batch_tokens
-                            or rows * width > (1 + self.padding_tolerance) * (real + width)):
+            count = len(current) + 1
+            if current and (count > rows or count * width > tokens
+                            or count * width > (1 + self.padding_tolerance) * (real + width)):
                 batches.append(current)
                 current, real = [], 0
             current.append(index)
@@ -191,6 +252,13 @@ class HiddenStateEngine:
                                       position_ids, full_mask, prefix_kv)
             captured[depth] = self.base.norm(state) if depth == self.num_layers else state
         return np.stack([captured[layer].float().cpu().numpy() for layer in layers])
+
+
+def _eager(modules: list) -> None:
+    """Undo `_compiled_blocks` for these modules."""
+    for module in modules:
+        module._compiled_call_impl = None
+    modules.clear()
 
 
 @contextlib.contextmanager

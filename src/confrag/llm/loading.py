@@ -1,4 +1,6 @@
-"""Load the target LLM by Hugging Face id, local directory, GGUF file, or as a tiny random model.
+"""Load the target LLM by Hugging Face id, local directory, GGUF file, as a tiny random model, or as a
+random-weight model of a published shape (`source: random`, e.g. Llama-3-8B's layers: GPU speed and
+memory runs without a download).
 
 Every loaded model carries an `identity`: the exact facts that change its hidden states (weights
 reference, dtype). Artifact keys are built from it, so a cache never mixes two models.
@@ -22,11 +24,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from confrag.artifacts import exclusive, honour_umask, make_temp_dir
 from confrag.distributed import rank_device
+from confrag.llm.shapes import PUBLISHED_SHAPES, DecoderCost, dtype_bytes, random_decoder, shape_config
 from confrag.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("hf", "local", "gguf", "tiny")
+SOURCES = ("hf", "local", "gguf", "tiny", "random")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_ARCHS = ("llama", "qwen2")
 
@@ -63,6 +66,7 @@ class LLMConfig:
     device: str = "cpu"  # cpu, cuda[:N], auto (device_map), rank (cuda:LOCAL_RANK of a torchrun rank, else cpu)
     attn_implementation: str | None = "sdpa"
     tiny: dict[str, Any] = field(default_factory=dict)
+    random: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     chat_template: str | None = None
     cache_dir: str | None = None
@@ -99,7 +103,8 @@ def load_llm(cfg: LLMConfig | dict[str, Any]) -> LoadedLLM:
         cfg = LLMConfig(**dict(cfg))
     if cfg.device == "rank":  # one device per process of a torchrun / SLURM launch
         cfg = dataclasses.replace(cfg, device=rank_device())
-    loader = {"hf": _load_hf, "local": _load_local, "gguf": _load_gguf, "tiny": _load_tiny}[cfg.source]
+    loader = {"hf": _load_hf, "local": _load_local, "gguf": _load_gguf, "tiny": _load_tiny,
+              "random": _load_random}[cfg.source]
     model, tokenizer, ref = loader(cfg)
     if cfg.chat_template:
         tokenizer.chat_template = cfg.chat_template
@@ -379,3 +384,78 @@ def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
     if not _converted_complete(converted):
         _convert_gguf(path, converted)
     return AutoTokenizer.from_pretrained(converted)
+
+
+# --- random weights in a published shape (GPU speed and memory runs) -------------------------------
+
+# Shape keys a `random` model may not override: the vocabulary and special tokens are the tokenizer's.
+_TOKENIZER_KEYS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+# Share of the available memory the weights may take: activations, caches and the allocator need the rest.
+_WEIGHT_MEMORY_SHARE = 0.9
+
+
+def _load_random(cfg: LLMConfig):
+    """A model with the layer shapes of `llm.random.shape` (`confrag.llm.shapes.PUBLISHED_SHAPES`) and seeded
+    random weights, with SmolLM2's tokenizer and chat template (nothing is downloaded). The vocabulary is
+    the tokenizer's, so every token id the prompts produce is valid; the embedding and LM head are
+    therefore smaller than the published model's. `llm.random` may override other shape keys, e.g.
+    `num_hidden_layers: 2` for a CPU smoke test."""
+    spec = dict(cfg.random)
+    shape = spec.pop("shape", None)
+    if shape not in PUBLISHED_SHAPES:
+        raise ValueError(f"llm.random.shape={shape!r} is not one of {tuple(PUBLISHED_SHAPES)}")
+    allowed = sorted(set(PUBLISHED_SHAPES[shape]) - {"model_type", *_TOKENIZER_KEYS})
+    bad = sorted(set(spec) - set(allowed))
+    if bad:
+        raise ValueError(f"llm.random: key(s) {bad} cannot be set for shape {shape}; allowed: ['shape', {', '.join(map(repr, allowed))}] "
+                         f"(the vocabulary and special tokens are the tokenizer's)")
+    overrides = {key: value for key, value in spec.items() if value is not None}
+    tokenizer = _tiny_tokenizer(cfg)
+    config = shape_config(shape, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
+    _check_memory_for(cfg, config)
+    model = random_decoder(config, DTYPES[cfg.dtype], cfg.device, cfg.seed, cfg.attn_implementation)
+    # The weights are drawn on the target device (fast for 8B weights; a GPU's random stream need not match
+    # another's), so the reference names the weights themselves through a sample of every tensor.
+    ref = hashlib.sha256(json.dumps({"shape": shape, **overrides, "vocab": len(tokenizer), "seed": cfg.seed,
+                                     "weights": weights_sample_digest(model)}, sort_keys=True).encode())
+    return model, tokenizer, f"random:{shape}@{ref.hexdigest()[:16]}"
+
+
+def weights_sample_digest(model: PreTrainedModel, per_tensor: int = 64) -> str:
+    """Hash of `per_tensor` evenly spaced values of every parameter: the same seeded draw gives the same
+    digest, a different draw (another device's random stream, another seed) a different one."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            picked = flat[:: max(1, flat.numel() // per_tensor)][:per_tensor]
+            digest.update(name.encode() + picked.float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def available_memory(device: str) -> tuple[int, str]:
+    """(bytes, where) a model on `device` can use: free CUDA memory, else the host's available memory."""
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise LLMNotAvailableError(
+                f"llm.device={device!r} but torch sees no CUDA device. For a CPU smoke test of a random-shape "
+                f"model use llm.device=cpu llm.dtype=float32 llm.random.num_hidden_layers=2.")
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"free memory on {device}"
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available host memory"
+    except (ValueError, OSError, AttributeError):  # not exposed by this OS: let the allocation decide
+        return 1 << 62, "host memory (unknown)"
+
+
+def _check_memory_for(cfg: LLMConfig, config) -> None:
+    cost = DecoderCost.of(config)
+    need = cost.params * dtype_bytes(DTYPES[cfg.dtype])
+    have, where = available_memory(cfg.device)
+    if need > _WEIGHT_MEMORY_SHARE * have:
+        raise MemoryError(
+            f"LLM '{cfg.name}': {cost.layers} layers of shape {cfg.random.get('shape')} in {cfg.dtype} need "
+            f"{need / 2**30:.1f} GiB for the weights, more than {_WEIGHT_MEMORY_SHARE:.0%} of the "
+            f"{have / 2**30:.1f} GiB {where}. Run it on a GPU (llm.device=cuda), or set a smaller "
+            f"llm.random.num_hidden_layers for a smoke test (one layer is {cost.layer_params * dtype_bytes(DTYPES[cfg.dtype]) / 2**30:.2f} GiB).")

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from confrag.artifacts import ActivationStore
 from confrag.data.nq import load_nq_jsonl
 from confrag.data.splits import select_questions
+from confrag.llm.generation import GreedyOptions
 from confrag.llm.loading import LLMConfig, load_llm, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import (
@@ -86,8 +87,8 @@ class NQConfidenceDataModule(LightningDataModule):
         split_sizes: dict[str, int] | None = None,
         balance: bool = True,
         max_new_tokens: int = 24,
-        gen_batch_size: int = 16,
-        extract_batch_size: int = 16,
+        gen_batch_size: int | str = 16,
+        extract_batch_size: int | str = 16,
         batch_size: int = 64,
         num_workers: int = 0,
         cache_dir: str = ".cache",
@@ -95,6 +96,8 @@ class NQConfidenceDataModule(LightningDataModule):
         progress: bool = True,
         candidates_top_n: int = 5,
         words_per_passage: int = 100,
+        extract_compile: bool = False,
+        generation: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if uses_candidates(train_states) and (isinstance(candidates_top_n, bool) or not isinstance(candidates_top_n, int)
@@ -102,6 +105,9 @@ class NQConfidenceDataModule(LightningDataModule):
             raise ValueError(f"data.candidates_top_n must be an integer >= 1 with data.train_states={train_states!r} "
                              f"(got {candidates_top_n!r})")
         self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
+        # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
+        self.extract_compile = extract_compile
+        self.generation = GreedyOptions.from_mapping(generation, "data.generation")
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
         self.nq_path, self.layer_spec, self.layers = nq_path, layer, layers
@@ -134,6 +140,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 split_sizes=self.split_sizes, balance=self.balance, max_new_tokens=self.max_new_tokens,
                 gen_batch_size=self.gen_batch_size, extract_batch_size=self.extract_batch_size,
                 cache_dir=self.cache_dir, progress=self.progress, candidates=candidates,
+                extract_compile=self.extract_compile, generation=self.generation,
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)

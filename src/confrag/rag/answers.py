@@ -12,11 +12,13 @@ its prompt hashes, written atomically. A killed run leaves only whole chunks; th
 and cuts the still missing prompts into the same chunks as the uninterrupted run would have (sorted
 by length, then hash), so it ends with the same answers.
 
-Answers are batched, left-padded greedy generations (`generate_greedy`). Padding and batch
-composition can move float rounding, so a prompt generated alone might in rare near-ties decode
-differently. A prompt is generated once per store; should two processes filling one cache generate
-it in different chunks, every reader takes the answer of the chunk whose name sorts first, so all
-agree whichever order they found the chunks in.
+Answers are batched greedy generations (`generate_greedy`, by default reusing the keys/values of
+the prefix the prompts of a chunk share; `generation` picks the path, e.g. a static cache on a GPU).
+Padding, batch composition and the path can move float rounding, so a prompt generated alone might in
+rare near-ties decode differently. A prompt is generated once per store; should two processes filling
+one cache generate it in different chunks, every reader takes the answer of the chunk whose name sorts
+first, so all agree whichever order they found the chunks in. Neither the batch size nor the path
+enters the key: they change how fast an answer comes, not which answer greedy decoding means.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from confrag.artifacts import CacheMismatchError, ShardedArtifact, compute_shards, fingerprint
-from confrag.llm.generation import generate_greedy
+from confrag.llm.batching import check_batch_size
+from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.qa_metrics import exact_match, has_answer, token_f1
@@ -69,10 +72,13 @@ class AnswerStore:
     `generated` counts the prompts this object sent to the LLM and `reused` those found in the cache."""
 
     def __init__(self, llm: LoadedLLM, templates: PromptTemplates, cache_dir: str | Path, max_new_tokens: int = 32,
-                 batch_size: int = 16, chunk_size: int = 64, progress: bool = True) -> None:
-        for key, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("chunk_size", chunk_size)):
+                 batch_size: int | str = 16, chunk_size: int = 64, progress: bool = True,
+                 generation: GreedyOptions | None = None) -> None:
+        for key, value in (("max_new_tokens", max_new_tokens), ("chunk_size", chunk_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rag.{key} must be an integer >= 1; got {value!r}")
+        check_batch_size(batch_size, "rag.batch_size")
+        self.generation = generation or GreedyOptions()
         self.llm, self.templates = llm, templates
         self.root = Path(cache_dir)
         self.max_new_tokens, self.batch_size, self.chunk_size, self.progress = max_new_tokens, batch_size, chunk_size, progress
@@ -162,7 +168,7 @@ class AnswerStore:
             chunk = self._chunk({**self.spec, "prompt_hashes": chunk_hashes}, len(chunk_hashes))
             jobs.append((chunk, lambda start, stop, p=chunk_prompts, n=number: generate_greedy(
                 self.llm.model, self.llm.tokenizer, p[start:stop], self.max_new_tokens, self.batch_size,
-                desc=f"answers {n}/{len(groups)}", progress=self.progress)))
+                desc=f"answers {n}/{len(groups)}", progress=self.progress, options=self.generation)))
         compute_shards(jobs, desc=f"answers {self.key}", progress=False)
         for (chunk, _), chunk_hashes in zip(jobs, groups):
             self._learn(chunk.dir.name, chunk_hashes, chunk.records())

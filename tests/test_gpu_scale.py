@@ -1,0 +1,54 @@
+"""The GPU scale benchmark runs end to end on tiny models of the same families (CPU, fp32, seconds): the engine's
+states equal the batched full forward's, the fast generation path gives the plain path's tokens, and the last
+lines are the ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+TINY_RUN = ["--tiny", "--prompts", "12", "--own-min", "8", "--own-max", "40", "--per-prompt", "2", "--baseline-batch", "4",
+            "--gen-prompts", "6", "--gen-batch", "3", "--new-tokens", "3", "--repeats", "1"]
+RATIOS = ["engine_share_of_peak", "engine_speedup_vs_batched_forward", "engine_speedup_vs_per_prompt",
+          "generation_share_of_bound", "plain_generation_share_of_bound", "generation_speedup_vs_plain_generate"]
+
+
+def benchmark_module():
+    spec = importlib.util.spec_from_file_location("gpu_scale", ROOT / "benchmarks" / "gpu_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_tiny_run_prints_every_ratio_and_the_paths_agree(capsys, tmp_path, static):
+    # One family each: Llama with the CPU's default path, Qwen2 with the static cache (eager here).
+    shapes = ["qwen2_5_7b"] if static else ["llama3_8b"]
+    results = benchmark_module().main(TINY_RUN + ["--static-cache" if static else "--no-static-cache",
+                                                  "--shapes", ",".join(shapes), "--json", str(tmp_path / "out.json")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [r["shape"] for r in results] == shapes
+    assert lines[-len(shapes) * len(RATIOS):] == [f"{r['shape']} {key}: {r['ratios'][key]:.3f}" for r in results for key in RATIOS]
+    assert any(line.startswith("float32 matmul peak") for line in lines)
+    for result in results:
+        assert all(math.isfinite(v) and v > 0 for v in result["ratios"].values())
+        assert result["engine_vs_forward_rel_error"] <= 1e-5  # fp32: the engine computes the same states
+        assert result["same_tokens"] == result["gen_prompts"] == 6  # fp32: the fast path's tokens are the plain path's
+        assert result["tokens"] > 12 * 40 and result["layer"] == 2  # the 40-token prefix, Layer/2 of 4 layers
+    assert (tmp_path / "out.json").is_file()
+
+
+def test_bad_arguments_are_refused(capsys):
+    module = benchmark_module()
+    with pytest.raises(SystemExit):
+        module.main(["--tiny", "--shapes", "gpt5"])
+    assert "--shapes: ['gpt5'] not among ['llama3_8b', 'qwen2_5_7b']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--tiny", "--engine-batch", "0"])
+    assert "batch size must be an integer >= 1 or 'auto'" in capsys.readouterr().err
