@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import Logger
 from confrag.cbdr import flips_markdown, plot_beta_curve
 from confrag.cbdr.analysis import CBDRResults
 from confrag.cbdr.settings import CBDRSettings
+from confrag.probe.module import metric_text
 from confrag.rag import QuestionOutcome, accuracy_ci, table2_markdown, table2_rows
 from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
 from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
@@ -132,11 +133,12 @@ def stage_line(stage: RerankStage) -> str:
     """What the cached stage was built from: the probe's data and test scores, NQ_Rerank's size."""
     meta, report = stage.probe.meta, stage.preferences.report
     data, metrics = meta.get("nq_confidence", {}), meta.get("metrics", {})
-    scores = ", ".join(f"{k.split('/')[1]} {metrics[k]:.3f}" for k in ("test/acc", "test/auroc") if k in metrics)
+    scores = ", ".join(f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in ("test/acc", "test/auroc") if k in metrics)
     return (f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
             f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
-            f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} of its "
-            f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows.")
+            f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
+            f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
+            f"(rule {report.get('selection', 'sign')}, reference {report['reference']}).")
 
 
 def pct(value: float | None) -> str:
@@ -206,9 +208,9 @@ def report_markdown(run: RunContext, stage: RerankStage, settings: CBDRSettings,
         f"preference data, rerankers and Table 1: {record['seconds']['stage']:.0f} s; evaluation answers: "
         f"{record['seconds']['answers']:.0f} s); answers generated {record['answers']['generated']}, read from "
         f"the cache {record['answers']['reused']}.", "",
-        f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions not used by the probe (nor, so, by "
-        f"the preference data or the rerankers): dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the "
-        f"tables). Candidates: top-{run.top_n} by {run.retriever} over the NQ paragraphs; "
+        f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions no stage trained on (not the "
+        f"probe's, not the preference questions, not the base reranker's): dev {len(ev['dev'])} (choosing β), "
+        f"test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by {run.retriever} over the NQ paragraphs; "
         f"{retrieval_line(ev['retrieval'][NQ])}.",
         *([f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "
            f"{ev['retrieval'][HOTPOTQA]['corpus_passages']} passages of their pooled supporting paragraphs; "
