@@ -63,10 +63,14 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
     """Everything the rerank stage is built from; every setting checked here, before anything runs."""
     retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
     retrieval.check_files()
+    preferences = settings_from(PreferenceSettings, cfg.preferences, "preferences")
+    if preferences.top_k > retrieval.top_n and not retrieval.candidates_path:
+        raise ValueError(f"preferences.top_k={preferences.top_k} is larger than the retrieval.top_n="
+                         f"{retrieval.top_n} candidates of a question; lower it or raise retrieval.top_n")
     return RerankRecipe(
         probe=probe_recipe(cfg.probe, cfg.seed), llm=plain(cfg.llm), templates=templates(cfg),
         retrieval=retrieval,
-        preferences=settings_from(PreferenceSettings, cfg.preferences, "preferences"),
+        preferences=preferences,
         base=settings_from(BaseRerankerSettings, cfg.get("base_reranker"), "base_reranker"),
         reranker=reranker_recipe(cfg), cache_dir=str(cfg.paths.cache_dir), seed=int(cfg.seed),
         progress=bool(cfg.get("progress", True)))

@@ -88,15 +88,25 @@ class QuestionPlan:
 
 
 def plan_questions(rows: Sequence[QARow], probe: Sequence[QARow], preference_questions: int | None,
-                   base_questions: int | None, seed: int, where: str) -> QuestionPlan:
+                   base_questions: int | None, seed: int, where: str,
+                   base_rows: Sequence[QARow] | None = None) -> QuestionPlan:
     """The probe's questions as given; then, each a seeded sample of what is left in this order: the
-    preference questions, the base reranker's (0 when it is not trained); the rest is held out. The order
-    makes the preference rows and the base independent of how many evaluation questions a run asks for."""
+    preference questions, the base reranker's (0 when it is not trained; from `base_rows`, another file,
+    when given); the rest is held out. The order makes the preference rows and the base independent of how
+    many evaluation questions a run asks for. Overlaps, possible with another file, are refused."""
     pool = held_out(rows, probe, "the preference data", where)
     preference = select_questions(pool, preference_questions, seed)
     pool = held_out(pool, preference, "the base reranker and the evaluation", where)
-    base = [] if base_questions == 0 else select_questions(pool, base_questions, seed)
-    rest = [r for r in pool if r.qid not in {b.qid for b in base}]
+    if base_questions == 0:
+        base = []
+    elif base_rows is not None:
+        base = select_questions(list(base_rows), base_questions, seed)
+    else:
+        base = select_questions(pool, base_questions, seed)
+    # From the same file the base is part of the pool and leaves it; from another file nothing leaves, and
+    # an overlap with the questions left for evaluation is refused below (QuestionPlan).
+    taken = {r.qid for r in base} if base_rows is None else set()
+    rest = [r for r in pool if r.qid not in taken]
     if len(rest) < 2:
         raise ValueError(f"{where}: the probe ({len(probe)}), preference ({len(preference)}) and base reranker "
                          f"({len(base)}) questions leave {len(rest)} of {len(rows)} for evaluation; lower "

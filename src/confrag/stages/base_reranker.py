@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -23,7 +22,7 @@ from confrag.data.nq import QARow
 from confrag.preferences import RERANK_INSTRUCTION
 from confrag.qa_metrics import has_answer
 from confrag.reranker.module import RerankerModule
-from confrag.retrieval import Candidates, CorpusPassage, document_text
+from confrag.retrieval import Candidates, CorpusPassage, document_text, split_passages
 from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, reranker_cache_dir
 from confrag.stages.retrieval import Retrieval, question_candidates
 
@@ -36,6 +35,7 @@ class BaseRerankerSettings:
 
     train: bool = True  # false: `model.backbone` already is a reranker and is the base as it is
     num_questions: int | None = 700  # NQ questions used by no other stage; None = all that are left
+    nq_path: str | None = None  # another NQ file to draw them from (e.g. NQ train); None = the probe's file
     negatives: int = 7  # BM25 hard negatives per row (no answer, not from the gold paragraph)
     negatives_top_n: int = 30  # how deep in BM25's ranking they are drawn from
     max_epochs: int = 1
@@ -56,31 +56,36 @@ class BaseReranker:
     info: dict[str, Any]  # questions, rows, drops, steps, training seconds
 
 
-def gold_passages(corpus_passages: Sequence[CorpusPassage], candidates: Candidates) -> list[CorpusPassage]:
-    """The passages of the question's gold paragraph that hold a gold answer (else all of them)."""
-    own = [p for p in corpus_passages if p.source_id == candidates.gold_source]
-    holding = [p for p in own if has_answer(p.text, candidates.answers)]
-    return holding or own
+def gold_passages(row: QARow, words_per_passage: int) -> list[CorpusPassage]:
+    """The question's own gold paragraph cut into passages as the corpus cuts it, those that hold a gold
+    answer (else all of them): taken from the row itself, so a question file other than the corpus's works."""
+    if not row.contexts:
+        return []
+    paragraph = row.contexts[0]
+    own = split_passages(paragraph.title, paragraph.text, f"{row.qid}-gold", words_per_passage)
+    return [p for p in own if has_answer(p.text, row.answers)] or own
 
 
-def relevance_training_rows(candidates: Sequence[Candidates], by_source: dict[str, list[CorpusPassage]],
-                            negatives: int) -> tuple[list[dict], dict[str, int]]:
-    """One row per question: its gold passages as `pos`, the first `negatives` retrieved passages that are not
-    from the gold paragraph and hold no answer as `neg`. Questions without a known gold paragraph or without
+def relevance_training_rows(rows: Sequence[QARow], candidates: Sequence[Candidates], negatives: int,
+                            words_per_passage: int) -> tuple[list[dict], dict[str, int]]:
+    """One row per question: its gold passages as `pos`, the first `negatives` retrieved passages that are
+    not from its gold paragraph and hold no answer as `neg`. Questions without a gold paragraph or without
     such a negative are dropped and counted."""
-    rows, dropped = [], {"no_gold_paragraph": 0, "no_hard_negative": 0}
-    for c in candidates:
-        pos = gold_passages(by_source.get(c.gold_source or "", []), c) if c.gold_source else []
+    out, dropped = [], {"no_gold_paragraph": 0, "no_hard_negative": 0}
+    for row, c in zip(rows, candidates):
+        pos = gold_passages(row, words_per_passage)
         if not pos:
             dropped["no_gold_paragraph"] += 1
             continue
-        neg = [p for p, hit, gold in zip(c.passages, c.has_answer, c.from_gold) if not hit and not gold][:negatives]
+        own_texts = {p.text for p in pos}
+        neg = [p for p, hit, gold in zip(c.passages, c.has_answer, c.from_gold)
+               if not hit and not gold and p.text not in own_texts][:negatives]
         if not neg:
             dropped["no_hard_negative"] += 1
             continue
-        rows.append({"qid": c.qid, "query": c.question, "pos": [document_text(p) for p in pos],
-                     "neg": [document_text(p) for p in neg], "prompt": RERANK_INSTRUCTION})
-    return rows, dropped
+        out.append({"qid": row.qid, "query": row.question, "pos": [document_text(p) for p in pos],
+                    "neg": [document_text(p) for p in neg], "prompt": RERANK_INSTRUCTION})
+    return out, dropped
 
 
 def ensure_base_reranker(settings: BaseRerankerSettings, recipe: RerankerRecipe, retrieval: Retrieval,
@@ -90,10 +95,8 @@ def ensure_base_reranker(settings: BaseRerankerSettings, recipe: RerankerRecipe,
         return BaseReranker(recipe.make_model(lora=None), None, {"trained": False})
     start = time.perf_counter()
     candidates, stats = question_candidates(retrieval, rows, top_n=settings.negatives_top_n)
-    by_source: dict[str, list[CorpusPassage]] = defaultdict(list)
-    for passage in retrieval.corpus.passages:
-        by_source[passage.source_id].append(passage)
-    train_rows, dropped = relevance_training_rows(candidates, by_source, settings.negatives)
+    train_rows, dropped = relevance_training_rows(rows, candidates, settings.negatives,
+                                                  int(retrieval.settings.words_per_passage))
     if not train_rows:
         raise ValueError(f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); "
                          "raise base_reranker.num_questions or base_reranker.negatives_top_n")

@@ -84,7 +84,8 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
     retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
     questions = plan_questions(load_nq_jsonl(probe_data.nq_path), probe_data.data.rows,
                                recipe.preferences.num_questions,
-                               recipe.base.num_questions if recipe.base.train else 0, recipe.seed, probe_data.nq_path)
+                               recipe.base.num_questions if recipe.base.train else 0, recipe.seed, probe_data.nq_path,
+                               base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None)
     stage = build_nq_rerank(recipe.preferences, recipe.llm, recipe.templates, probe, questions.preference, retrieval,
                             recipe.retrieval.candidates_path, recipe.cache_dir, recipe.seed, out, recipe.progress)
     train_rows, test_rows = stage.splits["train"], stage.splits["test"]
