@@ -158,3 +158,39 @@ def test_auroc_on_a_single_class_split_is_undefined_not_zero(caplog):
     assert 0.0 <= defined["test/auroc"] <= 1.0
     assert metric_text(defined["test/auroc"]) == f"{defined['test/auroc']:.3f}"
     assert metric_value(np.float32(0.5)) == 0.5
+
+
+# --- task-level checks: refused by `task.check`, before the run folder or the cache get a file ----------
+
+def refused_before_anything(overrides, tmp_path, message):
+    from helpers.runs import compose_cfg
+
+    from confrag.train import run_task
+
+    cfg = compose_cfg(overrides, tmp_path)
+    with pytest.raises(ValueError, match=message):
+        run_task(cfg)
+    assert not (tmp_path / "cache").exists()  # no answer, no state, no model conversion
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_probe_layer_beyond_the_model_is_refused_before_any_generation(tmp_path):
+    refused_before_anything(["+experiment=probe_tiny_llama", "model.layer=99", "logger=csv"], tmp_path,
+                            r"model\.layer=99 out of range: valid layers are 0\.\.4")
+
+
+def test_a_later_tasks_probe_layer_is_refused_before_any_generation(tmp_path):
+    refused_before_anything(["+experiment=cbdr_tiny_llama", "probe.model.layer=99", "logger=csv"], tmp_path,
+                            r"model\.layer=99 out of range")
+
+
+def test_a_malformed_user_corpus_is_refused_before_the_probe_stage(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "d1", "title": "T", "text": "fine"}\n{"id": "d2", "title": "T"}\n')
+    refused_before_anything(["+experiment=reranker_tiny_llama", f"retrieval.corpus_path={corpus}", "logger=csv"],
+                            tmp_path, r"corpus\.jsonl.*line 2")
+
+
+def test_a_retrieval_budget_out_of_range_is_refused_whatever_the_objective(tmp_path):
+    refused_before_anything(["+experiment=cbdr_tiny_llama", "cbdr.retrieval_budget=2", "cbdr.objective=accuracy",
+                             "logger=csv"], tmp_path, r"cbdr\.retrieval_budget")
