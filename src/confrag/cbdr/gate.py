@@ -109,7 +109,9 @@ class _GateOnFirstToken(StoppingCriteria):
 
 
 class ConfidenceGate:
-    """CBDR for one LLM, its probe and a retrieval stack.
+    """CBDR for one LLM, its probe and a retrieval stack: the live pipeline that runs the LLM on a question.
+    (`confrag.gates.CBDRGate` applies the same rule, `should_retrieve`, to signals computed beforehand, for
+    the comparison of gates; this class computes the signal itself and answers.)
 
     retrieve_fn(question) -> candidate contexts (objects with .title and .text), best first;
     rerank_fn(question, passage_texts) -> one score per passage (higher first), or None for the

@@ -35,7 +35,8 @@ class CBDRGate(Gate):
     (the convention of the paper's Table 3, where β = 0 is the retrieval rate 100 % row).
 
     The QA-prompt forward that yields H(Q) is the prefill of the closed-book answer, so a parametric
-    decision costs one LLM call and a retrieval two."""
+    decision costs one LLM call and a retrieval two. This gate decides from precomputed signals (the
+    comparison of gates); `confrag.cbdr.ConfidenceGate` is the same rule run live on a question."""
 
     name = "cbdr"
     needs = frozenset({"confidence"})
