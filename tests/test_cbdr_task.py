@@ -13,14 +13,14 @@ from omegaconf import open_dict
 
 from confrag.cbdr import SweepData, default_beta_grid
 from confrag.data.nq import load_nq_jsonl
-from confrag.data.splits import select_questions, split_dev_test
+from confrag.data.splits import plan_questions, select_questions, split_dev_test
 from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
 from confrag.rag import QuestionOutcome, load_outcomes_jsonl
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import RagAnswer
 from confrag.cbdr.analysis import cbdr_results
 from confrag.reports.cbdr import gold_in_contexts, secondary_markdown
-from confrag.stages.evaluation import chosen_scorers, confidence_gate, evaluation_rows, slug
+from confrag.stages.evaluation import chosen_scorers, confidence_gate, slug
 from confrag.tasks import cbdr as cbdr_task
 from confrag.train import run_task
 
@@ -166,18 +166,17 @@ def test_the_default_grid_is_the_papers_and_beta_step_refines_it(tmp_path):
 def test_unknown_reranker_names_list_the_rows(tmp_path):
     settings = check_settings(compose_cfg([*TINY, "eval.base_reranker=nope"], tmp_path))
     with pytest.raises(ValueError, match=r"eval\.base_reranker='nope' is not a Table 1 row; rows: \['BM25'"):
-        chosen_scorers(settings, {"BM25": None, "cross-encoder + confidence-shift FT (ours)": None})
+        chosen_scorers(settings, {"BM25": None, "base + confidence FT (sign)": None})
     settings = check_settings(compose_cfg([*TINY, "eval.rerankers=[BM25]"], tmp_path))
-    rows = {"BM25": 1, "cross-encoder (untuned)": 2, "cross-encoder + relevance FT": 3,
-            "cross-encoder + confidence-shift FT (ours)": 4}
-    assert list(chosen_scorers(settings, rows)) == ["BM25", "cross-encoder (untuned)",
-                                                     "cross-encoder + confidence-shift FT (ours)"]
+    rows = {"BM25": 1, "base reranker": 2, "base + relevance FT": 3, "base + confidence FT (sign)": 4}
+    assert list(chosen_scorers(settings, rows)) == ["BM25", "base reranker", "base + confidence FT (sign)"]
 
 
 def test_evaluation_needs_questions_the_probe_did_not_use(tmp_path):
     cfg = compose_cfg(TINY, tmp_path)
+    everything = load_nq_jsonl(cfg.probe.data.nq_path)
     with pytest.raises(ValueError, match=r"lower probe\.data\.num_questions"):
-        evaluation_rows(cfg.probe.data.nq_path, load_nq_jsonl(cfg.probe.data.nq_path), None, cfg.seed)
+        plan_questions(everything, everything, 10, 10, cfg.seed, cfg.probe.data.nq_path)
     rows = load_nq_jsonl(cfg.probe.data.nq_path, limit=40)
     split = split_dev_test(rows, 0.25, seed=3)
     assert (len(split["dev"]), len(split["test"])) == (10, 30) and split == split_dev_test(rows, 0.25, seed=3)
@@ -233,8 +232,8 @@ def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
     assert results.chosen["test/accuracy"] == pytest.approx(1 / 3) and results.chosen["test/retrieval_rate"] == pytest.approx(1 / 3)
     assert results.chosen["test/always_retrieve_accuracy"] == 1.0
     lines = results.table3.splitlines()
-    assert lines[2] == "| cross-encoder (untuned) | 0.00 | 0.00 | 0 | 100.00 |"
-    assert lines[3] == "| cross-encoder + confidence-shift FT (ours) | 100.00 | 100.00 | 0 | 100.00 |"
+    assert lines[2] == "| base reranker | 0.00 | 0.00 | 0 | 100.00 |"
+    assert lines[3] == "| base + confidence FT (sign) | 100.00 | 100.00 | 0 | 100.00 |"
     assert lines[-3].endswith("β chosen on dev (accuracy) | 33.33 | 33.33 | 0.5 | 33.33 |")
     # flips 0.5 → 0.8: t2 (Conf 0.6) now retrieves and turns right; 0 → 0.5 (always retrieve → chosen β): t1, t2 turn wrong.
     assert [(f.beta_a, f.beta_b, f.turned_right, f.turned_wrong) for f in results.flips] == [(0.5, 0.8, 1, 0),

@@ -49,9 +49,10 @@ def check_rerank_outputs(out: Path) -> None:
     assert (out / "nq_rerank" / "test_arrow").is_dir()
     report = json.loads((out / "nq_rerank" / "report.json").read_text())
     assert set(report["by_reference"]) == {"qa", "rag_empty"} and report["examples"]
+    assert {"sign", "rank"} <= set(report["by_selection"])
     table = json.loads((out / "metrics.json").read_text())["table1"]
-    assert [r["system"] for r in table] == ["BM25", "cross-encoder (untuned)", "cross-encoder + relevance FT",
-                                            "cross-encoder + confidence-shift FT (ours)"]
+    assert [r["system"] for r in table] == ["BM25", "base reranker", "base + relevance FT",
+                                            "base + confidence FT (sign)"]
     assert all(0 <= r["MRR@5"] <= 100 for r in table)
     assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
 
