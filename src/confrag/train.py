@@ -41,7 +41,7 @@ def run_task(cfg: DictConfig) -> float | None:
     finally:
         _finish_wandb()
     metric_name = cfg.get("optimized_metric")
-    if not metric_name:
+    if not metric_name or not launch.is_main:  # ranks > 0 of a launch helped compute; rank 0 reports
         return None
     if metric_name not in metrics:
         raise ValueError(f"optimized_metric={metric_name!r} is not a metric of task {cfg.task_name!r}; it logs "

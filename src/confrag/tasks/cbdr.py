@@ -18,6 +18,7 @@ from confrag.artifacts import atomic_write_text
 from confrag.cbdr import ConfidenceGate
 from confrag.cbdr.analysis import cbdr_results
 from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings, cbdr_settings
+from confrag.distributed import rank_info
 from confrag.instantiators import config_yaml, output_dir, plain, settings_from, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.recipes import rerank_recipe, templates
@@ -55,6 +56,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     evaluation = evaluate(stage, settings, checked.evaluation, checked.answers, recipe.llm, recipe.templates,
                           recipe.cache_dir, recipe.seed, out, recipe.reranker.eval_batch_size, recipe.progress)
     evaluation.seconds = {"stage": stage_seconds, "answers": time.perf_counter() - start - stage_seconds}
+    if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
+        return {}
     tables, n_resamples = evaluation.tables(), checked.evaluation.n_resamples
     rows2, table2_md = report.table2(cfg.llm.name, tables, settings, n_resamples, cfg.seed, evaluation.gold_sources())
     results = cbdr_results(settings, *evaluation.sweep_data(settings))
