@@ -62,8 +62,9 @@ def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_on
         torch.set_num_threads(threads)
 
     cache, logs = tmp_path / "cache2", tmp_path / "logs"
+    # The multi-GPU command of docs/gpu.md on CPU: llm.device=rank is cpu without CUDA, DDP runs over gloo.
     command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "train.py", *SMALL, "trainer=ddp",
-               "trainer.accelerator=cpu", "trainer.devices=2", f"paths.cache_dir={cache}",
+               "trainer.accelerator=cpu", "trainer.devices=2", "llm.device=rank", f"paths.cache_dir={cache}",
                f"paths.model_dir={MODEL_DIR}", f"paths.log_dir={logs}"]
     done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
