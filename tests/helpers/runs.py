@@ -69,4 +69,6 @@ def check_cbdr_outputs(out: Path) -> None:
     assert "beta_curve_full.png" in report
     record = json.loads((out / "metrics.json").read_text())
     assert {"table1", "table2", "table3", "sweep", "chosen_beta", "flips", "answers"} <= set(record)
+    assert set(record["stages"]) == {"stage", "answers"}  # wall seconds and peak GPU memory of each
+    assert all(s["seconds"] > 0 and set(s) >= {"peak_gpu_memory_gib"} for s in record["stages"].values())
     assert sorted((out / "outcomes" / "nq").glob("*.jsonl"))

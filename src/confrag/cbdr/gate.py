@@ -28,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from confrag.llm.batching import check_batch_size
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates, encode_prompts
@@ -123,9 +124,10 @@ class ConfidenceGate:
                  retrieve_fn: Retriever, rerank_fn: Reranker | None = None, top_k: int = 3, max_new_tokens: int = 32,
                  batch_size: int = 8, layer: int | None = None, progress: bool = True) -> None:
         check_probe(llm, templates, probe, layer)
-        for key, value in (("top_k", top_k), ("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        for key, value in (("top_k", top_k), ("max_new_tokens", max_new_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cbdr.{key} must be an integer >= 1; got {value!r}")
+        check_batch_size(batch_size, "cbdr.batch_size")  # or "auto", as generate_greedy takes it
         self.llm, self.templates, self.probe = llm, templates, probe
         self.beta = check_beta(beta)
         self.retrieve_fn, self.rerank_fn = retrieve_fn, rerank_fn

@@ -13,6 +13,8 @@ import numpy as np
 
 from confrag.cbdr.gate import check_beta
 from confrag.cbdr.sweep import METRICS, OBJECTIVES, beta_grid, check_betas
+from confrag.llm.batching import check_batch_size
+from confrag.llm.generation import GreedyOptions
 from confrag.rag.pipeline import check_ks
 from confrag.rag.stats import BINARY_METRICS
 
@@ -38,11 +40,16 @@ class AnswerSettings:
     batch_size: int = 16
     chunk_size: int = 64  # prompts per answer-cache chunk (the unit of resumption)
     extract_batch_size: int = 16  # prompts per batch of hidden states (Conf(H(Q)))
+    generation: Any = None  # the `rag.generation` node: how the greedy answers are generated (GreedyOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "top_k", check_ks(as_list(self.top_k)))
-        for key in ("max_new_tokens", "batch_size", "chunk_size", "extract_batch_size"):
+        for key in ("max_new_tokens", "chunk_size"):
             positive_int(getattr(self, key), f"rag.{key}")
+        for key in ("batch_size", "extract_batch_size"):  # or "auto": from free device memory
+            check_batch_size(getattr(self, key), f"rag.{key}")
+        if not isinstance(self.generation, GreedyOptions):
+            object.__setattr__(self, "generation", GreedyOptions.from_mapping(self.generation, "rag.generation"))
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ class CBDRSettings:
     gate_check_questions: int
     conf_quantiles: int  # that many quantiles of the dev split's Conf join the grid
     gate_max_new_tokens: int = 24
-    gate_batch_size: int = 16
+    gate_batch_size: int | str = 16  # or "auto"
 
 
 def cbdr_settings(cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSettings, top_n: int,
@@ -134,4 +141,4 @@ def cbdr_settings(cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSet
         gate_check_questions=positive_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions", minimum=0),
         conf_quantiles=positive_int(cbdr["conf_quantiles"], "cbdr.conf_quantiles", minimum=0),
         gate_max_new_tokens=positive_int(cbdr.get("max_new_tokens", rag.max_new_tokens), "cbdr.max_new_tokens"),
-        gate_batch_size=positive_int(cbdr.get("batch_size", rag.batch_size), "cbdr.batch_size"))
+        gate_batch_size=check_batch_size(cbdr.get("batch_size", rag.batch_size), "cbdr.batch_size"))

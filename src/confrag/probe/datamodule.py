@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from confrag.artifacts import ActivationStore
 from confrag.data.nq import load_nq_jsonl
@@ -72,6 +73,21 @@ def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num
         raise ValueError(f"model.layer={chosen} is not among the extracted data.layers={extracted}; add it there "
                          f"(or use data.layers=all)")
     return chosen, extracted
+
+
+def unrepeated_sampler(dataset: Dataset) -> DistributedSampler | None:
+    """Under DDP, a sampler giving each rank its share of the dev or test examples, each example once.
+    Lightning's default DistributedSampler repeats examples to even out the ranks, and the repeats would
+    enter the dev metric the checkpoint is chosen by and the test metrics; the probe's metrics gather
+    every rank's predictions (torchmetrics), whatever their counts. None without DDP (Lightning's
+    sampler), and when some rank would get no example at all (its metrics could not be gathered)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    world = torch.distributed.get_world_size()
+    if world <= 1 or len(dataset) < world:
+        return None
+    return UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=torch.distributed.get_rank(),
+                                        shuffle=False)
 
 
 class NQConfidenceDataModule(LightningDataModule):
@@ -198,7 +214,8 @@ class NQConfidenceDataModule(LightningDataModule):
         return {**identity, "llm": self.llm_identity, "prompts": self.prompts_identity}
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        return DataLoader(self.datasets[split], batch_size=self.batch_size, shuffle=shuffle,
+        sampler = None if shuffle else unrepeated_sampler(self.datasets[split])
+        return DataLoader(self.datasets[split], batch_size=self.batch_size, shuffle=shuffle, sampler=sampler,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:

@@ -172,7 +172,8 @@ def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSetting
     llm = load_llm(llm_config)
     try:
         store = AnswerStore(llm, templates, cache_dir, max_new_tokens=answers.max_new_tokens,
-                            batch_size=answers.batch_size, chunk_size=answers.chunk_size, progress=progress)
+                            batch_size=answers.batch_size, chunk_size=answers.chunk_size, progress=progress,
+                            generation=answers.generation)
         confidence = question_confidences(llm, templates, stage.probe, [r.question for r in eval_rows], cache_dir,
                                           batch_size=answers.extract_batch_size, progress=progress)
         confidences = {row.qid: float(c) for row, c in zip(eval_rows, confidence)}

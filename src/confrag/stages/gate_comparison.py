@@ -207,7 +207,8 @@ def prepare_gate_evaluation(stage: RerankStage, rows: Sequence[QARow], settings:
         [any(c.has_answer[1:]) for c in conflict_test])))
 
     store = AnswerStore(llm, templates, cache_dir, max_new_tokens=answers.max_new_tokens,
-                        batch_size=answers.batch_size, chunk_size=answers.chunk_size, progress=progress)
+                        batch_size=answers.batch_size, chunk_size=answers.chunk_size, progress=progress,
+                        generation=answers.generation)
     # The clean ranking is already the reranker's: run_rag without a reranker keeps it (same prompts as cbdr's).
     clean_run = run_rag([*sets.train, *sets.test], ranked, store, [k])
     conflict_run = run_rag(sets.test, conflict_test, store, [k])

@@ -20,6 +20,7 @@ import numpy as np
 
 from confrag.artifacts import atomic_write_text, fingerprint
 from confrag.data.nq import QARow
+from confrag.llm.batching import check_batch_size
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
@@ -64,10 +65,15 @@ class PreferenceSettings:
         for key, rule in [("preferences.selection", self.selection)] + [("preferences.compare", r) for r in self.compare]:
             if rule not in SELECTIONS:
                 problems.append(f"{key}: {rule!r} is not one of {SELECTIONS}")
-        for key in ("top_k", "extract_batch_size", "max_new_tokens", "answer_batch_size", "answer_chunk_size"):
+        for key in ("top_k", "max_new_tokens", "answer_chunk_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"preferences.{key} must be an integer >= 1 (got {value!r})")
+        for key in ("extract_batch_size", "answer_batch_size"):  # or "auto": from free device memory
+            try:
+                check_batch_size(getattr(self, key), f"preferences.{key}")
+            except ValueError as err:
+                problems.append(str(err))
         if not 0 < float(self.test_fraction) < 1:
             problems.append(f"preferences.test_fraction must be in (0, 1) (got {self.test_fraction})")
         if problems:
@@ -114,7 +120,7 @@ def build_nq_rerank(settings: PreferenceSettings, llm_config: LLMConfig | dict, 
                          f"(at most {max(len(c.passages) for c in candidates)}); lower it or raise retrieval.top_n")
     needs_utility = "utility" in settings.rules
     llm = load_llm(llm_config)
-    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=int(settings.extract_batch_size), progress=progress)
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=settings.extract_batch_size, progress=progress)
     try:
         shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir,
                                    progress=progress)

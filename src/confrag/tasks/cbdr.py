@@ -18,12 +18,14 @@ from confrag.artifacts import atomic_write_text
 from confrag.cbdr import ConfidenceGate
 from confrag.cbdr.analysis import cbdr_results
 from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings, cbdr_settings
+from confrag.distributed import rank_info
 from confrag.instantiators import config_yaml, output_dir, plain, settings_from, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.recipes import rerank_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.stages.evaluation import confidence_gate, evaluate
 from confrag.stages.rerank import RerankRecipe, rerank_stage, table1
+from confrag.timing import StageTimer
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,22 @@ def run(cfg: DictConfig) -> dict[str, float]:
     checked, out = check(cfg), output_dir(cfg)
     settings, recipe = checked.cbdr, checked.recipe
     run_config, loggers = task_loggers(cfg)
-    stage = rerank_stage(recipe, out, loggers, run_config)
-    rows1 = table1(stage.scorers, stage.preferences.splits["test"], cfg.seed)
-    stage_seconds = time.perf_counter() - start
-    evaluation = evaluate(stage, settings, checked.evaluation, checked.answers, recipe.llm, recipe.templates,
-                          recipe.cache_dir, recipe.seed, out, recipe.reranker.eval_batch_size, recipe.progress)
-    evaluation.seconds = {"stage": stage_seconds, "answers": time.perf_counter() - start - stage_seconds}
+    timer = StageTimer()  # wall seconds and peak GPU memory of the two heavy parts (metrics.json "stages")
+    with timer.stage("stage"):
+        stage = rerank_stage(recipe, out, loggers, run_config)
+        rows1 = table1(stage.scorers, stage.preferences.splits["test"], cfg.seed)
+    with timer.stage("answers"):
+        evaluation = evaluate(stage, settings, checked.evaluation, checked.answers, recipe.llm, recipe.templates,
+                              recipe.cache_dir, recipe.seed, out, recipe.reranker.eval_batch_size, recipe.progress)
+    evaluation.seconds = timer.seconds()
+    if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
+        return {}
     tables, n_resamples = evaluation.tables(), checked.evaluation.n_resamples
     rows2, table2_md = report.table2(cfg.llm.name, tables, settings, n_resamples, cfg.seed, evaluation.gold_sources())
     results = cbdr_results(settings, *evaluation.sweep_data(settings))
     plots = report.write_plots(out, cfg.llm.name, results)
     record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
+    record["stages"] = timer.stages
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))
     run = report.RunContext(cfg.llm.name, out.name, recipe.retrieval.retriever, recipe.retrieval.top_n,
                             config_yaml(cfg), gold_known=not (recipe.retrieval.corpus_path or

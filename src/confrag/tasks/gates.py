@@ -18,6 +18,7 @@ from confrag.artifacts import atomic_write_text
 from confrag.cbdr.settings import AnswerSettings, EvalSettings
 from confrag.gates.evaluation import plot_gates
 from confrag.gates.settings import GateSettings, gate_settings
+from confrag.distributed import rank_info
 from confrag.instantiators import config_yaml, output_dir, settings_from, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.recipes import rerank_recipe
@@ -57,6 +58,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     evaluation = prepare_gate_evaluation(stage, rows, settings, gates, llm, recipe.templates, checked.answers,
                                          checked.evaluation.dev_fraction, recipe.cache_dir, recipe.seed,
                                          recipe.progress)
+    if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
+        return {}
     results = run_gates(evaluation, settings, cfg.seed)
     curves = threshold_curves(evaluation, settings, results)
     answers = {"generated": evaluation.store.generated, "reused": evaluation.store.reused}

@@ -6,6 +6,7 @@ import logging
 
 from omegaconf import DictConfig
 
+from confrag.distributed import rank_info
 from confrag.instantiators import instantiate_list, output_dir, plain
 from confrag.probe.layer_scan import layer_scan
 from confrag.recipes import probe_recipe
@@ -24,6 +25,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     out, recipe = output_dir(cfg), check(cfg)
     loggers = instantiate_list(cfg.get("logger"))
     model, datamodule, metrics, best = fit_probe(recipe, instantiate_list(cfg.get("callbacks")), loggers, plain(cfg))
+    if not rank_info().is_main:  # every rank of a DDP launch trained; rank 0 writes the run folder and the cache
+        return metrics
     scan = layer_scan(datamodule.data, seed=cfg.seed) if cfg.get("layer_scan") else []
     # The run folder first: a read-only or full cache must not cost the run its metrics.
     summary = write_probe_report(out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, loggers)

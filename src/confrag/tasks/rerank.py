@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from confrag.distributed import rank_info
 from confrag.instantiators import output_dir, task_loggers
 from confrag.recipes import rerank_recipe
 from confrag.reports.rerank import write_rerank_report
@@ -23,6 +24,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     out = output_dir(cfg)
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
+    if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
+        return {}
     stage.rerankers[stage.main].export(out / "reranker")
     test_rows = stage.preferences.splits["test"]
     rows = table1(stage.scorers, test_rows, cfg.seed)
