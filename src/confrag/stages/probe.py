@@ -7,6 +7,7 @@ settings trained one before, else trained now and kept there.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -16,9 +17,8 @@ from lightning import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
-from confrag.artifacts import fingerprint
+from confrag.artifacts import exclusive, fingerprint
 from confrag.probe.datamodule import NQConfidenceDataModule
-from confrag.artifacts import exclusive
 from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,9 @@ def fit_probe(recipe: ProbeRecipe, callbacks: list[Callback], loggers: list[Logg
     best = checkpoint.best_model_path if checkpoint else ""
     if best:
         model.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
-        if checkpoint.monitor and checkpoint.best_model_score is not None:
-            metrics[checkpoint.monitor] = float(checkpoint.best_model_score)
+        score = checkpoint.best_model_score
+        if checkpoint.monitor and score is not None and math.isfinite(float(score)):  # -inf: never defined
+            metrics[checkpoint.monitor] = float(score)
     test_metrics = trainer.test(model, datamodule=datamodule, verbose=False)[0]
     metrics.update({k: float(v) for k, v in {**trainer.callback_metrics, **test_metrics}.items()})
     return model, datamodule, metrics, best
