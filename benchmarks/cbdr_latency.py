@@ -60,7 +60,7 @@ def interleaved(questions, side_a, side_b, repeats):
     for repeat in range(repeats):
         for i, question in enumerate(questions):
             order = ((side_a, best_a, results_a), (side_b, best_b, results_b))
-            for side, best, results in (order if (repeat + i) % 2 == 0 else order[::-1]):
+            for side, best, results in order if (repeat + i) % 2 == 0 else order[::-1]:
                 seconds, results[i] = timed(lambda: side(question))
                 best[i] = min(best[i], seconds)
     return best_a, best_b, results_a, results_b
@@ -73,8 +73,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--probe", type=str, default=None, help="a trained probe directory (default: seeded init)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's); 1 avoids oversubscription on a machine under other load")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 avoids oversubscription on a machine under other load",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,43 +86,70 @@ def main() -> None:
     llm = load_llm(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml")) | {"cache_dir": None})
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
     all_rows = load_nq_jsonl(default_nq_path())
-    questions = [row.question for row in all_rows[:args.questions]]
+    questions = [row.question for row in all_rows[: args.questions]]
     corpus = corpus_from_nq(all_rows)
     bm25 = BM25Retriever(corpus)
     retrieve = lambda q: [corpus.passages[i] for i, _ in bm25.search([q], args.top_k)[0]]  # noqa: E731
     probe = load_probe(args.probe) if args.probe else seeded_probe(llm, templates)
-    gate_kwargs = dict(retrieve_fn=retrieve, rerank_fn=None, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                       batch_size=1, progress=False)
+    gate_kwargs = dict(
+        retrieve_fn=retrieve,
+        rerank_fn=None,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=1,
+        progress=False,
+    )
     skip_gate = ConfidenceGate(llm, templates, probe, beta=SKIP_BETA, **gate_kwargs)
     rag_gate = ConfidenceGate(llm, templates, probe, beta=RETRIEVE_BETA, **gate_kwargs)
-    generate = lambda prompt: generate_greedy(llm.model, llm.tokenizer, [prompt], args.max_new_tokens,  # noqa: E731
-                                              batch_size=1, progress=False)[0]
+    generate = lambda prompt: generate_greedy(
+        llm.model,
+        llm.tokenizer,
+        [prompt],
+        args.max_new_tokens,  # noqa: E731
+        batch_size=1,
+        progress=False,
+    )[0]
     plain_qa = lambda q: generate(templates.qa_prompt(llm.tokenizer, q))  # noqa: E731
     plain_rag = lambda q: generate(templates.rag_prompt(llm.tokenizer, q, retrieve(q)))  # noqa: E731
 
-    for warm in (lambda: skip_gate.answer(questions[0]), lambda: plain_qa(questions[0]),
-                 lambda: rag_gate.answer(questions[0]), lambda: plain_rag(questions[0])):
+    for warm in (
+        lambda: skip_gate.answer(questions[0]),
+        lambda: plain_qa(questions[0]),
+        lambda: rag_gate.answer(questions[0]),
+        lambda: plain_rag(questions[0]),
+    ):
         warm()
 
     gate_s, plain_s, gate_out, plain_out = interleaved(questions, skip_gate.answer, plain_qa, args.repeats)
     skipped = sum(not out.retrieved for out in gate_out)
     same = sum(out.answer == ref for out, ref in zip(gate_out, plain_out))
     tokens = [len(llm.tokenizer(ref, add_special_tokens=False)["input_ids"]) for ref in plain_out]
-    rag_gate_s, rag_plain_s, rag_gate_out, rag_plain_out = interleaved(questions, rag_gate.answer, plain_rag,
-                                                                       args.repeats)
+    rag_gate_s, rag_plain_s, rag_gate_out, rag_plain_out = interleaved(
+        questions, rag_gate.answer, plain_rag, args.repeats
+    )
     retrieved = sum(out.retrieved for out in rag_gate_out)
     rag_same = sum(out.answer == ref for out, ref in zip(rag_gate_out, rag_plain_out))
 
-    print(f"questions: {len(questions)}  repeats: {args.repeats} (interleaved, best of N per question)  "
-          f"max_new_tokens: {args.max_new_tokens}  top_k: {args.top_k}  torch threads: {torch.get_num_threads()}")
-    print(f"skip path: {skipped}/{len(questions)} skipped retrieval; answers equal to plain generation: "
-          f"{same}/{len(questions)}; answer tokens mean {np.mean(tokens):.1f}")
-    print(f"  plain greedy (QA prompt): {plain_s.mean() * 1e3:.1f} ms/question   gate skip path: "
-          f"{gate_s.mean() * 1e3:.1f} ms/question   median per-question ratio {np.median(gate_s / plain_s):.3f}")
-    print(f"retrieval path: {retrieved}/{len(questions)} retrieved; answers equal to plain RAG: "
-          f"{rag_same}/{len(questions)}")
-    print(f"  plain RAG (BM25 + RAG answer): {rag_plain_s.mean() * 1e3:.1f} ms/question   gate retrieval path: "
-          f"{rag_gate_s.mean() * 1e3:.1f} ms/question   extra: {(rag_gate_s - rag_plain_s).mean() * 1e3:+.1f} ms/question")
+    print(
+        f"questions: {len(questions)}  repeats: {args.repeats} (interleaved, best of N per question)  "
+        f"max_new_tokens: {args.max_new_tokens}  top_k: {args.top_k}  torch threads: {torch.get_num_threads()}"
+    )
+    print(
+        f"skip path: {skipped}/{len(questions)} skipped retrieval; answers equal to plain generation: "
+        f"{same}/{len(questions)}; answer tokens mean {np.mean(tokens):.1f}"
+    )
+    print(
+        f"  plain greedy (QA prompt): {plain_s.mean() * 1e3:.1f} ms/question   gate skip path: "
+        f"{gate_s.mean() * 1e3:.1f} ms/question   median per-question ratio {np.median(gate_s / plain_s):.3f}"
+    )
+    print(
+        f"retrieval path: {retrieved}/{len(questions)} retrieved; answers equal to plain RAG: "
+        f"{rag_same}/{len(questions)}"
+    )
+    print(
+        f"  plain RAG (BM25 + RAG answer): {rag_plain_s.mean() * 1e3:.1f} ms/question   gate retrieval path: "
+        f"{rag_gate_s.mean() * 1e3:.1f} ms/question   extra: {(rag_gate_s - rag_plain_s).mean() * 1e3:+.1f} ms/question"
+    )
     print(f"retrieval_path_overhead: {rag_gate_s.sum() / rag_plain_s.sum():.3f}")
     print(f"skip_path_overhead: {gate_s.sum() / plain_s.sum():.3f}")
 

@@ -59,7 +59,8 @@ def main() -> None:
         root = Path(tmp)
         rng = np.random.default_rng(0)
         ShardedArtifact(root, "activations", {"bench": "checksums"}, args.shards * SHARD, shard_size=SHARD).compute(
-            lambda a, b: rng.standard_normal((LAYERS, b - a, DIM), dtype=np.float32), progress=False)
+            lambda a, b: rng.standard_normal((LAYERS, b - a, DIM), dtype=np.float32), progress=False
+        )
         files = sorted(root.glob("activations/*/shard-*.npy"))
         total = sum(f.stat().st_size for f in files)
         for f in files:  # into the page cache
@@ -84,10 +85,14 @@ def main() -> None:
     mb = total / 1e6
     print(f"artifact: {len(files)} shards, {mb:.0f} MB ({LAYERS} layers x {SHARD} items x {DIM} floats per shard)")
     print(f"hash rate on these bytes: xxh3-128 {mb / xxh:8.0f} MB/s   BLAKE2b {mb / blake:8.0f} MB/s")
-    print(f"full read (fresh handle, every shard loaded):   unverified {full_plain:.3f} s   verified "
-          f"{full_checked:.3f} s   ratio {full_checked / full_plain:.2f}")
-    print(f"training read (fresh handle, 4096 rows of one layer): unverified {take_plain:.3f} s   verified "
-          f"{take_checked:.3f} s   ratio {take_checked / take_plain:.2f}")
+    print(
+        f"full read (fresh handle, every shard loaded):   unverified {full_plain:.3f} s   verified "
+        f"{full_checked:.3f} s   ratio {full_checked / full_plain:.2f}"
+    )
+    print(
+        f"training read (fresh handle, 4096 rows of one layer): unverified {take_plain:.3f} s   verified "
+        f"{take_checked:.3f} s   ratio {take_checked / take_plain:.2f}"
+    )
     print(f"full read with BLAKE2b instead (estimated): ratio {(full_plain + blake) / full_plain:.2f}")
     print(f"full_read_ratio: {full_checked / full_plain:.2f}")
 

@@ -85,16 +85,27 @@ def main() -> None:
 
     rate = matmul_flops_per_second()
     naive_rate = naive_flops(llm.model.config, tokens) / naive_s
-    engine_rate = engine_flops(llm.model.config, [len(seq) for seq in ids], common_prefix_length(ids), args.layer) / engine_s
+    engine_rate = (
+        engine_flops(llm.model.config, [len(seq) for seq in ids], common_prefix_length(ids), args.layer) / engine_s
+    )
     err = float((np.abs(got - reference).max(-1) / np.abs(reference).max(-1)).max())
-    print(f"naive runs (s): {[round(t, 2) for t in naive_times]}  engine runs (s): {[round(t, 2) for t in engine_times]}")
-    print(f"prompts: {len(prompts)}  prompt tokens: {tokens}  shared prefix: {common_prefix_length(ids)} tokens  "
-          f"torch threads: {torch.get_num_threads()}")
+    print(
+        f"naive runs (s): {[round(t, 2) for t in naive_times]}  engine runs (s): {[round(t, 2) for t in engine_times]}"
+    )
+    print(
+        f"prompts: {len(prompts)}  prompt tokens: {tokens}  shared prefix: {common_prefix_length(ids)} tokens  "
+        f"torch threads: {torch.get_num_threads()}"
+    )
     print(f"fp32 matmul rate (1024^3 mm): {rate / 1e9:.1f} GFLOP/s")
-    print(f"naive  (per prompt, all layers + LM head): {naive_s:.2f} s  {tokens / naive_s:8.0f} tokens/s  "
-          f"{naive_rate / 1e9:.1f} GFLOP/s = {naive_rate / rate:.2f} of matmul rate")
-    print(f"engine (length-grouped batches, layers 1..{args.layer - 1} + last-token layer {args.layer}, shared prefix once): {engine_s:.2f} s  {tokens / engine_s:8.0f} tokens/s  "
-          f"{engine_rate / 1e9:.1f} GFLOP/s = {engine_rate / rate:.2f} of matmul rate")
+    print(
+        f"naive  (per prompt, all layers + LM head): {naive_s:.2f} s  {tokens / naive_s:8.0f} tokens/s  "
+        f"{naive_rate / 1e9:.1f} GFLOP/s = {naive_rate / rate:.2f} of matmul rate"
+    )
+    print(
+        f"engine (length-grouped batches, layers 1..{args.layer - 1} + last-token layer {args.layer}, "
+        f"shared prefix once): {engine_s:.2f} s  {tokens / engine_s:8.0f} tokens/s  "
+        f"{engine_rate / 1e9:.1f} GFLOP/s = {engine_rate / rate:.2f} of matmul rate"
+    )
     print(f"max_rel_err: {err:.3e}")
     print(f"speedup_vs_naive: {naive_s / engine_s:.2f}")
 

@@ -52,21 +52,37 @@ import json
 import math
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from confrag.llm.batching import AUTO, check_batch_size
-from confrag.llm.generation import (DEFAULT_CACHE_BUCKETS, PLAIN, GreedyOptions, cache_length, generate_greedy_ids,
-                                    generation_batch_rows, release_static_caches)
+from confrag.llm.generation import (
+    DEFAULT_CACHE_BUCKETS,
+    PLAIN,
+    GreedyOptions,
+    cache_length,
+    generate_greedy_ids,
+    generation_batch_rows,
+    release_static_caches,
+)
 from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length, naive_hidden_states
-from confrag.llm.shapes import (PUBLISHED_SHAPES, DecoderCost, dtype_bytes, engine_flops, prefill_flops,
-                                random_decoder, shape_config, tiny_overrides)
-
+from confrag.llm.shapes import (
+    PUBLISHED_SHAPES,
+    DecoderCost,
+    dtype_bytes,
+    engine_flops,
+    prefill_flops,
+    random_decoder,
+    shape_config,
+    tiny_overrides,
+)
 
 # --- measurements of the device --------------------------------------------------------------------
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -133,7 +149,7 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device, self.bytes = device, None
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         return self
@@ -147,6 +163,7 @@ class PeakMemory:
 
 
 # --- workload and baselines ------------------------------------------------------------------------
+
 
 def rag_like_workload(count: int, prefix: int, own_min: int, own_max: int, vocab: int, seed: int) -> list[list[int]]:
     """Random token ids: one shared prefix, then own_min..own_max tokens per prompt (uniform)."""
@@ -162,17 +179,18 @@ def batched_full_forward(model, ids: list[list[int]], layer: int, batch: int, pa
     device = next(model.parameters()).device
     out = np.zeros((len(ids), model.config.hidden_size), dtype=np.float32)
     for start in range(0, len(ids), batch):
-        chunk = ids[start:start + batch]
+        chunk = ids[start : start + batch]
         width = max(len(seq) for seq in chunk)
         input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for row, seq in enumerate(chunk):
-            input_ids[row, :len(seq)] = torch.tensor(seq)
-            mask[row, :len(seq)] = 1
-        hidden = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                       output_hidden_states=True).hidden_states[layer]
+            input_ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        hidden = model(
+            input_ids=input_ids.to(device), attention_mask=mask.to(device), output_hidden_states=True
+        ).hidden_states[layer]
         last = torch.tensor([len(seq) - 1 for seq in chunk], device=device)
-        out[start:start + len(chunk)] = hidden[torch.arange(len(chunk), device=device), last].float().cpu().numpy()
+        out[start : start + len(chunk)] = hidden[torch.arange(len(chunk), device=device), last].float().cpu().numpy()
     return out
 
 
@@ -191,6 +209,7 @@ class _PadOnly:
 
 # --- one shape -------------------------------------------------------------------------------------
 
+
 def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: float, bandwidth: float) -> dict:
     overrides = tiny_overrides(name) if args.tiny else {}
     config = shape_config(name, **overrides)
@@ -202,106 +221,164 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
     lengths = [len(seq) for seq in ids]
     tokens, prefix = sum(lengths), common_prefix_length(ids)
     result: dict[str, Any] = {"shape": name, "params": cost.params, "tokens": tokens, "layer": layer}
-    print(f"\n== {name}{' (tiny)' if args.tiny else ''}: hidden {cost.hidden}, MLP {cost.intermediate}, {cost.layers} layers, "
-          f"{cost.heads}/{cost.kv_heads} heads, vocab {cost.vocab}, qkv bias {cost.qkv_bias}, tied {cost.tied}; "
-          f"{params_text(cost.params)} parameters in {str(dtype).removeprefix('torch.')}, built in {load_s:.1f} s")
-    print(f"workload: {len(ids)} prompts, shared prefix {prefix} tokens, own {args.own_min}-{args.own_max} tokens, "
-          f"{tokens:,} tokens; hidden states at layer {layer} (Layer/2 = {cost.layers // 2})")
+    print(
+        f"\n== {name}{' (tiny)' if args.tiny else ''}: hidden {cost.hidden}, MLP {cost.intermediate}, "
+        f"{cost.layers} layers, "
+        f"{cost.heads}/{cost.kv_heads} heads, vocab {cost.vocab}, qkv bias {cost.qkv_bias}, tied {cost.tied}; "
+        f"{params_text(cost.params)} parameters in {str(dtype).removeprefix('torch.')}, built in {load_s:.1f} s"
+    )
+    print(
+        f"workload: {len(ids)} prompts, shared prefix {prefix} tokens, own {args.own_min}-{args.own_max} tokens, "
+        f"{tokens:,} tokens; hidden states at layer {layer} (Layer/2 = {cost.layers // 2})"
+    )
 
     # Engine: as configured, then (CUDA, --engine-compile) with its norm/MLP blocks compiled.
     useful = engine_flops(cost, lengths, prefix, layer)
 
     def run_engine(compiled: bool) -> tuple[float, np.ndarray, PeakMemory, int, int]:
-        engine = HiddenStateEngine(model, _PadOnly(pad_id), batch_size=args.engine_batch,
-                                   max_batch_tokens=args.engine_tokens, compile=compiled, progress=False)
+        engine = HiddenStateEngine(
+            model,
+            _PadOnly(pad_id),
+            batch_size=args.engine_batch,
+            max_batch_tokens=args.engine_tokens,
+            compile=compiled,
+            progress=False,
+        )
         rows, batch_tokens = engine.batch_limits(layer, max(lengths))
-        warm_s, _ = timed(device, lambda: engine.extract_ids(ids[:min(len(ids), 64)], [layer]))  # warm-up (compiles)
+        warm_s, _ = timed(device, lambda: engine.extract_ids(ids[: min(len(ids), 64)], [layer]))  # warm-up (compiles)
         with PeakMemory(device) as memory:
             seconds, states = best_of(args.repeats, device, lambda: engine.extract_ids(ids, [layer]))
         batches = len(engine.length_batches([n - prefix for n in lengths], rows, batch_tokens))
-        print(f"engine{' with compiled norm/MLP blocks' if compiled else ''} (extract_ids; batch limits {rows} rows / "
-              f"{batch_tokens} tokens"
-              f"{' from free memory' if AUTO in (args.engine_batch, args.engine_tokens) and device.type == 'cuda' else ''}"
-              f", {batches} batches; warm-up {warm_s:.1f} s): {seconds:.2f} s  {tokens / seconds:,.0f} tokens/s  "
-              f"useful {flops_text(useful)} -> {flops_text(useful / seconds)}/s = {useful / seconds / peak:.1%} of peak  "
-              f"peak memory {memory}")
-        result.setdefault("engine_runs", []).append(dict(compiled=compiled, seconds=seconds, rows=rows,
-                                                         batch_tokens=batch_tokens, batches=batches, warmup=warm_s,
-                                                         peak_memory=memory.bytes))
+        from_free = (
+            " from free memory" if AUTO in (args.engine_batch, args.engine_tokens) and device.type == "cuda" else ""
+        )
+        print(
+            f"engine{' with compiled norm/MLP blocks' if compiled else ''} (extract_ids; batch limits {rows} rows / "
+            f"{batch_tokens} tokens{from_free}"
+            f", {batches} batches; warm-up {warm_s:.1f} s): {seconds:.2f} s  {tokens / seconds:,.0f} tokens/s  "
+            f"useful {flops_text(useful)} -> {flops_text(useful / seconds)}/s = {useful / seconds / peak:.1%} of peak  "
+            f"peak memory {memory}"
+        )
+        result.setdefault("engine_runs", []).append(
+            dict(
+                compiled=compiled,
+                seconds=seconds,
+                rows=rows,
+                batch_tokens=batch_tokens,
+                batches=batches,
+                warmup=warm_s,
+                peak_memory=memory.bytes,
+            )
+        )
         return seconds, states[0], memory, rows, batch_tokens
 
     engine_s, states, engine_mem, rows, batch_tokens = run_engine(False)
     uncompiled_s, compiled_ran = engine_s, args.engine_compile and device.type == "cuda"
     if compiled_ran:
         engine_s, compiled_states, engine_mem, rows, batch_tokens = run_engine(True)
-        print(f"compiled vs eager engine: largest relative L2 error of a state {relative_error(compiled_states, states):.2e}")
+        print(
+            "compiled vs eager engine: largest relative L2 error of a state "
+            f"{relative_error(compiled_states, states):.2e}"
+        )
         states = compiled_states
     engine_share = useful / engine_s / peak
 
     # Batched full forward.
-    batched_full_forward(model, ids[:args.baseline_batch], layer, args.baseline_batch, pad_id)  # warm-up
+    batched_full_forward(model, ids[: args.baseline_batch], layer, args.baseline_batch, pad_id)  # warm-up
     with PeakMemory(device) as forward_mem:
-        forward_s, reference = best_of(args.repeats, device,
-                                       lambda: batched_full_forward(model, ids, layer, args.baseline_batch, pad_id))
-    print(f"batched full forward (batches of {args.baseline_batch} in data order, right padding, output_hidden_states): "
-          f"{forward_s:.2f} s  {tokens / forward_s:,.0f} tokens/s  peak memory {forward_mem}")
+        forward_s, reference = best_of(
+            args.repeats, device, lambda: batched_full_forward(model, ids, layer, args.baseline_batch, pad_id)
+        )
+    print(
+        f"batched full forward (batches of {args.baseline_batch} in data order, right padding, output_hidden_states): "
+        f"{forward_s:.2f} s  {tokens / forward_s:,.0f} tokens/s  peak memory {forward_mem}"
+    )
     error = relative_error(states, reference)
-    print(f"engine vs batched full forward: largest relative L2 error of a state {error:.2e} "
-          f"({str(dtype).removeprefix('torch.')})")
+    print(
+        f"engine vs batched full forward: largest relative L2 error of a state {error:.2e} "
+        f"({str(dtype).removeprefix('torch.')})"
+    )
 
     # Per-prompt full forward on a subset.
-    subset = ids[:args.per_prompt]
+    subset = ids[: args.per_prompt]
     naive_hidden_states(model, subset[0], [layer])  # warm-up
     subset_s, _ = best_of(args.repeats, device, lambda: [naive_hidden_states(model, seq, [layer]) for seq in subset])
     per_prompt_s = subset_s * tokens / sum(len(seq) for seq in subset)
-    print(f"per-prompt full forward ({len(subset)} prompts in {subset_s:.2f} s, extrapolated by tokens): "
-          f"{per_prompt_s:.1f} s  {tokens / per_prompt_s:,.0f} tokens/s")
+    print(
+        f"per-prompt full forward ({len(subset)} prompts in {subset_s:.2f} s, extrapolated by tokens): "
+        f"{per_prompt_s:.1f} s  {tokens / per_prompt_s:,.0f} tokens/s"
+    )
 
     # Greedy generation.
-    gen_ids = ids[:args.gen_prompts]
+    gen_ids = ids[: args.gen_prompts]
     gen_lengths = [len(seq) for seq in gen_ids]
     gen_prefix = common_prefix_length(gen_ids)
     fast = GreedyOptions(static_cache=args.static_cache, compile=args.compile, cache_buckets=args.cache_buckets)
 
     def bound(rows_per_batch: int) -> float:
         steps = math.ceil(len(gen_ids) / rows_per_batch) * (args.new_tokens - 1)
-        return (prefill_flops(cost, gen_lengths, gen_prefix) / peak
-                + steps * cost.weight_bytes(dtype_bytes(dtype)) / bandwidth)
+        return (
+            prefill_flops(cost, gen_lengths, gen_prefix) / peak
+            + steps * cost.weight_bytes(dtype_bytes(dtype)) / bandwidth
+        )
 
     generate_greedy_ids(model, gen_ids[:2], pad_id, 2, 2, progress=False, options=PLAIN)  # warm-up
     with PeakMemory(device) as plain_mem:
-        plain_s, plain_out = best_of(args.repeats, device, lambda: generate_greedy_ids(
-            model, gen_ids, pad_id, args.new_tokens, args.gen_batch, progress=False, options=PLAIN))
+        plain_s, plain_out = best_of(
+            args.repeats,
+            device,
+            lambda: generate_greedy_ids(
+                model, gen_ids, pad_id, args.new_tokens, args.gen_batch, progress=False, options=PLAIN
+            ),
+        )
     plain_share = bound(args.gen_batch) / plain_s
-    print(f"generate, plain (model.generate, batches of {args.gen_batch}, left padding, dynamic cache): {plain_s:.2f} s  "
-          f"{len(gen_ids) / plain_s:.1f} prompts/s  bound {bound(args.gen_batch):.2f} s = {plain_share:.1%}  "
-          f"peak memory {plain_mem}")
+    print(
+        f"generate, plain (model.generate, batches of {args.gen_batch}, left padding, dynamic cache): {plain_s:.2f} s  "
+        f"{len(gen_ids) / plain_s:.1f} prompts/s  bound {bound(args.gen_batch):.2f} s = {plain_share:.1%}  "
+        f"peak memory {plain_mem}"
+    )
 
     fast_rows = generation_batch_rows(model, gen_ids, args.new_tokens, args.fast_gen_batch, fast, gen_prefix)
     # Warm-up: one full batch of each static-cache bucket the timed run meets (each compiles once).
     order = sorted(range(len(gen_ids)), key=lambda i: gen_lengths[i])
     warm_batches: dict[int, list[int]] = {}
     for start in range(0, len(order), fast_rows):
-        batch = order[start:start + fast_rows]
+        batch = order[start : start + fast_rows]
         bucket = cache_length(max(gen_lengths[i] for i in batch) + args.new_tokens, args.cache_buckets)
         warm_batches.setdefault(bucket if args.static_cache else 0, batch + [batch[-1]] * (fast_rows - len(batch)))
     warm_s = 0.0
     for batch in warm_batches.values():
-        seconds, _ = timed(device, lambda: generate_greedy_ids(
-            model, [gen_ids[i] for i in batch], pad_id, args.new_tokens, fast_rows, progress=False, options=fast))
+        seconds, _ = timed(
+            device,
+            lambda: generate_greedy_ids(
+                model, [gen_ids[i] for i in batch], pad_id, args.new_tokens, fast_rows, progress=False, options=fast
+            ),
+        )
         warm_s += seconds
     with PeakMemory(device) as fast_mem:
-        fast_s, fast_out = best_of(args.repeats, device, lambda: generate_greedy_ids(
-            model, gen_ids, pad_id, args.new_tokens, fast_rows, progress=False, options=fast))
+        fast_s, fast_out = best_of(
+            args.repeats,
+            device,
+            lambda: generate_greedy_ids(
+                model, gen_ids, pad_id, args.new_tokens, fast_rows, progress=False, options=fast
+            ),
+        )
     fast_share = bound(fast_rows) / fast_s
     same = sum(a == b for a, b in zip(plain_out, fast_out))
-    levers = ["shared prefix"] + ([f"static cache, buckets {list(args.cache_buckets[:4])}..."] if args.static_cache else []) \
+    levers = (
+        ["shared prefix"]
+        + ([f"static cache, buckets {list(args.cache_buckets[:4])}..."] if args.static_cache else [])
         + (["compiled decoding step"] if args.static_cache and args.compile and device.type == "cuda" else [])
-    print(f"generate, fast ({', '.join(levers)}; batches of {fast_rows}): warm-up {warm_s:.1f} s "
-          f"({len(warm_batches)} bucket(s)), then {fast_s:.2f} s  {len(gen_ids) / fast_s:.1f} prompts/s  "
-          f"bound {bound(fast_rows):.2f} s = {fast_share:.1%}  peak memory {fast_mem}")
-    print(f"generated tokens equal to the plain path's: {same}/{len(gen_ids)} prompts "
-          f"({'fp32: expected all' if dtype == torch.float32 else 'bf16 rounding can flip near-ties'})")
+    )
+    print(
+        f"generate, fast ({', '.join(levers)}; batches of {fast_rows}): warm-up {warm_s:.1f} s "
+        f"({len(warm_batches)} bucket(s)), then {fast_s:.2f} s  {len(gen_ids) / fast_s:.1f} prompts/s  "
+        f"bound {bound(fast_rows):.2f} s = {fast_share:.1%}  peak memory {fast_mem}"
+    )
+    print(
+        f"generated tokens equal to the plain path's: {same}/{len(gen_ids)} prompts "
+        f"({'fp32: expected all' if dtype == torch.float32 else 'bf16 rounding can flip near-ties'})"
+    )
 
     release_static_caches(model)
     del model
@@ -309,18 +386,33 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
     if device.type == "cuda":
         torch.cuda.empty_cache()
     result.update(
-        engine_seconds=engine_s, engine_tokens_per_s=tokens / engine_s, engine_useful_tflops=useful / engine_s / 1e12,
-        engine_rows=rows, engine_batch_tokens=batch_tokens, engine_peak_memory=engine_mem.bytes,
-        forward_seconds=forward_s, forward_peak_memory=forward_mem.bytes, per_prompt_seconds=per_prompt_s,
-        engine_vs_forward_rel_error=error, plain_generate_seconds=plain_s, fast_generate_seconds=fast_s,
-        fast_generate_warmup_seconds=warm_s, fast_generate_rows=fast_rows, fast_generate_peak_memory=fast_mem.bytes,
-        same_tokens=same, gen_prompts=len(gen_ids),
-        ratios={"engine_share_of_peak": engine_share,
-                **({"engine_eager_share_of_peak": useful / uncompiled_s / peak} if compiled_ran else {}),
-                "engine_speedup_vs_batched_forward": forward_s / engine_s,
-                "engine_speedup_vs_per_prompt": per_prompt_s / engine_s,
-                "generation_share_of_bound": fast_share, "plain_generation_share_of_bound": plain_share,
-                "generation_speedup_vs_plain_generate": plain_s / fast_s})
+        engine_seconds=engine_s,
+        engine_tokens_per_s=tokens / engine_s,
+        engine_useful_tflops=useful / engine_s / 1e12,
+        engine_rows=rows,
+        engine_batch_tokens=batch_tokens,
+        engine_peak_memory=engine_mem.bytes,
+        forward_seconds=forward_s,
+        forward_peak_memory=forward_mem.bytes,
+        per_prompt_seconds=per_prompt_s,
+        engine_vs_forward_rel_error=error,
+        plain_generate_seconds=plain_s,
+        fast_generate_seconds=fast_s,
+        fast_generate_warmup_seconds=warm_s,
+        fast_generate_rows=fast_rows,
+        fast_generate_peak_memory=fast_mem.bytes,
+        same_tokens=same,
+        gen_prompts=len(gen_ids),
+        ratios={
+            "engine_share_of_peak": engine_share,
+            **({"engine_eager_share_of_peak": useful / uncompiled_s / peak} if compiled_ran else {}),
+            "engine_speedup_vs_batched_forward": forward_s / engine_s,
+            "engine_speedup_vs_per_prompt": per_prompt_s / engine_s,
+            "generation_share_of_bound": fast_share,
+            "plain_generation_share_of_bound": plain_share,
+            "generation_speedup_vs_plain_generate": plain_s / fast_s,
+        },
+    )
     return result
 
 
@@ -333,7 +425,9 @@ def batch_arg(value: str) -> int | str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(PUBLISHED_SHAPES), help="comma-separated, of " + ", ".join(PUBLISHED_SHAPES))
+    parser.add_argument(
+        "--shapes", default=",".join(PUBLISHED_SHAPES), help="comma-separated, of " + ", ".join(PUBLISHED_SHAPES)
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny models of the same families (default without CUDA)")
     parser.add_argument("--prompts", type=int, default=None, help="default 2048 (tiny: 256)")
     parser.add_argument("--prefix", type=int, default=40)
@@ -341,21 +435,41 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--own-max", type=int, default=260)
     parser.add_argument("--layer", type=int, default=None, help="default Layer/2")
     parser.add_argument("--engine-batch", type=batch_arg, default=AUTO, help="engine rows per batch (int or auto)")
-    parser.add_argument("--engine-tokens", type=batch_arg, default=AUTO, help="engine padded tokens per batch (int or auto)")
-    parser.add_argument("--baseline-batch", type=int, default=None, help="batched full forward rows (default 64; tiny 16)")
+    parser.add_argument(
+        "--engine-tokens", type=batch_arg, default=AUTO, help="engine padded tokens per batch (int or auto)"
+    )
+    parser.add_argument(
+        "--baseline-batch", type=int, default=None, help="batched full forward rows (default 64; tiny 16)"
+    )
     parser.add_argument("--per-prompt", type=int, default=None, help="prompts run one by one (default 64; tiny 16)")
     parser.add_argument("--gen-prompts", type=int, default=None, help="prompts answered (default 512; tiny 32)")
     parser.add_argument("--gen-batch", type=int, default=None, help="plain generate rows (default 64; tiny 8)")
-    parser.add_argument("--engine-compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the engine with compiled norm/MLP blocks (CUDA only; the ratios are then its own)")
+    parser.add_argument(
+        "--engine-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the engine with compiled norm/MLP blocks (CUDA only; the ratios are then its own)",
+    )
     parser.add_argument("--fast-gen-batch", type=batch_arg, default=AUTO, help="fast generation rows (int or auto)")
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None,
-                        help="static cache for the fast path (default: on with CUDA)")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="compile the static cache's decoding step (CUDA only)")
-    parser.add_argument("--cache-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=DEFAULT_CACHE_BUCKETS)
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per phase, the fastest kept (default 1; CPU 2)")
+    parser.add_argument(
+        "--static-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="static cache for the fast path (default: on with CUDA)",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the static cache's decoding step (CUDA only)",
+    )
+    parser.add_argument(
+        "--cache-buckets", type=lambda s: tuple(int(x) for x in s.split(",")), default=DEFAULT_CACHE_BUCKETS
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per phase, the fastest kept (default 1; CPU 2)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -365,8 +479,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device("cuda" if cuda and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tiny = args.tiny
-    defaults = dict(prompts=(256, 2048), baseline_batch=(16, 64), per_prompt=(16, 64), gen_prompts=(32, 512), gen_batch=(8, 64),
-                    repeats=(2, 1))
+    defaults = dict(
+        prompts=(256, 2048),
+        baseline_batch=(16, 64),
+        per_prompt=(16, 64),
+        gen_prompts=(32, 512),
+        gen_batch=(8, 64),
+        repeats=(2, 1),
+    )
     for key, (small, large) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, small if tiny else large)
@@ -384,14 +504,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"device: {name}; torch {torch.__version__}")
     peak, size = matmul_peak(device, dtype)
     bandwidth = copy_bandwidth(device)
-    print(f"{str(dtype).removeprefix('torch.')} matmul peak: {flops_text(peak)}/s (best of square sizes, at {size}); "
-          f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"{str(dtype).removeprefix('torch.')} matmul peak: {flops_text(peak)}/s (best of square sizes, at {size}); "
+        f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s"
+    )
     results = [run_shape(shape, args, device, dtype, peak, bandwidth) for shape in shapes]
     if device.type == "cpu":
         print(f"process max resident memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     if args.json:
-        args.json.write_text(json.dumps({"device": name, "peak_flops": peak, "bandwidth": bandwidth,
-                                         "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps({"device": name, "peak_flops": peak, "bandwidth": bandwidth, "results": results}, indent=2)
+        )
     print()
     for result in results:
         for key, value in result["ratios"].items():

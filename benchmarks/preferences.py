@@ -45,10 +45,14 @@ def naive_shifts(llm, templates, probe: SavedProbe, candidates, layer: int) -> C
         states = [naive_hidden_states(llm.model, ids, [layer])[0] for ids in encode_prompts(tok, prompts)]
         return probe.confidence(np.stack(states))
 
-    reference = {"qa": conf([templates.qa_prompt(tok, c.question) for c in candidates]),
-                 "rag_empty": conf([templates.rag_prompt(tok, c.question, []) for c in candidates])}
-    per_question = [conf([templates.rag_prompt(tok, c.question, [p]) for p in c.passages])
-                    for c in tqdm(candidates, desc="naive candidates")]
+    reference = {
+        "qa": conf([templates.qa_prompt(tok, c.question) for c in candidates]),
+        "rag_empty": conf([templates.rag_prompt(tok, c.question, []) for c in candidates]),
+    }
+    per_question = [
+        conf([templates.rag_prompt(tok, c.question, [p]) for p in c.passages])
+        for c in tqdm(candidates, desc="naive candidates")
+    ]
     return ConfidenceShifts(reference, per_question)
 
 
@@ -78,8 +82,9 @@ def main() -> None:
     probe = SavedProbe(module, {"activations": identity})
     prompts = sum(len(c.passages) + 2 for c in candidates)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=16, progress=False)
-    naive_hidden_states(llm.model, encode_prompts(llm.tokenizer, [templates.qa_prompt(llm.tokenizer, "warm up")])[0],
-                        [args.layer])
+    naive_hidden_states(
+        llm.model, encode_prompts(llm.tokenizer, [templates.qa_prompt(llm.tokenizer, "warm up")])[0], [args.layer]
+    )
 
     start = time.perf_counter()
     naive = naive_shifts(llm, templates, probe, candidates, args.layer)
@@ -92,12 +97,17 @@ def main() -> None:
     rows_naive, _ = build_rows(candidates, naive, "qa", args.top_k)
     rows_fast, _ = build_rows(candidates, fast, "qa", args.top_k)
     max_diff = max(float(np.abs(a - b).max()) for a, b in zip(naive.candidates, fast.candidates))
-    print(f"questions: {len(candidates)}  prompts: {prompts} (QA + empty-context RAG + {args.top_n} candidates each)  "
-          f"layer {args.layer}  torch threads: {torch.get_num_threads()}")
+    print(
+        f"questions: {len(candidates)}  prompts: {prompts} (QA + empty-context RAG + {args.top_n} candidates each)  "
+        f"layer {args.layer}  torch threads: {torch.get_num_threads()}"
+    )
     print(f"naive  (full forward per prompt, all hidden states): {naive_s:.1f} s  {prompts / naive_s:.1f} prompts/s")
     print(f"engine (confidence_shifts, fresh cache):            {engine_s:.1f} s  {prompts / engine_s:.1f} prompts/s")
-    print(f"rows: {len(rows_fast)} kept; identical selection and scores (|Δ| ≤ 1e-5): {same_rows(rows_naive, rows_fast)}; "
-          f"max |ΔConf| {max_diff:.2e}")
+    print(
+        f"rows: {len(rows_fast)} kept; identical selection and scores (|Δ| ≤ 1e-5): "
+        f"{same_rows(rows_naive, rows_fast)}; "
+        f"max |ΔConf| {max_diff:.2e}"
+    )
     if not same_rows(rows_naive, rows_fast):
         raise SystemExit("the engine's rows differ from the naive loop's")
     print(f"speedup_vs_naive: {naive_s / engine_s:.2f}")

@@ -28,16 +28,23 @@ def nq_rows(count: int, negatives: int) -> list[dict]:
     """Preference-shaped rows from real NQ paragraphs (first ~100-word passage of each)."""
     rows = load_nq_jsonl(default_nq_path(), limit=count + negatives)
     texts = [document_text(split_passages(r.contexts[0].title, r.contexts[0].text, r.qid)[0]) for r in rows]
-    return [{"qid": r.qid, "query": r.question, "pos": [texts[i]],
-             "neg": [texts[(i + 1 + j) % len(texts)] for j in range(negatives)], "prompt": "rank"}
-            for i, r in enumerate(rows[:count])]
+    return [
+        {
+            "qid": r.qid,
+            "query": r.question,
+            "pos": [texts[i]],
+            "neg": [texts[(i + 1 + j) % len(texts)] for j in range(negatives)],
+            "prompt": "rank",
+        }
+        for i, r in enumerate(rows[:count])
+    ]
 
 
 def plain_loop(module: RerankerModule, loader, steps: int) -> float:
     model = module.model.train()
     optimizer, scheduler = build_optimizer(model, module.hparams.lr, module.hparams.weight_decay, 0.0, steps)
     start = time.perf_counter()
-    for step, batch in zip(range(steps), loader):
+    for _, batch in zip(range(steps), loader):
         scores = model(**batch["features"]).logits.view(-1, batch["group_size"])
         loss = group_infonce(scores, module.hparams.tau)
         loss.backward()
@@ -48,8 +55,15 @@ def plain_loop(module: RerankerModule, loader, steps: int) -> float:
 
 
 def lightning_fit(module: RerankerModule, datamodule: PreferenceDataModule, steps: int) -> float:
-    trainer = Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     return time.perf_counter() - start
@@ -77,9 +91,14 @@ def main() -> None:
         module_times.append(lightning_fit(RerankerModule(seed=0), datamodule, args.steps))
     plain_s, module_s = min(plain_times), min(module_times)
     tokens = sum(int(b["features"]["attention_mask"].sum()) for b in batches[: args.steps])
-    print(f"steps {args.steps} × {args.batch_size} queries × group {args.group_size} = {pairs} pairs, "
-          f"{tokens} real tokens; torch threads {torch.get_num_threads()}")
-    print(f"plain loop runs (s): {[round(t, 2) for t in plain_times]}  module runs (s): {[round(t, 2) for t in module_times]}")
+    print(
+        f"steps {args.steps} × {args.batch_size} queries × group {args.group_size} = {pairs} pairs, "
+        f"{tokens} real tokens; torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"plain loop runs (s): {[round(t, 2) for t in plain_times]}  "
+        f"module runs (s): {[round(t, 2) for t in module_times]}"
+    )
     print(f"plain loop: {pairs / plain_s:.1f} pairs/s   RerankerModule + Trainer: {pairs / module_s:.1f} pairs/s")
     print(f"throughput_ratio: {plain_s / module_s:.3f}")
 

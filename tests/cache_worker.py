@@ -62,8 +62,9 @@ def fill(cache: str, counter: str, go: str, delay: float, key: str) -> None:
     wait_for(go)
     handle.compute(compute, progress=False, poll_seconds=0.05)
     assert handle.complete
-    np.testing.assert_array_equal(np.concatenate([np.asarray(s) for s in handle.shards()], axis=1),
-                                  values(0, NUM_ITEMS))
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(s) for s in handle.shards()], axis=1), values(0, NUM_ITEMS)
+    )
     print(json.dumps({"computed": handle.computed}), flush=True)
 
 

@@ -13,7 +13,9 @@ from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,8 +25,14 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore
 
 NUM_ROWS, SHARD_SIZE, RAG_ROWS, CHUNK = 16, 4, 12, 4
-TINY = dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2)
+TINY = dict(
+    arch="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def counting(stage: str, fn, counter: str):
@@ -52,17 +58,36 @@ def main() -> None:
     rows = load_nq_jsonl(nq_path, limit=NUM_ROWS)
 
     data = nq_confidence.build_confidence_data(
-        llm, templates, rows, layers=[1, 2], train_states="qa+rag", seed=0, max_new_tokens=8, gen_batch_size=4,
-        extract_batch_size=3, cache_dir=cache, shard_size=SHARD_SIZE, progress=False)
+        llm,
+        templates,
+        rows,
+        layers=[1, 2],
+        train_states="qa+rag",
+        seed=0,
+        max_new_tokens=8,
+        gen_batch_size=4,
+        extract_batch_size=3,
+        cache_dir=cache,
+        shard_size=SHARD_SIZE,
+        progress=False,
+    )
     store = AnswerStore(llm, templates, cache, max_new_tokens=8, batch_size=4, chunk_size=CHUNK, progress=False)
     rag = store.answer([(row.question, row.contexts[:1]) for row in rows[:RAG_ROWS]])
 
-    arrays = {f"{kind}/{layer}": store_.take(layer, range(len(rows)))
-              for kind, store_ in data.stores.items() for layer in data.layers}
+    arrays = {
+        f"{kind}/{layer}": store_.take(layer, range(len(rows)))
+        for kind, store_ in data.stores.items()
+        for layer in data.layers
+    }
     np.savez(Path(out) / f"rank{info.rank}.npz", **arrays)
-    record = {"rank": info.rank, "world_size": info.world_size, "device": str(llm.device),
-              "responses": data.responses, "rag": rag,
-              "states_computed": {kind: s.artifact.computed for kind, s in data.stores.items()}}
+    record = {
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "device": str(llm.device),
+        "responses": data.responses,
+        "rag": rag,
+        "states_computed": {kind: s.artifact.computed for kind, s in data.stores.items()},
+    }
     (Path(out) / f"rank{info.rank}.json").write_text(json.dumps(record))
 
 

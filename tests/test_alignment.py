@@ -34,6 +34,7 @@ def question(qid: str, n: int, gold_at: int | None = None, answers=("paris",)):
 
 # --- label rules -------------------------------------------------------------------------------------
 
+
 def test_rank_rule_takes_the_highest_and_lowest_confidences_whatever_the_reference():
     # Inc matrix of three questions (rows) over their candidates; the reference shifts every Inc of a row.
     conf = [np.array([0.50, 0.90, 0.10, 0.70, 0.30]), np.array([0.2, 0.2, 0.1]), np.array([0.6, 0.4])]
@@ -41,8 +42,11 @@ def test_rank_rule_takes_the_highest_and_lowest_confidences_whatever_the_referen
     for reference in (0.0, 0.95):  # every context raises / lowers confidence: sign keeps nothing, rank the same
         shifts = ConfidenceShifts({"qa": np.full(3, reference), "rag_empty": np.zeros(3)}, conf)
         rows, drops = build_rows(sets, shifts, "qa", top_k=2, selection="rank")
-        assert [r["qid"] for r in rows] == ["a", "b", "c"] and drops == {"no_positive": 0, "no_negative": 0,
-                                                                          "neither": 0}
+        assert [r["qid"] for r in rows] == ["a", "b", "c"] and drops == {
+            "no_positive": 0,
+            "no_negative": 0,
+            "neither": 0,
+        }
         assert rows[0]["pos"] == ["title a-d1\ntext a 1", "title a-d3\ntext a 3"]  # 0.9, 0.7
         assert rows[0]["neg"] == ["title a-d2\ntext a 2", "title a-d4\ntext a 4"]  # 0.1, 0.3
         assert len(rows[1]["pos"]) == len(rows[1]["neg"]) == 1  # at most half of three candidates a side
@@ -67,8 +71,9 @@ def test_utility_labels_come_from_the_answers_under_each_candidate():
     store = FakeStore()
     utility = candidate_utility(store, sets)
     # one single-context prompt per candidate, in candidate order: exactly the Top-1 prompts of Table 2
-    assert [(q, [p.pid for p in ctx]) for q, ctx in store.items] == \
-        [("question a?", [p.pid]) for p in sets[0].passages] + [("question b?", [p.pid]) for p in sets[1].passages]
+    assert [(q, [p.pid for p in ctx]) for q, ctx in store.items] == [
+        ("question a?", [p.pid]) for p in sets[0].passages
+    ] + [("question b?", [p.pid]) for p in sets[1].passages]
     assert [u.tolist() for u in utility] == [[True, False, True, False], [False, True]]
     shifts = ConfidenceShifts({"qa": np.zeros(2), "rag_empty": np.zeros(2)}, [np.zeros(4), np.zeros(2)])
     rows, _ = build_rows(sets, shifts, "qa", top_k=5, selection="utility", utility=utility)
@@ -82,11 +87,14 @@ def test_utility_labels_come_from_the_answers_under_each_candidate():
     assert report["utility"]["correct_share"] == pytest.approx(3 / 6)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"selection": "vote"}, r"preferences\.selection: 'vote' is not one of \('sign', 'rank', 'utility'\)"),
-    ({"compare": ["sign", "best"]}, r"preferences\.compare: 'best' is not one of"),
-    ({"top_k": 0}, r"preferences\.top_k must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"selection": "vote"}, r"preferences\.selection: 'vote' is not one of \('sign', 'rank', 'utility'\)"),
+        ({"compare": ["sign", "best"]}, r"preferences\.compare: 'best' is not one of"),
+        ({"top_k": 0}, r"preferences\.top_k must be an integer >= 1"),
+    ],
+)
 def test_preference_settings_name_the_allowed_values(values, message):
     with pytest.raises(ValueError, match=message):
         PreferenceSettings(**values)
@@ -95,6 +103,7 @@ def test_preference_settings_name_the_allowed_values(values, message):
 
 # --- the base reranker ---------------------------------------------------------------------------
 
+
 def nq_row(qid: str, text: str, answer: str) -> QARow:
     return QARow(qid, f"who {qid}?", (answer,), (Passage(f"Doc {qid}", text),))
 
@@ -102,31 +111,57 @@ def nq_row(qid: str, text: str, answer: str) -> QARow:
 def test_base_rows_take_the_gold_passage_and_hard_negatives_without_an_answer():
     rows = [nq_row("q1", "the answer is Paris of course", "Paris"), nq_row("q2", "nothing here", "Rome")]
     retrieved = [
-        make_candidates("q1", "who q1?", ("Paris",), [passage("x", "Paris too"), passage("y", "unrelated"),
-                                                       passage("z", "also unrelated")], [3.0, 2.0, 1.0], None),
+        make_candidates(
+            "q1",
+            "who q1?",
+            ("Paris",),
+            [passage("x", "Paris too"), passage("y", "unrelated"), passage("z", "also unrelated")],
+            [3.0, 2.0, 1.0],
+            None,
+        ),
         make_candidates("q2", "who q2?", ("Rome",), [passage("w", "Rome is here")], [1.0], None),
     ]
     out, dropped = relevance_training_rows(rows, retrieved, negatives=1, words_per_passage=100)
-    assert out == [{"qid": "q1", "query": "who q1?", "pos": ["Doc q1\nthe answer is Paris of course"],
-                    "neg": ["title y\nunrelated"], "prompt": out[0]["prompt"]}]
+    assert out == [
+        {
+            "qid": "q1",
+            "query": "who q1?",
+            "pos": ["Doc q1\nthe answer is Paris of course"],
+            "neg": ["title y\nunrelated"],
+            "prompt": out[0]["prompt"],
+        }
+    ]
     assert dropped == {"no_gold_paragraph": 0, "no_hard_negative": 1}  # q2's only candidate holds the answer
 
 
 def test_the_base_reranker_key_changes_with_its_questions(tmp_path):
-    recipe = RerankerRecipe(make_model=None, make_datamodule=None, make_trainer=None,
-                            identity={"model": {"backbone": "minilm"}, "seed": 0}, cache_dir=tmp_path,
-                            output_dir=tmp_path)
-    rows_a, _ = relevance_training_rows([nq_row("q1", "Paris text", "Paris")],
-                                        [make_candidates("q1", "who q1?", ("Paris",), [passage("y", "other")],
-                                                         [1.0], None)], 3, 100)
-    rows_b, _ = relevance_training_rows([nq_row("q9", "Paris text", "Paris")],
-                                        [make_candidates("q9", "who q9?", ("Paris",), [passage("y", "other")],
-                                                         [1.0], None)], 3, 100)
+    recipe = RerankerRecipe(
+        make_model=None,
+        make_datamodule=None,
+        make_trainer=None,
+        identity={"model": {"backbone": "minilm"}, "seed": 0},
+        cache_dir=tmp_path,
+        output_dir=tmp_path,
+    )
+    rows_a, _ = relevance_training_rows(
+        [nq_row("q1", "Paris text", "Paris")],
+        [make_candidates("q1", "who q1?", ("Paris",), [passage("y", "other")], [1.0], None)],
+        3,
+        100,
+    )
+    rows_b, _ = relevance_training_rows(
+        [nq_row("q9", "Paris text", "Paris")],
+        [make_candidates("q9", "who q9?", ("Paris",), [passage("y", "other")], [1.0], None)],
+        3,
+        100,
+    )
     settings = {"max_epochs": 1}
-    assert reranker_cache_dir(recipe, rows_a, trainer_settings=settings) != \
-        reranker_cache_dir(recipe, rows_b, trainer_settings=settings)
-    assert reranker_cache_dir(recipe, rows_a, trainer_settings=settings) == \
-        reranker_cache_dir(recipe, list(rows_a), trainer_settings=dict(settings))
+    assert reranker_cache_dir(recipe, rows_a, trainer_settings=settings) != reranker_cache_dir(
+        recipe, rows_b, trainer_settings=settings
+    )
+    assert reranker_cache_dir(recipe, rows_a, trainer_settings=settings) == reranker_cache_dir(
+        recipe, list(rows_a), trainer_settings=dict(settings)
+    )
     assert reranker_cache_dir(recipe, rows_a) != reranker_cache_dir(recipe, rows_a, start_from=Path("abc"))
 
 
@@ -136,6 +171,7 @@ def test_base_settings_refuse_bad_values():
 
 
 # --- the question plan ---------------------------------------------------------------------------
+
 
 def rows_named(prefix: str, n: int) -> list[QARow]:
     return [QARow(f"{prefix}{i}", f"question {prefix} number {i}", ("a",), ()) for i in range(n)]
@@ -174,10 +210,14 @@ def test_settings_refuse_k_larger_than_the_candidates(tmp_path):
 
 # --- diagnostic rankers --------------------------------------------------------------------------
 
+
 def test_probe_and_oracle_rankers_read_the_per_candidate_values():
     sets = [question("a", 4, gold_at=2), question("b", 3, gold_at=0)]
-    diag = CandidateDiagnostics(sets, [np.array([0.1, 0.2, 0.9, 0.3]), np.array([0.2, 0.5, 0.4])],
-                                [np.array([False, False, True, False]), np.array([False, True, False])])
+    diag = CandidateDiagnostics(
+        sets,
+        [np.array([0.1, 0.2, 0.9, 0.3]), np.array([0.2, 0.5, 0.4])],
+        [np.array([False, False, True, False]), np.array([False, True, False])],
+    )
     scorers = diag.scorers()
     texts = [f"title a-d{j}\ntext a {j}" for j in range(4)]
     assert scorers["probe as reranker"]("question a?", texts).tolist() == [0.1, 0.2, 0.9, 0.3]

@@ -14,13 +14,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
-MODULES = sorted(".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
-                 for p in (SRC / "confrag").rglob("*.py"))
+MODULES = sorted(
+    ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+    for p in (SRC / "confrag").rglob("*.py")
+)
 TOP = ("confrag.tasks", "confrag.train")
 # Where a Hydra / OmegaConf config object is the point: the entry point, the tasks, building objects and
 # typed settings from config nodes, the path resolver, and the run record (which saves the resolved config).
-CONFIG_MODULES = {"confrag.train", "confrag.instantiators", "confrag.recipes", "confrag.paths", "confrag.run_info",
-                  "confrag.gates.settings"}
+CONFIG_MODULES = {
+    "confrag.train",
+    "confrag.instantiators",
+    "confrag.recipes",
+    "confrag.paths",
+    "confrag.run_info",
+    "confrag.gates.settings",
+}
 
 
 def module_path(name: str) -> Path:
@@ -43,14 +51,14 @@ def imports_of(name: str) -> set[str]:
 
 def test_every_module_imports_in_a_fresh_interpreter():
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
-    done = subprocess.run([sys.executable, "-c", code, *MODULES], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", code, *MODULES], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_the_library_never_imports_the_tasks_or_the_entry_point():
-    offenders = {name: sorted(m for m in imports_of(name) if m.startswith(TOP))
-                 for name in MODULES if not name.startswith(TOP)}
+    offenders = {
+        name: sorted(m for m in imports_of(name) if m.startswith(TOP)) for name in MODULES if not name.startswith(TOP)
+    }
     assert not {k: v for k, v in offenders.items() if v}
 
 
@@ -65,7 +73,7 @@ def test_no_import_loops():
         state[node] = "open"
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                loops.append(path[path.index(target):] + [target])
+                loops.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, [*path, target])
         state[node] = "done"
@@ -81,8 +89,13 @@ def test_hydra_and_omegaconf_stay_at_the_config_boundary():
     for name in MODULES:
         tree = ast.parse(module_path(name).read_text())
         for node in ast.walk(tree):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(m.split(".")[0] in ("hydra", "omegaconf") for m in mods):
                 readers.add(name)
     assert readers - CONFIG_MODULES - {m for m in MODULES if m.startswith("confrag.tasks")} == set()
@@ -93,10 +106,17 @@ def test_task_modules_are_thin():
         assert len(path.read_text().splitlines()) <= 150, f"{path.name}: move stages, reports and settings out"
 
 
-@pytest.mark.skipif(shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"],
-                                                                    capture_output=True).returncode != 0,
-                    reason="ruff is not installed (it is a dev dependency: `pip install -e .[dev]`)")
+@pytest.mark.skipif(
+    shutil.which("ruff") is None
+    and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode != 0,
+    reason="ruff is not installed (it is a dev dependency: `pip install -e .[dev]`)",
+)
 def test_ruff_check_passes():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]

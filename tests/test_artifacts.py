@@ -18,7 +18,13 @@ import pytest
 
 from confrag.artifacts import STALE_TMP_SECONDS, ActivationStore, CacheMismatchError, ShardedArtifact, fingerprint
 
-SPEC = {"llm": {"name": "tiny", "ref": "tiny:llama@abc"}, "prompts": "p0", "rows": "r0", "layers": [0, 2], "store": "float32"}
+SPEC = {
+    "llm": {"name": "tiny", "ref": "tiny:llama@abc"},
+    "prompts": "p0",
+    "rows": "r0",
+    "layers": [0, 2],
+    "store": "float32",
+}
 LAYERS = [0, 2]
 DIM = 5
 
@@ -61,6 +67,7 @@ def all_values(artifact: ShardedArtifact) -> np.ndarray:
 
 # --- computed once ---------------------------------------------------------------------------------
 
+
 def test_shards_are_computed_once_and_reused(tmp_path):
     counter = Counter()
     first = npy_artifact(tmp_path).compute(counter, progress=False)
@@ -95,18 +102,23 @@ def test_incomplete_artifact_refuses_to_be_read(tmp_path):
 
 # --- keys ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("change", [
-    {"spec": {**SPEC, "llm": {"name": "tiny", "ref": "tiny:llama@other"}}},
-    {"spec": {**SPEC, "prompts": "p1"}},
-    {"spec": {**SPEC, "rows": "r1"}},
-    {"spec": {**SPEC, "layers": [0, 3]}},
-    {"spec": {**SPEC, "store": "float16"}},
-    {"spec": {**SPEC, "extra": None}},
-    {"kind": "generations"},
-    {"num_items": 11},
-    {"shard_size": 4},
-    {"fmt": "json"},
-], ids=["llm", "prompts", "rows", "layers", "store", "new-field", "kind", "num_items", "shard_size", "fmt"])
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"spec": {**SPEC, "llm": {"name": "tiny", "ref": "tiny:llama@other"}}},
+        {"spec": {**SPEC, "prompts": "p1"}},
+        {"spec": {**SPEC, "rows": "r1"}},
+        {"spec": {**SPEC, "layers": [0, 3]}},
+        {"spec": {**SPEC, "store": "float16"}},
+        {"spec": {**SPEC, "extra": None}},
+        {"kind": "generations"},
+        {"num_items": 11},
+        {"shard_size": 4},
+        {"fmt": "json"},
+    ],
+    ids=["llm", "prompts", "rows", "layers", "store", "new-field", "kind", "num_items", "shard_size", "fmt"],
+)
 def test_key_and_directory_change_with_every_input(tmp_path, change):
     base = dict(kind="activations", spec=SPEC, num_items=10, shard_size=3, fmt="npy")
     original = ShardedArtifact(tmp_path, **base)
@@ -128,6 +140,7 @@ def test_key_is_independent_of_dict_order_and_stable(tmp_path):
 
 # --- manifest --------------------------------------------------------------------------------------
 
+
 def test_edited_manifest_spec_is_refused(tmp_path):
     artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
     manifest = json.loads(artifact.manifest_path.read_text())
@@ -146,6 +159,7 @@ def test_unreadable_manifest_is_refused(tmp_path):
 
 
 # --- damaged shards and stale temp files ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("damage", ["truncated-data", "truncated-header", "garbage", "wrong-row-count"])
 def test_damaged_npy_shard_is_recomputed_to_the_same_result(tmp_path, damage):
@@ -241,6 +255,7 @@ def test_failing_compute_keeps_finished_shards_and_leaves_no_temp_files(tmp_path
 
 # --- json artifacts --------------------------------------------------------------------------------
 
+
 def test_json_records_round_trip_in_order(tmp_path):
     texts = [f"answer {i} — ünïcode" for i in range(10)]
     artifact = ShardedArtifact(tmp_path, "generations", SPEC, 10, shard_size=3, fmt="json")
@@ -265,6 +280,7 @@ def test_invalid_arguments(tmp_path):
 
 
 # --- activation store ------------------------------------------------------------------------------
+
 
 @pytest.fixture()
 def store(tmp_path) -> ActivationStore:
@@ -320,6 +336,7 @@ def test_store_pickles_without_arrays(store):
 
 
 # --- checksums -------------------------------------------------------------------------------------
+
 
 def flip_data_bytes(path, count: int = 8) -> None:
     """Change `count` bytes in the middle of an npy file's data, leaving its header (and size) intact."""
@@ -412,6 +429,7 @@ def test_a_handle_verifies_each_shard_once(tmp_path, monkeypatch):
 
 # --- permissions -----------------------------------------------------------------------------------
 
+
 @pytest.fixture(params=[0o022, 0o002, 0o077])
 def umask(request):
     old = os.umask(request.param)
@@ -434,8 +452,13 @@ def test_written_files_honour_the_umask(tmp_path, umask):
     atomic_save_png(figure, tmp_path / "plot.png")
     plt.close(figure)
     artifact = npy_artifact(tmp_path / "cache").compute(Counter(), progress=False)
-    files = [tmp_path / "metrics.json", tmp_path / "array.npy", tmp_path / "plot.png", artifact.manifest_path,
-             artifact.shard_path(0)]
+    files = [
+        tmp_path / "metrics.json",
+        tmp_path / "array.npy",
+        tmp_path / "plot.png",
+        artifact.manifest_path,
+        artifact.shard_path(0),
+    ]
     assert {path.name: mode(path) for path in files} == {path.name: 0o666 & ~umask for path in files}  # before: 0600
     assert mode(artifact.digest_path(0)) == mode(artifact.lock_path(0)) == 0o666 & ~umask
     assert mode(artifact.dir) == 0o777 & ~umask

@@ -23,10 +23,12 @@ def cache(tmp_path):
     root = tmp_path / "cache"
     ShardedArtifact(root, "activations", {"n": 1}, 10, shard_size=3).compute(states, progress=False)
     ShardedArtifact(root, "generations", {"n": 1}, 5, shard_size=2, fmt="json").compute(
-        lambda a, b: [f"answer {i}" for i in range(a, b)], progress=False)
+        lambda a, b: [f"answer {i}" for i in range(a, b)], progress=False
+    )
     # Nested kinds, as the answer store lays out its chunks.
     ShardedArtifact(root, "answers/abc", {"n": 2}, 4, shard_size=4, fmt="json").compute(
-        lambda a, b: ["x"] * (b - a), progress=False)
+        lambda a, b: ["x"] * (b - a), progress=False
+    )
     return root
 
 
@@ -89,9 +91,14 @@ def test_a_manifest_that_does_not_match_its_directory_is_damage(cache, capsys):
 
 
 def test_command_line(cache, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "confrag.cache_verify", "verify", str(cache)], capture_output=True,
-                        text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "confrag.cache_verify", "verify", str(cache)], capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0 and "3 whole" in ok.stdout, ok.stderr
-    missing = subprocess.run([sys.executable, "-m", "confrag.cache_verify", "verify", str(tmp_path / "nowhere")],
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [sys.executable, "-m", "confrag.cache_verify", "verify", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "not a directory" in missing.stderr

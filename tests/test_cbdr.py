@@ -26,7 +26,6 @@ from confrag.cbdr import (
     sweep,
     table3_markdown,
 )
-from confrag.data.nq import Passage
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
@@ -53,8 +52,13 @@ def one_thread():
 # "the skip path's answer equals plain generation's" hold trivially; std 0.2 gives varied token sequences.
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def varied(request):
-    return load_llm(dict(name=f"varied_{request.param}", source="tiny",
-                         tiny=dict(arch=request.param, initializer_range=0.2, **TINY_SHAPE)))
+    return load_llm(
+        dict(
+            name=f"varied_{request.param}",
+            source="tiny",
+            tiny=dict(arch=request.param, initializer_range=0.2, **TINY_SHAPE),
+        )
+    )
 
 
 def activations(llm, templates, layer):
@@ -102,8 +106,15 @@ def refuse_retrieval(question):
 
 
 def test_skip_path_answer_equals_plain_generation(varied, templates, nq_rows):
-    gate = ConfidenceGate(varied, templates, random_probe(varied, templates), beta=1e-6, retrieve_fn=refuse_retrieval,
-                          max_new_tokens=MAX_NEW, progress=False)
+    gate = ConfidenceGate(
+        varied,
+        templates,
+        random_probe(varied, templates),
+        beta=1e-6,
+        retrieve_fn=refuse_retrieval,
+        max_new_tokens=MAX_NEW,
+        progress=False,
+    )
     for row in nq_rows[:3]:
         answer, retrieved, confidence = gate.answer(row.question)
         assert not retrieved and 0 < confidence < 1
@@ -113,17 +124,28 @@ def test_skip_path_answer_equals_plain_generation(varied, templates, nq_rows):
 
 def test_skip_path_prefills_the_prompt_once(varied, templates, nq_rows):
     """One forward over the prompt, then one token per step: the KV cache of the decision pass is reused."""
-    gate = ConfidenceGate(varied, templates, random_probe(varied, templates), beta=1e-6, retrieve_fn=refuse_retrieval,
-                          max_new_tokens=MAX_NEW, progress=False)
+    gate = ConfidenceGate(
+        varied,
+        templates,
+        random_probe(varied, templates),
+        beta=1e-6,
+        retrieve_fn=refuse_retrieval,
+        max_new_tokens=MAX_NEW,
+        progress=False,
+    )
     widths = []
     handle = varied.model.base_model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
         gate.answer(nq_rows[0].question)
     finally:
         handle.remove()
-    prompt_len = len(varied.tokenizer(templates.qa_prompt(varied.tokenizer, nq_rows[0].question),
-                                      add_special_tokens=False)["input_ids"])
+    prompt_len = len(
+        varied.tokenizer(templates.qa_prompt(varied.tokenizer, nq_rows[0].question), add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
     assert widths == [prompt_len] + [1] * (MAX_NEW - 1)
 
 
@@ -131,8 +153,9 @@ def test_skip_path_prefills_the_prompt_once(varied, templates, nq_rows):
 def test_gate_state_and_confidence_equal_the_engine(varied, templates, nq_rows, layer):
     layer = {"embeddings": 0, "mid": varied.mid_layer, "final": varied.num_layers}[layer]
     probe = random_probe(varied, templates, layer=layer)
-    gate = ConfidenceGate(varied, templates, probe, beta=0.0, retrieve_fn=lambda q: nq_rows[0].contexts,
-                          max_new_tokens=2, progress=False)
+    gate = ConfidenceGate(
+        varied, templates, probe, beta=0.0, retrieve_fn=lambda q: nq_rows[0].contexts, max_new_tokens=2, progress=False
+    )
     questions = [row.question for row in nq_rows[:3]]
     engine = HiddenStateEngine(varied.model, varied.tokenizer, progress=False)
     reference = engine.extract([templates.qa_prompt(varied.tokenizer, q) for q in questions], [layer])[0]
@@ -148,11 +171,13 @@ def test_gate_state_and_confidence_equal_the_engine(varied, templates, nq_rows, 
 def test_batch_confidences_are_cached(tiny_llama, templates, nq_rows, tmp_path, monkeypatch):
     probe = random_probe(tiny_llama, templates)
     questions = [row.question for row in nq_rows[:5]]
-    first = question_confidences(tiny_llama, templates, probe, questions, cache_dir=tmp_path, shard_size=2,
-                                 progress=False)
+    first = question_confidences(
+        tiny_llama, templates, probe, questions, cache_dir=tmp_path, shard_size=2, progress=False
+    )
     monkeypatch.setattr(HiddenStateEngine, "extract", lambda *a, **k: pytest.fail("the cached states were recomputed"))
-    again = question_confidences(tiny_llama, templates, probe, questions, cache_dir=tmp_path, shard_size=2,
-                                 progress=False)
+    again = question_confidences(
+        tiny_llama, templates, probe, questions, cache_dir=tmp_path, shard_size=2, progress=False
+    )
     np.testing.assert_array_equal(first, again)
     assert first.shape == (5,) and ((0 < first) & (first < 1)).all()
 
@@ -166,8 +191,17 @@ def test_retrieval_path_reranks_keeps_top_k_and_answers_with_the_rag_prompt(vari
         return pool
 
     reverse = lambda question, texts: np.arange(len(texts), dtype=float)  # noqa: E731 (last passage first)
-    gate = ConfidenceGate(varied, templates, random_probe(varied, templates), beta=1.0, retrieve_fn=retrieve,
-                          rerank_fn=reverse, top_k=2, max_new_tokens=MAX_NEW, progress=False)
+    gate = ConfidenceGate(
+        varied,
+        templates,
+        random_probe(varied, templates),
+        beta=1.0,
+        retrieve_fn=retrieve,
+        rerank_fn=reverse,
+        top_k=2,
+        max_new_tokens=MAX_NEW,
+        progress=False,
+    )
     question = nq_rows[5].question
     answer, retrieved, confidence = gate.answer(question)
     assert retrieved and confidence < 1.0 and asked == [question]
@@ -182,21 +216,31 @@ def test_decision_rule_and_beta_zero_always_retrieves(tiny_llama, templates, nq_
     question = nq_rows[0].question
     half = constant_probe(tiny_llama, templates, 0.5)  # softmax([0, 0]) = exactly 0.5
     for beta, retrieved in ((0.5, False), (0.51, True), (0.0, True), (0.01, False)):
-        gate = ConfidenceGate(tiny_llama, templates, half, beta=beta, retrieve_fn=lambda q: context,
-                              max_new_tokens=3, progress=False)
+        gate = ConfidenceGate(
+            tiny_llama, templates, half, beta=beta, retrieve_fn=lambda q: context, max_new_tokens=3, progress=False
+        )
         result = gate.answer(question)
         assert result.confidence == 0.5 and result.retrieved is retrieved, beta
     sure = constant_probe(tiny_llama, templates, 0.999)
-    off = ConfidenceGate(tiny_llama, templates, sure, beta=0.0, retrieve_fn=lambda q: context, max_new_tokens=3,
-                         progress=False)
+    off = ConfidenceGate(
+        tiny_llama, templates, sure, beta=0.0, retrieve_fn=lambda q: context, max_new_tokens=3, progress=False
+    )
     assert off.answer(question).retrieved
 
 
 def test_answer_batch_mixes_paths_and_is_scored(varied, templates, nq_rows):
     rows = nq_rows[:4]
     probe = ScriptedProbe(random_probe(varied, templates), [0.9, 0.2, 0.8, 0.1])
-    gate = ConfidenceGate(varied, templates, probe, beta=0.5, retrieve_fn=lambda q: [rows[0].contexts[0]],
-                          top_k=1, max_new_tokens=MAX_NEW, progress=False)
+    gate = ConfidenceGate(
+        varied,
+        templates,
+        probe,
+        beta=0.5,
+        retrieve_fn=lambda q: [rows[0].contexts[0]],
+        top_k=1,
+        max_new_tokens=MAX_NEW,
+        progress=False,
+    )
     report = evaluate_gate(gate, [row.question for row in rows], [row.answers for row in rows])
     records = report["records"]
     assert [r["retrieved"] for r in records] == [False, True, False, True]
@@ -204,7 +248,9 @@ def test_answer_batch_mixes_paths_and_is_scored(varied, templates, nq_rows):
     assert [r["confidence"] for r in records] == pytest.approx([0.9, 0.2, 0.8, 0.1])
     tok = varied.tokenizer
     assert records[0]["answer"] == plain(varied, [templates.qa_prompt(tok, rows[0].question)])[0]
-    assert records[1]["answer"] == plain(varied, [templates.rag_prompt(tok, rows[1].question, [rows[0].contexts[0]])])[0]
+    assert (
+        records[1]["answer"] == plain(varied, [templates.rag_prompt(tok, rows[1].question, [rows[0].contexts[0]])])[0]
+    )
     assert report["accuracy"] == sum(r["has_answer"] for r in records) / 4
 
 
@@ -226,8 +272,9 @@ def test_gate_refuses_bad_input(tiny_llama, tiny_qwen2, templates, nq_rows, capl
     nothing = ConfidenceGate(tiny_llama, templates, probe, beta=1.0, retrieve_fn=lambda q: [], max_new_tokens=2)
     with pytest.raises(ValueError, match="retrieval returned no context for question 'who is it'"):
         nothing.answer("who is it")
-    capped = ConfidenceGate(tiny_llama, templates, probe, beta=1.0, retrieve_fn=context, top_k=3, max_new_tokens=2,
-                            progress=False)
+    capped = ConfidenceGate(
+        tiny_llama, templates, probe, beta=1.0, retrieve_fn=context, top_k=3, max_new_tokens=2, progress=False
+    )
     with caplog.at_level(logging.WARNING):
         assert capped.answer("who is it").retrieved
     assert "cbdr.top_k=3 but only 1 contexts were retrieved" in caplog.text
@@ -235,8 +282,15 @@ def test_gate_refuses_bad_input(tiny_llama, tiny_qwen2, templates, nq_rows, capl
 
 def test_smollm2_skip_path_equals_plain_generation(smollm2, templates, nq_rows):
     """A real chat model on real questions: the answers end at EOS before the limit, as plain generation's do."""
-    gate = ConfidenceGate(smollm2, templates, random_probe(smollm2, templates), beta=1e-6, retrieve_fn=refuse_retrieval,
-                          max_new_tokens=32, progress=False)
+    gate = ConfidenceGate(
+        smollm2,
+        templates,
+        random_probe(smollm2, templates),
+        beta=1e-6,
+        retrieve_fn=refuse_retrieval,
+        max_new_tokens=32,
+        progress=False,
+    )
     for row in nq_rows[:3]:
         answer, retrieved, _ = gate.answer(row.question)
         assert not retrieved
@@ -256,10 +310,20 @@ RAG3 = [1, 0, 1, 1, 1]
 def outcomes(conf=CONF, closed=CLOSED, rag1=RAG1, rag3=RAG3, prefix="q"):
     out = []
     for i, c in enumerate(conf):
-        rag = {1: RagAnswer(f"rag1 answer {i}", bool(rag1[i]), False, 0.0, ("p",)),
-               3: RagAnswer(f"rag3 answer {i}", bool(rag3[i]), False, 0.0, ("p", "p2", "p3"))}
-        out.append(QuestionOutcome(f"{prefix}{i}", f"question {i}", (f"gold {i}",),
-                                   ScoredAnswer(f"closed answer {i}", bool(closed[i]), False, 0.0), rag, c))
+        rag = {
+            1: RagAnswer(f"rag1 answer {i}", bool(rag1[i]), False, 0.0, ("p",)),
+            3: RagAnswer(f"rag3 answer {i}", bool(rag3[i]), False, 0.0, ("p", "p2", "p3")),
+        }
+        out.append(
+            QuestionOutcome(
+                f"{prefix}{i}",
+                f"question {i}",
+                (f"gold {i}",),
+                ScoredAnswer(f"closed answer {i}", bool(closed[i]), False, 0.0),
+                rag,
+                c,
+            )
+        )
     return out
 
 
@@ -329,9 +393,16 @@ def test_flip_analysis_counts_and_examples():
     data = SweepData.from_outcomes(outcomes())
     up = flip_analysis(data, 3, 0.96, 0.98)
     assert (up.turned_right, up.turned_wrong) == (1, 0)  # q3 starts retrieving and RAG3 gets it right
-    assert up.examples_right[0] == {"qid": "q3", "question": "question 3", "gold": ["gold 3"], "confidence": 0.97,
-                                    "retrieved_a": False, "retrieved_b": True, "answer_a": "closed answer 3",
-                                    "answer_b": "rag3 answer 3"}
+    assert up.examples_right[0] == {
+        "qid": "q3",
+        "question": "question 3",
+        "gold": ["gold 3"],
+        "confidence": 0.97,
+        "retrieved_a": False,
+        "retrieved_b": True,
+        "answer_a": "closed answer 3",
+        "answer_b": "rag3 answer 3",
+    }
     top = flip_analysis(data, 3, 0.98, 1.0)
     assert (top.turned_right, top.turned_wrong) == (0, 1) and top.examples_wrong[0]["qid"] == "q1"
     wide = flip_analysis(data, 1, 0.5, 0.98)

@@ -12,13 +12,13 @@ import pytest
 from omegaconf import open_dict
 
 from confrag.cbdr import SweepData, default_beta_grid
+from confrag.cbdr.analysis import cbdr_results
 from confrag.data.nq import load_nq_jsonl
 from confrag.data.splits import plan_questions, select_questions, split_dev_test
 from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
 from confrag.rag import QuestionOutcome, load_outcomes_jsonl
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import RagAnswer
-from confrag.cbdr.analysis import cbdr_results
 from confrag.reports.cbdr import gold_in_contexts, secondary_markdown
 from confrag.stages.evaluation import chosen_scorers, confidence_gate, slug
 from confrag.tasks import cbdr as cbdr_task
@@ -30,6 +30,7 @@ from helpers.runs import check_cbdr_outputs, compose_cfg
 def check_settings(cfg):
     """The task's CBDR settings (every setting of the run checked on the way)."""
     return cbdr_task.check(cfg).cbdr
+
 
 TINY = ["+experiment=cbdr_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"]
 # The runs that must reuse each other's answers train their rerankers for real (one epoch), so that the second
@@ -70,6 +71,7 @@ def cbdr_scores(outcomes: list[QuestionOutcome], k: int, beta: float) -> tuple[n
 
 # --- end to end ----------------------------------------------------------------------------------
 
+
 def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
     check_cbdr_outputs(first.out)
     report = (first.out / "report.md").read_text()
@@ -81,7 +83,9 @@ def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
 
 def test_evaluation_questions_are_held_out_and_split(first):
     cfg = first.cfg
-    probe_qids = {r.qid for r in select_questions(load_nq_jsonl(cfg.probe.data.nq_path), cfg.probe.data.num_questions, cfg.seed)}
+    probe_qids = {
+        r.qid for r in select_questions(load_nq_jsonl(cfg.probe.data.nq_path), cfg.probe.data.num_questions, cfg.seed)
+    }
     dev, test = set(first.record["eval"]["dev"]), set(first.record["eval"]["test"])
     assert len(dev) + len(test) == cfg.eval.num_questions and not dev & test
     assert not (dev | test) & probe_qids
@@ -95,7 +99,9 @@ def test_sweep_arithmetic_from_the_saved_outcomes(first):
     for row in rows:
         for k in record["ks"]:
             scores, retrieve = cbdr_scores(test, k, row["beta"])
-            assert row[f"top{k}"] == pytest.approx(scores.mean()) and row["retrieval_rate"] == pytest.approx(retrieve.mean())
+            assert row[f"top{k}"] == pytest.approx(scores.mean()) and row["retrieval_rate"] == pytest.approx(
+                retrieve.mean()
+            )
     # β = 0 is always retrieving: Table 2's accuracy of the same reranker on the same questions.
     table2 = next(r for r in record["table2"] if r["reranker"] == cfg.cbdr.reranker and r["dataset"] == "NQ")
     for k in record["ks"]:
@@ -122,10 +128,15 @@ def test_beta_is_chosen_on_dev_and_reported_on_test(first):
 
 def test_another_k_and_beta_grid_generate_no_answer(first):
     assert first.record["answers"]["generated"] > 0
-    cfg, out, record = tiny_run(first.root / "second", first.root / "cache",
-                                ["cbdr.top_k=1", "cbdr.betas=[0.0,0.3,0.6,1.0]", "cbdr.gate_check_questions=0"])
-    assert record["answers"] == {"generated": 0, "reused": first.record["answers"]["reused"]
-                                 + first.record["answers"]["generated"]}
+    cfg, out, record = tiny_run(
+        first.root / "second",
+        first.root / "cache",
+        ["cbdr.top_k=1", "cbdr.betas=[0.0,0.3,0.6,1.0]", "cbdr.gate_check_questions=0"],
+    )
+    assert record["answers"] == {
+        "generated": 0,
+        "reused": first.record["answers"]["reused"] + first.record["answers"]["generated"],
+    }
     grid = sorted({0.0, 0.3, 0.6, 1.0} | set(record["conf_quantiles"]))  # the tiny experiment adds 3 quantiles
     assert [row["beta"] for row in record["sweep"]["rows"]] == grid and len(grid) == 7
     assert record["sweep"]["k"] == 1 and record["table2"] == first.record["table2"]
@@ -133,20 +144,24 @@ def test_another_k_and_beta_grid_generate_no_answer(first):
 
 # --- settings and wiring -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("override, message", [
-    ("cbdr.beta=1.5", r"cbdr\.beta must be a number in \[0, 1\]"),
-    ("cbdr.betas=[0.5,-0.1]", r"cbdr\.betas must be a number in \[0, 1\]"),
-    ("rag.top_k=[1,7]", r"rag\.top_k=\[1, 7\].*retrieval\.top_n=6"),
-    ("cbdr.top_k=0", r"cbdr\.top_k must be an integer >= 1"),
-    ("cbdr.objective=budget", r"cbdr\.objective=budget needs cbdr\.retrieval_budget"),
-    ("cbdr.objective=speed", r"cbdr\.objective='speed' is not one of"),
-    ("cbdr.metric=bleu", r"cbdr\.metric='bleu' is not one of"),
-    ("eval.metric=f1", r"eval\.metric='f1' is not one of"),
-    ("eval.dev_fraction=1.0", r"eval\.dev_fraction must be a number in \(0, 1\)"),
-    ("cbdr.flip_betas=[0.9]", r"cbdr\.flip_betas must list at least two"),
-    ("cbdr.metric=f1", r"cbdr\.metric=f1 has no right and wrong answers"),
-    ("cbdr.beta_step=0", r"cbdr\.beta_step must be a number in \(0, 0\.9\]"),
-])
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("cbdr.beta=1.5", r"cbdr\.beta must be a number in \[0, 1\]"),
+        ("cbdr.betas=[0.5,-0.1]", r"cbdr\.betas must be a number in \[0, 1\]"),
+        ("rag.top_k=[1,7]", r"rag\.top_k=\[1, 7\].*retrieval\.top_n=6"),
+        ("cbdr.top_k=0", r"cbdr\.top_k must be an integer >= 1"),
+        ("cbdr.objective=budget", r"cbdr\.objective=budget needs cbdr\.retrieval_budget"),
+        ("cbdr.objective=speed", r"cbdr\.objective='speed' is not one of"),
+        ("cbdr.metric=bleu", r"cbdr\.metric='bleu' is not one of"),
+        ("eval.metric=f1", r"eval\.metric='f1' is not one of"),
+        ("eval.dev_fraction=1.0", r"eval\.dev_fraction must be a number in \(0, 1\)"),
+        ("cbdr.flip_betas=[0.9]", r"cbdr\.flip_betas must list at least two"),
+        ("cbdr.metric=f1", r"cbdr\.metric=f1 has no right and wrong answers"),
+        ("cbdr.beta_step=0", r"cbdr\.beta_step must be a number in \(0, 0\.9\]"),
+    ],
+)
 def test_bad_settings_are_refused_before_anything_runs(override, message, tmp_path):
     cfg = compose_cfg([*TINY, override], tmp_path)
     with pytest.raises(ValueError, match=message):
@@ -189,28 +204,40 @@ def test_the_gate_refuses_a_probe_of_another_llm(tiny_llama, tiny_qwen2, templat
     cfg = compose_cfg(TINY, tmp_path)
     module = ProbeModule(input_dim=tiny_llama.model.config.hidden_size, layer=2)
     identity = {"llm": tiny_qwen2.identity, "prompts": templates.identity(tiny_qwen2.tokenizer), "layer": 2}
-    stage = SimpleNamespace(probe=SavedProbe(module, {"activations": identity}), retrieval=None,
-                            scorers={cfg.cbdr.reranker: None})
+    stage = SimpleNamespace(
+        probe=SavedProbe(module, {"activations": identity}), retrieval=None, scorers={cfg.cbdr.reranker: None}
+    )
     with pytest.raises(ProbeMismatchError, match="llm: trained on"):
         confidence_gate(stage, check_settings(cfg), tiny_llama, templates)
 
 
 def outcome(qid: str, confidence: float, closed: bool, rag: bool) -> QuestionOutcome:
     scored = lambda right: ScoredAnswer("x", right, right, float(right))  # noqa: E731
-    return QuestionOutcome(qid, qid, ("x",), scored(closed), {1: RagAnswer(**scored(rag).to_dict()),
-                                                               3: RagAnswer(**scored(rag).to_dict())}, confidence)
+    return QuestionOutcome(
+        qid,
+        qid,
+        ("x",),
+        scored(closed),
+        {1: RagAnswer(**scored(rag).to_dict()), 3: RagAnswer(**scored(rag).to_dict())},
+        confidence,
+    )
 
 
 def test_gold_paragraph_share_counts_the_questions_own_passages():
     def with_contexts(qid, top1, top3):
         o = outcome(qid, 0.5, False, False)
-        o.rag = {1: RagAnswer("x", False, False, 0.0, contexts=tuple(top1)),
-                 3: RagAnswer("x", False, False, 0.0, contexts=tuple(top3))}
+        o.rag = {
+            1: RagAnswer("x", False, False, 0.0, contexts=tuple(top1)),
+            3: RagAnswer("x", False, False, 0.0, contexts=tuple(top3)),
+        }
         return o
+
     # q1's own paragraph first; q2's only in its top 3 (chunk 2 of it); q10's id shares a prefix with q1's, not a match.
-    rows = [with_contexts("q1", ["q1#0"], ["q1#0", "q2#0", "q5#1"]),
-            with_contexts("q2", ["q7#0"], ["q7#0", "q9#3", "q2#2"]),
-            with_contexts("q10", ["q1#0"], ["q1#0", "q100#0", "q3#0"])]
+    rows = [
+        with_contexts("q1", ["q1#0"], ["q1#0", "q2#0", "q5#1"]),
+        with_contexts("q2", ["q7#0"], ["q7#0", "q9#3", "q2#2"]),
+        with_contexts("q10", ["q1#0"], ["q1#0", "q100#0", "q3#0"]),
+    ]
     assert gold_in_contexts(rows, 1) == pytest.approx(1 / 3) and gold_in_contexts(rows, 3) == pytest.approx(2 / 3)
     table = secondary_markdown({"NQ": {"BM25": rows}}, (1, 3), gold_known=True).splitlines()
     assert table[0].endswith("| gold ¶ in Top-1 | gold ¶ in Top-3 |") and table[2].endswith("| 33.3 | 66.7 |")
@@ -218,8 +245,18 @@ def test_gold_paragraph_share_counts_the_questions_own_passages():
 
 
 def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
-    settings = check_settings(compose_cfg([*TINY, "cbdr.betas=[0.0,0.5,0.8]", "cbdr.table_betas=[0.5]",
-                                           "cbdr.flip_betas=[0.5,0.8]", "cbdr.conf_quantiles=0"], tmp_path))
+    settings = check_settings(
+        compose_cfg(
+            [
+                *TINY,
+                "cbdr.betas=[0.0,0.5,0.8]",
+                "cbdr.table_betas=[0.5]",
+                "cbdr.flip_betas=[0.5,0.8]",
+                "cbdr.conf_quantiles=0",
+            ],
+            tmp_path,
+        )
+    )
     # dev: skipping retrieval above 0.5 helps (the confident question is right closed-book, wrong with RAG).
     dev = [outcome("d1", 0.9, True, False), outcome("d2", 0.2, False, True)]
     # test: the opposite, so a β chosen on test would be 0.
@@ -229,14 +266,19 @@ def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
     results = cbdr_results(settings, data(dev), data(test), data(base))
     assert results.chosen["beta"] == 0.5 and results.chosen["dev/accuracy"] == 1.0  # 0.8 ties: the smaller β
     # on test β = 0.5 skips t1 and t2 (both wrong closed-book) and retrieves for t3.
-    assert results.chosen["test/accuracy"] == pytest.approx(1 / 3) and results.chosen["test/retrieval_rate"] == pytest.approx(1 / 3)
+    assert results.chosen["test/accuracy"] == pytest.approx(1 / 3) and results.chosen[
+        "test/retrieval_rate"
+    ] == pytest.approx(1 / 3)
     assert results.chosen["test/always_retrieve_accuracy"] == 1.0
     lines = results.table3.splitlines()
     assert lines[2] == "| base reranker | 0.00 | 0.00 | 0 | 100.00 |"
     assert lines[3] == "| base + confidence FT (sign) | 100.00 | 100.00 | 0 | 100.00 |"
     assert lines[-3].endswith("β chosen on dev (accuracy) | 33.33 | 33.33 | 0.5 | 33.33 |")
-    # flips 0.5 → 0.8: t2 (Conf 0.6) now retrieves and turns right; 0 → 0.5 (always retrieve → chosen β): t1, t2 turn wrong.
-    assert [(f.beta_a, f.beta_b, f.turned_right, f.turned_wrong) for f in results.flips] == [(0.5, 0.8, 1, 0),
-                                                                                           (0.0, 0.5, 0, 2)]
+    # flips 0.5 → 0.8: t2 (Conf 0.6) now retrieves and turns right;
+    # 0 → 0.5 (always retrieve → chosen β): t1, t2 turn wrong.
+    assert [(f.beta_a, f.beta_b, f.turned_right, f.turned_wrong) for f in results.flips] == [
+        (0.5, 0.8, 1, 0),
+        (0.0, 0.5, 0, 2),
+    ]
     assert results.at_beta["test/accuracy_at_beta"] == 1.0  # cbdr.beta = 0.95: all three retrieve
     assert results.at_beta["dev/retrieval_rate_at_beta"] == 1.0

@@ -59,7 +59,9 @@ def finish(proc: subprocess.Popen) -> dict:
 
 
 def counted(counter: Path) -> Counter:
-    return Counter(tuple(line.split()[:2]) for line in counter.read_text().splitlines()) if counter.exists() else Counter()
+    return (
+        Counter(tuple(line.split()[:2]) for line in counter.read_text().splitlines()) if counter.exists() else Counter()
+    )
 
 
 def snapshot(cache: Path) -> dict[str, bytes]:
@@ -114,15 +116,19 @@ def test_lock_of_a_killed_worker_is_taken_over(children, tmp_path):
     assert computed[-1] == 0
     from confrag.artifacts import ShardedArtifact
 
-    handle = ShardedArtifact(cache, "activations", {"test": "concurrency", "key": "k"}, NUM_ITEMS, shard_size=SHARD_SIZE)
-    np.testing.assert_array_equal(np.concatenate([np.asarray(s) for s in handle.shards()], axis=1), values(0, NUM_ITEMS))
+    handle = ShardedArtifact(
+        cache, "activations", {"test": "concurrency", "key": "k"}, NUM_ITEMS, shard_size=SHARD_SIZE
+    )
+    np.testing.assert_array_equal(
+        np.concatenate([np.asarray(s) for s in handle.shards()], axis=1), values(0, NUM_ITEMS)
+    )
 
 
 def test_workers_with_different_keys_in_one_directory_are_independent(children, tmp_path):
     cache, counter, go = tmp_path / "cache", tmp_path / "count", tmp_path / "go"
     workers = {key: start(children, tmp_path, key, "fill", cache, counter, go, 0.05, key) for key in ("a", "b")}
     go.touch()
-    for key, proc in workers.items():
+    for _, proc in workers.items():
         assert sorted(finish(proc)["computed"]) == list(range(NUM_SHARDS))  # each computed all of its own
     per_shard = counted(counter)
     assert len(per_shard) == 2 * NUM_SHARDS and set(per_shard.values()) == {1}

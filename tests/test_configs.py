@@ -9,6 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from confrag.probe.module import load_probe
+from confrag.train import run_task
+
 from helpers.runs import (
     EXPERIMENTS,
     MODEL_DIR,
@@ -18,21 +25,33 @@ from helpers.runs import (
     check_rerank_outputs,
     compose_cfg,
 )
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
-
-from confrag.probe.module import load_probe
-from confrag.train import run_task
 
 RUNNABLE_HERE = [name for name in EXPERIMENTS if "tiny" in name]
 
 
 def test_experiment_list_is_complete():
-    for name in ("probe_smollm2", "probe_smollm2_qarag", "probe_llama3", "probe_qwen2_5", "probe_tiny_llama",
-                 "probe_tiny_qwen2", "reranker_smollm2", "reranker_llama3", "reranker_qwen2_5", "reranker_tiny_llama",
-                 "cbdr_smollm2", "cbdr_smollm2_full", "cbdr_smollm2_beta_grid", "cbdr_llama3", "cbdr_qwen2_5",
-                 "cbdr_tiny_llama", "gates_smollm2", "gates_llama3", "gates_qwen2_5", "gates_tiny_llama"):
+    for name in (
+        "probe_smollm2",
+        "probe_smollm2_qarag",
+        "probe_llama3",
+        "probe_qwen2_5",
+        "probe_tiny_llama",
+        "probe_tiny_qwen2",
+        "reranker_smollm2",
+        "reranker_llama3",
+        "reranker_qwen2_5",
+        "reranker_tiny_llama",
+        "cbdr_smollm2",
+        "cbdr_smollm2_full",
+        "cbdr_smollm2_beta_grid",
+        "cbdr_llama3",
+        "cbdr_qwen2_5",
+        "cbdr_tiny_llama",
+        "gates_smollm2",
+        "gates_llama3",
+        "gates_qwen2_5",
+        "gates_tiny_llama",
+    ):
         assert name in EXPERIMENTS
 
 
@@ -44,8 +63,14 @@ def test_every_experiment_composes_and_resolves(name, tmp_path):
     probe = resolved["probe"] if resolved["task_name"] in ("rerank", "cbdr", "gates") else resolved
     assert probe["data"]["layer"] == probe["model"]["layer"]
     assert probe["data"]["llm"] == resolved["llm"]  # one LLM for the probe and the confidence shifts
-    assert resolved["llm"]["name"] in {"smollm2_135m", "llama3_8b", "qwen2_5_7b", "tiny_llama", "tiny_qwen2",
-                                       "llama3_8b_shape"}
+    assert resolved["llm"]["name"] in {
+        "smollm2_135m",
+        "llama3_8b",
+        "qwen2_5_7b",
+        "tiny_llama",
+        "tiny_qwen2",
+        "llama3_8b_shape",
+    }
     if name.endswith(("llama3", "qwen2_5")):
         assert resolved["llm"]["dtype"] == "bfloat16" and resolved["llm"]["device"] == "cuda"
         assert resolved["trainer"]["accelerator"] == "gpu" and probe["trainer"]["accelerator"] == "gpu"
@@ -58,7 +83,10 @@ def test_gpu_experiments_load_the_papers_models(tmp_path):
         cfg = compose_cfg([f"+experiment={name}"], tmp_path)
         assert cfg.model.backbone == "BAAI/bge-reranker-v2-m3" and cfg.model.lr == 6e-5
         assert cfg.model.weight_decay == 0.01 and cfg.trainer.max_epochs == 1 and cfg.preferences.reference == "qa"
-    for name, repo in (("cbdr_llama3", "meta-llama/Meta-Llama-3-8B-Instruct"), ("cbdr_qwen2_5", "Qwen/Qwen2.5-7B-Instruct")):
+    for name, repo in (
+        ("cbdr_llama3", "meta-llama/Meta-Llama-3-8B-Instruct"),
+        ("cbdr_qwen2_5", "Qwen/Qwen2.5-7B-Instruct"),
+    ):
         cfg = compose_cfg([f"+experiment={name}"], tmp_path)
         assert cfg.task_name == "cbdr" and cfg.llm.repo_id == repo and list(cfg.rag.top_k) == [1, 3]
 
@@ -66,8 +94,11 @@ def test_gpu_experiments_load_the_papers_models(tmp_path):
 def test_optuna_search_composes(tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["+experiment=probe_smollm2", "+hparams_search=probe_optuna"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="train",
+            overrides=["+experiment=probe_smollm2", "+hparams_search=probe_optuna"],
+            return_hydra_config=True,
+        )
     assert "optuna" in cfg.hydra.sweeper._target_.lower()
     assert "model.lr" in cfg.hydra.sweeper.params
 
@@ -116,11 +147,26 @@ def test_checkpoint_carries_resolved_config(tmp_path):
 def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     """`-m model.layer=1,2,3` extracts the activations once; W&B (offline) gets one run per job."""
     cache, logs = tmp_path / "cache", tmp_path / "logs"
-    command = [sys.executable, "train.py", "-m", "+experiment=probe_tiny_llama", "model.layer=1,2,3",
-               "trainer.max_epochs=1", f"paths.cache_dir={cache}", f"paths.model_dir={MODEL_DIR}",
-               f"paths.log_dir={logs}", "data.train_states=qa"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "WANDB_SILENT": "true"})
+    command = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "+experiment=probe_tiny_llama",
+        "model.layer=1,2,3",
+        "trainer.max_epochs=1",
+        f"paths.cache_dir={cache}",
+        f"paths.model_dir={MODEL_DIR}",
+        f"paths.log_dir={logs}",
+        "data.train_states=qa",
+    ]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "WANDB_SILENT": "true"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     activation_dirs = list((cache / "activations").iterdir())
     assert len(activation_dirs) == 1  # one prompt kind (qa), extracted once for all three layers
@@ -134,7 +180,9 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
 
 
 def test_probe_layer_out_of_range_lists_the_valid_range(tmp_path):
-    cfg = compose_cfg(["+experiment=probe_tiny_llama", "trainer.fast_dev_run=true", "logger=csv", "model.layer=9"], tmp_path)
+    cfg = compose_cfg(
+        ["+experiment=probe_tiny_llama", "trainer.fast_dev_run=true", "logger=csv", "model.layer=9"], tmp_path
+    )
     with pytest.raises(ValueError, match=r"model.layer=9 out of range: valid layers are 0\.\.4"):
         run_task(cfg)
 
@@ -149,9 +197,20 @@ def test_tau_and_k_sweep_reuses_probe_and_candidate_states(tmp_path):
     """`-m model.tau=… preferences.top_k=…` computes the probe data and the candidate states once; the
     jobs after the first only rebuild rows (from cached confidences) and retrain the reranker."""
     cache, logs = tmp_path / "cache", tmp_path / "logs"
-    command = [sys.executable, "train.py", "-m", "+experiment=reranker_tiny_llama", "model.tau=0.1,1.0",
-               "preferences.top_k=1,2", "preferences.relevance_baseline=false", "trainer.fast_dev_run=true", "logger=csv",
-               f"paths.cache_dir={cache}", f"paths.model_dir={MODEL_DIR}", f"paths.log_dir={logs}"]
+    command = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "+experiment=reranker_tiny_llama",
+        "model.tau=0.1,1.0",
+        "preferences.top_k=1,2",
+        "preferences.relevance_baseline=false",
+        "trainer.fast_dev_run=true",
+        "logger=csv",
+        f"paths.cache_dir={cache}",
+        f"paths.model_dir={MODEL_DIR}",
+        f"paths.log_dir={logs}",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
@@ -159,8 +218,13 @@ def test_tau_and_k_sweep_reuses_probe_and_candidate_states(tmp_path):
     assert output.count("shards to compute") == 8, output[-3000:]
     jobs = sorted((logs / "rerank" / "multiruns").glob("*/[0-9]*"))
     assert len(jobs) == 4
-    settings = {(OmegaConf.load(j / "config_resolved.yaml").model.tau,
-                 OmegaConf.load(j / "config_resolved.yaml").preferences.top_k) for j in jobs}
+    settings = {
+        (
+            OmegaConf.load(j / "config_resolved.yaml").model.tau,
+            OmegaConf.load(j / "config_resolved.yaml").preferences.top_k,
+        )
+        for j in jobs
+    }
     assert settings == {(0.1, 1), (0.1, 2), (1.0, 1), (1.0, 2)}
     for job in jobs:
         k = OmegaConf.load(job / "config_resolved.yaml").preferences.top_k

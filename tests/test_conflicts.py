@@ -14,14 +14,43 @@ def row(qid, question, answers, title, text):
 
 
 ROWS = [
-    row("y1", "when did the berlin wall fall", ["1989"], "Berlin Wall", "The wall fell in 1989. By 1990 it was gone; 1989 is remembered."),
+    row(
+        "y1",
+        "when did the berlin wall fall",
+        ["1989"],
+        "Berlin Wall",
+        "The wall fell in 1989. By 1990 it was gone; 1989 is remembered.",
+    ),
     row("y2", "when was the eiffel tower built", ["1889"], "Eiffel Tower", "Built for the 1889 World's Fair in Paris."),
-    row("n1", "who wrote hamlet", ["William Shakespeare", "Shakespeare"], "Hamlet",
-        "Hamlet is a tragedy by William Shakespeare. SHAKESPEARE wrote it around 1600; Shakespearean drama followed."),
-    row("n2", "who painted the mona lisa", ["Leonardo da Vinci"], "Mona Lisa", "The Mona Lisa was painted by Leonardo da Vinci."),
+    row(
+        "n1",
+        "who wrote hamlet",
+        ["William Shakespeare", "Shakespeare"],
+        "Hamlet",
+        "Hamlet is a tragedy by William Shakespeare. SHAKESPEARE wrote it around 1600; Shakespearean drama followed.",
+    ),
+    row(
+        "n2",
+        "who painted the mona lisa",
+        ["Leonardo da Vinci"],
+        "Mona Lisa",
+        "The Mona Lisa was painted by Leonardo da Vinci.",
+    ),
     row("n3", "what is the capital of france", ["Paris"], "Paris", "Paris is the capital and largest city of France."),
-    row("s1", "who is spider-man's alter ego", ["Peter Parker"], "Spider-Man", "Spider-Man is the alias of Peter Parker."),
-    row("o1", "where is the gallbladder", ["beneath the liver"], "Gallbladder", "The gallbladder sits beneath the liver."),
+    row(
+        "s1",
+        "who is spider-man's alter ego",
+        ["Peter Parker"],
+        "Spider-Man",
+        "Spider-Man is the alias of Peter Parker.",
+    ),
+    row(
+        "o1",
+        "where is the gallbladder",
+        ["beneath the liver"],
+        "Gallbladder",
+        "The gallbladder sits beneath the liver.",
+    ),
     row("x1", "how many moons does mars have", ["two"], "Mars", "Mars has a pair of small moons, Phobos and Deimos."),
     row("d1", "when did deadpool 2 come out", ["May 18, 2018"], "Deadpool 2", "It was released on May 18, 2018."),
 ]
@@ -29,17 +58,29 @@ ROWS = [
 
 @pytest.mark.parametrize(
     ("answer", "kind"),
-    [("1989", "year"), ("May 18, 2018", "date"), ("18 May 2018", "date"), ("291 episodes", "number"),
-     ("$1.5 million", "number"), ("William Shakespeare", "name"), ("Wilhelm Conrad Röntgen", "name"),
-     ("beneath the liver", "other"), ("planner Raymond Unwin", "other"), ("12345", "number")],
+    [
+        ("1989", "year"),
+        ("May 18, 2018", "date"),
+        ("18 May 2018", "date"),
+        ("291 episodes", "number"),
+        ("$1.5 million", "number"),
+        ("William Shakespeare", "name"),
+        ("Wilhelm Conrad Röntgen", "name"),
+        ("beneath the liver", "other"),
+        ("planner Raymond Unwin", "other"),
+        ("12345", "number"),
+    ],
 )
 def test_answer_kinds(answer, kind):
     assert answer_kind(answer) == kind
 
 
 def test_substitution_is_case_insensitive_on_whole_words_longest_first():
-    text, count = substitute_answers("Shakespeare and william  shakespeare; SHAKESPEARE's Shakespearean",
-                                     ["Shakespeare", "William Shakespeare"], "Marlowe")
+    text, count = substitute_answers(
+        "Shakespeare and william  shakespeare; SHAKESPEARE's Shakespearean",
+        ["Shakespeare", "William Shakespeare"],
+        "Marlowe",
+    )
     assert text == "Marlowe and Marlowe; Marlowe's Shakespearean"
     assert count == 3
     assert substitute_answers("paid 1\\2 back", ["1\\2"], r"\g<0>")[0] == r"paid \g<0> back"  # taken literally
@@ -72,8 +113,10 @@ def test_conflicting_passages_support_another_answer_of_the_same_kind():
 
 
 def test_substitutes_are_seeded():
-    names = [row(f"n{i}", f"who is person {i}", [f"Person Number{i}"], "People", f"It was Person Number{i} indeed.")
-             for i in range(8)]
+    names = [
+        row(f"n{i}", f"who is person {i}", [f"Person Number{i}"], "People", f"It was Person Number{i} indeed.")
+        for i in range(8)
+    ]
     first = build_conflicts(names, seed=3)
     assert [e.substitute for e in first.examples] == [e.substitute for e in build_conflicts(names, seed=3).examples]
     choices = {tuple(e.substitute for e in build_conflicts(names, seed=s).examples) for s in range(5)}
@@ -83,7 +126,9 @@ def test_substitutes_are_seeded():
 def test_a_substitute_containing_a_gold_answer_is_not_used():
     rows = [
         row("a", "which state is seattle in", ["Washington"], "Seattle", "Seattle is in Washington."),
-        row("b", "where is the white house", ["Washington D.C."], "White House", "The White House is in Washington D.C."),
+        row(
+            "b", "where is the white house", ["Washington D.C."], "White House", "The White House is in Washington D.C."
+        ),
     ]
     conflicts = build_conflicts(rows, seed=0)
     # Each other's answer contains "Washington": no workable substitute for either.

@@ -24,29 +24,52 @@ from helpers.runs import MODEL_DIR, ROOT, compose_cfg
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 # 16 questions in three prompt kinds: 3 answer and 3 state artifacts of one shard each, six shards to split.
-SMALL = ["+experiment=probe_tiny_llama", "data.num_questions=16", "trainer.max_epochs=1", "logger=csv",
-         "trainer.enable_progress_bar=false"]
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "SLURM_NTASKS",
-                    "CONFRAG_RUN_ID")
+SMALL = [
+    "+experiment=probe_tiny_llama",
+    "data.num_questions=16",
+    "trainer.max_epochs=1",
+    "logger=csv",
+    "trainer.enable_progress_bar=false",
+]
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "SLURM_NTASKS",
+    "CONFRAG_RUN_ID",
+)
 
 
 def environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               CUDA_VISIBLE_DEVICES="", WANDB_SILENT="true")
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        CUDA_VISIBLE_DEVICES="",
+        WANDB_SILENT="true",
+    )
     return env
 
 
 def shard_bytes(cache: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(cache)): p.read_bytes()
-            for kind in ("generations", "activations") for p in sorted((cache / kind).glob("*/shard-*"))
-            if not p.name.endswith(".lock")}
+    return {
+        str(p.relative_to(cache)): p.read_bytes()
+        for kind in ("generations", "activations")
+        for p in sorted((cache / kind).glob("*/shard-*"))
+        if not p.name.endswith(".lock")
+    }
 
 
 def computed_shards(output: str) -> list[tuple[str, str, int, str]]:
     """(kind, key, shard, pid) of every `computed shard` line the processes logged."""
-    return [(m[0], m[1], int(m[2]), m[3])
-            for m in re.findall(r"(\w+) ([0-9a-f]{16}): computed shard (\d+) \(items .*?\[pid (\d+)\]", output)]
+    return [
+        (m[0], m[1], int(m[2]), m[3])
+        for m in re.findall(r"(\w+) ([0-9a-f]{16}): computed shard (\d+) \(items .*?\[pid (\d+)\]", output)
+    ]
 
 
 @pytest.mark.skipif(not TORCHRUN.is_file(), reason="needs torchrun")
@@ -63,9 +86,20 @@ def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_on
 
     cache, logs = tmp_path / "cache2", tmp_path / "logs"
     # The multi-GPU command of docs/gpu.md on CPU: llm.device=rank is cpu without CUDA, DDP runs over gloo.
-    command = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", "train.py", *SMALL, "trainer=ddp",
-               "trainer.accelerator=cpu", "trainer.devices=2", "llm.device=rank", f"paths.cache_dir={cache}",
-               f"paths.model_dir={MODEL_DIR}", f"paths.log_dir={logs}"]
+    command = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        *SMALL,
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "llm.device=rank",
+        f"paths.cache_dir={cache}",
+        f"paths.model_dir={MODEL_DIR}",
+        f"paths.log_dir={logs}",
+    ]
     done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
@@ -77,7 +111,9 @@ def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_on
     computed = computed_shards(output)
     assert sorted((kind, key, shard) for kind, key, shard, _ in computed) == sorted(
         (name.split("/")[0], name.split("/")[1], int(name.split("/")[2][6:11]))
-        for name in reference if not name.endswith(".digest"))
+        for name in reference
+        if not name.endswith(".digest")
+    )
     assert len({pid for *_, pid in computed}) == 2, "both ranks computed shards"
 
     # Trained under DDP across the two ranks, one run folder, written by rank 0 only.
@@ -85,9 +121,18 @@ def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_on
     runs = list((logs / "probe" / "runs").iterdir())
     assert len(runs) == 1, runs
     run = runs[0]
-    for name in ("metrics.json", "summary.txt", "run_info.json", "config_resolved.yaml", "probe/probe.json",
-                 "checkpoints/last.ckpt", "train.log", "train_rank1.log", ".hydra/config.yaml",
-                 ".hydra_rank1/config.yaml"):
+    for name in (
+        "metrics.json",
+        "summary.txt",
+        "run_info.json",
+        "config_resolved.yaml",
+        "probe/probe.json",
+        "checkpoints/last.ckpt",
+        "train.log",
+        "train_rank1.log",
+        ".hydra/config.yaml",
+        ".hydra_rank1/config.yaml",
+    ):
         assert (run / name).is_file(), name
     assert output.count("Probe on layer") == 1  # the summary printed once
     record = json.loads((run / "metrics.json").read_text())
@@ -111,14 +156,24 @@ def test_dev_and_test_examples_are_each_seen_once_across_ddp_ranks(monkeypatch, 
     assert unrepeated_sampler([0]) is None  # a rank without any example could not gather the metrics
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ([], r"trainer: this process is rank 1 of a 2-process torchrun launch, but the trainer trains on one device"
-         r"[\s\S]*trainer=ddp trainer.devices="),
-    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4"],
-     r"trainer.devices=4 x trainer.num_nodes=1 = 4 processes; they must multiply to 2"),
-], ids=["one-device", "wrong-count"])
-def test_probe_task_under_a_multi_rank_launch_refuses_a_trainer_of_another_size(tmp_path, monkeypatch, overrides,
-                                                                                message):
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [],
+            r"trainer: this process is rank 1 of a 2-process torchrun launch, but the trainer trains on one device"
+            r"[\s\S]*trainer=ddp trainer.devices=",
+        ),
+        (
+            ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4"],
+            r"trainer.devices=4 x trainer.num_nodes=1 = 4 processes; they must multiply to 2",
+        ),
+    ],
+    ids=["one-device", "wrong-count"],
+)
+def test_probe_task_under_a_multi_rank_launch_refuses_a_trainer_of_another_size(
+    tmp_path, monkeypatch, overrides, message
+):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -134,10 +189,21 @@ def test_later_tasks_under_a_multi_rank_launch_refuse_a_ddp_trainer(tmp_path, mo
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    cfg = compose_cfg(["+experiment=reranker_tiny_llama", "logger=csv", "trainer=ddp", "trainer.accelerator=cpu",
-                       "trainer.devices=2"], tmp_path)
-    with pytest.raises(ValueError, match=r"trainer: this process is rank 0 of a 2-process torchrun launch, where this "
-                                         r"task trains on whichever rank comes first"):
+    cfg = compose_cfg(
+        [
+            "+experiment=reranker_tiny_llama",
+            "logger=csv",
+            "trainer=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+        ],
+        tmp_path,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"trainer: this process is rank 0 of a 2-process torchrun launch, where this "
+        r"task trains on whichever rank comes first",
+    ):
         run_task(cfg)
 
 

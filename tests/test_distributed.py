@@ -9,27 +9,37 @@ import pytest
 from confrag.distributed import RankInfo, rank_device, rank_info, spread, warn_if_more_ranks_than_shards
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, RankInfo(0, 1, 0, "single")),
-    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, RankInfo(1, 2, 1, "torchrun")),
-    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, RankInfo(5, 8, 1, "torchrun")),
-    ({"LOCAL_RANK": "1", "WORLD_SIZE": "2", "NODE_RANK": "0"}, RankInfo(1, 2, 1, "lightning")),
-    ({"LOCAL_RANK": "1", "WORLD_SIZE": "4", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, RankInfo(3, 4, 1, "lightning")),
-    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}, RankInfo(3, 4, 1, "slurm")),
-    # One SLURM task per job (a submitit sweep): every job is on its own, not a rank of a group.
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}, RankInfo(0, 1, 0, "single")),
-], ids=["none", "torchrun-1", "torchrun-5", "lightning", "lightning-node-1", "slurm", "slurm-single-task"])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, RankInfo(0, 1, 0, "single")),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, RankInfo(1, 2, 1, "torchrun")),
+        ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, RankInfo(5, 8, 1, "torchrun")),
+        ({"LOCAL_RANK": "1", "WORLD_SIZE": "2", "NODE_RANK": "0"}, RankInfo(1, 2, 1, "lightning")),
+        (
+            {"LOCAL_RANK": "1", "WORLD_SIZE": "4", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+            RankInfo(3, 4, 1, "lightning"),
+        ),
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}, RankInfo(3, 4, 1, "slurm")),
+        # One SLURM task per job (a submitit sweep): every job is on its own, not a rank of a group.
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}, RankInfo(0, 1, 0, "single")),
+    ],
+    ids=["none", "torchrun-1", "torchrun-5", "lightning", "lightning-node-1", "slurm", "slurm-single-task"],
+)
 def test_rank_info_reads_each_launcher(env, expected):
     assert rank_info(env) == expected
     assert expected.is_main == (expected.rank == 0)
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"RANK": "one", "WORLD_SIZE": "2"}, r"RANK='one' must be a non-negative integer"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, r"rank 2 is outside a world of 2"),
-    ({"RANK": "-1", "WORLD_SIZE": "2"}, r"RANK='-1'"),
-    ({"LOCAL_RANK": "0", "WORLD_SIZE": "4", "NODE_RANK": "1"}, r"NODE_RANK=1 without RANK or LOCAL_WORLD_SIZE"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "one", "WORLD_SIZE": "2"}, r"RANK='one' must be a non-negative integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, r"rank 2 is outside a world of 2"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, r"RANK='-1'"),
+        ({"LOCAL_RANK": "0", "WORLD_SIZE": "4", "NODE_RANK": "1"}, r"NODE_RANK=1 without RANK or LOCAL_WORLD_SIZE"),
+    ],
+)
 def test_bad_rank_environment_is_named(env, message):
     with pytest.raises(ValueError, match=message):
         rank_info(env)

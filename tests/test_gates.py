@@ -73,7 +73,9 @@ def test_registry_lists_every_gate_and_builds_it_by_name():
 
 
 def test_unknown_gate_name_lists_the_available_ones():
-    with pytest.raises(ValueError, match="unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, never, skr_knn"):
+    with pytest.raises(
+        ValueError, match="unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, never, skr_knn"
+    ):
         make_gate("flare")
 
 
@@ -176,9 +178,12 @@ def test_rind_is_entropy_times_normalized_attention_times_content():
 
 
 def draft(rows):
-    return DraftSignals(texts=["".join(t) for t, _, _ in rows], tokens=[t for t, _, _ in rows],
-                        entropy=[np.array(e, dtype=float) for _, e, _ in rows],
-                        attention=[np.array(a, dtype=float) for _, _, a in rows])
+    return DraftSignals(
+        texts=["".join(t) for t, _, _ in rows],
+        tokens=[t for t, _, _ in rows],
+        entropy=[np.array(e, dtype=float) for _, e, _ in rows],
+        attention=[np.array(a, dtype=float) for _, _, a in rows],
+    )
 
 
 def test_dragin_retrieves_when_a_content_token_exceeds_the_threshold():
@@ -201,16 +206,19 @@ def test_draft_signals_are_validated():
 
 
 def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, templates):
-    prompts = [templates.qa_prompt(tiny_llama.tokenizer, q) for q in
-               ("who wrote hamlet", "what is the capital of the country with the longest name in the world", "why")]
+    prompts = [
+        templates.qa_prompt(tiny_llama.tokenizer, q)
+        for q in ("who wrote hamlet", "what is the capital of the country with the longest name in the world", "why")
+    ]
     out = draft_token_signals(tiny_llama, prompts, max_new_tokens=6, batch_size=2)  # a padded batch and a single
     assert tiny_llama.model.config._attn_implementation == "sdpa"  # switched back after the call
     assert len(out.texts) == len(out.tokens) == len(out.entropy) == len(out.attention) == len(prompts)
     model = tiny_llama.model
     model.set_attn_implementation("eager")
     try:
-        for prompt_ids, text, tokens, entropy, attention in zip(encode_prompts(tiny_llama.tokenizer, prompts), out.texts,
-                                                                out.tokens, out.entropy, out.attention):
+        for prompt_ids, text, tokens, entropy, attention in zip(
+            encode_prompts(tiny_llama.tokenizer, prompts), out.texts, out.tokens, out.entropy, out.attention
+        ):
             length = len(tokens)
             assert 1 <= length <= 6 and len(entropy) == len(attention) == length
             with torch.inference_mode():
@@ -220,10 +228,10 @@ def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, template
             draft_ids = generated[start:].tolist()
             assert [tiny_llama.tokenizer.decode([t]) for t in draft_ids] == tokens
             assert tiny_llama.tokenizer.decode(draft_ids, skip_special_tokens=True).strip() == text
-            logits = full.logits[0, start - 1:start - 1 + length].float()
+            logits = full.logits[0, start - 1 : start - 1 + length].float()
             expected_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).numpy()
             np.testing.assert_allclose(entropy, expected_entropy, rtol=1e-4)
-            last_layer = full.attentions[-1][0][:, start:start + length, start:start + length]  # heads, query, key
+            last_layer = full.attentions[-1][0][:, start : start + length, start : start + length]  # heads, query, key
             expected = np.array([last_layer[:, i:, i].amax(dim=1).mean().item() for i in range(length)])
             np.testing.assert_allclose(attention, expected, rtol=1e-4, atol=1e-7)
     finally:
@@ -291,7 +299,9 @@ def test_ctrla_needs_its_direction_and_checks_its_layers():
         CtrlAGate().fit(GateTrainingData(signals(1)))
     _, confident, unconfident = synthetic_pairs()
     direction = direction_from_states(confident, unconfident, layers=[3, 5])
-    with pytest.raises(ValueError, match=r"gate.layers=\[4\] but the confidence direction was computed at layers \[3, 5\]"):
+    with pytest.raises(
+        ValueError, match=r"gate.layers=\[4\] but the confidence direction was computed at layers \[3, 5\]"
+    ):
         CtrlAGate(layers=[4]).fit(GateTrainingData(signals(1), confidence_direction=direction))
 
 
@@ -352,16 +362,23 @@ def test_gates_that_learn_refuse_to_run_without_training_data():
     sig = signals(2, question_embedding=np.eye(2))
     with pytest.raises(MissingTrainingDataError, match="gate 'skr_knn' is not trained"):
         SKRKnnGate().decide(sig)
-    with pytest.raises(MissingTrainingDataError, match="needs training data and got none.*outcomes.*cached per-question outcomes"):
+    with pytest.raises(
+        MissingTrainingDataError, match="needs training data and got none.*outcomes.*cached per-question outcomes"
+    ):
         SKRKnnGate().fit(None)
     with pytest.raises(MissingTrainingDataError, match="cannot be trained without outcomes"):
         SKRKnnGate().fit(GateTrainingData(sig, closed_book_correct=np.array([True, False])))
     with pytest.raises(MissingTrainingDataError, match="question_embedding.*embed_texts"):
         SKRKnnGate().fit(training(signals(2), [True, False], [True, True]))
     with pytest.raises(MissingTrainingDataError, match="answers.*gold answers"):
-        CCSKGate().fit(training(signals(2, question_embedding=np.eye(2), responses=["a", "b"],
-                                        response_embedding=np.eye(2)), [True, False], [True, True],
-                                answer_embedding=np.eye(2)))
+        CCSKGate().fit(
+            training(
+                signals(2, question_embedding=np.eye(2), responses=["a", "b"], response_embedding=np.eye(2)),
+                [True, False],
+                [True, True],
+                answer_embedding=np.eye(2),
+            )
+        )
     with pytest.raises(ValueError, match="training split only; got split='test'"):
         SKRKnnGate().fit(GateTrainingData(sig, np.array([True, False]), np.array([True, True]), split="test"))
     with pytest.raises(ValueError, match="the training split holds no questions"):
@@ -379,16 +396,18 @@ def test_ccsk_three_threshold_rule():
     g = np.array([[0.6, 0.4], [0.2, 0.8], [0.52, 0.48], [0.52, 0.48], [0.5, 0.5], [0.5, 0.5]])
     g_w = np.array([[0.9, 0.1], [0.9, 0.1], [0.7, 0.3], [0.3, 0.7], [0.5, 0.5], [0.5, 0.5]])
     expected = [
-        True,   # trusted (0.6 > 0.55) and g.F = 0.86 > 0.5
+        True,  # trusted (0.6 > 0.55) and g.F = 0.86 > 0.5
         False,  # trusted (0.8) and g.F = 0.26: no IR, although SN alone (0.9, largest g_w) would say yes
-        True,   # not trusted: the g_w-heavier module (SN) says 0.8 > 0.6
+        True,  # not trusted: the g_w-heavier module (SN) says 0.8 > 0.6
         False,  # not trusted: the g_w-heavier module (RQM) says 0.1
         False,  # g_w tie picks SN: 0.1
-        True,   # g_w tie picks SN: 0.7
+        True,  # g_w tie picks SN: 0.7
     ]
     assert ccsk_rule(f, g, g_w, **tau).tolist() == expected
     # tau_conf below 0.5 always trusts the fusion: max(g) >= 0.5 for two normalized weights.
-    assert ccsk_rule(f, g, g_w, tau_pred=0.5, tau_conf=0.3, tau_single=0.6).tolist() == (np.sum(g * f, 1) > 0.5).tolist()
+    assert (
+        ccsk_rule(f, g, g_w, tau_pred=0.5, tau_conf=0.3, tau_single=0.6).tolist() == (np.sum(g * f, 1) > 0.5).tolist()
+    )
 
 
 def test_ccsk_siamese_network_defaults_to_retrieval_for_new_queries():
@@ -459,11 +478,11 @@ def test_ccsk_heads_must_divide_the_embedding_width():
 def test_bridge_tree_reaches_all_four_strategies():
     #            S1   S2   S3   S4     r_p
     cases = [
-        ([0.8, 0.5, 0.5, 0.7], 0.5, "FA"),   # S1 + S4 = 1.5 > 1: consistent sources
-        ([0.2, 0.9, 0.1, 0.2], 0.2, "FI"),   # T_Ret 0.04 < T_LLM 1.44 > alpha
-        ([0.2, 0.1, 0.9, 0.2], 0.8, "FE"),   # T_Ret 1.44 >= beta, T_LLM 0.04
-        ([0.2, 0.2, 0.8, 0.2], 0.1, "RA"),   # T_Ret 0.16 < T_LLM 0.36 <= alpha: neither source trusted
-        ([0.2, 0.8, 0.2, 0.2], 0.9, "RA"),   # T_Ret 0.36 >= T_LLM 0.16 but T_Ret < alpha
+        ([0.8, 0.5, 0.5, 0.7], 0.5, "FA"),  # S1 + S4 = 1.5 > 1: consistent sources
+        ([0.2, 0.9, 0.1, 0.2], 0.2, "FI"),  # T_Ret 0.04 < T_LLM 1.44 > alpha
+        ([0.2, 0.1, 0.9, 0.2], 0.8, "FE"),  # T_Ret 1.44 >= beta, T_LLM 0.04
+        ([0.2, 0.2, 0.8, 0.2], 0.1, "RA"),  # T_Ret 0.16 < T_LLM 0.36 <= alpha: neither source trusted
+        ([0.2, 0.8, 0.2, 0.2], 0.9, "RA"),  # T_Ret 0.36 >= T_LLM 0.16 but T_Ret < alpha
         ([0.2, 0.3, 0.6, 0.2], 0.45, "RA"),  # T_Ret 0.585 in [alpha, beta): reflection band -> fallback RA
     ]
     s = np.array([c[0] for c in cases])
@@ -549,8 +568,14 @@ def test_embeddings_and_bridge_matching_scores_with_minilm(minilm):
     assert emb[0] @ emb[1] > emb[0] @ emb[2]
     internal = ["William Shakespeare wrote the tragedy Hamlet around 1600."]
     generated = ["Shakespeare"]
-    external, rest = external_knowledge([[Passage("Hamlet", "Hamlet is a tragedy written by William Shakespeare."),
-                                          Passage("Water", "Water boils at 100 degrees Celsius at sea level.")]])
+    external, rest = external_knowledge(
+        [
+            [
+                Passage("Hamlet", "Hamlet is a tragedy written by William Shakespeare."),
+                Passage("Water", "Water boils at 100 degrees Celsius at sea level."),
+            ]
+        ]
+    )
     assert external == ["Hamlet\nHamlet is a tragedy written by William Shakespeare."]
     scores = bridge_matching_scores(minilm, internal, generated, external, rest)
     assert scores.shape == (1, 4, 2) and np.all((scores >= 0) & (scores <= 1))

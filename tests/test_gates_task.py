@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from omegaconf import open_dict
 
 from confrag.data.conflicts import ConflictExample
 from confrag.data.nq import Passage
 from confrag.gates import Decision, MissingTrainingDataError
 from confrag.gates.evaluation import quantile_grid, score_decisions, wall_time_per_question
+from confrag.gates.settings import gate_from_config
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
-from confrag.gates.settings import gate_from_config
 from confrag.stages.gate_comparison import CONDITIONS, conflicting_candidates
 from confrag.tasks import gates as gates_task
 from confrag.train import run_task
@@ -30,6 +28,7 @@ from helpers.runs import check_gates_outputs, compose_cfg
 def check_settings(cfg):
     """The task's gate settings (every setting of the run checked on the way)."""
     return gates_task.check(cfg).gates
+
 
 TINY = ["+experiment=gates_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"]
 R, P, X = Decision.RETRIEVE, Decision.PARAMETRIC, Decision.REFUSE
@@ -50,6 +49,7 @@ def rows_by(record, condition: str) -> dict[str, dict]:
 
 # --- end to end ----------------------------------------------------------------------------------
 
+
 def test_every_configured_gate_on_clean_and_conflicting_contexts(tiny):
     check_gates_outputs(tiny.out, list(tiny.cfg.gates.names))
     assert list(tiny.cfg.gates.names) == ["always", "never", "cbdr", "dragin", "ctrla", "skr_knn", "ccsk", "bridge"]
@@ -68,7 +68,9 @@ def test_bounds_refusals_and_costs(tiny):
         # Retrieving costs retrieval + a RAG answer; answering closed-book costs one generation.
         timings = tiny.record["timings"]
         assert rows["never"]["wall_s"] == pytest.approx(timings["closed_book"], rel=0.05, abs=1e-3)
-        assert rows["always"]["wall_s"] == pytest.approx(timings["retrieve"] + timings["rag_answer"], rel=0.05, abs=1e-3)
+        assert rows["always"]["wall_s"] == pytest.approx(
+            timings["retrieve"] + timings["rag_answer"], rel=0.05, abs=1e-3
+        )
         for r in rows.values():
             answered = 1 - r["refusal_rate"]
             if answered:  # accuracy on answered = correct / answered questions
@@ -109,9 +111,12 @@ def test_threshold_curves_span_both_conditions(tiny):
 
 # --- settings --------------------------------------------------------------------------------------
 
+
 def test_unknown_gate_name_lists_the_available_ones(tmp_path):
     cfg = compose_cfg([*TINY, "gates.names=[always,flare]"], tmp_path)
-    with pytest.raises(ValueError, match=r"unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, never, skr_knn"):
+    with pytest.raises(
+        ValueError, match=r"unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, never, skr_knn"
+    ):
         check_settings(cfg)
 
 
@@ -129,14 +134,17 @@ def test_unknown_gate_group_option_lists_the_available_ones(tmp_path):
         compose_cfg([*TINY, "gate=flare"], tmp_path)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("gates.configs.cbdr.beta=1.5", r"gates\.configs\.cbdr: .*beta.*\[0, 1\]"),
-    ("gates.configs.skr_knn.threshold=-0.1", r"gates\.configs\.skr_knn: gate\.threshold=-0\.1 is out of range"),
-    ("gates.curves.skr_knn.values=[0.5,2.0]", r"gates\.configs\.skr_knn: gate\.threshold=2\.0 is out of range"),
-    ("gates.curves.cbdr.param=gamma", r"gates\.curves\.cbdr\.param='gamma'.*parameters: \['beta'\]"),
-    ("gates.top_k=50", r"gates\.top_k=50 asks for more contexts than the retrieval\.top_n=6"),
-    ("gates.metric=f1", r"gates\.metric='f1' is not one of"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("gates.configs.cbdr.beta=1.5", r"gates\.configs\.cbdr: .*beta.*\[0, 1\]"),
+        ("gates.configs.skr_knn.threshold=-0.1", r"gates\.configs\.skr_knn: gate\.threshold=-0\.1 is out of range"),
+        ("gates.curves.skr_knn.values=[0.5,2.0]", r"gates\.configs\.skr_knn: gate\.threshold=2\.0 is out of range"),
+        ("gates.curves.cbdr.param=gamma", r"gates\.curves\.cbdr\.param='gamma'.*parameters: \['beta'\]"),
+        ("gates.top_k=50", r"gates\.top_k=50 asks for more contexts than the retrieval\.top_n=6"),
+        ("gates.metric=f1", r"gates\.metric='f1' is not one of"),
+    ],
+)
 def test_bad_settings_name_their_key(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         check_settings(compose_cfg([*TINY, override], tmp_path))
@@ -151,16 +159,29 @@ def test_a_learning_gate_without_training_data_names_the_stage_that_produces_it(
 
 # --- pieces ----------------------------------------------------------------------------------------
 
+
 def test_conflicting_contexts_put_the_rewritten_gold_paragraph_first_and_drop_the_original():
-    passages = [CorpusPassage("d1#0", "Other", "unrelated text", "d1"),
-                CorpusPassage("g#0", "Gold", "the answer is Paris", "g"),
-                CorpusPassage("d2#0", "More", "more text", "d2"),
-                CorpusPassage("g#1", "Gold", "Paris again", "g"),
-                CorpusPassage("d3#0", "Last", "last text", "d3")]
+    passages = [
+        CorpusPassage("d1#0", "Other", "unrelated text", "d1"),
+        CorpusPassage("g#0", "Gold", "the answer is Paris", "g"),
+        CorpusPassage("d2#0", "More", "more text", "d2"),
+        CorpusPassage("g#1", "Gold", "Paris again", "g"),
+        CorpusPassage("d3#0", "Last", "last text", "d3"),
+    ]
     ranked = make_candidates("q1", "capital of france?", ("Paris",), passages, [5.0, 4.0, 3.0, 2.0, 1.0], "g")
     rewritten = Passage("Gold", "the answer is Lyon")
-    example = ConflictExample("q1", "capital of france?", ("Paris",), Passage("Gold", "the answer is Paris"), rewritten,
-                              "Paris", "Lyon", "name", "q9", 1)
+    example = ConflictExample(
+        "q1",
+        "capital of france?",
+        ("Paris",),
+        Passage("Gold", "the answer is Paris"),
+        rewritten,
+        "Paris",
+        "Lyon",
+        "name",
+        "q9",
+        1,
+    )
     conflict = conflicting_candidates(ranked, example, 3)
     assert [p.text for p in conflict.passages] == ["the answer is Lyon", "unrelated text", "more text"]
     assert conflict.has_answer == [False, False, False] and math.isnan(conflict.scores[0])
@@ -177,15 +198,24 @@ def test_outcomes_follow_the_decision_and_refusals_are_never_correct():
 
 
 def test_wall_time_model_charges_each_part_once():
-    t = {"closed_book": 1.0, "rag_answer": 2.0, "retrieve": 0.5, "qa_states": 0.1, "draft": 1.2, "internal": 3.0,
-         "matching": 0.2, "embed_question": 0.01}
+    t = {
+        "closed_book": 1.0,
+        "rag_answer": 2.0,
+        "retrieve": 0.5,
+        "qa_states": 0.1,
+        "draft": 1.2,
+        "internal": 3.0,
+        "matching": 0.2,
+        "embed_question": 0.01,
+    }
     # CBDR: states for everyone; parametric continues to a closed-book answer, retrieval pays retrieve + RAG.
     assert wall_time_per_question({"confidence"}, [P, R], t, 0.0) == pytest.approx(0.1 + (1.0 + 2.5) / 2)
     # DRAGIN: the draft is the closed-book answer, so a parametric decision costs nothing more.
     assert wall_time_per_question({"draft"}, [P, P], t, 0.4) == pytest.approx(1.2 + 0.2)
     # BRIDGE: decides after retrieving; a refusal costs no answer.
-    assert wall_time_per_question({"matching_scores", "question_embedding"}, [X, R], t, 0.0) == \
-        pytest.approx(3.0 + 1.0 + 0.5 + 0.2 + 0.01 + 2.0 / 2)
+    assert wall_time_per_question({"matching_scores", "question_embedding"}, [X, R], t, 0.0) == pytest.approx(
+        3.0 + 1.0 + 0.5 + 0.2 + 0.01 + 2.0 / 2
+    )
     with pytest.raises(ValueError, match=r"no timing for \['draft'\]"):
         wall_time_per_question({"draft"}, [P], {"closed_book": 1.0}, 0.0)
 

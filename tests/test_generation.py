@@ -11,9 +11,17 @@ import pytest
 import torch
 
 import confrag.llm.batching as batching
-from confrag.llm.generation import (DEFAULT_CACHE_BUCKETS, PLAIN, GreedyOptions, _STATIC_CACHES, cache_length,
-                                    generate_greedy, generate_greedy_ids, generation_batch_rows,
-                                    release_static_caches)
+from confrag.llm.generation import (
+    _STATIC_CACHES,
+    DEFAULT_CACHE_BUCKETS,
+    PLAIN,
+    GreedyOptions,
+    cache_length,
+    generate_greedy,
+    generate_greedy_ids,
+    generation_batch_rows,
+    release_static_caches,
+)
 from confrag.llm.prompts import encode_prompts
 
 NEW = 10
@@ -36,8 +44,9 @@ def one_thread():
 def mixed_prompts(llm, templates, rows):
     """RAG prompts of different lengths and QA prompts: they share only the chat template's opening."""
     tok = llm.tokenizer
-    return [templates.rag_prompt(tok, r.question, r.contexts[:1]) for r in rows[:5]] + \
-        [templates.qa_prompt(tok, r.question) for r in rows[5:8]]
+    return [templates.rag_prompt(tok, r.question, r.contexts[:1]) for r in rows[:5]] + [
+        templates.qa_prompt(tok, r.question) for r in rows[5:8]
+    ]
 
 
 def one_by_one(model, ids, pad_id, new=NEW):
@@ -45,9 +54,15 @@ def one_by_one(model, ids, pad_id, new=NEW):
     out = []
     for seq in ids:
         input_ids = torch.tensor([seq])
-        tokens = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new,
-                                do_sample=False, num_beams=1, pad_token_id=pad_id)
-        out.append(tokens[0, len(seq):].tolist())
+        tokens = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=pad_id,
+        )
+        out.append(tokens[0, len(seq) :].tolist())
     return out
 
 
@@ -81,15 +96,17 @@ def test_end_of_sequence_and_generation_config_processors_apply_alike(tiny_llama
     for name, options in FAST.items():
         got = generate_greedy_ids(model, ids, pad, NEW, 4, progress=False, options=options)
         # model.generate pads stopped rows up to the batch's longest: compare up to the EOS.
-        assert [row[:row.index(eos) + 1] if eos in row else row for row in got] == \
-            [row[:row.index(eos) + 1] if eos in row else row for row in reference], name
+        assert [row[: row.index(eos) + 1] if eos in row else row for row in got] == [
+            row[: row.index(eos) + 1] if eos in row else row for row in reference
+        ], name
     release_static_caches(model)
 
 
 def test_smollm2_answers_are_the_same_on_every_path(smollm2, templates, nq_rows):
     tok = smollm2.tokenizer
-    prompts = [templates.rag_prompt(tok, r.question, r.contexts[:1]) for r in nq_rows[:2]] + \
-        [templates.qa_prompt(tok, r.question) for r in nq_rows[2:4]]
+    prompts = [templates.rag_prompt(tok, r.question, r.contexts[:1]) for r in nq_rows[:2]] + [
+        templates.qa_prompt(tok, r.question) for r in nq_rows[2:4]
+    ]
     plain = generate_greedy(smollm2.model, tok, prompts, 12, batch_size=2, progress=False, options=PLAIN)
     assert all(plain) and len(set(plain)) > 1  # real, varied answers
     for name in ("shared prefix", "shared prefix + static cache"):
@@ -158,10 +175,18 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
     from confrag.rag import AnswerStore
 
     items = [(r.question, r.contexts[:1]) for r in nq_rows[:4]] + [(r.question, ()) for r in nq_rows[4:6]]
-    plain = AnswerStore(tiny_llama, templates, tmp_path / "a", max_new_tokens=6, progress=False,
-                        generation=PLAIN).answer(items)
-    static = AnswerStore(tiny_llama, templates, tmp_path / "b", max_new_tokens=6, batch_size="auto", progress=False,
-                         generation=GreedyOptions(static_cache=True))
+    plain = AnswerStore(
+        tiny_llama, templates, tmp_path / "a", max_new_tokens=6, progress=False, generation=PLAIN
+    ).answer(items)
+    static = AnswerStore(
+        tiny_llama,
+        templates,
+        tmp_path / "b",
+        max_new_tokens=6,
+        batch_size="auto",
+        progress=False,
+        generation=GreedyOptions(static_cache=True),
+    )
     assert static.answer(items) == plain and static.generated == len(items)
     # The path is not part of the key: another store with the default path finds those answers.
     again = AnswerStore(tiny_llama, templates, tmp_path / "b", max_new_tokens=6, progress=False)
@@ -177,8 +202,13 @@ def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
     from confrag.probe.datamodule import NQConfidenceDataModule
 
     common = dict(llm=dict(name="tiny_llama", source="tiny"), prompts=asdict(templates), nq_path="unused.jsonl")
-    module = NQConfidenceDataModule(**common, extract_batch_size="auto", gen_batch_size="auto", extract_compile=True,
-                                    generation={"static_cache": True, "cache_buckets": [256, 512]})
+    module = NQConfidenceDataModule(
+        **common,
+        extract_batch_size="auto",
+        gen_batch_size="auto",
+        extract_compile=True,
+        generation={"static_cache": True, "cache_buckets": [256, 512]},
+    )
     assert module.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
     with pytest.raises(ValueError, match=r"data.generation: unknown key\(s\) \['static'\]"):
         NQConfidenceDataModule(**common, generation={"static": True})

@@ -21,9 +21,9 @@ from confrag.llm.loading import load_llm
 from confrag.llm.prompts import encode_prompts
 from confrag.probe.module import ProbeModule
 from confrag.rag import load_outcomes_jsonl
+from confrag.recipes import reranker_recipe
 from confrag.reranker.module import RerankerModule
 from confrag.retrieval import DenseRetriever, corpus_from_nq
-from confrag.recipes import reranker_recipe
 from confrag.stages.evaluation import slug
 from confrag.stages.rerank import confidence_ft
 from confrag.stages.rerankers import load_reranker
@@ -44,8 +44,9 @@ BF16_TOLERANCE = 5e-2  # bf16 keeps 8 bits of mantissa: ~4e-3 per rounding, comp
 
 
 def tiny(dtype: str = "float32", device: str = "cpu"):
-    return load_llm(dict(name="tiny_llama", source="tiny", dtype=dtype, device=device,
-                         tiny=dict(arch="llama", **TINY_SHAPE)))
+    return load_llm(
+        dict(name="tiny_llama", source="tiny", dtype=dtype, device=device, tiny=dict(arch="llama", **TINY_SHAPE))
+    )
 
 
 def worst_relative_error(states: np.ndarray, reference: np.ndarray) -> float:
@@ -90,13 +91,16 @@ def devices(monkeypatch):
 
 # --- hidden states ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def prompt_sets(templates, nq_rows, tiny_llama):
     """QA and RAG prompts of 32 NQ questions: each set shares a prompt prefix, so the engine's prefix cache runs."""
     tok = tiny_llama.tokenizer
     rows = nq_rows[:32]
-    return {"qa": [templates.qa_prompt(tok, row.question) for row in rows],
-            "rag": [templates.rag_prompt(tok, row.question, row.contexts[:1]) for row in rows]}
+    return {
+        "qa": [templates.qa_prompt(tok, row.question) for row in rows],
+        "rag": [templates.rag_prompt(tok, row.question, row.contexts[:1]) for row in rows],
+    }
 
 
 def engine_states(llm, prompt_sets, model=None, **options) -> np.ndarray:
@@ -114,11 +118,18 @@ def test_fp32_states_on_cuda_match_the_cpu(tiny_llama, prompt_sets, padding_side
     on_cuda = engine_states(cuda, prompt_sets, padding_side=padding_side)
     # The engine on CUDA against the plain full forward on CUDA, prompt by prompt.
     prompts = prompt_sets["qa"][:4] + prompt_sets["rag"][:4]
-    naive = np.stack([naive_hidden_states(cuda.model, ids, range(cuda.num_layers + 1))
-                      for ids in encode_prompts(cuda.tokenizer, prompts)], axis=1)
+    naive = np.stack(
+        [
+            naive_hidden_states(cuda.model, ids, range(cuda.num_layers + 1))
+            for ids in encode_prompts(cuda.tokenizer, prompts)
+        ],
+        axis=1,
+    )
     picked = np.concatenate([on_cuda[:, :4], on_cuda[:, 32:36]], axis=1)
-    errors = {"cuda vs cpu": worst_relative_error(on_cuda, on_cpu), "engine vs full forward (cuda)":
-              worst_relative_error(picked, naive)}
+    errors = {
+        "cuda vs cpu": worst_relative_error(on_cuda, on_cpu),
+        "engine vs full forward (cuda)": worst_relative_error(picked, naive),
+    }
     print(f"\nfp32 ({padding_side} padding), worst relative error: {errors}")
     assert max(errors.values()) < FP32_TOLERANCE
 
@@ -132,19 +143,29 @@ def test_bf16_states_on_cuda_match_the_cpu(prompt_sets):
     # not hold the fp32 draw's weights (its identity names the dtype), so the fp32 tiny model is no reference.
     fp32_twin = copy.deepcopy(cuda.model).to("cpu", torch.float32)
     errors = {
-        "cuda bf16 vs cpu fp32, same weights": worst_relative_error(on_cuda,
-                                                                    engine_states(cuda, prompt_sets, fp32_twin)),
+        "cuda bf16 vs cpu fp32, same weights": worst_relative_error(
+            on_cuda, engine_states(cuda, prompt_sets, fp32_twin)
+        ),
         "cuda bf16 vs cpu bf16": worst_relative_error(on_cuda, engine_states(tiny("bfloat16"), prompt_sets)),
     }
     prompts = prompt_sets["qa"][:4] + prompt_sets["rag"][:4]
-    naive = np.stack([naive_hidden_states(cuda.model, ids, range(cuda.num_layers + 1))
-                      for ids in encode_prompts(cuda.tokenizer, prompts)], axis=1)
+    naive = np.stack(
+        [
+            naive_hidden_states(cuda.model, ids, range(cuda.num_layers + 1))
+            for ids in encode_prompts(cuda.tokenizer, prompts)
+        ],
+        axis=1,
+    )
     picked = np.concatenate([on_cuda[:, :4], on_cuda[:, 32:36]], axis=1)
     errors["engine vs full forward (cuda bf16)"] = worst_relative_error(picked, naive)
-    drawn_apart = max(float((p.detach().cpu().float() - q.detach().bfloat16().float()).abs().max())
-                      for p, q in zip(cuda.model.parameters(), tiny().model.parameters()))
-    print(f"\nbf16, worst relative error: {errors}; bf16 draw vs fp32 draw cast to bf16, max |weight difference|: "
-          f"{drawn_apart:.3g}")
+    drawn_apart = max(
+        float((p.detach().cpu().float() - q.detach().bfloat16().float()).abs().max())
+        for p, q in zip(cuda.model.parameters(), tiny().model.parameters())
+    )
+    print(
+        f"\nbf16, worst relative error: {errors}; bf16 draw vs fp32 draw cast to bf16, max |weight difference|: "
+        f"{drawn_apart:.3g}"
+    )
     assert max(errors.values()) < BF16_TOLERANCE
 
 
@@ -156,14 +177,18 @@ def test_dense_index_on_cuda_matches_the_cpu(nq_rows):
     on_cpu = DenseRetriever(corpus, device="cpu", progress=False)
     difference = float(np.abs(on_cuda.passage_embeddings - on_cpu.passage_embeddings).max())
     query = [row.question for row in nq_rows[:8]]
-    hits_agree = [[i for i, _ in hits] for hits in on_cuda.search(query, 5)] == \
-        [[i for i, _ in hits] for hits in on_cpu.search(query, 5)]
-    print(f"\ndense index of {len(corpus)} passages, cuda vs cpu: max |embedding difference| {difference:.2e}, "
-          f"top-5 hits agree: {hits_agree}")
+    hits_agree = [[i for i, _ in hits] for hits in on_cuda.search(query, 5)] == [
+        [i for i, _ in hits] for hits in on_cpu.search(query, 5)
+    ]
+    print(
+        f"\ndense index of {len(corpus)} passages, cuda vs cpu: max |embedding difference| {difference:.2e}, "
+        f"top-5 hits agree: {hits_agree}"
+    )
     assert difference < 1e-5 and hits_agree
 
 
 # --- the tasks end to end ---------------------------------------------------------------------------
+
 
 def run_timed(cfg, label: str) -> tuple[Path, dict]:
     start = time.perf_counter()
@@ -194,8 +219,15 @@ def test_probe_task_trains_on_the_gpu(tmp_path, devices):
 
 def test_rerank_task_trains_and_scores_on_the_gpu(tmp_path, devices):
     # bf16-mixed, as conf/experiment/reranker_llama3.yaml trains.
-    cfg = compose_cfg(["+experiment=reranker_tiny_llama", *GPU_WITH_PROBE, "+trainer.precision=bf16-mixed",
-                       "retrieval.bi_encoder=true"], tmp_path)
+    cfg = compose_cfg(
+        [
+            "+experiment=reranker_tiny_llama",
+            *GPU_WITH_PROBE,
+            "+trainer.precision=bf16-mixed",
+            "retrieval.bi_encoder=true",
+        ],
+        tmp_path,
+    )
     out, record = run_timed(cfg, "reranker_tiny_llama on cuda (bf16-mixed)")
     assert devices["ProbeModule.training_step"] == devices["RerankerModule.training_step"] == {"cuda"}
     assert devices["HiddenStateEngine.extract_ids"] == {"cuda"}
@@ -227,8 +259,11 @@ def test_cbdr_task_runs_on_the_gpu_and_beta_zero_always_retrieves(tmp_path, devi
     assert devices["RerankerModule.score"] == {"cuda"}
     k = int(cfg.cbdr.top_k)
     test_qids = set(record["eval"]["test"])
-    outcomes = [o for o in load_outcomes_jsonl(out / "outcomes" / "nq" / f"{slug(cfg.cbdr.reranker)}.jsonl")
-                if o.qid in test_qids]
+    outcomes = [
+        o
+        for o in load_outcomes_jsonl(out / "outcomes" / "nq" / f"{slug(cfg.cbdr.reranker)}.jsonl")
+        if o.qid in test_qids
+    ]
     always = float(np.mean([o.rag[k].has_answer for o in outcomes]))
     beta_zero = next(r for r in record["table3"] if r["reranker"] == cfg.cbdr.reranker and r["beta"] == 0.0)
     assert beta_zero["retrieval_rate"] == 1.0
@@ -236,9 +271,11 @@ def test_cbdr_task_runs_on_the_gpu_and_beta_zero_always_retrieves(tmp_path, devi
     assert record["sweep"]["rows"][0]["beta"] == 0.0 and record["sweep"]["rows"][0][f"top{k}"] == always
     # The live gate (one prefill through model.generate) reads the confidence the batched engine cached.
     check = record["gate_check"]
-    print(f"β=0 accuracy {always:.3f} on {len(outcomes)} test questions; gate check: "
-          f"{check['decisions_agree']}/{check['questions']} decisions, {check['answers_agree']} answers agree, "
-          f"max confidence difference {check['max_confidence_difference']:.2e}")
+    print(
+        f"β=0 accuracy {always:.3f} on {len(outcomes)} test questions; gate check: "
+        f"{check['decisions_agree']}/{check['questions']} decisions, {check['answers_agree']} answers agree, "
+        f"max confidence difference {check['max_confidence_difference']:.2e}"
+    )
     assert check["decisions_agree"] == check["questions"] > 0
     assert check["max_confidence_difference"] < 1e-4
     assert (out / "report.md").is_file() and (out / "beta_curve_full.png").is_file()

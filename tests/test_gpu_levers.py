@@ -14,13 +14,19 @@ import pytest
 import torch
 
 from confrag.llm.batching import CPU_EXTRACT_TOKENS, CPU_GENERATE_BATCH
-from confrag.llm.generation import PLAIN, GreedyOptions, generate_greedy_ids, generation_batch_rows, release_static_caches
+from confrag.llm.generation import (
+    PLAIN,
+    GreedyOptions,
+    generate_greedy_ids,
+    generation_batch_rows,
+    release_static_caches,
+)
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import encode_prompts
+from test_gpu_scale import benchmark_module
 
 from conftest import TINY_SHAPE
-from test_gpu_scale import benchmark_module
 
 pytestmark = pytest.mark.gpu
 
@@ -49,8 +55,10 @@ def test_compiled_static_cache_gives_the_plain_tokens_and_compiles_once_per_buck
     start = time.perf_counter()
     second = generate_greedy_ids(llm.model, ids, pad, 12, 8, progress=False, options=options)
     steady = time.perf_counter() - start
-    print(f"\n{arch}: compiled static path {warm:.1f} s with compilation, {steady:.2f} s after; "
-          f"dynamo stats {compiled} -> {dict(dynamo_utils.counters['stats'])}")
+    print(
+        f"\n{arch}: compiled static path {warm:.1f} s with compilation, {steady:.2f} s after; "
+        f"dynamo stats {compiled} -> {dict(dynamo_utils.counters['stats'])}"
+    )
     assert first == second == plain  # fp32: the compiled step computes the plain path's tokens
     assert dynamo_utils.counters["stats"].get("unique_graphs", 0) == compiled.get("unique_graphs", 0)  # no recompile
     release_static_caches(llm.model)
@@ -83,29 +91,47 @@ def test_compiled_engine_blocks_stay_exact_and_compile_once(arch, templates, nq_
     got = engine.extract_ids(ids, layers)
     graphs = dynamo_utils.counters["stats"].get("unique_graphs", 0) - before
     error = float((np.abs(got - reference).max(-1) / np.abs(reference).max(-1)).max())
-    print(f"\n{arch}: compiled norm/MLP blocks, {graphs} graph(s) for {len(engine.length_batches([len(s) for s in ids], 5, 4096))}"
-          f" batches x 4 layers; fp32 relative error {error:.2e}")
+    print(
+        f"\n{arch}: compiled norm/MLP blocks, {graphs} graph(s) for "
+        f"{len(engine.length_batches([len(s) for s in ids], 5, 4096))}"
+        f" batches x 4 layers; fp32 relative error {error:.2e}"
+    )
     assert error <= 1e-5 and not engine._compile_failed
     assert 1 <= graphs <= 6  # per block kind and input rank, not per layer or batch shape
     assert all(layer.mlp._compiled_call_impl is None for layer in llm.model.base_model.layers)  # restored
 
 
 def test_llama3_shape_loads_in_bf16_and_answers_through_the_compiled_path(templates, nq_rows):
-    llm = load_llm(dict(name="llama3_8b_shape", source="random", dtype="bfloat16", device="cuda",
-                        random=dict(shape="llama3_8b", num_hidden_layers=4)))
+    llm = load_llm(
+        dict(
+            name="llama3_8b_shape",
+            source="random",
+            dtype="bfloat16",
+            device="cuda",
+            random=dict(shape="llama3_8b", num_hidden_layers=4),
+        )
+    )
     assert next(llm.model.parameters()).dtype == torch.bfloat16 and llm.device.type == "cuda"
     ids, pad = rag_ids(llm, templates, nq_rows, 16), llm.tokenizer.pad_token_id
     fast = generate_greedy_ids(llm.model, ids, pad, 8, 8, progress=False, options=GreedyOptions(static_cache=True))
     assert all(len(tokens) == 8 for tokens in fast)
-    again = load_llm(dict(name="llama3_8b_shape", source="random", dtype="bfloat16", device="cuda",
-                          random=dict(shape="llama3_8b", num_hidden_layers=4)))
+    again = load_llm(
+        dict(
+            name="llama3_8b_shape",
+            source="random",
+            dtype="bfloat16",
+            device="cuda",
+            random=dict(shape="llama3_8b", num_hidden_layers=4),
+        )
+    )
     assert again.identity == llm.identity  # same seed, same device: same weights, same cache keys
     release_static_caches(llm.model)
 
 
 def test_scale_benchmark_on_the_real_shapes(capsys):
-    results = benchmark_module().main(["--prompts", "128", "--per-prompt", "4", "--gen-prompts", "64",
-                                       "--gen-batch", "32"])
+    results = benchmark_module().main(
+        ["--prompts", "128", "--per-prompt", "4", "--gen-prompts", "64", "--gen-batch", "32"]
+    )
     print(capsys.readouterr().out)
     for result in results:
         assert all(np.isfinite(v) and v > 0 for v in result["ratios"].values())

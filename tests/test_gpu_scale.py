@@ -6,17 +6,40 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 
 import pytest
-import torch
 
 from conftest import ROOT
 
-TINY_RUN = ["--tiny", "--prompts", "12", "--own-min", "8", "--own-max", "40", "--per-prompt", "2", "--baseline-batch", "4",
-            "--gen-prompts", "6", "--gen-batch", "3", "--new-tokens", "3", "--repeats", "1"]
-RATIOS = ["engine_share_of_peak", "engine_speedup_vs_batched_forward", "engine_speedup_vs_per_prompt",
-          "generation_share_of_bound", "plain_generation_share_of_bound", "generation_speedup_vs_plain_generate"]
+TINY_RUN = [
+    "--tiny",
+    "--prompts",
+    "12",
+    "--own-min",
+    "8",
+    "--own-max",
+    "40",
+    "--per-prompt",
+    "2",
+    "--baseline-batch",
+    "4",
+    "--gen-prompts",
+    "6",
+    "--gen-batch",
+    "3",
+    "--new-tokens",
+    "3",
+    "--repeats",
+    "1",
+]
+RATIOS = [
+    "engine_share_of_peak",
+    "engine_speedup_vs_batched_forward",
+    "engine_speedup_vs_per_prompt",
+    "generation_share_of_bound",
+    "plain_generation_share_of_bound",
+    "generation_speedup_vs_plain_generate",
+]
 
 
 def benchmark_module():
@@ -30,11 +53,21 @@ def benchmark_module():
 def test_tiny_run_prints_every_ratio_and_the_paths_agree(capsys, tmp_path, static):
     # One family each: Llama with the CPU's default path, Qwen2 with the static cache (eager here).
     shapes = ["qwen2_5_7b"] if static else ["llama3_8b"]
-    results = benchmark_module().main(TINY_RUN + ["--static-cache" if static else "--no-static-cache",
-                                                  "--shapes", ",".join(shapes), "--json", str(tmp_path / "out.json")])
+    results = benchmark_module().main(
+        TINY_RUN
+        + [
+            "--static-cache" if static else "--no-static-cache",
+            "--shapes",
+            ",".join(shapes),
+            "--json",
+            str(tmp_path / "out.json"),
+        ]
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert [r["shape"] for r in results] == shapes
-    assert lines[-len(shapes) * len(RATIOS):] == [f"{r['shape']} {key}: {r['ratios'][key]:.3f}" for r in results for key in RATIOS]
+    assert lines[-len(shapes) * len(RATIOS) :] == [
+        f"{r['shape']} {key}: {r['ratios'][key]:.3f}" for r in results for key in RATIOS
+    ]
     assert any(line.startswith("float32 matmul peak") for line in lines)
     for result in results:
         assert all(math.isfinite(v) and v > 0 for v in result["ratios"].values())

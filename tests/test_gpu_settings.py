@@ -28,8 +28,9 @@ def test_gpu_experiments_size_their_batches_from_free_memory(name, tmp_path):
         answers = settings_from(AnswerSettings, cfg.rag, "rag")
         assert (answers.batch_size, answers.extract_batch_size) == ("auto", "auto")
         assert answers.generation == GreedyOptions()  # rag.generation: {} is the library's default path
-        cbdr = cbdr_settings(plain(cfg.cbdr), answers, settings_from(EvalSettings, cfg.eval, "eval"),
-                             int(cfg.retrieval.top_n), False)
+        cbdr = cbdr_settings(
+            plain(cfg.cbdr), answers, settings_from(EvalSettings, cfg.eval, "eval"), int(cfg.retrieval.top_n), False
+        )
         assert cbdr.gate_batch_size == "auto"  # the live gate generates with the answers' batch size
 
 
@@ -44,17 +45,27 @@ def test_rag_generation_node_reaches_the_answer_settings():
     assert answers.generation == GreedyOptions(share_prefix=False, static_cache=True, cache_buckets=(128, 256))
 
 
-@pytest.mark.parametrize("cls, values, message", [
-    (AnswerSettings, {"batch_size": 0}, r"rag.batch_size must be an integer >= 1 or 'auto'; got 0"),
-    (AnswerSettings, {"extract_batch_size": "max"}, r"rag.extract_batch_size must be an integer >= 1 or 'auto'"),
-    (AnswerSettings, {"chunk_size": "auto"}, r"rag.chunk_size must be an integer >= 1; got 'auto'"),
-    (AnswerSettings, {"generation": {"beams": 4}}, r"rag.generation: unknown key\(s\) \['beams'\]; allowed: "),
-    (AnswerSettings, {"generation": {"share_prefix": "yes"}}, r"rag.generation.share_prefix must be true or false"),
-    (PreferenceSettings, {"extract_batch_size": "big"},
-     r"preferences.extract_batch_size must be an integer >= 1 or 'auto'; got 'big'"),
-    (PreferenceSettings, {"answer_batch_size": -1}, r"preferences.answer_batch_size must be an integer >= 1 or 'auto'"),
-    (PreferenceSettings, {"top_k": "auto"}, r"preferences.top_k must be an integer >= 1 \(got 'auto'\)"),
-])
+@pytest.mark.parametrize(
+    "cls, values, message",
+    [
+        (AnswerSettings, {"batch_size": 0}, r"rag.batch_size must be an integer >= 1 or 'auto'; got 0"),
+        (AnswerSettings, {"extract_batch_size": "max"}, r"rag.extract_batch_size must be an integer >= 1 or 'auto'"),
+        (AnswerSettings, {"chunk_size": "auto"}, r"rag.chunk_size must be an integer >= 1; got 'auto'"),
+        (AnswerSettings, {"generation": {"beams": 4}}, r"rag.generation: unknown key\(s\) \['beams'\]; allowed: "),
+        (AnswerSettings, {"generation": {"share_prefix": "yes"}}, r"rag.generation.share_prefix must be true or false"),
+        (
+            PreferenceSettings,
+            {"extract_batch_size": "big"},
+            r"preferences.extract_batch_size must be an integer >= 1 or 'auto'; got 'big'",
+        ),
+        (
+            PreferenceSettings,
+            {"answer_batch_size": -1},
+            r"preferences.answer_batch_size must be an integer >= 1 or 'auto'",
+        ),
+        (PreferenceSettings, {"top_k": "auto"}, r"preferences.top_k must be an integer >= 1 \(got 'auto'\)"),
+    ],
+)
 def test_bad_batch_and_generation_settings_are_named(cls, values, message):
     with pytest.raises(ValueError, match=message):
         settings_from(cls, OmegaConf.create(values), "node")

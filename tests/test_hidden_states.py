@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length, naive_hidden_states, validate_layers
 from confrag.llm.prompts import encode_prompts
@@ -35,8 +34,14 @@ def test_tiny_models_match_naive_forward(request, templates, nq_rows, arch, padd
     layers = [0, 1, llm.mid_layer, llm.num_layers - 1, llm.num_layers]
     reference = naive(llm, prompts, layers)
     for batch_size in (1, 3, 8):
-        engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=batch_size, padding_side=padding_side,
-                                   share_prefix=share_prefix, progress=False)
+        engine = HiddenStateEngine(
+            llm.model,
+            llm.tokenizer,
+            batch_size=batch_size,
+            padding_side=padding_side,
+            share_prefix=share_prefix,
+            progress=False,
+        )
         got = engine.extract(prompts, layers)
         assert got.shape == (len(layers), len(prompts), llm.model.config.hidden_size)
         assert relative_error(got, reference) <= TOLERANCE
@@ -47,7 +52,9 @@ def test_smollm2_real_rag_prompts_match_naive_forward(smollm2, templates, nq_row
     layers = [0, 6, 15, 21, 30]
     reference = naive(smollm2, prompts, layers)
     for padding_side in ("left", "right"):
-        engine = HiddenStateEngine(smollm2.model, smollm2.tokenizer, batch_size=4, padding_side=padding_side, progress=False)
+        engine = HiddenStateEngine(
+            smollm2.model, smollm2.tokenizer, batch_size=4, padding_side=padding_side, progress=False
+        )
         assert relative_error(engine.extract(prompts, layers), reference) <= TOLERANCE
 
 
@@ -61,10 +68,14 @@ def test_shared_prefix_is_found_and_used(smollm2, templates, nq_rows):
 
 def test_only_layers_up_to_the_deepest_requested_run(tiny_llama, templates, nq_rows):
     calls = []
-    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: calls.append(k))
-             for k, layer in enumerate(tiny_llama.model.base_model.layers)]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o, k=k: calls.append(k))
+        for k, layer in enumerate(tiny_llama.model.base_model.layers)
+    ]
     try:
-        engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, batch_size=8, share_prefix=False, progress=False)
+        engine = HiddenStateEngine(
+            tiny_llama.model, tiny_llama.tokenizer, batch_size=8, share_prefix=False, progress=False
+        )
         engine.extract([templates.qa_prompt(tiny_llama.tokenizer, r.question) for r in nq_rows[:4]], [1, 2])
     finally:
         for hook in hooks:

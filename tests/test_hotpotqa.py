@@ -27,10 +27,15 @@ def test_official_rows_become_qarows_with_supporting_paragraphs():
     assert first.answers == ("River Calder",)
     # Supporting-fact paragraphs only (not the distractors), in order of first mention, sentences joined.
     assert first.contexts == (
-        Passage("Harbour at Dusk", '"Harbour at Dusk" is an oil painting by Mara Linden, completed in 1887. '
-                                   "It hangs in the Westgate Gallery."),
-        Passage("Elsworth Mill", "Elsworth Mill is a market town in the north of the county. The River Calder runs "
-                                 "past its old wool mills. Mara Linden was born there in 1852."),
+        Passage(
+            "Harbour at Dusk",
+            '"Harbour at Dusk" is an oil painting by Mara Linden, completed in 1887. It hangs in the Westgate Gallery.',
+        ),
+        Passage(
+            "Elsworth Mill",
+            "Elsworth Mill is a market town in the north of the county. The River Calder runs "
+            "past its old wool mills. Mara Linden was born there in 1852.",
+        ),
     )
     # A title named by two supporting facts is one paragraph; the order follows the supporting facts.
     assert [p.title for p in rows[1].contexts] == ["Tarrow Bridge", "Pellin Viaduct"]
@@ -61,14 +66,20 @@ def write_official(tmp_path: Path, rows: list) -> Path:
     return path
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r.update(supporting_facts=[["No Such Page", 0]]), "'No Such Page', which is not in the row's context"),
-    (lambda r: r.pop("answer"), 'field "answer" must be a non-empty string'),
-    (lambda r: r.update(question="  "), 'field "question" must be a non-empty string'),
-    (lambda r: r.update(context="text"), 'field "context" must be a list'),
-    (lambda r: r.update(supporting_facts=[]), 'field "supporting_facts" must name at least one'),
-    (lambda r: r.pop("_id"), 'field "_id" (official) or "id"'),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda r: r.update(supporting_facts=[["No Such Page", 0]]),
+            "'No Such Page', which is not in the row's context",
+        ),
+        (lambda r: r.pop("answer"), 'field "answer" must be a non-empty string'),
+        (lambda r: r.update(question="  "), 'field "question" must be a non-empty string'),
+        (lambda r: r.update(context="text"), 'field "context" must be a list'),
+        (lambda r: r.update(supporting_facts=[]), 'field "supporting_facts" must name at least one'),
+        (lambda r: r.pop("_id"), 'field "_id" (official) or "id"'),
+    ],
+)
 def test_bad_official_row_names_file_and_row(tmp_path, mutate, message):
     rows = official_rows()
     mutate(rows[2])

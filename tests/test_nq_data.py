@@ -52,7 +52,9 @@ def test_loads_shared_format_and_hf_style_rows(tmp_path: Path) -> None:
             qid="nq-00000",
             question="who got the first nobel prize in physics",
             answers=("Wilhelm Conrad Röntgen",),
-            contexts=(Passage(title="Nobel laureates", text="The first Nobel Prize in Physics was awarded in 1901 ..."),),
+            contexts=(
+                Passage(title="Nobel laureates", text="The first Nobel Prize in Physics was awarded in 1901 ..."),
+            ),
         ),
         QARow(
             qid="nq-00001",
@@ -161,6 +163,7 @@ def test_invalid_utf8_names_file_and_line(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- row-level errors
+
 
 # Each case: the bad third line, and a regex the message must match after "<file>, line 3: ".
 def row_line(**fields: object) -> str:

@@ -32,8 +32,17 @@ def expected(root) -> dict[str, int]:
 def test_preference_rows_and_their_arrow_folders(tmp_path, umask):
     from confrag.preferences import save_rows
 
-    rows = [{"qid": "q0", "query": "x", "pos": ["p"], "neg": ["n"], "pos_scores": [0.1], "neg_scores": [-0.1],
-             "prompt": "p"}]
+    rows = [
+        {
+            "qid": "q0",
+            "query": "x",
+            "pos": ["p"],
+            "neg": ["n"],
+            "pos_scores": [0.1],
+            "neg_scores": [-0.1],
+            "prompt": "p",
+        }
+    ]
     save_rows({"train": rows, "test": rows}, tmp_path / "nq_rerank")
     assert (tmp_path / "nq_rerank" / "train_arrow").is_dir()
     assert modes(tmp_path) == expected(tmp_path)
@@ -43,8 +52,9 @@ def test_bm25_index(tmp_path, umask):
     from confrag.retrieval import BM25Retriever, CorpusPassage
     from confrag.retrieval.corpus import _make_corpus
 
-    corpus = _make_corpus([CorpusPassage(f"d{i}#0", f"t{i}", f"text number {i} about things", f"d{i}")
-                           for i in range(5)], {})
+    corpus = _make_corpus(
+        [CorpusPassage(f"d{i}#0", f"t{i}", f"text number {i} about things", f"d{i}") for i in range(5)], {}
+    )
     BM25Retriever(corpus, cache_dir=tmp_path)
     assert any(p.is_dir() for p in (tmp_path / "retrieval" / "bm25").iterdir())
     assert modes(tmp_path) == expected(tmp_path)

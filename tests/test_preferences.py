@@ -37,14 +37,14 @@ def candidate_set(qid: str, n: int, gold_at: int | None) -> Candidates:
 
 
 def shifts_for(sets, reference_qa, reference_empty, candidates):
-    return ConfidenceShifts({"qa": np.array(reference_qa), "rag_empty": np.array(reference_empty)},
-                            [np.array(c) for c in candidates])
+    return ConfidenceShifts(
+        {"qa": np.array(reference_qa), "rag_empty": np.array(reference_empty)}, [np.array(c) for c in candidates]
+    )
 
 
 def test_rows_follow_flagembedding_format_and_drops_are_counted():
     sets = [candidate_set("a", 3, 0), candidate_set("b", 3, None), candidate_set("c", 2, 1)]
-    shifts = shifts_for(sets, [0.5, 0.5, 0.5], [0.6, 0.6, 0.6],
-                        [[0.9, 0.2, 0.6], [0.7, 0.8, 0.9], [0.1, 0.2]])
+    shifts = shifts_for(sets, [0.5, 0.5, 0.5], [0.6, 0.6, 0.6], [[0.9, 0.2, 0.6], [0.7, 0.8, 0.9], [0.1, 0.2]])
     rows, drops = build_rows(sets, shifts, "qa", top_k=5)
     assert [r["qid"] for r in rows] == ["a"]
     assert drops == {"no_positive": 1, "no_negative": 1, "neither": 0}
@@ -83,8 +83,18 @@ def test_report_covers_both_references_and_prints_examples():
 
 
 def test_split_is_by_question_and_seeded(tmp_path):
-    rows = [{"qid": f"q{i // 2}", "query": "x", "pos": ["p"], "neg": ["n"], "pos_scores": [0.1],
-             "neg_scores": [-0.1], "prompt": "p"} for i in range(40)]
+    rows = [
+        {
+            "qid": f"q{i // 2}",
+            "query": "x",
+            "pos": ["p"],
+            "neg": ["n"],
+            "pos_scores": [0.1],
+            "neg_scores": [-0.1],
+            "prompt": "p",
+        }
+        for i in range(40)
+    ]
     splits = split_by_question(rows, 0.25, seed=3)
     train_q, test_q = {r["qid"] for r in splits["train"]}, {r["qid"] for r in splits["test"]}
     assert not train_q & test_q and len(test_q) == 5

@@ -41,8 +41,9 @@ def test_probe_learns_a_separable_signal():
     y = (x[:, 0] > 0).astype(np.int64)
     probe = ProbeModule(input_dim=16, lr=1e-2)
     loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=32, shuffle=True)
-    Trainer(max_epochs=15, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False).fit(probe, loader, loader)
+    Trainer(
+        max_epochs=15, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    ).fit(probe, loader, loader)
     conf = probe.confidence(x)
     assert ((conf > 0.5) == y).mean() > 0.9
 

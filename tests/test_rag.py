@@ -57,8 +57,9 @@ def counted(monkeypatch):
 
 
 def store(llm, templates, cache, **kwargs):
-    return AnswerStore(llm, templates, cache, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW), progress=False,
-                       **kwargs)
+    return AnswerStore(
+        llm, templates, cache, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW), progress=False, **kwargs
+    )
 
 
 def candidates_for(rows, per_question=3):
@@ -66,17 +67,22 @@ def candidates_for(rows, per_question=3):
     out = []
     for i, row in enumerate(rows):
         picks = [rows[(i + j) % len(rows)] for j in range(per_question)]
-        passages = [CorpusPassage(pid=f"{r.qid}#0", title=r.contexts[0].title, text=r.contexts[0].text, source_id=r.qid)
-                    for r in picks]
-        out.append(make_candidates(row.qid, row.question, row.answers, passages, [3.0, 2.0, 1.0][:per_question], row.qid))
+        passages = [
+            CorpusPassage(pid=f"{r.qid}#0", title=r.contexts[0].title, text=r.contexts[0].text, source_id=r.qid)
+            for r in picks
+        ]
+        out.append(
+            make_candidates(row.qid, row.question, row.answers, passages, [3.0, 2.0, 1.0][:per_question], row.qid)
+        )
     return out
 
 
 # ---------------------------------------------------------------- the answer cache
 
 
-def test_store_answers_equal_plain_generation_and_a_second_store_generates_nothing(tiny_llama, templates, nq_rows,
-                                                                                  tmp_path, counted):
+def test_store_answers_equal_plain_generation_and_a_second_store_generates_nothing(
+    tiny_llama, templates, nq_rows, tmp_path, counted
+):
     rows = nq_rows[:5]
     items = [(row.question, ()) for row in rows] + [(row.question, row.contexts[:1]) for row in rows]
     first = store(tiny_llama, templates, tmp_path)
@@ -91,8 +97,9 @@ def test_store_answers_equal_plain_generation_and_a_second_store_generates_nothi
     assert sum(counted) == 10 and again.generated == 0 and again.reused == 10
 
 
-def test_other_generation_settings_or_model_miss_the_cache(tiny_llama, tiny_qwen2, templates, nq_rows, tmp_path,
-                                                           counted):
+def test_other_generation_settings_or_model_miss_the_cache(
+    tiny_llama, tiny_qwen2, templates, nq_rows, tmp_path, counted
+):
     items = [(row.question, ()) for row in nq_rows[:3]]
     store(tiny_llama, templates, tmp_path).answer(items)
     store(tiny_llama, templates, tmp_path, max_new_tokens=MAX_NEW + 1).answer(items)
@@ -125,7 +132,7 @@ def test_damaged_chunk_is_regenerated(tiny_llama, templates, nq_rows, tmp_path, 
     items = [(row.question, ()) for row in nq_rows[:4]]
     reference = store(tiny_llama, templates, tmp_path, chunk_size=2).answer(items)
     shard = sorted(tmp_path.glob("answers/*/*/shard-00000.json"))[0]
-    shard.write_text("[\"truncated")
+    shard.write_text('["truncated')
     with caplog.at_level(logging.WARNING):
         assert store(tiny_llama, templates, tmp_path, chunk_size=2).answer(items) == reference
     assert counted == [2, 2, 2] and "damaged" in caplog.text
@@ -146,30 +153,50 @@ def test_k1_then_k3_and_a_second_reranker_reuse_answers(tiny_llama, templates, n
     demote_second = lambda question, passages: np.array([3.0, 1.0, 2.0])  # noqa: E731
     run = run_rag(rows, cands, answers, ks=[1, 3], reranker=demote_second)
     assert sum(counted) == 16
-    assert [o.rag[3].contexts for o in run.outcomes][0] == (cands[0].passages[0].pid, cands[0].passages[2].pid,
-                                                              cands[0].passages[1].pid)
+    assert [o.rag[3].contexts for o in run.outcomes][0] == (
+        cands[0].passages[0].pid,
+        cands[0].passages[2].pid,
+        cands[0].passages[1].pid,
+    )
 
 
 def test_outcomes_hold_scored_answers_for_the_reranked_top_k(tiny_llama, templates, nq_rows, tmp_path):
     rows = nq_rows[:3]
     cands = candidates_for(rows)
     reverse = lambda question, passages: np.arange(len(passages), dtype=float)  # noqa: E731 (last first)
-    run = run_rag(rows, cands, store(tiny_llama, templates, tmp_path), ks=(3, 1), reranker=reverse,
-                  confidences={row.qid: 0.25 * i for i, row in enumerate(rows)})
+    run = run_rag(
+        rows,
+        cands,
+        store(tiny_llama, templates, tmp_path),
+        ks=(3, 1),
+        reranker=reverse,
+        confidences={row.qid: 0.25 * i for i, row in enumerate(rows)},
+    )
     assert run.ks == (1, 3) and run.capped == {1: 0, 3: 0}
-    plain = lambda prompts: generate_greedy(tiny_llama.model, tiny_llama.tokenizer, prompts, MAX_NEW,  # noqa: E731
-                                            progress=False)
+    plain = lambda prompts: generate_greedy(
+        tiny_llama.model,
+        tiny_llama.tokenizer,
+        prompts,
+        MAX_NEW,  # noqa: E731
+        progress=False,
+    )
     for i, (row, outcome, cand) in enumerate(zip(rows, run.outcomes, cands)):
         top = cand.passages[::-1]
         assert outcome.rag[1].contexts == (top[0].pid,) and outcome.rag[3].contexts == tuple(p.pid for p in top)
-        expected = plain([templates.qa_prompt(tiny_llama.tokenizer, row.question),
-                          templates.rag_prompt(tiny_llama.tokenizer, row.question, top[:1]),
-                          templates.rag_prompt(tiny_llama.tokenizer, row.question, top)])
+        expected = plain(
+            [
+                templates.qa_prompt(tiny_llama.tokenizer, row.question),
+                templates.rag_prompt(tiny_llama.tokenizer, row.question, top[:1]),
+                templates.rag_prompt(tiny_llama.tokenizer, row.question, top),
+            ]
+        )
         assert [outcome.closed_book.answer, outcome.rag[1].answer, outcome.rag[3].answer] == expected
         scored = outcome.rag[3]
-        assert (scored.has_answer, scored.em, scored.f1) == (has_answer(scored.answer, row.answers),
-                                                            exact_match(scored.answer, row.answers),
-                                                            round(token_f1(scored.answer, row.answers), 6))
+        assert (scored.has_answer, scored.em, scored.f1) == (
+            has_answer(scored.answer, row.answers),
+            exact_match(scored.answer, row.answers),
+            round(token_f1(scored.answer, row.answers), 6),
+        )
         assert outcome.confidence == 0.25 * i
 
 
@@ -207,10 +234,16 @@ def test_bad_inputs_are_named(tiny_llama, templates, nq_rows, tmp_path):
 
 def test_outcome_records_round_trip_through_jsonl(tmp_path):
     outcome = QuestionOutcome(
-        qid="q1", question="who wrote it", answers=("Ann Lee",), confidence=0.875,
+        qid="q1",
+        question="who wrote it",
+        answers=("Ann Lee",),
+        confidence=0.875,
         closed_book=ScoredAnswer("I think Bob", False, False, 0.0),
-        rag={3: RagAnswer("Ann Lee wrote it", True, False, 0.571429, contexts=("d1#0", "d2#0", "d3#1")),
-             1: RagAnswer("Ann Lee", True, True, 1.0, contexts=("d1#0",))})
+        rag={
+            3: RagAnswer("Ann Lee wrote it", True, False, 0.571429, contexts=("d1#0", "d2#0", "d3#1")),
+            1: RagAnswer("Ann Lee", True, True, 1.0, contexts=("d1#0",)),
+        },
+    )
     record = outcome.to_dict()
     assert json.loads(json.dumps(record)) == record
     assert list(record["rag"]) == ["1", "3"] and record["rag"]["3"]["contexts"] == ["d1#0", "d2#0", "d3#1"]
@@ -233,7 +266,7 @@ def test_bootstrap_ci_is_seeded_and_brackets_the_mean():
     assert abs((ci.high - ci.low) / 2 - 0.136) < 0.02
     wider = accuracy_ci(correct[::5], seed=3)
     assert wider.high - wider.low > ci.high - ci.low
-    assert accuracy_ci([1, 1, 1]) .low == 1.0 and accuracy_ci([True]).value == 1.0
+    assert accuracy_ci([1, 1, 1]).low == 1.0 and accuracy_ci([True]).value == 1.0
     with pytest.raises(ValueError, match="0/1"):
         accuracy_ci([0.5, 1])
 
@@ -253,9 +286,16 @@ def test_exact_mcnemar_counts_discordant_pairs():
 def fake_outcomes(k_correct: dict[int, list[int]], qids=None) -> list[QuestionOutcome]:
     n = len(next(iter(k_correct.values())))
     qids = qids or [f"q{i}" for i in range(n)]
-    return [QuestionOutcome(qid, f"question {qid}", ("x",), ScoredAnswer("", False, False, 0.0),
-                            {k: RagAnswer("", bool(v[i]), False, 0.0) for k, v in k_correct.items()})
-            for i, qid in enumerate(qids)]
+    return [
+        QuestionOutcome(
+            qid,
+            f"question {qid}",
+            ("x",),
+            ScoredAnswer("", False, False, 0.0),
+            {k: RagAnswer("", bool(v[i]), False, 0.0) for k, v in k_correct.items()},
+        )
+        for i, qid in enumerate(qids)
+    ]
 
 
 def test_table2_has_cis_and_paired_tests_against_the_base_row():
@@ -273,8 +313,10 @@ def test_table2_has_cis_and_paired_tests_against_the_base_row():
     assert ft["top1_vs_base"].pvalue == pytest.approx(0.125) and ft["top3_vs_base"].pvalue == 1.0
     table = table2_markdown(rows, base_reranker="bge-base", reranker_params={"bge-base": "568M", "bge-ft": "568M"})
     lines = table.splitlines()
-    assert lines[0] == ("| LLM | Reranker | Params | NQ Top-1 | NQ Top-3 | NQ p vs base (Top-1 / Top-3) | "
-                        "HotpotQA Top-1 | HotpotQA Top-3 | HotpotQA p vs base (Top-1 / Top-3) |")
+    assert lines[0] == (
+        "| LLM | Reranker | Params | NQ Top-1 | NQ Top-3 | NQ p vs base (Top-1 / Top-3) | "
+        "HotpotQA Top-1 | HotpotQA Top-3 | HotpotQA p vs base (Top-1 / Top-3) |"
+    )
     assert lines[2].startswith("| Llama3 | bge-base | 568M | 30.00 [") and "| base |" in lines[2]
     assert lines[3].startswith("| Llama3 | bge-ft | 568M | 70.00 [") and "| 0.125 / 1.000 |" in lines[3]
     assert "NQ: n = 10" in table and "HotpotQA: n = 2" in table
@@ -289,8 +331,10 @@ def test_rows_and_candidates_joined_by_qid_must_hold_the_same_question(tiny_llam
     rows = nq_rows[:3]
     cands = candidates_for(rows)
     # Candidates built from a file in which the rows sat one line further: same qids, other questions.
-    shifted = [make_candidates(rows[i].qid, c.question, c.answers, c.passages, c.scores, c.gold_source)
-               for i, c in enumerate(candidates_for(nq_rows[1:4]))]
+    shifted = [
+        make_candidates(rows[i].qid, c.question, c.answers, c.passages, c.scores, c.gold_source)
+        for i, c in enumerate(candidates_for(nq_rows[1:4]))
+    ]
     with pytest.raises(ValueError, match=rf"the candidates: 3 of 3 questions differ .*qid '{rows[0].qid}'"):
         run_rag(rows, shifted, store(tiny_llama, templates, tmp_path))
     assert not (tmp_path / "answers").exists()  # refused before any answer was generated

@@ -13,7 +13,6 @@ from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.loading import LLMNotAvailableError, load_llm
 from confrag.llm.prompts import encode_prompts
-
 from test_configs import ROOT, compose_cfg
 
 
@@ -27,8 +26,12 @@ def random_cfg(**changes):
 def test_one_llama3_layer_on_the_cpu(templates, nq_rows):
     llm = load_llm(random_cfg(dtype="bfloat16", random={"num_hidden_layers": 1}))
     config, model = llm.model.config, llm.model
-    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads) == \
-        (4096, 14336, 32, 8)
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads) == (
+        4096,
+        14336,
+        32,
+        8,
+    )
     assert config.rope_parameters["rope_theta"] == 500000.0 and config.rms_norm_eps == 1e-5
     assert not config.tie_word_embeddings and config.num_hidden_layers == 1 and llm.num_layers == 1
     assert config.vocab_size == len(llm.tokenizer) == 49152  # SmolLM2's vocabulary: its token ids are valid rows
@@ -44,8 +47,13 @@ def test_one_llama3_layer_on_the_cpu(templates, nq_rows):
 
 
 def test_the_seed_fixes_the_weights_and_the_identity_names_them():
-    small = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-             "num_key_value_heads": 2}
+    small = {
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     first = load_llm(random_cfg(dtype="float32", random=small))
     again = load_llm(random_cfg(dtype="float32", random=small))
     other = load_llm(random_cfg(dtype="float32", seed=1, random=small))
@@ -80,11 +88,14 @@ def test_cuda_without_a_gpu_says_how_to_smoke_test_on_the_cpu():
 
 def test_the_8b_shaped_cbdr_experiment_composes(tmp_path):
     cfg = OmegaConf.to_container(compose_cfg(["+experiment=cbdr_llama3_shape"], tmp_path), resolve=True)
-    assert cfg["task_name"] == "cbdr" and cfg["llm"]["source"] == "random" and cfg["llm"]["random"]["shape"] == "llama3_8b"
+    assert (
+        cfg["task_name"] == "cbdr" and cfg["llm"]["source"] == "random" and cfg["llm"]["random"]["shape"] == "llama3_8b"
+    )
     assert cfg["llm"]["dtype"] == "bfloat16" and cfg["llm"]["device"] == "cuda"
     assert cfg["probe"]["data"]["llm"] == cfg["llm"] and cfg["model"]["backbone"] == "minilm"
     assert cfg["trainer"]["accelerator"] == "gpu" and cfg["probe"]["trainer"]["accelerator"] == "gpu"
     assert cfg["rag"]["batch_size"] == 64 and cfg["probe"]["data"]["gen_batch_size"] == 64  # cbdr_llama3's GPU sizes
-    qwen = OmegaConf.to_container(compose_cfg(["+experiment=cbdr_llama3_shape", "llm=qwen2_5_7b_shape"], tmp_path),
-                                  resolve=True)
+    qwen = OmegaConf.to_container(
+        compose_cfg(["+experiment=cbdr_llama3_shape", "llm=qwen2_5_7b_shape"], tmp_path), resolve=True
+    )
     assert qwen["llm"]["random"]["shape"] == "qwen2_5_7b" and qwen["probe"]["data"]["llm"] == qwen["llm"]

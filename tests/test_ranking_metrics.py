@@ -89,12 +89,16 @@ def test_matches_torchmetrics_on_random_data(seed, action):
     scores, labels = _random_queries(seed)
     skip = action == "skip"
     for k in (1, 3, 5):
-        expected_p = _torchmetrics(RetrievalPrecision(top_k=k, adaptive_k=False, empty_target_action=action), scores, labels)
+        expected_p = _torchmetrics(
+            RetrievalPrecision(top_k=k, adaptive_k=False, empty_target_action=action), scores, labels
+        )
         expected_r = _torchmetrics(RetrievalRecall(top_k=k, empty_target_action=action), scores, labels)
         expected_mrr = _torchmetrics(RetrievalMRR(top_k=k, empty_target_action=action), scores, labels)
         assert precision_at_k(scores, labels, k, skip_empty=skip) == pytest.approx(expected_p, abs=1e-6)
         assert recall_at_k(scores, labels, k, skip_empty=skip) == pytest.approx(expected_r, abs=1e-6)
-        assert mrr_at_k(scores, labels, k, skip_empty=skip) == pytest.approx(expected_mrr, abs=1e-6)  # torchmetrics averages in float32
+        assert mrr_at_k(scores, labels, k, skip_empty=skip) == pytest.approx(
+            expected_mrr, abs=1e-6
+        )  # torchmetrics averages in float32
 
 
 def test_scores_are_only_compared_with_each_other():
@@ -120,7 +124,9 @@ def test_ranking_table_rows_look_like_table_1():
     assert table[1]["MRR@5"] == pytest.approx(100 * nonempty)  # oracle: rank 1 whenever there is a positive
     assert table[0]["P@3"] == pytest.approx(100 * precision_at_k(scores, labels, 3))
     fractions = ranking_table({"random": scores}, labels, ks=(2,), percent=False)[0]
-    assert list(fractions) == ["system", "P@2", "R@2", "MRR@2"] and fractions["R@2"] == pytest.approx(recall_at_k(scores, labels, 2))
+    assert list(fractions) == ["system", "P@2", "R@2", "MRR@2"] and fractions["R@2"] == pytest.approx(
+        recall_at_k(scores, labels, 2)
+    )
 
 
 def test_torchmetrics_style_metric_accumulates_whole_queries():

@@ -3,8 +3,6 @@ relevance ablation's labels, and bad settings named by their key."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -51,13 +49,25 @@ def setting(tiny_llama, templates, nq_rows):
 
 
 def shifts_with(setting, llm, templates, cache_dir, engine):
-    return confidence_shifts(llm, templates, setting["probe"], setting["candidates"], engine=engine,
-                             cache_dir=cache_dir, shard_size=4, progress=False)
+    return confidence_shifts(
+        llm,
+        templates,
+        setting["probe"],
+        setting["candidates"],
+        engine=engine,
+        cache_dir=cache_dir,
+        shard_size=4,
+        progress=False,
+    )
 
 
 def test_interrupted_preference_build_resumes_to_the_same_rows(setting, tiny_llama, templates, tmp_path):
-    engine = lambda fail_at=None: CountingEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False,  # noqa: E731
-                                                 fail_at=fail_at)
+    engine = lambda fail_at=None: CountingEngine(
+        tiny_llama.model,
+        tiny_llama.tokenizer,
+        progress=False,  # noqa: E731
+        fail_at=fail_at,
+    )
     reference = shifts_with(setting, tiny_llama, templates, tmp_path / "fresh", engine())
     # 6 questions: 2 reference shards each for qa and rag_empty; 24 candidate prompts: 6 shards.
     broken = engine(fail_at=7)  # dies on the third candidate shard
@@ -73,12 +83,14 @@ def test_interrupted_preference_build_resumes_to_the_same_rows(setting, tiny_lla
 
 
 def test_probe_of_another_llm_is_refused(setting, tiny_llama, tiny_qwen2, templates, tmp_path):
-    other = SavedProbe(setting["probe"].module, {"activations": {**setting["probe"].meta["activations"],
-                                                                 "llm": tiny_qwen2.identity}})
+    other = SavedProbe(
+        setting["probe"].module, {"activations": {**setting["probe"].meta["activations"], "llm": tiny_qwen2.identity}}
+    )
     engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False)
     with pytest.raises(ValueError, match="llm: trained on"):
-        confidence_shifts(tiny_llama, templates, other, setting["candidates"], engine=engine, cache_dir=tmp_path,
-                          progress=False)
+        confidence_shifts(
+            tiny_llama, templates, other, setting["candidates"], engine=engine, cache_dir=tmp_path, progress=False
+        )
 
 
 def passage(i: int, text: str) -> CorpusPassage:
@@ -86,31 +98,54 @@ def passage(i: int, text: str) -> CorpusPassage:
 
 
 def test_relevance_rows_label_passages_by_answer_and_skip_one_sided_questions():
-    both = make_candidates("q1", "who wrote hamlet", ["Shakespeare"],
-                           [passage(0, "a play"), passage(1, "Hamlet by William Shakespeare"), passage(2, "other"),
-                            passage(3, "Shakespeare again")], [4.0, 3.0, 2.0, 1.0], None)
-    no_answer = make_candidates("q2", "what is x", ["zeta"], [passage(4, "alpha"), passage(5, "beta")], [2.0, 1.0], None)
+    both = make_candidates(
+        "q1",
+        "who wrote hamlet",
+        ["Shakespeare"],
+        [
+            passage(0, "a play"),
+            passage(1, "Hamlet by William Shakespeare"),
+            passage(2, "other"),
+            passage(3, "Shakespeare again"),
+        ],
+        [4.0, 3.0, 2.0, 1.0],
+        None,
+    )
+    no_answer = make_candidates(
+        "q2", "what is x", ["zeta"], [passage(4, "alpha"), passage(5, "beta")], [2.0, 1.0], None
+    )
     rows = relevance_rows([both, no_answer], {"q1", "q2"}, top_k=1)
-    assert rows == [{"qid": "q1", "query": "who wrote hamlet", "pos": ["T1\nHamlet by William Shakespeare"],
-                     "neg": ["T0\na play"], "prompt": rows[0]["prompt"]}]
+    assert rows == [
+        {
+            "qid": "q1",
+            "query": "who wrote hamlet",
+            "pos": ["T1\nHamlet by William Shakespeare"],
+            "neg": ["T0\na play"],
+            "prompt": rows[0]["prompt"],
+        }
+    ]
     assert relevance_rows([both], {"q2"}, top_k=5) == []  # only the given (training) questions
 
 
 def test_duplicate_candidate_passages_are_removed_and_counted():
-    dup = make_candidates("q", "q?", ["a"], [passage(0, "same"), passage(1, "x"), passage(0, "same")],
-                          [3.0, 2.0, 1.0], None)
+    dup = make_candidates(
+        "q", "q?", ["a"], [passage(0, "same"), passage(1, "x"), passage(0, "same")], [3.0, 2.0, 1.0], None
+    )
     cleaned, removed = without_duplicates(dup)
     assert removed == 1 and [p.text for p in cleaned.passages] == ["same", "x"] and cleaned.scores == [3.0, 2.0]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.tau=0", "model.tau must be > 0"),
-    ("preferences.top_k=0", "preferences.top_k must be an integer >= 1"),
-    ("retrieval.retriever=sparse", "retrieval.retriever='sparse' is not one of"),
-    ("preferences.reference=gold", "preferences.reference='gold' is not one of"),
-    ("data.group_size=1", "data.group_size must be an integer >= 2"),
-    ("preferences.test_fraction=1.5", r"preferences.test_fraction must be in \(0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.tau=0", "model.tau must be > 0"),
+        ("preferences.top_k=0", "preferences.top_k must be an integer >= 1"),
+        ("retrieval.retriever=sparse", "retrieval.retriever='sparse' is not one of"),
+        ("preferences.reference=gold", "preferences.reference='gold' is not one of"),
+        ("data.group_size=1", "data.group_size must be an integer >= 2"),
+        ("preferences.test_fraction=1.5", r"preferences.test_fraction must be in \(0, 1\)"),
+    ],
+)
 def test_bad_settings_fail_before_any_stage_runs(override, message, tmp_path):
     cfg = compose_cfg(["+experiment=reranker_tiny_llama", override, "logger=csv"], tmp_path)
     with pytest.raises(ValueError, match=message):

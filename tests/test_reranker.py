@@ -22,22 +22,46 @@ from confrag.reranker.metrics import ranking_metrics
 from confrag.reranker.module import RerankerModule, minilm_dir
 
 TOPICS = [
-    ("what colour is the sky on a clear day", "The sky on a clear day is blue because air scatters blue light.",
-     "Rayleigh scattering makes the daytime sky look blue."),
-    ("who wrote the play hamlet", "Hamlet is a tragedy written by William Shakespeare.",
-     "William Shakespeare wrote Hamlet around 1600."),
-    ("what is the capital of france", "Paris is the capital and largest city of France.",
-     "The French government sits in Paris, the capital."),
-    ("how many legs does a spider have", "Spiders are arachnids with eight legs.",
-     "Every spider walks on eight jointed legs."),
-    ("what is the boiling point of water", "At sea level water boils at 100 degrees Celsius.",
-     "Water turns to steam at 100 °C under standard pressure."),
-    ("which planet is known as the red planet", "Mars is called the Red Planet because of iron oxide dust.",
-     "The reddish colour of Mars comes from rusty soil."),
-    ("who painted the mona lisa", "Leonardo da Vinci painted the Mona Lisa.",
-     "The Mona Lisa is a portrait by Leonardo da Vinci in the Louvre."),
-    ("what gas do plants absorb", "Plants absorb carbon dioxide for photosynthesis.",
-     "During photosynthesis leaves take in carbon dioxide."),
+    (
+        "what colour is the sky on a clear day",
+        "The sky on a clear day is blue because air scatters blue light.",
+        "Rayleigh scattering makes the daytime sky look blue.",
+    ),
+    (
+        "who wrote the play hamlet",
+        "Hamlet is a tragedy written by William Shakespeare.",
+        "William Shakespeare wrote Hamlet around 1600.",
+    ),
+    (
+        "what is the capital of france",
+        "Paris is the capital and largest city of France.",
+        "The French government sits in Paris, the capital.",
+    ),
+    (
+        "how many legs does a spider have",
+        "Spiders are arachnids with eight legs.",
+        "Every spider walks on eight jointed legs.",
+    ),
+    (
+        "what is the boiling point of water",
+        "At sea level water boils at 100 degrees Celsius.",
+        "Water turns to steam at 100 °C under standard pressure.",
+    ),
+    (
+        "which planet is known as the red planet",
+        "Mars is called the Red Planet because of iron oxide dust.",
+        "The reddish colour of Mars comes from rusty soil.",
+    ),
+    (
+        "who painted the mona lisa",
+        "Leonardo da Vinci painted the Mona Lisa.",
+        "The Mona Lisa is a portrait by Leonardo da Vinci in the Louvre.",
+    ),
+    (
+        "what gas do plants absorb",
+        "Plants absorb carbon dioxide for photosynthesis.",
+        "During photosynthesis leaves take in carbon dioxide.",
+    ),
 ]
 
 
@@ -46,15 +70,31 @@ def toy_rows() -> list[dict]:
     rows = []
     for i, (query, pos_a, pos_b) in enumerate(TOPICS):
         negs = [TOPICS[(i + d) % len(TOPICS)][1 + d % 2] for d in (1, 3, 5, 7)]
-        rows.append({"qid": f"t{i}", "query": query, "pos": [pos_a, pos_b], "neg": negs,
-                     "pos_scores": [0.3, 0.2], "neg_scores": [-0.1, -0.2, -0.3, -0.4], "prompt": "rank"})
+        rows.append(
+            {
+                "qid": f"t{i}",
+                "query": query,
+                "pos": [pos_a, pos_b],
+                "neg": negs,
+                "pos_scores": [0.3, 0.2],
+                "neg_scores": [-0.1, -0.2, -0.3, -0.4],
+                "prompt": "rank",
+            }
+        )
     return rows
 
 
 def fast_trainer(max_steps: int, callbacks=None) -> Trainer:
-    return Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   callbacks=callbacks)
+    return Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
 
 
 class BackboneModeSpy(Callback):
@@ -70,11 +110,14 @@ class BackboneModeSpy(Callback):
 def mean_group_loss(module: RerankerModule, rows: list[dict], group_size: int = 4) -> float:
     dataset = GroupDataset(rows, group_size, seed=0)
     items = [dataset[i] for i in range(len(dataset))]
-    scores = module.score([it["query"] for it in items for _ in it["passages"]], [p for it in items for p in it["passages"]])
+    scores = module.score(
+        [it["query"] for it in items for _ in it["passages"]], [p for it in items for p in it["passages"]]
+    )
     return float(group_infonce(torch.from_numpy(scores).view(len(items), group_size), module.hparams.tau))
 
 
 # --- loss ----------------------------------------------------------------------------------------
+
 
 def test_group_infonce_by_hand():
     scores = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, -1.0]])
@@ -119,15 +162,19 @@ def test_group_of_one_is_refused():
 
 # --- rows and groups -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value, message", [
-    ("pos", [], r"train row 1: field 'pos' must be a non-empty list"),
-    ("neg", [], r"train row 1: field 'neg' must be a non-empty list"),
-    ("neg", ["same", "other", "same"], r"train row 1: field 'neg' holds the same passage twice \(items 0 and 2\)"),
-    ("pos", ["shared", "x"], r"train row 1: passage in both 'pos' and 'neg'"),
-    ("pos_scores", [0.1], r"train row 1: field 'pos_scores' has 1 values for 2 passages in 'pos'"),
-    ("neg_scores", None, r"train row 1: has 'pos_scores' but no 'neg_scores'"),
-    ("query", "  ", r"train row 1: field 'query' must be a non-empty string"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("pos", [], r"train row 1: field 'pos' must be a non-empty list"),
+        ("neg", [], r"train row 1: field 'neg' must be a non-empty list"),
+        ("neg", ["same", "other", "same"], r"train row 1: field 'neg' holds the same passage twice \(items 0 and 2\)"),
+        ("pos", ["shared", "x"], r"train row 1: passage in both 'pos' and 'neg'"),
+        ("pos_scores", [0.1], r"train row 1: field 'pos_scores' has 1 values for 2 passages in 'pos'"),
+        ("neg_scores", None, r"train row 1: has 'pos_scores' but no 'neg_scores'"),
+        ("query", "  ", r"train row 1: field 'query' must be a non-empty string"),
+    ],
+)
 def test_bad_rows_name_the_row_and_field(field, value, message):
     rows = toy_rows()
     if field == "pos" and value and value[0] == "shared":
@@ -162,8 +209,9 @@ def test_groups_follow_flagembedding_sampling():
         assert item["passages"][0] in row["pos"]
         negs = item["passages"][1:]
         assert set(negs) <= set(row["neg"]) and len(set(negs)) == 3  # without replacement: 4 available
-        assert item["teacher_scores"] == [row["pos_scores"][row["pos"].index(item["passages"][0])]] + \
-            [row["neg_scores"][row["neg"].index(p)] for p in negs]
+        assert item["teacher_scores"] == [row["pos_scores"][row["pos"].index(item["passages"][0])]] + [
+            row["neg_scores"][row["neg"].index(p)] for p in negs
+        ]
     assert dataset[3] == GroupDataset(rows, group_size=4, seed=7)[3]  # reproducible
     # Fewer negatives than G − 1 = 9: 9 drawn without replacement from the 4 negatives repeated
     # ceil(9 / 4) = 3 times, so a negative comes up at most 3 times.
@@ -188,9 +236,13 @@ def test_truncation_is_counted_and_respects_the_budgets():
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
     long_passage = " ".join(f"word{i}" for i in range(200))
     long_query = "who " + " ".join(["really"] * 30) + " wrote hamlet"
-    encoded = encode_pairs(tokenizer, ["who wrote hamlet", long_query, "who wrote hamlet"],
-                           ["Shakespeare wrote it.", "Shakespeare wrote it.", long_passage],
-                           query_max_len=8, passage_max_len=24)
+    encoded = encode_pairs(
+        tokenizer,
+        ["who wrote hamlet", long_query, "who wrote hamlet"],
+        ["Shakespeare wrote it.", "Shakespeare wrote it.", long_passage],
+        query_max_len=8,
+        passage_max_len=24,
+    )
     ids, types, mask = (encoded.features[k] for k in ("input_ids", "token_type_ids", "attention_mask"))
     assert ids.shape == (3, 32)  # budget 8 + 24, reached by the truncated pair
     assert encoded.truncated_pairs == 1 and encoded.truncated_queries == 1
@@ -214,6 +266,7 @@ def test_truncation_is_counted_and_respects_the_budgets():
 
 # --- module --------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     torch.manual_seed(0)
@@ -228,8 +281,17 @@ def trained(tmp_path_factory):
     after = mean_group_loss(module, rows)
     tested = trainer.test(module, datamodule=dm, verbose=False)[0]
     export_dir = module.export(tmp_path_factory.mktemp("export") / "reranker")
-    return {"module": module, "before": before, "after": after, "test": tested, "dm": dm, "export": export_dir,
-            "rows": rows, "epoch_seen": epoch_seen, "modes": spy.modes}
+    return {
+        "module": module,
+        "before": before,
+        "after": after,
+        "test": tested,
+        "dm": dm,
+        "export": export_dir,
+        "rows": rows,
+        "epoch_seen": epoch_seen,
+        "modes": spy.modes,
+    }
 
 
 def test_infonce_training_lowers_the_loss(trained):

@@ -14,19 +14,38 @@ from confrag.llm.loading import LLMConfig, _tiny_tokenizer
 from confrag.reranker.data import GroupDataset, PreferenceDataModule, encode_pairs
 from confrag.reranker.loss import group_infonce
 from confrag.reranker.module import RerankerModule
-from confrag.reranker.qwen3 import (BODY, DEFAULT_INSTRUCTION, PREFIX, SUFFIX, YesNoScorer, answer_token_ids,
-                                    encode_yes_no_pairs)
+from confrag.reranker.qwen3 import (
+    BODY,
+    DEFAULT_INSTRUCTION,
+    PREFIX,
+    SUFFIX,
+    YesNoScorer,
+    answer_token_ids,
+    encode_yes_no_pairs,
+)
 
 KIND = "qwen3_yes_no"
 TOPICS = [
-    ("who wrote the play hamlet", "Hamlet is a tragedy written by William Shakespeare.",
-     "William Shakespeare wrote Hamlet around 1600."),
-    ("what is the capital of france", "Paris is the capital and largest city of France.",
-     "The French government sits in Paris, the capital."),
-    ("how many legs does a spider have", "Spiders are arachnids with eight legs.",
-     "Every spider walks on eight jointed legs."),
-    ("which planet is known as the red planet", "Mars is called the Red Planet because of iron oxide dust.",
-     "The reddish colour of Mars comes from rusty soil."),
+    (
+        "who wrote the play hamlet",
+        "Hamlet is a tragedy written by William Shakespeare.",
+        "William Shakespeare wrote Hamlet around 1600.",
+    ),
+    (
+        "what is the capital of france",
+        "Paris is the capital and largest city of France.",
+        "The French government sits in Paris, the capital.",
+    ),
+    (
+        "how many legs does a spider have",
+        "Spiders are arachnids with eight legs.",
+        "Every spider walks on eight jointed legs.",
+    ),
+    (
+        "which planet is known as the red planet",
+        "Mars is called the Red Planet because of iron oxide dust.",
+        "The reddish colour of Mars comes from rusty soil.",
+    ),
 ]
 # Pairs of different lengths, so that a batch holds padding.
 QUERIES = ["who wrote hamlet", "what is the capital of france, and why did it become the capital", "q"]
@@ -35,8 +54,10 @@ PASSAGES = ["Shakespeare.", "Paris is the capital of France; the kings settled t
 
 def toy_rows() -> list[dict]:
     """4 rows: two positives about the query, the other topics' passages as negatives."""
-    return [{"query": q, "pos": [a, b], "neg": [TOPICS[(i + d) % 4][1 + d % 2] for d in (1, 2, 3)]}
-            for i, (q, a, b) in enumerate(TOPICS)]
+    return [
+        {"query": q, "pos": [a, b], "neg": [TOPICS[(i + d) % 4][1 + d % 2] for d in (1, 2, 3)]}
+        for i, (q, a, b) in enumerate(TOPICS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +67,19 @@ def tiny_qwen3(tmp_path_factory):
     tokenizer = _tiny_tokenizer(LLMConfig(name="tiny_qwen3", source="tiny"))
     for word in ("yes", "no", "<|im_start|>", "<|im_end|>"):
         assert tokenizer.tokenize(word) == [word], word
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("tiny_qwen3")
     Qwen3ForCausalLM(config).save_pretrained(directory)
@@ -106,11 +136,13 @@ def test_prompt_and_truncation_follow_encode_pairs_budgets(tiny_qwen3):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     texts = real_texts(tokenizer, encoded.features)
-    assert texts[0] == PREFIX + BODY.format(
-        instruction=DEFAULT_INSTRUCTION, query="who wrote hamlet", doc="Shakespeare.") + SUFFIX
+    assert (
+        texts[0]
+        == PREFIX + BODY.format(instruction=DEFAULT_INSTRUCTION, query="who wrote hamlet", doc="Shakespeare.") + SUFFIX
+    )
     assert f"<Query>: {tokenizer.decode(ids(long_query)[:8])}\n<Document>: Shakespeare.{SUFFIX}" in texts[1]
     # The passage keeps what the query left of the 8 + 16 budget.
-    kept = tokenizer.decode(ids(long_passage)[:24 - len(ids("who wrote hamlet"))])
+    kept = tokenizer.decode(ids(long_passage)[: 24 - len(ids("who wrote hamlet"))])
     assert texts[2].endswith(f"<Query>: who wrote hamlet\n<Document>: {kept}{SUFFIX}")
 
 
@@ -131,24 +163,35 @@ def test_datamodule_tokenizes_by_kind(tiny_qwen3):
 def mean_group_loss(module: RerankerModule, rows: list[dict], group_size: int = 3) -> float:
     dataset = GroupDataset(rows, group_size, seed=0)
     items = [dataset[i] for i in range(len(dataset))]
-    scores = module.score([it["query"] for it in items for _ in it["passages"]],
-                          [p for it in items for p in it["passages"]])
+    scores = module.score(
+        [it["query"] for it in items for _ in it["passages"]], [p for it in items for p in it["passages"]]
+    )
     return float(group_infonce(torch.from_numpy(scores).view(len(items), group_size), module.hparams.tau))
 
 
 def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     torch.manual_seed(0)
     rows = toy_rows()
-    module = RerankerModule(backbone=str(tiny_qwen3), kind=KIND, lr=2e-2, tau=0.1,
-                            lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0})
+    module = RerankerModule(
+        backbone=str(tiny_qwen3), kind=KIND, lr=2e-2, tau=0.1, lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
+    )
     trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".self_attn.")[1].split(".")[0] for n in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     before = mean_group_loss(module, rows)
-    trainer = Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=PreferenceDataModule(train=rows, tokenizer=str(tiny_qwen3), batch_size=4,
-                                                        group_size=3, kind=KIND))
+    trainer = Trainer(
+        max_steps=8,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(
+        module,
+        datamodule=PreferenceDataModule(train=rows, tokenizer=str(tiny_qwen3), batch_size=4, group_size=3, kind=KIND),
+    )
     after = mean_group_loss(module, rows)
     assert after < before - 0.1, (before, after)
 
@@ -163,8 +206,9 @@ def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     lm = AutoModelForCausalLM.from_pretrained(directory).eval()
     assert not any("lora" in n for n in lm.state_dict())
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    np.testing.assert_allclose([plain_yes_minus_no(lm, tokenizer, q, p) for q, p in zip(QUERIES, PASSAGES)],
-                               expected, atol=1e-5)
+    np.testing.assert_allclose(
+        [plain_yes_minus_no(lm, tokenizer, q, p) for q, p in zip(QUERIES, PASSAGES)], expected, atol=1e-5
+    )
 
 
 def test_bad_kind_and_settings_are_named(tiny_qwen3):
@@ -178,7 +222,13 @@ def test_bad_kind_and_settings_are_named(tiny_qwen3):
 
 def test_a_datamodule_of_another_kind_is_refused(tiny_qwen3):
     module = RerankerModule(backbone=str(tiny_qwen3), kind=KIND)
-    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(ValueError, match="build PreferenceDataModule with kind=model.kind"):
         trainer.fit(module, datamodule=PreferenceDataModule(train=toy_rows(), tokenizer=str(tiny_qwen3), group_size=3))

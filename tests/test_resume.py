@@ -146,8 +146,9 @@ def test_killed_extraction_resumes_to_identical_states(script, tmp_path, childre
     ref_out, ref_err, victim_err = logs
     reference = subprocess.Popen(command(script, fresh_cache, 0.0), env=environment(), stdout=ref_out, stderr=ref_err)
     children.append(reference)
-    victim = subprocess.Popen(command(script, killed_cache, 0.3), env=environment(),
-                              stdout=subprocess.DEVNULL, stderr=victim_err)
+    victim = subprocess.Popen(
+        command(script, killed_cache, 0.3), env=environment(), stdout=subprocess.DEVNULL, stderr=victim_err
+    )
     children.append(victim)
 
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -182,8 +183,9 @@ def test_killed_extraction_resumes_to_identical_states(script, tmp_path, childre
     assert computed_shards(read(ref_out, tail=None)) == list(range(NUM_SHARDS))
 
     # Same key in both caches, and every vector bit-identical.
-    assert [p.relative_to(killed_cache) for p in shard_files(killed_cache)] == \
-        [p.relative_to(fresh_cache) for p in shard_files(fresh_cache)]
+    assert [p.relative_to(killed_cache) for p in shard_files(killed_cache)] == [
+        p.relative_to(fresh_cache) for p in shard_files(fresh_cache)
+    ]
     resumed, uninterrupted = load_all(killed_cache), load_all(fresh_cache)
     assert resumed.shape == (len(LAYERS), NUM_ITEMS, HIDDEN)
     assert np.array_equal(resumed, uninterrupted)

@@ -35,7 +35,10 @@ from confrag.retrieval.corpus import passages_fingerprint
 
 TOY_DOCS = [
     ("Photosynthesis", "Plants convert sunlight, water and carbon dioxide into glucose and oxygen in their leaves."),
-    ("Eiffel Tower", "The wrought iron lattice tower in Paris was designed by the engineering company of Gustave Eiffel."),
+    (
+        "Eiffel Tower",
+        "The wrought iron lattice tower in Paris was designed by the engineering company of Gustave Eiffel.",
+    ),
     ("Mount Everest", "Earth's highest mountain above sea level lies in the Mahalangur Himal range of the Himalayas."),
     ("Python", "A high-level general-purpose programming language whose design emphasizes code readability."),
     ("Great Barrier Reef", "The world's largest coral reef system is located off the coast of Queensland, Australia."),
@@ -124,14 +127,20 @@ def test_nq_corpus_without_paragraphs_is_refused() -> None:
 
 
 def test_corpus_jsonl_loads_and_splits(tmp_path: Path) -> None:
-    path = write_lines(tmp_path / "corpus.jsonl.gz", [
-        json.dumps({"id": "a", "title": "A", "text": words(150)}),
-        "",
-        json.dumps({"id": "b", "title": "B", "text": "short text"}),
-    ])
+    path = write_lines(
+        tmp_path / "corpus.jsonl.gz",
+        [
+            json.dumps({"id": "a", "title": "A", "text": words(150)}),
+            "",
+            json.dumps({"id": "b", "title": "B", "text": "short text"}),
+        ],
+    )
     corpus = load_corpus_jsonl(path)
     assert [(p.pid, p.source_id, len(p.text.split())) for p in corpus.passages] == [
-        ("a#0", "a", 100), ("a#1", "a", 50), ("b#0", "b", 2)]
+        ("a#0", "a", 100),
+        ("a#1", "a", 50),
+        ("b#0", "b", 2),
+    ]
     assert corpus.gold_source_of == {}
 
 
@@ -229,7 +238,11 @@ def test_dense_cache_round_trips(tmp_path: Path, dense_toy: DenseRetriever) -> N
     shard = next(tmp_path.rglob("shard-00000.npy"))
     artifact = ShardedArtifact.from_directory(shard.parent)
     artifact.write(0, np.zeros_like(np.load(shard)))
-    assert not DenseRetriever(dense_toy.corpus, cache_dir=tmp_path, progress=False, shard_size=2).passage_embeddings[:2].any()
+    assert (
+        not DenseRetriever(dense_toy.corpus, cache_dir=tmp_path, progress=False, shard_size=2)
+        .passage_embeddings[:2]
+        .any()
+    )
     # A shard changed behind the cache's back fails its checksum and is recomputed.
     np.save(shard, np.ones_like(np.load(shard)))
     again = DenseRetriever(dense_toy.corpus, cache_dir=tmp_path, progress=False, shard_size=2)
@@ -280,9 +293,15 @@ def test_candidates_jsonl_round_trip(tmp_path: Path) -> None:
 
 
 def test_prebuilt_candidates_need_only_the_basic_fields(tmp_path: Path) -> None:
-    row = {"qid": 7, "question": "who?", "answers": ["Ada Lovelace"],
-           "contexts": [{"title": "A", "text": "Ada Lovelace wrote it.", "score": 3},
-                        {"title": "", "text": "Someone else.", "score": 1.5}]}
+    row = {
+        "qid": 7,
+        "question": "who?",
+        "answers": ["Ada Lovelace"],
+        "contexts": [
+            {"title": "A", "text": "Ada Lovelace wrote it.", "score": 3},
+            {"title": "", "text": "Someone else.", "score": 1.5},
+        ],
+    }
     (loaded,) = load_candidates_jsonl(write_lines(tmp_path / "c.jsonl", [json.dumps(row)]))
     assert isinstance(loaded, Candidates) and loaded.qid == "7"
     assert loaded.scores == [3.0, 1.5] and loaded.has_answer == [True, False]
@@ -293,13 +312,24 @@ def test_prebuilt_candidates_need_only_the_basic_fields(tmp_path: Path) -> None:
     "line, message",
     [
         ("{oops", r"line 2: malformed JSON"),
-        ('{"qid": "b", "question": "q", "answers": [], "contexts": []}', r'line 2: field "answers" must be a non-empty list'),
+        (
+            '{"qid": "b", "question": "q", "answers": [], "contexts": []}',
+            r'line 2: field "answers" must be a non-empty list',
+        ),
         ('{"qid": "b", "question": "q", "answers": ["a"]}', r'line 2: field "contexts" must be a list'),
-        ('{"qid": "b", "question": "q", "answers": ["a"], "contexts": [{"title": "", "text": "t", "score": "high"}]}',
-         r'line 2, contexts\[0\]: field "score" must be a finite number'),
-        ('{"qid": "b", "question": "q", "answers": ["a"], "contexts": [{"title": "", "text": "t", "score": NaN}]}',
-         r'line 2, contexts\[0\]: field "score" must be a finite number'),
-        ('{"qid": "a", "question": "q", "answers": ["a"], "contexts": []}', r"line 2: duplicate qid 'a' \(first at line 1\)"),
+        (
+            '{"qid": "b", "question": "q", "answers": ["a"], '
+            '"contexts": [{"title": "", "text": "t", "score": "high"}]}',
+            r'line 2, contexts\[0\]: field "score" must be a finite number',
+        ),
+        (
+            '{"qid": "b", "question": "q", "answers": ["a"], "contexts": [{"title": "", "text": "t", "score": NaN}]}',
+            r'line 2, contexts\[0\]: field "score" must be a finite number',
+        ),
+        (
+            '{"qid": "a", "question": "q", "answers": ["a"], "contexts": []}',
+            r"line 2: duplicate qid 'a' \(first at line 1\)",
+        ),
     ],
 )
 def test_malformed_candidates_line_names_file_and_line(tmp_path: Path, line: str, message: str) -> None:
@@ -316,8 +346,10 @@ def shifted_candidates_file(tmp_path: Path, rows: list[QARow], corpus: Corpus) -
     """A candidates file built from the same NQ file with one line removed at its start: every default
     qid (a line position) now carries the next row's question and contexts."""
     built = retrieve_candidates(rows[1:], corpus, BM25Retriever(corpus), top_n=3)
-    renamed = [make_candidates(rows[i].qid, c.question, c.answers, c.passages, c.scores, c.gold_source)
-               for i, c in enumerate(built)]
+    renamed = [
+        make_candidates(rows[i].qid, c.question, c.answers, c.passages, c.scores, c.gold_source)
+        for i, c in enumerate(built)
+    ]
     return save_candidates_jsonl(renamed, tmp_path / "shifted.jsonl")
 
 
@@ -331,8 +363,10 @@ def test_candidates_under_the_right_qids_but_other_questions_are_refused(tmp_pat
         match_candidates(rows[:11], loaded, source=f"candidates file {path}")
     message = str(caught.value)
     assert str(path) in message and "11 of 11 questions differ" in message
-    assert f"qid '{rows[0].qid}': the data asks {rows[0].question!r}, candidates file {path} has {rows[1].question!r}" \
+    assert (
+        f"qid '{rows[0].qid}': the data asks {rows[0].question!r}, candidates file {path} has {rows[1].question!r}"
         in message
+    )
     assert message.count("the data asks") == 3  # the first mismatches, not all of them
     with pytest.raises(CandidatesMismatchError, match=str(path)):
         validate_candidates_jsonl(path, rows[:11])
@@ -342,8 +376,10 @@ def test_matching_candidates_come_back_in_row_order_up_to_normalization(tmp_path
     rows = load_nq_jsonl(default_nq_path(), limit=6)
     corpus = corpus_from_nq(rows)
     candidates = retrieve_candidates(rows, corpus, BM25Retriever(corpus), top_n=2)
-    retyped = [make_candidates(c.qid, f"  {c.question.upper()}? ", c.answers, c.passages, c.scores, c.gold_source)
-               for c in candidates]  # case, punctuation and spacing do not make another question
+    retyped = [
+        make_candidates(c.qid, f"  {c.question.upper()}? ", c.answers, c.passages, c.scores, c.gold_source)
+        for c in candidates
+    ]  # case, punctuation and spacing do not make another question
     matched = match_candidates(list(reversed(rows)), retyped)
     assert [c.qid for c in matched] == [r.qid for r in reversed(rows)]
     with pytest.raises(CandidatesMismatchError, match=r"file\.jsonl: no candidates for 1 of 6 questions"):

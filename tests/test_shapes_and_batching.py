@@ -11,8 +11,15 @@ from transformers import AutoModelForCausalLM
 import confrag.llm.batching as batching
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.prompts import encode_prompts
-from confrag.llm.shapes import (PUBLISHED_SHAPES, DecoderCost, causal_pairs, engine_flops, prefill_flops, shape_config,
-                                tiny_overrides)
+from confrag.llm.shapes import (
+    PUBLISHED_SHAPES,
+    DecoderCost,
+    causal_pairs,
+    engine_flops,
+    prefill_flops,
+    shape_config,
+    tiny_overrides,
+)
 
 
 def meta_model(config, dtype=torch.bfloat16):
@@ -35,10 +42,22 @@ def test_cost_arithmetic_counts_the_models_parameters(shape, tiny):
 
 def test_published_numbers():
     llama, qwen = DecoderCost.of(shape_config("llama3_8b")), DecoderCost.of(shape_config("qwen2_5_7b"))
-    assert (llama.hidden, llama.intermediate, llama.layers, llama.heads, llama.kv_heads, llama.vocab) == \
-        (4096, 14336, 32, 32, 8, 128256)
-    assert (qwen.hidden, qwen.intermediate, qwen.layers, qwen.heads, qwen.kv_heads, qwen.vocab) == \
-        (3584, 18944, 28, 28, 4, 152064)
+    assert (llama.hidden, llama.intermediate, llama.layers, llama.heads, llama.kv_heads, llama.vocab) == (
+        4096,
+        14336,
+        32,
+        32,
+        8,
+        128256,
+    )
+    assert (qwen.hidden, qwen.intermediate, qwen.layers, qwen.heads, qwen.kv_heads, qwen.vocab) == (
+        3584,
+        18944,
+        28,
+        28,
+        4,
+        152064,
+    )
     assert round(llama.params / 1e9, 2) == 8.03 and round(qwen.params / 1e9, 2) == 7.62  # the models' known sizes
     assert shape_config("llama3_8b").rope_parameters["rope_theta"] == 500000.0
     assert shape_config("qwen2_5_7b").rms_norm_eps == 1e-6 and shape_config("qwen2_5_7b").sliding_window is None
@@ -53,13 +72,18 @@ def test_flop_counts_add_up():
     assert causal_pairs(3) == 6 and causal_pairs(2, prefix=5) == 13
     # Layer/2 of one 10-token prompt without a prefix: 15 full layers + K/V of layer 16 + its rest for one token.
     one = engine_flops(cost, [10], 0, 16)
-    expected = 15 * (cost.layer_flops(10) + cost.attention_flops(55)) + 2 * 10 * cost.kv_matmul_params \
-        + 2 * cost.other_matmul_params + cost.attention_flops(10)
+    expected = (
+        15 * (cost.layer_flops(10) + cost.attention_flops(55))
+        + 2 * 10 * cost.kv_matmul_params
+        + 2 * cost.other_matmul_params
+        + cost.attention_flops(10)
+    )
     assert one == pytest.approx(expected)
     # A shared prefix is counted once, not per prompt.
     assert engine_flops(cost, [50, 50], 40, 16) < 2 * engine_flops(cost, [50], 0, 16)
-    assert prefill_flops(cost, [10]) == pytest.approx(32 * (cost.layer_flops(10) + cost.attention_flops(55))
-                                                      + cost.lm_head_flops(1))
+    assert prefill_flops(cost, [10]) == pytest.approx(
+        32 * (cost.layer_flops(10) + cost.attention_flops(55)) + cost.lm_head_flops(1)
+    )
     assert cost.weight_bytes(2) == 2 * (cost.params - cost.vocab * cost.hidden)
 
 
@@ -81,8 +105,10 @@ def test_engine_auto_batches_are_the_cpu_defaults_here_and_stay_exact(tiny_llama
     prompts = [templates.rag_prompt(tiny_llama.tokenizer, r.question, r.contexts[:1]) for r in nq_rows[:6]]
     engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, batch_size="auto", progress=False)
     assert engine.batch_limits(2, 500) == (batching.CPU_EXTRACT_BATCH, batching.CPU_EXTRACT_TOKENS)
-    reference = np.stack([naive_hidden_states(tiny_llama.model, ids, [2])
-                          for ids in encode_prompts(tiny_llama.tokenizer, prompts)], axis=1)
+    reference = np.stack(
+        [naive_hidden_states(tiny_llama.model, ids, [2]) for ids in encode_prompts(tiny_llama.tokenizer, prompts)],
+        axis=1,
+    )
     # As on a GPU with plenty of memory: every prompt in one batch (the padding tolerance still splits by length).
     monkeypatch.setattr(batching, "free_device_memory", lambda device: 64 << 30)
     rows, tokens = engine.batch_limits(2, 500)

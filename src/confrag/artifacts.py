@@ -32,13 +32,13 @@ import json
 import logging
 import mmap
 import os
-import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -122,6 +122,7 @@ def honour_umask(root: Path | str) -> None:
 
 # --- atomic writes ---------------------------------------------------------------------------------
 
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +164,7 @@ def atomic_save_npy(path: Path, array: np.ndarray) -> None:
 
 # --- locks -----------------------------------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def exclusive(lock_path: Path | str, what: str) -> Iterator[None]:
     """Hold the file lock `lock_path` (waiting for it, with a log line saying so) while the block runs:
@@ -185,6 +187,7 @@ def exclusive(lock_path: Path | str, what: str) -> Iterator[None]:
 
 
 # --- digests ---------------------------------------------------------------------------------------
+
 
 def bytes_digest(data: bytes | memoryview | mmap.mmap) -> str:
     return xxhash.xxh3_128(data).hexdigest()
@@ -216,9 +219,11 @@ class ShardStatus:
 
 # --- sharded artifacts -----------------------------------------------------------------------------
 
+
 class ShardedArtifact:
-    def __init__(self, root: Path | str, kind: str, spec: dict[str, Any], num_items: int,
-                 shard_size: int = 256, fmt: str = "npy") -> None:
+    def __init__(
+        self, root: Path | str, kind: str, spec: dict[str, Any], num_items: int, shard_size: int = 256, fmt: str = "npy"
+    ) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"fmt={fmt!r} is not one of {FORMATS}")
         if shard_size < 1 or num_items < 0:
@@ -226,10 +231,11 @@ class ShardedArtifact:
         self._layout(Path(root) / kind, kind, spec, num_items, shard_size, fmt)
         self._open()
 
-    def _layout(self, parent: Path, kind: str, spec: dict[str, Any], num_items: int, shard_size: int,
-                fmt: str) -> None:
+    def _layout(self, parent: Path, kind: str, spec: dict[str, Any], num_items: int, shard_size: int, fmt: str) -> None:
         self.kind, self.spec, self.num_items, self.shard_size, self.fmt = kind, spec, num_items, shard_size, fmt
-        self.key = fingerprint({"kind": kind, "spec": spec, "num_items": num_items, "shard_size": shard_size, "fmt": fmt})
+        self.key = fingerprint(
+            {"kind": kind, "spec": spec, "num_items": num_items, "shard_size": shard_size, "fmt": fmt}
+        )
         self.dir = parent / self.key
         self.manifest_path = self.dir / "manifest.json"
         # Shards this handle has verified, with the file identity they had then: verified once, not per read.
@@ -238,7 +244,7 @@ class ShardedArtifact:
         self.computed: list[int] = []  # shards this handle computed (the others came from the cache)
 
     @classmethod
-    def from_directory(cls, directory: Path | str) -> "ShardedArtifact":
+    def from_directory(cls, directory: Path | str) -> ShardedArtifact:
         """A read-only handle on an existing artifact directory (its manifest), writing nothing: what
         `verify` uses. Raises CacheMismatchError when the manifest is unreadable or does not match
         its directory name."""
@@ -251,13 +257,16 @@ class ShardedArtifact:
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CacheMismatchError(f"unreadable manifest {manifest_path}: {err}") from err
         if fmt not in FORMATS or shard_size < 1 or num_items < 0:
-            raise CacheMismatchError(f"{manifest_path}: invalid layout (fmt {fmt!r}, shard_size {shard_size}, "
-                                     f"num_items {num_items})")
+            raise CacheMismatchError(
+                f"{manifest_path}: invalid layout (fmt {fmt!r}, shard_size {shard_size}, num_items {num_items})"
+            )
         artifact = cls.__new__(cls)
         artifact._layout(directory.parent, kind, spec, num_items, shard_size, fmt)
         if artifact.key != directory.name or stored.get("key") != directory.name:
-            raise CacheMismatchError(f"{manifest_path} describes another artifact than its directory name promises "
-                                     f"(its content hashes to {artifact.key})")
+            raise CacheMismatchError(
+                f"{manifest_path} describes another artifact than its directory name promises "
+                f"(its content hashes to {artifact.key})"
+            )
         artifact.dir = directory
         return artifact
 
@@ -281,8 +290,15 @@ class ShardedArtifact:
 
     # --- state --------------------------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
-        return {"kind": self.kind, "key": self.key, "spec": self.spec, "num_items": self.num_items,
-                "shard_size": self.shard_size, "fmt": self.fmt, "num_shards": self.num_shards}
+        return {
+            "kind": self.kind,
+            "key": self.key,
+            "spec": self.spec,
+            "num_items": self.num_items,
+            "shard_size": self.shard_size,
+            "fmt": self.fmt,
+            "num_shards": self.num_shards,
+        }
 
     def _open(self) -> None:
         if self.manifest_path.exists():
@@ -327,8 +343,9 @@ class ShardedArtifact:
             except OSError as err:
                 return ShardStatus(index, "damaged", f"unreadable: {err}")
             if found != recorded["digest"]:
-                return ShardStatus(index, "damaged", f"checksum mismatch ({DIGEST_ALGORITHM} {found}, "
-                                                     f"recorded {recorded['digest']})")
+                return ShardStatus(
+                    index, "damaged", f"checksum mismatch ({DIGEST_ALGORITHM} {found}, recorded {recorded['digest']})"
+                )
         problem = self._shape_problem(index, path, data)
         if problem:
             return ShardStatus(index, "damaged", problem)
@@ -343,8 +360,12 @@ class ShardedArtifact:
             return None
         except (OSError, ValueError) as err:
             return f"unreadable digest file {path.name} ({err})"
-        if (not isinstance(record, dict) or record.get("algorithm") != DIGEST_ALGORITHM
-                or not isinstance(record.get("digest"), str) or not isinstance(record.get("bytes"), int)):
+        if (
+            not isinstance(record, dict)
+            or record.get("algorithm") != DIGEST_ALGORITHM
+            or not isinstance(record.get("digest"), str)
+            or not isinstance(record.get("bytes"), int)
+        ):
             return f"digest file {path.name} is not a {DIGEST_ALGORITHM} record"
         return record
 
@@ -438,8 +459,13 @@ class ShardedArtifact:
             return None
         return lock
 
-    def compute(self, fn: Callable[[int, int], Any], desc: str | None = None, progress: bool = True,
-                poll_seconds: float = WAIT_POLL_SECONDS) -> "ShardedArtifact":
+    def compute(
+        self,
+        fn: Callable[[int, int], Any],
+        desc: str | None = None,
+        progress: bool = True,
+        poll_seconds: float = WAIT_POLL_SECONDS,
+    ) -> ShardedArtifact:
         """Compute every missing shard with `fn(start, stop)`; shards already on disk are kept.
 
         Safe with other processes computing the same artifact: each shard is claimed under its lock and
@@ -457,8 +483,12 @@ class ShardedArtifact:
         return [item for shard in self.shards() for item in shard]
 
 
-def compute_shards(jobs: Sequence[tuple[ShardedArtifact, Callable[[int, int], Any]]], desc: str = "shards",
-                   progress: bool = True, poll_seconds: float = WAIT_POLL_SECONDS) -> None:
+def compute_shards(
+    jobs: Sequence[tuple[ShardedArtifact, Callable[[int, int], Any]]],
+    desc: str = "shards",
+    progress: bool = True,
+    poll_seconds: float = WAIT_POLL_SECONDS,
+) -> None:
     """Compute the missing shards of several artifacts (each with its own `fn(start, stop)`), claiming
     shards across all of them: a process never waits for a shard another one holds while some shard of
     any of the artifacts is still free (many small artifacts, such as answer chunks, split between
@@ -487,9 +517,15 @@ def compute_shards(jobs: Sequence[tuple[ShardedArtifact, Callable[[int, int], An
                     artifact.write(index, fn(*artifact.shard_range(index)))
                     artifact.computed.append(index)
                     # One line per shard, naming the process: who computed what in a shared cache.
-                    log.info("%s %s: computed shard %d (items [%d, %d)) in %.1f s [pid %d]", artifact.kind,
-                             artifact.key, index, *artifact.shard_range(index), time.monotonic() - started,
-                             os.getpid())
+                    log.info(
+                        "%s %s: computed shard %d (items [%d, %d)) in %.1f s [pid %d]",
+                        artifact.kind,
+                        artifact.key,
+                        index,
+                        *artifact.shard_range(index),
+                        time.monotonic() - started,
+                        os.getpid(),
+                    )
                     computed_now = True
                 finally:
                     lock.release()
@@ -501,8 +537,13 @@ def compute_shards(jobs: Sequence[tuple[ShardedArtifact, Callable[[int, int], An
                 waiting_since = waiting_since or now
                 if last_said is None or now - last_said >= WAIT_LOG_SECONDS:
                     names = ", ".join(f"{a.kind}/{a.key}/{a.shard_path(i).name}" for a, _, i in todo[:3])
-                    log.info("waiting for %d shard(s) that other processes are computing (%s%s); waited %.0f s so "
-                             "far", len(todo), names, ", ..." if len(todo) > 3 else "", now - waiting_since)
+                    log.info(
+                        "waiting for %d shard(s) that other processes are computing (%s%s); waited %.0f s so far",
+                        len(todo),
+                        names,
+                        ", ..." if len(todo) > 3 else "",
+                        now - waiting_since,
+                    )
                     last_said = now
                 time.sleep(poll_seconds)
 
@@ -535,8 +576,10 @@ class ActivationStore:
 
     def layer_index(self, layer: int) -> int:
         if layer not in self.layers:
-            raise ValueError(f"layer {layer} was not extracted; this cache holds layers {self.layers} "
-                             f"(set data.layers to include it)")
+            raise ValueError(
+                f"layer {layer} was not extracted; this cache holds layers {self.layers} "
+                f"(set data.layers to include it)"
+            )
         return self.layers.index(layer)
 
     def _locate(self, index: int) -> tuple[int, int]:

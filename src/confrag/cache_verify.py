@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from confrag.artifacts import CacheMismatchError, ShardedArtifact
 from confrag.paths import default_cache_dir
@@ -66,20 +66,28 @@ def report(checks: Sequence[ArtifactCheck], root: Path) -> str:
         for shard, reason in check.damaged:
             lines.append(f"DAMAGED     {name}/{shard}: {reason}")
         if check.missing:
-            lines.append(f"INCOMPLETE  {name}: {len(check.missing)} of {check.shards} shards missing "
-                         f"(an interrupted or running computation; the next run computes them)")
+            lines.append(
+                f"INCOMPLETE  {name}: {len(check.missing)} of {check.shards} shards missing "
+                f"(an interrupted or running computation; the next run computes them)"
+            )
     damaged = sum(c.is_damaged for c in checks)
     incomplete = sum(bool(c.missing) and not c.is_damaged for c in checks)
     shards = sum(c.shards for c in checks)
     legacy = sum(c.legacy for c in checks)
-    lines.append(f"{root}: {len(checks)} artifacts, {shards} shards: {len(checks) - damaged - incomplete} whole, "
-                 f"{damaged} damaged, {incomplete} incomplete")
+    lines.append(
+        f"{root}: {len(checks)} artifacts, {shards} shards: {len(checks) - damaged - incomplete} whole, "
+        f"{damaged} damaged, {incomplete} incomplete"
+    )
     if legacy:
-        lines.append(f"{legacy} shard(s) were written before checksums: checked for shape and length only (a run "
-                     f"records their digest when it next reads them)")
+        lines.append(
+            f"{legacy} shard(s) were written before checksums: checked for shape and length only (a run "
+            f"records their digest when it next reads them)"
+        )
     if damaged:
-        lines.append("Damaged shards are recomputed by the next run that needs them; a damaged manifest means "
-                     "deleting its directory.")
+        lines.append(
+            "Damaged shards are recomputed by the next run that needs them; a damaged manifest means "
+            "deleting its directory."
+        )
     return "\n".join(lines)
 
 
@@ -87,8 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m confrag.artifacts", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     verify = commands.add_parser("verify", help="check every artifact of a cache; exit 1 if any is damaged")
-    verify.add_argument("cache_dir", nargs="?", type=Path, default=None,
-                        help="the cache directory (default: $CONFRAG_CACHE, else <project>/.cache)")
+    verify.add_argument(
+        "cache_dir",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="the cache directory (default: $CONFRAG_CACHE, else <project>/.cache)",
+    )
     args = parser.parse_args(argv)
     root = args.cache_dir if args.cache_dir is not None else default_cache_dir()
     if not root.is_dir():

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,19 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
         info = RankInfo(node * per_node + local, world, local, "lightning")
     elif (_int_var(env, "SLURM_NTASKS") or 1) > 1:
         # Only a multi-task step: every job of a submitit sweep is a 1-task job, independent of the others.
-        info = RankInfo(_int_var(env, "SLURM_PROCID") or 0, _int_var(env, "SLURM_NTASKS") or 1,
-                        _int_var(env, "SLURM_LOCALID") or 0, "slurm")
+        info = RankInfo(
+            _int_var(env, "SLURM_PROCID") or 0,
+            _int_var(env, "SLURM_NTASKS") or 1,
+            _int_var(env, "SLURM_LOCALID") or 0,
+            "slurm",
+        )
     else:
         return RankInfo()
     if info.world_size < 1 or info.rank >= info.world_size:
-        raise ValueError(f"rank {info.rank} is outside a world of {info.world_size} processes ({info.launcher} "
-                         f"environment); check RANK / WORLD_SIZE (or SLURM_PROCID / SLURM_NTASKS)")
+        raise ValueError(
+            f"rank {info.rank} is outside a world of {info.world_size} processes ({info.launcher} "
+            f"environment); check RANK / WORLD_SIZE (or SLURM_PROCID / SLURM_NTASKS)"
+        )
     return info
 
 
@@ -81,8 +88,10 @@ def rank_device(info: RankInfo | None = None) -> str:
         return "cpu"
     count = torch.cuda.device_count()
     if info.local_rank >= count:
-        raise ValueError(f"local rank {info.local_rank} has no GPU of its own: this node shows {count} CUDA "
-                         f"device(s); start at most {count} processes per node")
+        raise ValueError(
+            f"local rank {info.local_rank} has no GPU of its own: this node shows {count} CUDA "
+            f"device(s); start at most {count} processes per node"
+        )
     return f"cuda:{info.local_rank}"
 
 
@@ -92,9 +101,14 @@ def warn_if_more_ranks_than_shards(num_shards: int, what: str, info: RankInfo | 
     if info.world_size <= num_shards:
         return False
     if info.is_main:
-        log.warning("%s has %d shard(s) for %d ranks: %d rank(s) have nothing to compute and wait for the others "
-                    "(a smaller shard size spreads the work further)", what, num_shards, info.world_size,
-                    info.world_size - num_shards)
+        log.warning(
+            "%s has %d shard(s) for %d ranks: %d rank(s) have nothing to compute and wait for the others "
+            "(a smaller shard size spreads the work further)",
+            what,
+            num_shards,
+            info.world_size,
+            info.world_size - num_shards,
+        )
     return True
 
 
@@ -141,9 +155,11 @@ def launch_stamp(pattern: str, environ: Mapping[str, str] | None = None, now: da
             _say(f"confrag: could not agree on one run folder through the torchrun store ({err})")
     elif info.launcher == "slurm" and env.get("SLURM_JOB_ID"):
         return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
-    _say(f"confrag: rank {info.rank} of {info.world_size} ({info.launcher}) names its run folder by its own clock, "
-         f"so the ranks may write to different folders; set {RUN_ID_VARIABLE} (the same value in every rank) or "
-         "hydra.run.dir=... to give them one")
+    _say(
+        f"confrag: rank {info.rank} of {info.world_size} ({info.launcher}) names its run folder by its own clock, "
+        f"so the ranks may write to different folders; set {RUN_ID_VARIABLE} (the same value in every rank) or "
+        "hydra.run.dir=... to give them one"
+    )
     return own
 
 
@@ -172,6 +188,7 @@ def rank_suffix(info: RankInfo | None = None) -> str:
 
 # --- trainers under a multi-process launch -----------------------------------------------------------
 
+
 def trainer_processes(devices: Any, num_nodes: Any = 1) -> int | None:
     """How many processes a Lightning trainer with `devices` and `num_nodes` trains in; None when it is
     decided at run time ("auto", -1)."""
@@ -199,16 +216,21 @@ def check_ddp_trainer(devices: Any, num_nodes: Any, strategy: Any, key: str, inf
     processes = trainer_processes(devices, num_nodes)
     launch = f"this process is rank {info.rank} of a {info.world_size}-process {info.launcher} launch"
     if processes == 1 or str(strategy) in ("single_device", "single_xla"):
-        raise ValueError(f"{key}: {launch}, but the trainer trains on one device ({key}.devices={devices!r}, "
-                         f"{key}.strategy={strategy!r}). Use trainer=ddp trainer.devices=<processes per node> "
-                         f"(and trainer.num_nodes=<nodes>), or start one process: python train.py ...")
+        raise ValueError(
+            f"{key}: {launch}, but the trainer trains on one device ({key}.devices={devices!r}, "
+            f"{key}.strategy={strategy!r}). Use trainer=ddp trainer.devices=<processes per node> "
+            f"(and trainer.num_nodes=<nodes>), or start one process: python train.py ..."
+        )
     if processes is not None and processes != info.world_size:
-        raise ValueError(f"{key}: {launch}, but {key}.devices={devices!r} x {key}.num_nodes={num_nodes!r} = "
-                         f"{processes} processes; they must multiply to {info.world_size}")
+        raise ValueError(
+            f"{key}: {launch}, but {key}.devices={devices!r} x {key}.num_nodes={num_nodes!r} = "
+            f"{processes} processes; they must multiply to {info.world_size}"
+        )
 
 
-def check_one_device_trainer(devices: Any, num_nodes: Any, strategy: Any, key: str,
-                             info: RankInfo | None = None) -> None:
+def check_one_device_trainer(
+    devices: Any, num_nodes: Any, strategy: Any, key: str, info: RankInfo | None = None
+) -> None:
     """A trainer that runs on one rank while the others wait (a later task trains its probe and rerankers
     under a lock, "train it if it is missing") must be a one-process trainer: a multi-process one would
     wait for ranks that wait for it."""
@@ -218,11 +240,13 @@ def check_one_device_trainer(devices: Any, num_nodes: Any, strategy: Any, key: s
     processes = trainer_processes(devices, num_nodes)
     if processes == 1 and str(strategy) not in ("ddp", "ddp_spawn", "fsdp", "deepspeed"):
         return
-    raise ValueError(f"{key}: this process is rank {info.rank} of a {info.world_size}-process {info.launcher} "
-                     f"launch, where this task trains on whichever rank comes first while the others wait for "
-                     f"its result; a multi-process trainer ({key}.devices={devices!r}, {key}.strategy="
-                     f"{strategy!r}) would wait for them. Use a one-device trainer ({key}.devices=1, "
-                     f"{key}.strategy=auto)")
+    raise ValueError(
+        f"{key}: this process is rank {info.rank} of a {info.world_size}-process {info.launcher} "
+        f"launch, where this task trains on whichever rank comes first while the others wait for "
+        f"its result; a multi-process trainer ({key}.devices={devices!r}, {key}.strategy="
+        f"{strategy!r}) would wait for them. Use a one-device trainer ({key}.devices=1, "
+        f"{key}.strategy=auto)"
+    )
 
 
 def rank_trainer_devices(accelerator: Any, devices: Any, info: RankInfo | None = None) -> Any:

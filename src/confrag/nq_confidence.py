@@ -18,8 +18,9 @@ down-sampling the majority class, at most the paper's 1000/300/500 per class.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +36,12 @@ log = logging.getLogger(__name__)
 
 KINDS = ("qa", "rag_gold", "rag_other")
 CANDIDATE_KIND = "rag_cand"
-TRAIN_STATES = {"qa": ("qa",), "qa+rag": ("qa", "rag_gold", "rag_other"), "qa+candidates": ("qa",),
-                "qa+rag+candidates": ("qa", "rag_gold", "rag_other")}
+TRAIN_STATES = {
+    "qa": ("qa",),
+    "qa+rag": ("qa", "rag_gold", "rag_other"),
+    "qa+candidates": ("qa",),
+    "qa+rag+candidates": ("qa", "rag_gold", "rag_other"),
+}
 
 
 def uses_candidates(train_states: str) -> bool:
@@ -54,8 +59,10 @@ def kinds_of(train_states: str, num_candidates: int) -> tuple[str, ...]:
 def kind_order(kind: str) -> tuple[int, int]:
     """Sort key of a prompt kind: the fixed kinds first, then the candidates by rank."""
     if kind.startswith(CANDIDATE_KIND):
-        return len(KINDS), int(kind[len(CANDIDATE_KIND):])
+        return len(KINDS), int(kind[len(CANDIDATE_KIND) :])
     return KINDS.index(kind), 0
+
+
 PAPER_SPLIT_SIZES = {"train": 1000, "dev": 300, "test": 500}
 SPLITS = tuple(PAPER_SPLIT_SIZES)
 
@@ -121,13 +128,19 @@ def partner_indices(num_rows: int, seed: int) -> np.ndarray:
     return partner
 
 
-def build_prompts(llm: LoadedLLM, templates: PromptTemplates, rows: Sequence[QARow], kind: str, seed: int,
-                  candidates: Sequence[Sequence[Any]] | None = None) -> list[str]:
+def build_prompts(
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    rows: Sequence[QARow],
+    kind: str,
+    seed: int,
+    candidates: Sequence[Sequence[Any]] | None = None,
+) -> list[str]:
     tok = llm.tokenizer
     if kind == "qa":
         return [templates.qa_prompt(tok, row.question) for row in rows]
     if kind.startswith(CANDIDATE_KIND):
-        j = int(kind[len(CANDIDATE_KIND):])
+        j = int(kind[len(CANDIDATE_KIND) :])
         if candidates is None or len(candidates) != len(rows) or any(len(c) <= j for c in candidates):
             raise ValueError(f"prompt kind {kind!r} needs at least {j + 1} retrieved candidates for every question")
         return [templates.rag_prompt(tok, row.question, [c[j]]) for row, c in zip(rows, candidates)]
@@ -191,16 +204,19 @@ def build_confidence_data(
     num_candidates = min((len(c) for c in candidates), default=0) if candidates is not None else 0
     kinds = kinds_of(train_states, num_candidates)
     if uses_candidates(train_states) and num_candidates == 0:
-        raise ValueError(f"data.train_states={train_states!r} needs retrieved candidates for every question "
-                         "(data.candidates_top_n >= 1)")
+        raise ValueError(
+            f"data.train_states={train_states!r} needs retrieved candidates for every question "
+            "(data.candidates_top_n >= 1)"
+        )
     sizes = dict(split_sizes or PAPER_SPLIT_SIZES)
     if set(sizes) != set(SPLITS) or any(int(v) < 1 for v in sizes.values()):
         raise ValueError(f"data.split_sizes must give positive sizes for exactly {SPLITS}; got {sizes}")
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
-    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress,
-                               compile=extract_compile)
+    engine = HiddenStateEngine(
+        llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress, compile=extract_compile
+    )
 
     # Every answer and state shard of every prompt kind goes into one pool of claimable shards: processes
     # filling the cache together (torchrun ranks, parallel jobs) never wait while some shard is free.
@@ -209,17 +225,37 @@ def build_confidence_data(
         prompts = build_prompts(llm, templates, rows, kind, seed, candidates)
         kind_spec = {**base_spec, "kind": kind, "partner_seed": seed if kind == "rag_other" else None}
         if kind.startswith(CANDIDATE_KIND):  # the contexts are part of what the states are states of
-            j = int(kind[len(CANDIDATE_KIND):])
+            j = int(kind[len(CANDIDATE_KIND) :])
             kind_spec["contexts"] = fingerprint([[c[j].title, c[j].text] for c in candidates])
-        generations = ShardedArtifact(cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens},
-                                      len(rows), shard_size, fmt="json")
-        activations = ShardedArtifact(cache_dir, "activations", {**kind_spec, "layers": layer_list, "store": "float32"},
-                                      len(rows), shard_size, fmt="npy")
-        jobs.append((generations, lambda a, b, p=prompts, k=kind: generate_greedy(
-            llm.model, llm.tokenizer, p[a:b], max_new_tokens, gen_batch_size, desc=f"answers [{k}]", progress=progress,
-            options=generation)))
-        jobs.append((activations, lambda a, b, p=prompts, k=kind: engine.extract(p[a:b], layer_list,
-                                                                               desc=f"states [{k}]")))
+        generations = ShardedArtifact(
+            cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens}, len(rows), shard_size, fmt="json"
+        )
+        activations = ShardedArtifact(
+            cache_dir,
+            "activations",
+            {**kind_spec, "layers": layer_list, "store": "float32"},
+            len(rows),
+            shard_size,
+            fmt="npy",
+        )
+        jobs.append(
+            (
+                generations,
+                lambda a, b, p=prompts, k=kind: generate_greedy(
+                    llm.model,
+                    llm.tokenizer,
+                    p[a:b],
+                    max_new_tokens,
+                    gen_batch_size,
+                    desc=f"answers [{k}]",
+                    progress=progress,
+                    options=generation,
+                ),
+            )
+        )
+        jobs.append(
+            (activations, lambda a, b, p=prompts, k=kind: engine.extract(p[a:b], layer_list, desc=f"states [{k}]"))
+        )
         artifacts[kind] = (generations, activations)
     compute_shards(jobs, desc="NQ_Confidence answers and hidden states", progress=progress)
 
@@ -233,17 +269,29 @@ def build_confidence_data(
     split_of = stratified_question_splits(labels["qa"], seed, sizes)
     examples = {}
     for split in SPLITS:
-        candidates = [Example(kind, i, int(labels[kind][i])) for kind in kinds for i in range(len(rows))
-                      if split_of[i] == split]
+        candidates = [
+            Example(kind, i, int(labels[kind][i])) for kind in kinds for i in range(len(rows)) if split_of[i] == split
+        ]
         examples[split] = balanced_examples(candidates, int(sizes[split]), seed) if balance else candidates
-    identity = {**base_spec, "layers": layer_list, "train_states": train_states,
-                "activations": {kind: stores[kind].key for kind in kinds}}
-    data = ConfidenceData(rows, layer_list, train_states, stores, responses, labels, exact, split_of, examples, identity)
+    identity = {
+        **base_spec,
+        "layers": layer_list,
+        "train_states": train_states,
+        "activations": {kind: stores[kind].key for kind in kinds},
+    }
+    data = ConfidenceData(
+        rows, layer_list, train_states, stores, responses, labels, exact, split_of, examples, identity
+    )
     log.info("NQ_Confidence: %s", data.summary())
     return data
 
 
 def activation_identity(data: ConfidenceData, layer: int) -> dict[str, Any]:
     """What a probe trained on `layer` of this data must match at inference: model, prompts, layer."""
-    return {"llm": data.identity["llm"], "prompts": data.identity["prompts"], "layer": int(layer),
-            "train_states": data.train_states, "key": fingerprint({**data.identity, "layer": int(layer)})}
+    return {
+        "llm": data.identity["llm"],
+        "prompts": data.identity["prompts"],
+        "layer": int(layer),
+        "train_states": data.train_states,
+        "key": fingerprint({**data.identity, "layer": int(layer)}),
+    }

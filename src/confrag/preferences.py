@@ -25,13 +25,21 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from confrag.artifacts import ActivationStore, ShardedArtifact, atomic_write_text, fingerprint, honour_umask, make_temp_dir
+from confrag.artifacts import (
+    ActivationStore,
+    ShardedArtifact,
+    atomic_write_text,
+    fingerprint,
+    honour_umask,
+    make_temp_dir,
+)
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -52,10 +60,26 @@ class ConfidenceShifts:
     candidates: list[np.ndarray]  # per question: Conf(Q + Ci) for each candidate
 
 
-def _state_artifact(cache_dir, llm: LoadedLLM, templates: PromptTemplates, kind: str, rows_key: str,
-                    layer: int, num_items: int, shard_size: int, extra: dict | None = None) -> ShardedArtifact:
-    spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_key, "kind": kind,
-            **(extra or {}), "layers": [layer], "store": "float32"}
+def _state_artifact(
+    cache_dir,
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    kind: str,
+    rows_key: str,
+    layer: int,
+    num_items: int,
+    shard_size: int,
+    extra: dict | None = None,
+) -> ShardedArtifact:
+    spec = {
+        "llm": llm.identity,
+        "prompts": templates.identity(llm.tokenizer),
+        "rows": rows_key,
+        "kind": kind,
+        **(extra or {}),
+        "layers": [layer],
+        "store": "float32",
+    }
     return ShardedArtifact(cache_dir, "activations", spec, num_items, shard_size, fmt="npy")
 
 
@@ -86,23 +110,32 @@ def confidence_shifts(
         if len(qa_states) != len(questions):
             raise ValueError(f"qa_states holds {len(qa_states)} states for {len(questions)} questions")
         reference["qa"] = probe.confidence(qa_states)
-    prompts = {"qa": [templates.qa_prompt(tok, q) for q in questions],
-               "rag_empty": [templates.rag_prompt(tok, q, []) for q in questions]}
+    prompts = {
+        "qa": [templates.qa_prompt(tok, q) for q in questions],
+        "rag_empty": [templates.rag_prompt(tok, q, []) for q in questions],
+    }
     for kind in REFERENCES:
         if kind in reference:
             continue
         artifact = _state_artifact(cache_dir, llm, templates, kind, rows_key, layer, len(questions), shard_size)
-        artifact.compute(lambda a, b, p=prompts[kind]: engine.extract(p[a:b], [layer], desc=f"states [{kind}]"),
-                         desc=f"{kind} states", progress=progress)
+        artifact.compute(
+            lambda a, b, p=prompts[kind], k=kind: engine.extract(p[a:b], [layer], desc=f"states [{k}]"),
+            desc=f"{kind} states",
+            progress=progress,
+        )
         reference[kind] = probe.confidence(ActivationStore(artifact, [layer]).take(layer, range(len(questions))))
 
     pairs = [(i, c) for i, cs in enumerate(candidate_sets) for c in cs.passages]
     pair_prompts = [templates.rag_prompt(tok, questions[i], [c]) for i, c in pairs]
     contexts_key = fingerprint([[c.title, c.text] for _, c in pairs])
-    artifact = _state_artifact(cache_dir, llm, templates, "rag_candidates", rows_key, layer, len(pairs), shard_size,
-                               {"contexts": contexts_key})
-    artifact.compute(lambda a, b: engine.extract(pair_prompts[a:b], [layer], desc="states [candidates]"),
-                     desc="candidate states", progress=progress)
+    artifact = _state_artifact(
+        cache_dir, llm, templates, "rag_candidates", rows_key, layer, len(pairs), shard_size, {"contexts": contexts_key}
+    )
+    artifact.compute(
+        lambda a, b: engine.extract(pair_prompts[a:b], [layer], desc="states [candidates]"),
+        desc="candidate states",
+        progress=progress,
+    )
     store = ActivationStore(artifact, [layer])
     conf = probe.confidence(store.take(layer, range(len(pairs)))) if pairs else np.zeros(0)
     bounds = np.cumsum([0] + [len(cs.passages) for cs in candidate_sets])
@@ -146,8 +179,9 @@ def check_selection(selection: str, utility: Sequence[np.ndarray] | None = None)
     return selection
 
 
-def select(selection: str, inc: np.ndarray, conf: np.ndarray, correct: Sequence[bool] | None,
-           top_k: int) -> tuple[list[int], list[int]]:
+def select(
+    selection: str, inc: np.ndarray, conf: np.ndarray, correct: Sequence[bool] | None, top_k: int
+) -> tuple[list[int], list[int]]:
     """One question's (pos, neg) indices under a rule (see the module docstring)."""
     if selection == "sign":
         return select_preferences(inc, top_k)
@@ -156,9 +190,14 @@ def select(selection: str, inc: np.ndarray, conf: np.ndarray, correct: Sequence[
     return select_by_utility(correct, top_k)
 
 
-def build_rows(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, reference: str,
-               top_k: int, selection: str = "sign",
-               utility: Sequence[np.ndarray] | None = None) -> tuple[list[dict], dict[str, int]]:
+def build_rows(
+    candidate_sets: Sequence[Candidates],
+    shifts: ConfidenceShifts,
+    reference: str,
+    top_k: int,
+    selection: str = "sign",
+    utility: Sequence[np.ndarray] | None = None,
+) -> tuple[list[dict], dict[str, int]]:
     """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts. `utility[i]` holds, per
     candidate of question i, whether the LLM's answer under it was correct (needed by `utility` only)."""
     if reference not in REFERENCES:
@@ -171,20 +210,28 @@ def build_rows(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, r
         if not pos or not neg:
             drops["neither" if not pos and not neg else "no_positive" if not pos else "no_negative"] += 1
             continue
-        rows.append({
-            "qid": cs.qid,
-            "query": cs.question,
-            "pos": [document_text(cs.passages[j]) for j in pos],
-            "neg": [document_text(cs.passages[j]) for j in neg],
-            "pos_scores": [float(inc[j]) for j in pos],
-            "neg_scores": [float(inc[j]) for j in neg],
-            "prompt": RERANK_INSTRUCTION,
-        })
+        rows.append(
+            {
+                "qid": cs.qid,
+                "query": cs.question,
+                "pos": [document_text(cs.passages[j]) for j in pos],
+                "neg": [document_text(cs.passages[j]) for j in neg],
+                "pos_scores": [float(inc[j]) for j in pos],
+                "neg_scores": [float(inc[j]) for j in neg],
+                "prompt": RERANK_INSTRUCTION,
+            }
+        )
     return rows, drops
 
 
-def gold_placement(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, reference: str,
-                   top_k: int, selection: str = "sign", utility: Sequence[np.ndarray] | None = None) -> dict[str, float]:
+def gold_placement(
+    candidate_sets: Sequence[Candidates],
+    shifts: ConfidenceShifts,
+    reference: str,
+    top_k: int,
+    selection: str = "sign",
+    utility: Sequence[np.ndarray] | None = None,
+) -> dict[str, float]:
     """Of the questions whose gold paragraph was retrieved: how often a gold passage lands in pos / neg."""
     counts = {"questions_with_gold": 0, "gold_in_pos": 0, "gold_in_neg": 0, "gold_in_neither": 0}
     for i, cs in enumerate(candidate_sets):
@@ -200,14 +247,28 @@ def gold_placement(candidate_sets: Sequence[Candidates], shifts: ConfidenceShift
     return {**counts, **{f"{k}_rate": counts[k] / total for k in ("gold_in_pos", "gold_in_neg", "gold_in_neither")}}
 
 
-def dataset_report(candidate_sets: Sequence[Candidates], shifts: ConfidenceShifts, top_k: int,
-                   splits: dict[str, list[dict]], reference: str, drops: dict[str, int], selection: str = "sign",
-                   utility: Sequence[np.ndarray] | None = None) -> dict[str, Any]:
+def dataset_report(
+    candidate_sets: Sequence[Candidates],
+    shifts: ConfidenceShifts,
+    top_k: int,
+    splits: dict[str, list[dict]],
+    reference: str,
+    drops: dict[str, int],
+    selection: str = "sign",
+    utility: Sequence[np.ndarray] | None = None,
+) -> dict[str, Any]:
     """Sizes, drops, the Inc distribution and gold placement for every reference choice and every rule whose
     data is there (`utility` needs the answers), and examples."""
-    report: dict[str, Any] = {"reference": reference, "selection": selection, "top_k": top_k,
-                              "questions": len(candidate_sets), "rows": {s: len(r) for s, r in splits.items()},
-                              "dropped": drops, "by_reference": {}, "by_selection": {}}
+    report: dict[str, Any] = {
+        "reference": reference,
+        "selection": selection,
+        "top_k": top_k,
+        "questions": len(candidate_sets),
+        "rows": {s: len(r) for s, r in splits.items()},
+        "dropped": drops,
+        "by_reference": {},
+        "by_selection": {},
+    }
     for ref in REFERENCES:
         inc = np.concatenate([shifts.candidates[i] - shifts.reference[ref][i] for i in range(len(candidate_sets))])
         report["by_reference"][ref] = {
@@ -225,8 +286,11 @@ def dataset_report(candidate_sets: Sequence[Candidates], shifts: ConfidenceShift
         }
     if utility is not None:
         flat = np.concatenate([np.asarray(u, dtype=bool) for u in utility]) if utility else np.zeros(0, bool)
-        report["utility"] = {"candidates": int(flat.size), "correct_share": float(flat.mean()) if flat.size else 0.0,
-                             "questions_with_a_correct_candidate": float(np.mean([bool(np.any(u)) for u in utility]))}
+        report["utility"] = {
+            "candidates": int(flat.size),
+            "correct_share": float(flat.mean()) if flat.size else 0.0,
+            "questions_with_a_correct_candidate": float(np.mean([bool(np.any(u)) for u in utility])),
+        }
     report["examples"] = _examples(candidate_sets, shifts, reference)
     return report
 
@@ -241,14 +305,23 @@ def _examples(candidate_sets, shifts, reference, count: int = 3) -> list[dict]:
             continue
         conf = shifts.candidates[i]
         best, worst = int(np.argmax(conf)), int(np.argmin(conf))
-        examples.append({
-            "question": cs.question, "answers": list(cs.answers),
-            "confidence_before": float(shifts.reference[reference][i]),
-            "raises": {"context": document_text(cs.passages[best])[:300], "confidence": float(conf[best]),
-                       "has_answer": cs.has_answer[best]},
-            "lowers": {"context": document_text(cs.passages[worst])[:300], "confidence": float(conf[worst]),
-                       "has_answer": cs.has_answer[worst]},
-        })
+        examples.append(
+            {
+                "question": cs.question,
+                "answers": list(cs.answers),
+                "confidence_before": float(shifts.reference[reference][i]),
+                "raises": {
+                    "context": document_text(cs.passages[best])[:300],
+                    "confidence": float(conf[best]),
+                    "has_answer": cs.has_answer[best],
+                },
+                "lowers": {
+                    "context": document_text(cs.passages[worst])[:300],
+                    "confidence": float(conf[worst]),
+                    "has_answer": cs.has_answer[worst],
+                },
+            }
+        )
     return examples
 
 

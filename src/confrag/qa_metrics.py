@@ -13,7 +13,7 @@ import re
 import string
 import unicodedata
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -34,8 +34,12 @@ def probe_recipe(node: DictConfig, seed: int) -> ProbeRecipe:
         make_datamodule=lambda: instantiate(data_cfg, _convert_="all"),
         make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
         make_trainer=lambda **kw: instantiate(trainer_cfg, **{**rank_devices(trainer_cfg), **kw}),
-        identity={"model": OmegaConf.to_container(model_cfg, resolve=True), "max_epochs": trainer_cfg.get("max_epochs")},
-        seed=seed)
+        identity={
+            "model": OmegaConf.to_container(model_cfg, resolve=True),
+            "max_epochs": trainer_cfg.get("max_epochs"),
+        },
+        seed=seed,
+    )
 
 
 def rank_devices(trainer_cfg: DictConfig) -> dict:
@@ -54,14 +58,21 @@ def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     return RerankerRecipe(
         make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
         make_datamodule=lambda **kw: instantiate(cfg.data, _convert_="all")(**kw),
-        make_trainer=lambda **kw: instantiate(cfg.trainer, callbacks=instantiate_list(cfg.get("callbacks")),
-                                              **{**rank_devices(cfg.trainer), **kw}),
-        identity={"model": OmegaConf.to_container(cfg.model, resolve=True),
-                  "data": {k: cfg.data[k] for k in RERANKER_DATA_KEYS},
-                  "trainer": {k: cfg.trainer.get(k) for k in TRAINER_KEYS},
-                  "seed": cfg.seed},
-        cache_dir=Path(cfg.paths.cache_dir), output_dir=output_dir(cfg), eval_batch_size=int(cfg.data.eval_batch_size),
-        fast_dev_run=bool(cfg.trainer.get("fast_dev_run")), device="cuda" if on_gpu else None)
+        make_trainer=lambda **kw: instantiate(
+            cfg.trainer, callbacks=instantiate_list(cfg.get("callbacks")), **{**rank_devices(cfg.trainer), **kw}
+        ),
+        identity={
+            "model": OmegaConf.to_container(cfg.model, resolve=True),
+            "data": {k: cfg.data[k] for k in RERANKER_DATA_KEYS},
+            "trainer": {k: cfg.trainer.get(k) for k in TRAINER_KEYS},
+            "seed": cfg.seed,
+        },
+        cache_dir=Path(cfg.paths.cache_dir),
+        output_dir=output_dir(cfg),
+        eval_batch_size=int(cfg.data.eval_batch_size),
+        fast_dev_run=bool(cfg.trainer.get("fast_dev_run")),
+        device="cuda" if on_gpu else None,
+    )
 
 
 def templates(cfg: DictConfig) -> PromptTemplates:
@@ -74,12 +85,19 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
     retrieval.check_files()
     preferences = settings_from(PreferenceSettings, cfg.preferences, "preferences")
     if preferences.top_k > retrieval.top_n and not retrieval.candidates_path:
-        raise ValueError(f"preferences.top_k={preferences.top_k} is larger than the retrieval.top_n="
-                         f"{retrieval.top_n} candidates of a question; lower it or raise retrieval.top_n")
+        raise ValueError(
+            f"preferences.top_k={preferences.top_k} is larger than the retrieval.top_n="
+            f"{retrieval.top_n} candidates of a question; lower it or raise retrieval.top_n"
+        )
     return RerankRecipe(
-        probe=probe_recipe(cfg.probe, cfg.seed), llm=plain(cfg.llm), templates=templates(cfg),
+        probe=probe_recipe(cfg.probe, cfg.seed),
+        llm=plain(cfg.llm),
+        templates=templates(cfg),
         retrieval=retrieval,
         preferences=preferences,
         base=settings_from(BaseRerankerSettings, cfg.get("base_reranker"), "base_reranker"),
-        reranker=reranker_recipe(cfg), cache_dir=str(cfg.paths.cache_dir), seed=int(cfg.seed),
-        progress=bool(cfg.get("progress", True)))
+        reranker=reranker_recipe(cfg),
+        cache_dir=str(cfg.paths.cache_dir),
+        seed=int(cfg.seed),
+        progress=bool(cfg.get("progress", True)),
+    )

@@ -42,8 +42,11 @@ class StageTimer:
                 torch.cuda.synchronize(device)  # the stage's queued kernels are part of its time
             seconds = time.perf_counter() - start
             peaks = {str(d): torch.cuda.max_memory_allocated(d) / GIB for d in devices}
-            self.stages[name] = {"seconds": seconds, "peak_gpu_memory_gib": max(peaks.values()) if peaks else None,
-                                 "gpu_memory_gib": peaks or None}
+            self.stages[name] = {
+                "seconds": seconds,
+                "peak_gpu_memory_gib": max(peaks.values()) if peaks else None,
+                "gpu_memory_gib": peaks or None,
+            }
 
     def seconds(self) -> dict[str, float]:
         """Each stage's wall seconds."""

@@ -44,8 +44,9 @@ def run_task(cfg: DictConfig) -> float | None:
     if not metric_name or not launch.is_main:  # ranks > 0 of a launch helped compute; rank 0 reports
         return None
     if metric_name not in metrics:
-        raise ValueError(f"optimized_metric={metric_name!r} is not a metric of task {cfg.task_name!r}; it logs "
-                         f"{sorted(metrics)}")
+        raise ValueError(
+            f"optimized_metric={metric_name!r} is not a metric of task {cfg.task_name!r}; it logs {sorted(metrics)}"
+        )
     return float(metrics[metric_name])
 
 
@@ -57,12 +58,14 @@ def check_launch(cfg: DictConfig, launch: distributed.RankInfo) -> None:
         return
     if cfg.task_name == "probe":
         trainer = cfg.trainer
-        distributed.check_ddp_trainer(trainer.get("devices"), trainer.get("num_nodes", 1), trainer.get("strategy"),
-                                      "trainer", launch)
+        distributed.check_ddp_trainer(
+            trainer.get("devices"), trainer.get("num_nodes", 1), trainer.get("strategy"), "trainer", launch
+        )
     else:
         for key, trainer in (("trainer", cfg.trainer), ("probe.trainer", cfg.probe.trainer)):
-            distributed.check_one_device_trainer(trainer.get("devices"), trainer.get("num_nodes", 1),
-                                                 trainer.get("strategy"), key, launch)
+            distributed.check_one_device_trainer(
+                trainer.get("devices"), trainer.get("num_nodes", 1), trainer.get("strategy"), key, launch
+            )
     if torch.cuda.is_available():
         # "cuda" without an index (a reranker placed for scoring) then means this rank's GPU, not GPU 0.
         torch.cuda.set_device(distributed.rank_device(launch))

@@ -51,8 +51,12 @@ def check_rerank_outputs(out: Path) -> None:
     assert set(report["by_reference"]) == {"qa", "rag_empty"} and report["examples"]
     assert {"sign", "rank"} <= set(report["by_selection"])
     table = json.loads((out / "metrics.json").read_text())["table1"]
-    assert [r["system"] for r in table] == ["BM25", "base reranker", "base + relevance FT",
-                                            "base + confidence FT (sign)"]
+    assert [r["system"] for r in table] == [
+        "BM25",
+        "base reranker",
+        "base + relevance FT",
+        "base + confidence FT (sign)",
+    ]
     assert all(0 <= r["MRR@5"] <= 100 for r in table)
     assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
 

@@ -46,12 +46,20 @@ def cbdr_results(settings: CBDRSettings, dev: SweepData, test: SweepData, base_t
     entries += [(settings.reranker, test, beta) for beta in (0.0, *settings.table_betas)]
     entries.append((f"{settings.reranker}, β chosen on dev ({settings.objective})", test, chosen["beta"]))
     # Beside the configured pairs: always retrieving against the chosen β (whenever flips are counted at all).
-    pairs = [*settings.flip_pairs, *([(0.0, chosen["beta"])] if chosen["beta"] > 0 else [])] \
-        if settings.flip_pairs else []
+    pairs = (
+        [*settings.flip_pairs, *([(0.0, chosen["beta"])] if chosen["beta"] > 0 else [])] if settings.flip_pairs else []
+    )
     flips = [flip_analysis(test, settings.k, a, b, settings.flip_examples) for a, b in pairs]
-    rows = [{"reranker": name, "beta": beta, **{k: v for k, v in sweep(data, [beta], settings.ks).rows()[0].items()
-                                                 if k != "beta"}} for name, data, beta in entries]
-    confidence = {split: [float(np.min(d.confidence)), float(np.median(d.confidence)), float(np.max(d.confidence))]
-                  for split, d in (("dev", dev), ("test", test))}
-    return CBDRResults(grid, chosen, at_beta, table3_markdown(entries, settings.ks), rows, flips, quantiles,
-                       confidence)
+    rows = [
+        {
+            "reranker": name,
+            "beta": beta,
+            **{k: v for k, v in sweep(data, [beta], settings.ks).rows()[0].items() if k != "beta"},
+        }
+        for name, data, beta in entries
+    ]
+    confidence = {
+        split: [float(np.min(d.confidence)), float(np.median(d.confidence)), float(np.max(d.confidence))]
+        for split, d in (("dev", dev), ("test", test))
+    }
+    return CBDRResults(grid, chosen, at_beta, table3_markdown(entries, settings.ks), rows, flips, quantiles, confidence)

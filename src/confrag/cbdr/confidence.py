@@ -4,8 +4,8 @@ them instead of running the LLM again."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -17,9 +17,16 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 
 
-def question_confidences(llm: LoadedLLM, templates: PromptTemplates, probe: SavedProbe, questions: Sequence[str],
-                         cache_dir: str | Path | None = None, batch_size: int = 16, shard_size: int = 256,
-                         progress: bool = True) -> np.ndarray:
+def question_confidences(
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    probe: SavedProbe,
+    questions: Sequence[str],
+    cache_dir: str | Path | None = None,
+    batch_size: int = 16,
+    shard_size: int = 256,
+    progress: bool = True,
+) -> np.ndarray:
     """Conf(H(Q)) = P(correct) of `probe` for each question, from the QA prompt's state at the probe's layer."""
     check_probe(llm, templates, probe)
     prompts = [templates.qa_prompt(llm.tokenizer, q) for q in questions]
@@ -28,10 +35,19 @@ def question_confidences(llm: LoadedLLM, templates: PromptTemplates, probe: Save
     if cache_dir is None:
         states = engine.extract(prompts, [layer])[0]
     else:
-        spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "questions": fingerprint(list(questions)),
-                "layers": [layer], "kind": "qa", "store": "float32"}
+        spec = {
+            "llm": llm.identity,
+            "prompts": templates.identity(llm.tokenizer),
+            "questions": fingerprint(list(questions)),
+            "layers": [layer],
+            "kind": "qa",
+            "store": "float32",
+        }
         artifact = ShardedArtifact(cache_dir, "qa_states", spec, len(prompts), shard_size, fmt="npy")
         artifact.compute(lambda a, b: engine.extract(prompts[a:b], [layer], desc="QA states"), progress=progress)
-        states = np.concatenate([np.asarray(shard[0]) for shard in artifact.shards()]) if prompts else \
-            np.zeros((0, llm.model.config.hidden_size), dtype=np.float32)
+        states = (
+            np.concatenate([np.asarray(shard[0]) for shard in artifact.shards()])
+            if prompts
+            else np.zeros((0, llm.model.config.hidden_size), dtype=np.float32)
+        )
     return probe.confidence(states) if len(states) else np.zeros(0, dtype=np.float32)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,10 +49,16 @@ class GateAnswer(NamedTuple):
 
 
 def check_beta(beta: float, key: str = "cbdr.beta") -> float:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(beta) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"{key} must be a number in [0, 1] (0 = CBDR off, always retrieve; retrieve iff "
-                         f"Conf < beta otherwise); got {beta!r}")
+    if (
+        isinstance(beta, bool)
+        or not isinstance(beta, (int, float, np.floating, np.integer))
+        or not math.isfinite(beta)
+        or not 0.0 <= beta <= 1.0
+    ):
+        raise ValueError(
+            f"{key} must be a number in [0, 1] (0 = CBDR off, always retrieve; retrieve iff "
+            f"Conf < beta otherwise); got {beta!r}"
+        )
     return float(beta)
 
 
@@ -120,9 +127,20 @@ class ConfidenceGate:
     when given, must be the probe's layer (a probe is refused on states of any other layer).
     `last_state` holds H(Q) of the latest question (float32 numpy), for inspection."""
 
-    def __init__(self, llm: LoadedLLM, templates: PromptTemplates, probe: SavedProbe, beta: float,
-                 retrieve_fn: Retriever, rerank_fn: Reranker | None = None, top_k: int = 3, max_new_tokens: int = 32,
-                 batch_size: int = 8, layer: int | None = None, progress: bool = True) -> None:
+    def __init__(
+        self,
+        llm: LoadedLLM,
+        templates: PromptTemplates,
+        probe: SavedProbe,
+        beta: float,
+        retrieve_fn: Retriever,
+        rerank_fn: Reranker | None = None,
+        top_k: int = 3,
+        max_new_tokens: int = 32,
+        batch_size: int = 8,
+        layer: int | None = None,
+        progress: bool = True,
+    ) -> None:
         check_probe(llm, templates, probe, layer)
         for key, value in (("top_k", top_k), ("max_new_tokens", max_new_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -149,15 +167,21 @@ class ConfidenceGate:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         gate = _GateOnFirstToken(self._module, self._confidence, self.beta)
         try:
-            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    max_new_tokens=self.max_new_tokens, do_sample=False, num_beams=1,
-                                    pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([gate]))
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad_id,
+                stopping_criteria=StoppingCriteriaList([gate]),
+            )
             retrieve = gate.decide()  # also when generation ended before asking (EOS first)
         finally:
             gate.close()
         if retrieve:
             return None, gate.confidence
-        return tokenizer.decode(output[0, len(ids):], skip_special_tokens=True).strip(), gate.confidence
+        return tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True).strip(), gate.confidence
 
     def rag_prompt(self, question: str) -> str:
         """Retrieve, rerank, keep the top K, and render the RAG prompt."""
@@ -165,14 +189,25 @@ class ConfidenceGate:
         if not contexts:
             raise ValueError(f"retrieval returned no context for question {question!r}; the RAG path needs one")
         if len(contexts) < self.top_k:
-            log.warning("cbdr.top_k=%d but only %d contexts were retrieved for %r; using them all",
-                        self.top_k, len(contexts), question)
+            log.warning(
+                "cbdr.top_k=%d but only %d contexts were retrieved for %r; using them all",
+                self.top_k,
+                len(contexts),
+                question,
+            )
         order = rank_contexts(question, contexts, self.rerank_fn)
-        return self.templates.rag_prompt(self.llm.tokenizer, question, [contexts[i] for i in order[:self.top_k]])
+        return self.templates.rag_prompt(self.llm.tokenizer, question, [contexts[i] for i in order[: self.top_k]])
 
     def _generate(self, prompts: list[str]) -> list[str]:
-        return generate_greedy(self.llm.model, self.llm.tokenizer, prompts, self.max_new_tokens, self.batch_size,
-                               desc="RAG answers", progress=False)
+        return generate_greedy(
+            self.llm.model,
+            self.llm.tokenizer,
+            prompts,
+            self.max_new_tokens,
+            self.batch_size,
+            desc="RAG answers",
+            progress=False,
+        )
 
     # --- public API -------------------------------------------------------------------------------
     def answer(self, question: str) -> GateAnswer:
@@ -188,8 +223,10 @@ class ConfidenceGate:
         decided = [self.closed_book_or_defer(q) for q in tqdm(questions, desc="CBDR gate", disable=not self.progress)]
         deferred = [i for i, (answer, _) in enumerate(decided) if answer is None]
         rag_answers = dict(zip(deferred, self._generate([self.rag_prompt(questions[i]) for i in deferred])))
-        return [GateAnswer(rag_answers[i], True, conf) if answer is None else GateAnswer(answer, False, conf)
-                for i, (answer, conf) in enumerate(decided)]
+        return [
+            GateAnswer(rag_answers[i], True, conf) if answer is None else GateAnswer(answer, False, conf)
+            for i, (answer, conf) in enumerate(decided)
+        ]
 
 
 def evaluate_gate(gate: ConfidenceGate, questions: Sequence[str], gold: Sequence[Sequence[str]]) -> dict[str, Any]:
@@ -197,14 +234,29 @@ def evaluate_gate(gate: ConfidenceGate, questions: Sequence[str], gold: Sequence
     if len(questions) != len(gold):
         raise ValueError(f"{len(questions)} questions but {len(gold)} gold answer lists")
     results = gate.answer_batch(questions)
-    records = [{"question": q, "gold": list(g), "answer": r.answer, "retrieved": r.retrieved,
-                "confidence": r.confidence, "has_answer": has_answer(r.answer, g), "em": exact_match(r.answer, g),
-                "f1": token_f1(r.answer, g)} for q, g, r in zip(questions, gold, results)]
+    records = [
+        {
+            "question": q,
+            "gold": list(g),
+            "answer": r.answer,
+            "retrieved": r.retrieved,
+            "confidence": r.confidence,
+            "has_answer": has_answer(r.answer, g),
+            "em": exact_match(r.answer, g),
+            "f1": token_f1(r.answer, g),
+        }
+        for q, g, r in zip(questions, gold, results)
+    ]
     n = max(len(records), 1)
-    return {"n": len(records), "beta": gate.beta,
-            "accuracy": sum(r["has_answer"] for r in records) / n, "em": sum(r["em"] for r in records) / n,
-            "f1": sum(r["f1"] for r in records) / n, "retrieval_rate": sum(r["retrieved"] for r in records) / n,
-            "records": records}
+    return {
+        "n": len(records),
+        "beta": gate.beta,
+        "accuracy": sum(r["has_answer"] for r in records) / n,
+        "em": sum(r["em"] for r in records) / n,
+        "f1": sum(r["f1"] for r in records) / n,
+        "retrieval_rate": sum(r["retrieved"] for r in records) / n,
+        "records": records,
+    }
 
 
 def gate_check(gate: ConfidenceGate, rows: Sequence[Any], outcomes: Sequence[Any], k: int) -> dict[str, Any]:
@@ -219,10 +271,21 @@ def gate_check(gate: ConfidenceGate, rows: Sequence[Any], outcomes: Sequence[Any
         cached = by_qid[row.qid]
         expect_retrieve = bool(should_retrieve(cached.confidence, gate.beta))
         expected = cached.rag[k].answer if expect_retrieve else cached.closed_book.answer
-        records.append({"qid": row.qid, "confidence_live": result.confidence, "confidence_batch": cached.confidence,
-                        "decision_agrees": result.retrieved == expect_retrieve, "answer_agrees": result.answer == expected})
-    return {"questions": len(records), "beta": gate.beta, "k": k,
-            "decisions_agree": sum(r["decision_agrees"] for r in records),
-            "answers_agree": sum(r["answer_agrees"] for r in records),
-            "max_confidence_difference": max(abs(r["confidence_live"] - r["confidence_batch"]) for r in records),
-            "records": records}
+        records.append(
+            {
+                "qid": row.qid,
+                "confidence_live": result.confidence,
+                "confidence_batch": cached.confidence,
+                "decision_agrees": result.retrieved == expect_retrieve,
+                "answer_agrees": result.answer == expected,
+            }
+        )
+    return {
+        "questions": len(records),
+        "beta": gate.beta,
+        "k": k,
+        "decisions_agree": sum(r["decision_agrees"] for r in records),
+        "answers_agree": sum(r["answer_agrees"] for r in records),
+        "max_confidence_difference": max(abs(r["confidence_live"] - r["confidence_batch"]) for r in records),
+        "records": records,
+    }

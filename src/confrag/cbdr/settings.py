@@ -68,11 +68,15 @@ class EvalSettings:
 
     def __post_init__(self) -> None:
         if self.metric not in BINARY_METRICS:
-            raise ValueError(f"eval.metric={self.metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)")
+            raise ValueError(
+                f"eval.metric={self.metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)"
+            )
         fraction = self.dev_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-            raise ValueError(f"eval.dev_fraction must be a number in (0, 1), the share of evaluation questions used "
-                             f"to choose β (or to fit the gates); got {fraction!r}")
+            raise ValueError(
+                f"eval.dev_fraction must be a number in (0, 1), the share of evaluation questions used "
+                f"to choose β (or to fit the gates); got {fraction!r}"
+            )
         positive_int(self.num_questions, "eval.num_questions", minimum=2, allow_none=True)
         positive_int(self.hotpotqa_num_questions, "eval.hotpotqa_num_questions", minimum=2, allow_none=True)
         positive_int(self.n_resamples, "eval.n_resamples", minimum=100)
@@ -104,21 +108,28 @@ class CBDRSettings:
     gate_batch_size: int | str = 16  # or "auto"
 
 
-def cbdr_settings(cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSettings, top_n: int,
-                  candidates_file: bool) -> CBDRSettings:
+def cbdr_settings(
+    cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSettings, top_n: int, candidates_file: bool
+) -> CBDRSettings:
     """Every bad value of the `cbdr` node (and its combination with `rag` / `retrieval`), named by its key."""
     k = positive_int(cbdr["top_k"], "cbdr.top_k")
     if max(*rag.top_k, k) > top_n and not candidates_file:
-        raise ValueError(f"rag.top_k={list(rag.top_k)} / cbdr.top_k={k} ask for more contexts than the "
-                         f"retrieval.top_n={top_n} candidates retrieved per question; lower K or raise retrieval.top_n")
+        raise ValueError(
+            f"rag.top_k={list(rag.top_k)} / cbdr.top_k={k} ask for more contexts than the "
+            f"retrieval.top_n={top_n} candidates retrieved per question; lower K or raise retrieval.top_n"
+        )
     flip_betas = as_list(cbdr.get("flip_betas") or [])
     flip_betas = tuple(float(b) for b in check_betas(flip_betas, "cbdr.flip_betas")) if flip_betas else ()
     if len(flip_betas) == 1:
-        raise ValueError(f"cbdr.flip_betas must list at least two thresholds (flips between consecutive ones), or "
-                         f"none; got {list(flip_betas)}")
+        raise ValueError(
+            f"cbdr.flip_betas must list at least two thresholds (flips between consecutive ones), or "
+            f"none; got {list(flip_betas)}"
+        )
     if flip_betas and cbdr["metric"] == "f1":
-        raise ValueError("cbdr.metric=f1 has no right and wrong answers to count flips with; set cbdr.flip_betas=[] "
-                         "or cbdr.metric=has_answer / em")
+        raise ValueError(
+            "cbdr.metric=f1 has no right and wrong answers to count flips with; set cbdr.flip_betas=[] "
+            "or cbdr.metric=has_answer / em"
+        )
     objective, budget = cbdr["objective"], cbdr.get("retrieval_budget")
     if objective not in OBJECTIVES:
         raise ValueError(f"cbdr.objective={objective!r} is not one of {OBJECTIVES}")
@@ -131,14 +142,22 @@ def cbdr_settings(cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSet
     if cbdr["metric"] not in METRICS:
         raise ValueError(f"cbdr.metric={cbdr['metric']!r} is not one of {METRICS}")
     return CBDRSettings(
-        ks=tuple(sorted({*rag.top_k, k})), k=k, beta=check_beta(cbdr["beta"], "cbdr.beta"),
+        ks=tuple(sorted({*rag.top_k, k})),
+        k=k,
+        beta=check_beta(cbdr["beta"], "cbdr.beta"),
         betas=beta_grid(cbdr.get("betas"), cbdr.get("beta_step")),
         table_betas=tuple(float(b) for b in check_betas(as_list(cbdr["table_betas"]), "cbdr.table_betas")),
-        flip_pairs=tuple(zip(flip_betas, flip_betas[1:])), objective=objective, budget=budget,
-        metric=cbdr["metric"], eval_metric=evaluation.metric, base=str(evaluation.base_reranker),
-        reranker=str(cbdr["reranker"]), rerankers=evaluation.rerankers,
+        flip_pairs=tuple(zip(flip_betas, flip_betas[1:])),
+        objective=objective,
+        budget=budget,
+        metric=cbdr["metric"],
+        eval_metric=evaluation.metric,
+        base=str(evaluation.base_reranker),
+        reranker=str(cbdr["reranker"]),
+        rerankers=evaluation.rerankers,
         flip_examples=positive_int(cbdr["flip_examples"], "cbdr.flip_examples", minimum=0),
         gate_check_questions=positive_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions", minimum=0),
         conf_quantiles=positive_int(cbdr["conf_quantiles"], "cbdr.conf_quantiles", minimum=0),
         gate_max_new_tokens=positive_int(cbdr.get("max_new_tokens", rag.max_new_tokens), "cbdr.max_new_tokens"),
-        gate_batch_size=check_batch_size(cbdr.get("batch_size", rag.batch_size), "cbdr.batch_size"))
+        gate_batch_size=check_batch_size(cbdr.get("batch_size", rag.batch_size), "cbdr.batch_size"),
+    )

@@ -9,9 +9,10 @@ reproduces the always-retrieve accuracy exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -45,8 +46,9 @@ def beta_grid(betas: Any, step: Any) -> np.ndarray:
     if betas is not None:
         return check_betas(list(betas) if isinstance(betas, (list, tuple)) else [betas], "cbdr.betas")
     if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 0.9:
-        raise ValueError(f"cbdr.beta_step must be a number in (0, 0.9] (the grid's step below 0.90), or set "
-                         f"cbdr.betas; got {step!r}")
+        raise ValueError(
+            f"cbdr.beta_step must be a number in (0, 0.9] (the grid's step below 0.90), or set cbdr.betas; got {step!r}"
+        )
     coarse = np.arange(0.0, 0.9 - 1e-9, step)
     return np.unique(np.round(np.concatenate([coarse, 0.90 + np.arange(11) * 0.01]), 6))
 
@@ -76,8 +78,9 @@ class SweepData:
     metric: str = "has_answer"
 
     @classmethod
-    def from_outcomes(cls, outcomes: Sequence[QuestionOutcome], metric: str = "has_answer",
-                      ks: Sequence[int] | None = None) -> "SweepData":
+    def from_outcomes(
+        cls, outcomes: Sequence[QuestionOutcome], metric: str = "has_answer", ks: Sequence[int] | None = None
+    ) -> SweepData:
         if metric not in METRICS:
             raise ValueError(f"cbdr.metric={metric!r} is not one of {METRICS}")
         if not outcomes:
@@ -90,12 +93,16 @@ class SweepData:
         if not ks or missing:
             raise ValueError(f"every outcome needs RAG answers for K in {ks}; missing (qid, K): {missing[:5]}")
         return cls(
-            qids=[o.qid for o in outcomes], questions=[o.question for o in outcomes], gold=[o.answers for o in outcomes],
+            qids=[o.qid for o in outcomes],
+            questions=[o.question for o in outcomes],
+            gold=[o.answers for o in outcomes],
             confidence=np.array([o.confidence for o in outcomes], dtype=np.float64),
             closed=np.array([float(getattr(o.closed_book, metric)) for o in outcomes]),
             closed_answers=[o.closed_book.answer for o in outcomes],
             rag={k: np.array([float(getattr(o.rag[k], metric)) for o in outcomes]) for k in ks},
-            rag_answers={k: [o.rag[k].answer for o in outcomes] for k in ks}, metric=metric)
+            rag_answers={k: [o.rag[k].answer for o in outcomes] for k in ks},
+            metric=metric,
+        )
 
     @property
     def ks(self) -> list[int]:
@@ -120,25 +127,30 @@ class SweepResult:
     metric: str
 
     def rows(self) -> list[dict[str, float]]:
-        return [{"beta": float(b), "retrieval_rate": float(r),
-                 **{f"top{k}": float(acc[i]) for k, acc in sorted(self.accuracy.items())}}
-                for i, (b, r) in enumerate(zip(self.betas, self.retrieval_rate))]
+        return [
+            {
+                "beta": float(b),
+                "retrieval_rate": float(r),
+                **{f"top{k}": float(acc[i]) for k, acc in sorted(self.accuracy.items())},
+            }
+            for i, (b, r) in enumerate(zip(self.betas, self.retrieval_rate))
+        ]
 
 
 def sweep(data: SweepData, betas: Sequence[float] | None = None, ks: Sequence[int] | None = None) -> SweepResult:
     """Accuracy (mean score) and retrieval rate at every β, for every K; one vectorised pass."""
     betas = check_betas(betas)
     retrieve = should_retrieve(data.confidence[None, :], betas[:, None])  # (betas, questions)
-    accuracy = {k: np.where(retrieve, data._k(k)[None, :], data.closed[None, :]).mean(axis=1)
-                for k in (ks or data.ks)}
+    accuracy = {k: np.where(retrieve, data._k(k)[None, :], data.closed[None, :]).mean(axis=1) for k in (ks or data.ks)}
     return SweepResult(betas, retrieve.mean(axis=1), accuracy, len(data.qids), data.metric)
 
 
 # ---------------------------------------------------------------- Table 3
 
 
-def table3_markdown(entries: Sequence[tuple[str, SweepData, float]], ks: Sequence[int] = DEFAULT_KS,
-                    dataset: str = "NQ") -> str:
+def table3_markdown(
+    entries: Sequence[tuple[str, SweepData, float]], ks: Sequence[int] = DEFAULT_KS, dataset: str = "NQ"
+) -> str:
     """The papers' Table 3: one row per (reranker, β) with Top-K accuracy (%) and retrieval rate RR (%)."""
     header = ["Reranker"] + [f"{dataset} Top-{k}" for k in ks] + ["β", "RR (%) ↓"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
@@ -163,8 +175,13 @@ class BetaChoice:
     dev_retrieval_rate: float
 
 
-def choose_beta(dev: SweepData, k: int, objective: str = "accuracy", budget: float | None = None,
-                betas: Sequence[float] | None = None) -> BetaChoice:
+def choose_beta(
+    dev: SweepData,
+    k: int,
+    objective: str = "accuracy",
+    budget: float | None = None,
+    betas: Sequence[float] | None = None,
+) -> BetaChoice:
     """β from the dev split: the highest accuracy (objective "accuracy"), or the highest accuracy whose
     retrieval rate is at most `budget` (objective "budget"); ties go to the lower retrieval rate, then the
     smaller β."""
@@ -179,31 +196,47 @@ def choose_beta(dev: SweepData, k: int, objective: str = "accuracy", budget: flo
         budget = check_beta(budget, "cbdr.retrieval_budget")
         feasible = rate <= budget + 1e-12
         if not feasible.any():
-            raise ValueError(f"no β on the grid keeps the dev retrieval rate within cbdr.retrieval_budget={budget}; "
-                             f"the lowest reachable is {rate.min():.3f} (β = {result.betas[rate.argmin()]:g})")
+            raise ValueError(
+                f"no β on the grid keeps the dev retrieval rate within cbdr.retrieval_budget={budget}; "
+                f"the lowest reachable is {rate.min():.3f} (β = {result.betas[rate.argmin()]:g})"
+            )
     # np.lexsort sorts by the last key first: accuracy (descending), then retrieval rate, then β.
     candidates = np.flatnonzero(feasible)
     best = candidates[np.lexsort((result.betas[candidates], rate[candidates], -np.round(accuracy[candidates], 12)))[0]]
     return BetaChoice(float(result.betas[best]), k, objective, budget, float(accuracy[best]), float(rate[best]))
 
 
-def report_beta(dev: SweepData, test: SweepData, k: int, objective: str = "accuracy", budget: float | None = None,
-                betas: Sequence[float] | None = None) -> dict[str, Any]:
+def report_beta(
+    dev: SweepData,
+    test: SweepData,
+    k: int,
+    objective: str = "accuracy",
+    budget: float | None = None,
+    betas: Sequence[float] | None = None,
+) -> dict[str, Any]:
     """β chosen on dev, with its accuracy and retrieval rate on test beside test's always-retrieve accuracy."""
     choice = choose_beta(dev, k, objective, budget, betas)
     test_result = sweep(test, [choice.beta, 0.0], [k])
-    return {"beta": choice.beta, "k": k, "objective": objective, "budget": choice.budget,
-            "dev/accuracy": choice.dev_accuracy, "dev/retrieval_rate": choice.dev_retrieval_rate,
-            "test/accuracy": float(test_result.accuracy[k][0]),
-            "test/retrieval_rate": float(test_result.retrieval_rate[0]),
-            "test/always_retrieve_accuracy": float(test_result.accuracy[k][1]), "test/n": test_result.n}
+    return {
+        "beta": choice.beta,
+        "k": k,
+        "objective": objective,
+        "budget": choice.budget,
+        "dev/accuracy": choice.dev_accuracy,
+        "dev/retrieval_rate": choice.dev_retrieval_rate,
+        "test/accuracy": float(test_result.accuracy[k][0]),
+        "test/retrieval_rate": float(test_result.retrieval_rate[0]),
+        "test/always_retrieve_accuracy": float(test_result.accuracy[k][1]),
+        "test/n": test_result.n,
+    }
 
 
 # ---------------------------------------------------------------- Figure 8
 
 
-def plot_beta_curve(result: SweepResult, path: str | Path, beta_range: tuple[float, float] = (0.90, 1.00),
-                    title: str | None = None) -> Path:
+def plot_beta_curve(
+    result: SweepResult, path: str | Path, beta_range: tuple[float, float] = (0.90, 1.00), title: str | None = None
+) -> Path:
     """Accuracy (left axis, one line per K) and skip-retrieval ratio (right axis) against β, as in the
     papers' Figure 8; written atomically as PNG."""
     low, high = beta_range
@@ -257,29 +290,55 @@ def flip_analysis(data: SweepData, k: int, beta_a: float, beta_b: float, max_exa
     def examples(mask: np.ndarray) -> list[dict[str, Any]]:
         picked = [int(i) for i in by_confidence if mask[i]][:max_examples]
         answer = lambda i, retrieved: data.rag_answers[k][i] if retrieved else data.closed_answers[i]  # noqa: E731
-        return [{"qid": data.qids[i], "question": data.questions[i], "gold": list(data.gold[i]),
-                 "confidence": float(data.confidence[i]), "retrieved_a": bool(retrieve_a[i]),
-                 "retrieved_b": bool(retrieve_b[i]), "answer_a": answer(i, retrieve_a[i]),
-                 "answer_b": answer(i, retrieve_b[i])} for i in picked]
+        return [
+            {
+                "qid": data.qids[i],
+                "question": data.questions[i],
+                "gold": list(data.gold[i]),
+                "confidence": float(data.confidence[i]),
+                "retrieved_a": bool(retrieve_a[i]),
+                "retrieved_b": bool(retrieve_b[i]),
+                "answer_a": answer(i, retrieve_a[i]),
+                "answer_b": answer(i, retrieve_b[i]),
+            }
+            for i in picked
+        ]
 
     turned_right, turned_wrong = ~right_a & right_b, right_a & ~right_b
-    return FlipReport(k, beta_a, beta_b, int(turned_right.sum()), int(turned_wrong.sum()),
-                      examples(turned_right), examples(turned_wrong))
+    return FlipReport(
+        k,
+        beta_a,
+        beta_b,
+        int(turned_right.sum()),
+        int(turned_wrong.sum()),
+        examples(turned_right),
+        examples(turned_wrong),
+    )
 
 
 def flips_markdown(report: FlipReport) -> str:
-    lines = [f"β {report.beta_a:g} → {report.beta_b:g} (Top-{report.k}): {report.turned_right} answers turned right, "
-             f"{report.turned_wrong} turned wrong", ""]
+    lines = [
+        f"β {report.beta_a:g} → {report.beta_b:g} (Top-{report.k}): {report.turned_right} answers turned right, "
+        f"{report.turned_wrong} turned wrong",
+        "",
+    ]
     for title, examples in (("Turned right", report.examples_right), ("Turned wrong", report.examples_wrong)):
         if not examples:
             continue
-        lines += [f"**{title}**", "", "| question | gold | Conf | answer at β_a | answer at β_b |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += [
+            f"**{title}**",
+            "",
+            "| question | gold | Conf | answer at β_a | answer at β_b |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for e in examples:
-            cells = [e["question"], " / ".join(e["gold"]), f"{e['confidence']:.3f}",
-                     ("[RAG] " if e["retrieved_a"] else "[closed] ") + e["answer_a"],
-                     ("[RAG] " if e["retrieved_b"] else "[closed] ") + e["answer_b"]]
+            cells = [
+                e["question"],
+                " / ".join(e["gold"]),
+                f"{e['confidence']:.3f}",
+                ("[RAG] " if e["retrieved_a"] else "[closed] ") + e["answer_a"],
+                ("[RAG] " if e["retrieved_b"] else "[closed] ") + e["answer_b"],
+            ]
             lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
-

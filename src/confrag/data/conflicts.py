@@ -27,15 +27,27 @@ import random
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from confrag.data.nq import Passage, QARow
 from confrag.qa_metrics import has_answer, normalize_answer
 
 KINDS = ("year", "date", "number", "name", "other")
-_MONTHS = ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october",
-           "november", "december")
+_MONTHS = (
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
+)
 _YEAR = re.compile(r"^\s*(1[0-9]{3}|20[0-9]{2})\s*$")
 _NUMBER = re.compile(r"^\s*[$£€]?\s*\d[\d,.]*")
 _MAX_TRIES = 20  # substitutes tried per question before giving up
@@ -153,8 +165,9 @@ def _overlaps(candidate: str, answers: Sequence[str]) -> bool:
     return has_answer(candidate, answers) or any(has_answer(answer, [candidate]) for answer in answers)
 
 
-def _swap(row: QARow, gold: Passage, answer: str, kind: str, donors: list[tuple[str, str]],
-          rng: random.Random) -> ConflictExample | None:
+def _swap(
+    row: QARow, gold: Passage, answer: str, kind: str, donors: list[tuple[str, str]], rng: random.Random
+) -> ConflictExample | None:
     candidates = [(qid, a) for qid, a in donors if qid != row.qid and not _overlaps(a, row.answers)]
     for donor_qid, substitute in rng.sample(candidates, min(_MAX_TRIES, len(candidates))):
         title, in_title = substitute_answers(gold.title, row.answers, substitute)
@@ -162,8 +175,15 @@ def _swap(row: QARow, gold: Passage, answer: str, kind: str, donors: list[tuple[
         if has_answer(f"{title}\n{text}", row.answers):  # e.g. the substitute contains a gold answer
             continue
         return ConflictExample(
-            qid=row.qid, question=row.question, answers=row.answers, original=row.contexts[0],
-            passage=Passage(title=title, text=text), replaced_answer=answer, substitute=substitute, kind=kind,
-            donor_qid=donor_qid, replacements=in_title + in_text,
+            qid=row.qid,
+            question=row.question,
+            answers=row.answers,
+            original=row.contexts[0],
+            passage=Passage(title=title, text=text),
+            replaced_answer=answer,
+            substitute=substitute,
+            kind=kind,
+            donor_qid=donor_qid,
+            replacements=in_title + in_text,
         )
     return None

@@ -29,16 +29,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from confrag.data.nq import DataFormatError, Passage, QARow, _numbered_lines, _RowCollector, _check_limit
+from confrag.data.nq import DataFormatError, Passage, QARow, _check_limit, _numbered_lines, _RowCollector
 
 HOTPOTQA_PATH_KEY = "eval.hotpotqa_path"
 _SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
-_SHAPES = ('official {"_id", "question", "answer", "supporting_facts": [[title, sent_id], ...], '
-           '"context": [[title, [sentences]], ...]} or Hugging Face {"id", "question", "answer", '
-           '"supporting_facts": {"title", "sent_id"}, "context": {"title", "sentences"}}')
+_SHAPES = (
+    'official {"_id", "question", "answer", "supporting_facts": [[title, sent_id], ...], '
+    '"context": [[title, [sentences]], ...]} or Hugging Face {"id", "question", "answer", '
+    '"supporting_facts": {"title", "sent_id"}, "context": {"title", "sentences"}}'
+)
 
 
 def _require_text(row: Mapping[str, Any], key: str, where: str) -> str:
@@ -52,8 +55,9 @@ def _qid(row: Mapping[str, Any], where: str) -> str:
     key = "_id" if "_id" in row else "id"
     raw = row.get(key)
     if isinstance(raw, bool) or not isinstance(raw, (str, int)) or str(raw).strip() == "":
-        raise DataFormatError(f'{where}: field "_id" (official) or "id" (Hugging Face) must be a non-empty string; '
-                              f"got {raw!r}")
+        raise DataFormatError(
+            f'{where}: field "_id" (official) or "id" (Hugging Face) must be a non-empty string; got {raw!r}'
+        )
     return str(raw)
 
 
@@ -62,21 +66,31 @@ def _paragraphs(context: Any, where: str) -> dict[str, list[str]]:
     if isinstance(context, Mapping):  # Hugging Face: parallel lists
         titles, sentences = context.get("title"), context.get("sentences")
         if not isinstance(titles, list) or not isinstance(sentences, list) or len(titles) != len(sentences):
-            raise DataFormatError(f'{where}: field "context" must hold equally long lists "title" and "sentences"; '
-                                  f"got {type(titles).__name__} and {type(sentences).__name__}")
+            raise DataFormatError(
+                f'{where}: field "context" must hold equally long lists "title" and "sentences"; '
+                f"got {type(titles).__name__} and {type(sentences).__name__}"
+            )
         pairs = list(zip(titles, sentences))
     elif isinstance(context, list):  # official: [[title, [sentences]], ...]
         if not all(isinstance(item, list) and len(item) == 2 for item in context):
             raise DataFormatError(f'{where}: field "context" must be a list of [title, [sentence, ...]] pairs')
         pairs = [(item[0], item[1]) for item in context]
     else:
-        raise DataFormatError(f'{where}: field "context" must be a list (official) or an object (Hugging Face); '
-                              f"got {type(context).__name__}")
+        raise DataFormatError(
+            f'{where}: field "context" must be a list (official) or an object (Hugging Face); '
+            f"got {type(context).__name__}"
+        )
     paragraphs: dict[str, list[str]] = {}
     for position, (title, sentences) in enumerate(pairs):
-        if not isinstance(title, str) or not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
-            raise DataFormatError(f'{where}: context paragraph {position} must be a title string with a list of '
-                                  f"sentence strings; got {title!r}")
+        if (
+            not isinstance(title, str)
+            or not isinstance(sentences, list)
+            or not all(isinstance(s, str) for s in sentences)
+        ):
+            raise DataFormatError(
+                f"{where}: context paragraph {position} must be a title string with a list of "
+                f"sentence strings; got {title!r}"
+            )
         paragraphs.setdefault(title, sentences)
     return paragraphs
 
@@ -90,8 +104,10 @@ def _supporting_titles(facts: Any, where: str) -> list[str]:
     else:
         titles = None
     if not isinstance(titles, list) or not titles or not all(isinstance(t, str) for t in titles):
-        raise DataFormatError(f'{where}: field "supporting_facts" must name at least one paragraph title, as '
-                              f'[[title, sent_id], ...] or {{"title": [...], "sent_id": [...]}}; got {facts!r}')
+        raise DataFormatError(
+            f'{where}: field "supporting_facts" must name at least one paragraph title, as '
+            f'[[title, sent_id], ...] or {{"title": [...], "sent_id": [...]}}; got {facts!r}'
+        )
     return list(dict.fromkeys(titles))
 
 
@@ -106,11 +122,17 @@ def hotpotqa_row(row: Any, where: str) -> QARow:
     contexts = []
     for title in _supporting_titles(row["supporting_facts"], where):
         if title not in paragraphs:
-            raise DataFormatError(f"{where}: supporting fact names paragraph {title!r}, which is not in the row's "
-                                  f"context (titles there: {list(paragraphs)})")
+            raise DataFormatError(
+                f"{where}: supporting fact names paragraph {title!r}, which is not in the row's "
+                f"context (titles there: {list(paragraphs)})"
+            )
         contexts.append(Passage(title=title, text="".join(paragraphs[title]).strip()))
-    return QARow(qid=_qid(row, where), question=_require_text(row, "question", where),
-                 answers=(_require_text(row, "answer", where),), contexts=tuple(contexts))
+    return QARow(
+        qid=_qid(row, where),
+        question=_require_text(row, "question", where),
+        answers=(_require_text(row, "answer", where),),
+        contexts=tuple(contexts),
+    )
 
 
 def hotpotqa_rows_from_records(records: Iterable[Mapping[str, Any]]) -> list[QARow]:
@@ -128,11 +150,14 @@ def _load_json_list(path: Path, limit: int | None) -> list[QARow]:
     except UnicodeDecodeError as exc:
         raise DataFormatError(f"{path}: not valid UTF-8 ({exc.reason}); files must be UTF-8") from exc
     except json.JSONDecodeError as exc:
-        raise DataFormatError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); the "
-                              "official HotpotQA file is one JSON list of rows") from exc
+        raise DataFormatError(
+            f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); the "
+            "official HotpotQA file is one JSON list of rows"
+        ) from exc
     if not isinstance(data, list):
-        raise DataFormatError(f"{path}: expected a JSON list of rows (the official HotpotQA format); "
-                              f"got {type(data).__name__}")
+        raise DataFormatError(
+            f"{path}: expected a JSON list of rows (the official HotpotQA format); got {type(data).__name__}"
+        )
     collector = _RowCollector()
     for index, record in enumerate(data[:limit] if limit else data):
         where = f"{path}, row {index} (0-based)"
@@ -152,8 +177,9 @@ def _load_jsonl(path: Path, limit: int | None) -> list[QARow]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataFormatError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must "
-                                      "be one JSON object") from exc
+                raise DataFormatError(
+                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
+                ) from exc
             collector.add(hotpotqa_row(record, where), where)
     return collector.rows
 
@@ -165,12 +191,12 @@ def load_hotpotqa(path: str | os.PathLike[str], limit: int | None = None) -> lis
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataFormatError(f"HotpotQA data file {path} {reason}; set the path with the `{HOTPOTQA_PATH_KEY}` "
-                              "config value")
+        raise DataFormatError(
+            f"HotpotQA data file {path} {reason}; set the path with the `{HOTPOTQA_PATH_KEY}` config value"
+        )
     name = path.name.lower()
     if name.endswith(".json"):
         return _load_json_list(path, limit)
     if name.endswith((".jsonl", ".jsonl.gz")):
         return _load_jsonl(path, limit)
     raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {', '.join(_SUFFIXES)}")
-

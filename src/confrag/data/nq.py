@@ -18,9 +18,10 @@ import hashlib
 import json
 import os
 import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any
 
 from confrag.paths import project_root
 
@@ -206,8 +207,10 @@ def load_nq_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> lis
                 ) from exc
             collector.add(_row_from_mapping(obj, len(collector.rows), where), where)
     if not collector.rows:
-        raise DataFormatError(f"NQ-open data file {path} is empty (no rows); each line must be one JSON object "
-                              f'with "question" and "answers"; {_PATH_HINT}')
+        raise DataFormatError(
+            f"NQ-open data file {path} is empty (no rows); each line must be one JSON object "
+            f'with "question" and "answers"; {_PATH_HINT}'
+        )
     return collector.rows
 
 

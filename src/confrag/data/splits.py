@@ -8,8 +8,8 @@ seen in training" is checked in one place (`check_disjoint`), not only trusted.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,8 +24,9 @@ def select_questions(rows: Sequence[QARow], num_questions: int | None, seed: int
     rows than there are gives all of them, with a warning naming both numbers."""
     if num_questions is None or num_questions >= len(rows):
         if num_questions is not None and num_questions > len(rows):
-            log.warning("num_questions=%d asks for more questions than the data holds: using all %d",
-                        num_questions, len(rows))
+            log.warning(
+                "num_questions=%d asks for more questions than the data holds: using all %d", num_questions, len(rows)
+            )
         return list(rows)
     if num_questions < 2:
         raise ValueError(f"data.num_questions must be >= 2 (got {num_questions})")
@@ -37,8 +38,10 @@ def split_dev_test(rows: Sequence[QARow], dev_fraction: float, seed: int) -> dic
     """Seeded split by question into dev and test, each part kept in file order."""
     n_dev = int(round(len(rows) * dev_fraction))
     if not 0 < n_dev < len(rows):
-        raise ValueError(f"eval.dev_fraction={dev_fraction} of {len(rows)} evaluation questions leaves an empty dev or "
-                         "test split; raise eval.num_questions")
+        raise ValueError(
+            f"eval.dev_fraction={dev_fraction} of {len(rows)} evaluation questions leaves an empty dev or "
+            "test split; raise eval.num_questions"
+        )
     dev = set(np.random.default_rng(seed).permutation(len(rows))[:n_dev].tolist())
     return {"dev": [r for i, r in enumerate(rows) if i in dev], "test": [r for i, r in enumerate(rows) if i not in dev]}
 
@@ -48,8 +51,10 @@ def held_out(rows: Sequence[QARow], used: Iterable[QARow], what: str, where: str
     taken = {row.qid for row in used}
     pool = [row for row in rows if row.qid not in taken]
     if len(pool) < 2:
-        raise ValueError(f"{where}: {len(taken)} of its {len(rows)} questions are used before {what}, leaving "
-                         f"{len(pool)}; lower probe.data.num_questions")
+        raise ValueError(
+            f"{where}: {len(taken)} of its {len(rows)} questions are used before {what}, leaving "
+            f"{len(pool)}; lower probe.data.num_questions"
+        )
     return pool
 
 
@@ -58,16 +63,19 @@ def question_key(row: QARow) -> str:
     return normalize_answer(row.question)
 
 
-def check_disjoint(evaluation: Sequence[QARow], training: Mapping[str, Sequence[QARow]],
-                   what: str = "the evaluation questions") -> None:
+def check_disjoint(
+    evaluation: Sequence[QARow], training: Mapping[str, Sequence[QARow]], what: str = "the evaluation questions"
+) -> None:
     """Raise when a question of `evaluation` is in one of the named `training` sets (compared by normalized
     text, so that two files numbering their questions differently are still compared correctly)."""
     held_out_keys = {question_key(r): r for r in evaluation}
     for name, rows in training.items():
         shared = sorted({held_out_keys[k].qid for k in map(question_key, rows) if k in held_out_keys})
         if shared:
-            raise ValueError(f"{len(shared)} of {what} are also in {name}, e.g. {shared[:3]}: training and "
-                             "evaluation questions must be disjoint")
+            raise ValueError(
+                f"{len(shared)} of {what} are also in {name}, e.g. {shared[:3]}: training and "
+                "evaluation questions must be disjoint"
+            )
 
 
 @dataclass(frozen=True)
@@ -80,16 +88,32 @@ class QuestionPlan:
     held_out: list[QARow]  # what is left: the evaluation questions are sampled from these
 
     def __post_init__(self) -> None:
-        check_disjoint(self.held_out, {"the probe's questions": self.probe, "the preference questions": self.preference,
-                                       "the base reranker's questions": self.base}, "the held-out questions")
-        check_disjoint(self.preference, {"the probe's questions": self.probe,
-                                         "the base reranker's questions": self.base}, "the preference questions")
+        check_disjoint(
+            self.held_out,
+            {
+                "the probe's questions": self.probe,
+                "the preference questions": self.preference,
+                "the base reranker's questions": self.base,
+            },
+            "the held-out questions",
+        )
+        check_disjoint(
+            self.preference,
+            {"the probe's questions": self.probe, "the base reranker's questions": self.base},
+            "the preference questions",
+        )
         check_disjoint(self.base, {"the probe's questions": self.probe}, "the base reranker's questions")
 
 
-def plan_questions(rows: Sequence[QARow], probe: Sequence[QARow], preference_questions: int | None,
-                   base_questions: int | None, seed: int, where: str,
-                   base_rows: Sequence[QARow] | None = None) -> QuestionPlan:
+def plan_questions(
+    rows: Sequence[QARow],
+    probe: Sequence[QARow],
+    preference_questions: int | None,
+    base_questions: int | None,
+    seed: int,
+    where: str,
+    base_rows: Sequence[QARow] | None = None,
+) -> QuestionPlan:
     """The probe's questions as given; then, each a seeded sample of what is left in this order: the
     preference questions, the base reranker's (0 when it is not trained; from `base_rows`, another file,
     when given); the rest is held out. The order makes the preference rows and the base independent of how
@@ -108,7 +132,9 @@ def plan_questions(rows: Sequence[QARow], probe: Sequence[QARow], preference_que
     taken = {r.qid for r in base} if base_rows is None else set()
     rest = [r for r in pool if r.qid not in taken]
     if len(rest) < 2:
-        raise ValueError(f"{where}: the probe ({len(probe)}), preference ({len(preference)}) and base reranker "
-                         f"({len(base)}) questions leave {len(rest)} of {len(rows)} for evaluation; lower "
-                         "probe.data.num_questions, preferences.num_questions or base_reranker.num_questions")
+        raise ValueError(
+            f"{where}: the probe ({len(probe)}), preference ({len(preference)}) and base reranker "
+            f"({len(base)}) questions leave {len(rest)} of {len(rows)} for evaluation; lower "
+            "probe.data.num_questions, preferences.num_questions or base_reranker.num_questions"
+        )
     return QuestionPlan(list(probe), preference, base, rest)

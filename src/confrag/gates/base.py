@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
 from confrag.artifacts import fingerprint
 from confrag.gates.directions import ConfidenceDirection
-
 
 
 class Decision(str, Enum):
@@ -53,12 +53,16 @@ SIGNAL_SOURCES = {
 
 # Where each piece of training data comes from.
 TRAINING_SOURCES = {
-    "outcomes": ("closed_book_correct and rag_correct of the training split: the RAG pipeline's cached "
-                 "per-question outcomes (closed-book and RAG answers scored with has_answer)"),
+    "outcomes": (
+        "closed_book_correct and rag_correct of the training split: the RAG pipeline's cached "
+        "per-question outcomes (closed-book and RAG answers scored with has_answer)"
+    ),
     "answers": "the gold answers of the training questions (their NQ rows)",
     "answer_embedding": "confrag.gates.signals.embed_texts(encoder, first gold answer of each training question)",
-    "confidence_direction": ("confrag.gates.signals.contrastive_direction on contrastive prompts built from the "
-                             "training questions (confrag.gates.signals.contrastive_prompts)"),
+    "confidence_direction": (
+        "confrag.gates.signals.contrastive_direction on contrastive prompts built from the "
+        "training questions (confrag.gates.signals.contrastive_prompts)"
+    ),
 }
 
 
@@ -78,8 +82,10 @@ class DraftSignals:
                 raise ValueError(f"draft.{name} has {len(getattr(self, name))} rows, draft.texts has {n}")
         for i, (tokens, entropy, attention) in enumerate(zip(self.tokens, self.entropy, self.attention)):
             if not len(tokens) == len(entropy) == len(attention):
-                raise ValueError(f"draft row {i}: {len(tokens)} tokens, {len(entropy)} entropies and "
-                                 f"{len(attention)} attention values; they must be aligned")
+                raise ValueError(
+                    f"draft row {i}: {len(tokens)} tokens, {len(entropy)} entropies and "
+                    f"{len(attention)} attention values; they must be aligned"
+                )
 
 
 @dataclass
@@ -114,8 +120,10 @@ class GateSignals:
         if self.hidden_states is not None:
             self._check_hidden_states(n)
         if self.matching_scores is not None and np.asarray(self.matching_scores).shape[1:] != (4, 2):
-            raise ValueError(f"signals.matching_scores must have shape (n, 4, 2) (S1..S4 x dense, sparse); "
-                             f"got {np.asarray(self.matching_scores).shape}")
+            raise ValueError(
+                f"signals.matching_scores must have shape (n, 4, 2) (S1..S4 x dense, sparse); "
+                f"got {np.asarray(self.matching_scores).shape}"
+            )
 
     def _check_hidden_states(self, n: int) -> None:
         states = np.asarray(self.hidden_states)
@@ -155,8 +163,9 @@ class GateTrainingData:
             if value is not None:
                 value = np.asarray(value)
                 if value.shape != (n,) or value.dtype != bool:
-                    raise ValueError(f"training data {name} must be a bool array of shape ({n},); got "
-                                     f"{value.dtype} {value.shape}")
+                    raise ValueError(
+                        f"training data {name} must be a bool array of shape ({n},); got {value.dtype} {value.shape}"
+                    )
                 setattr(self, name, value)
         for name in ("answers", "answer_embedding"):
             value = getattr(self, name)
@@ -191,8 +200,9 @@ def retrieval_helped(closed_book_correct: np.ndarray, rag_correct: np.ndarray) -
     return np.asarray(rag_correct, dtype=bool) & ~np.asarray(closed_book_correct, dtype=bool)
 
 
-def check_number(key: str, value: Any, low: float | None = None, high: float | None = None,
-                 integer: bool = False) -> float:
+def check_number(
+    key: str, value: Any, low: float | None = None, high: float | None = None, integer: bool = False
+) -> float:
     """A config value in [low, high] (either bound optional); the error names the config key."""
     kind = "an integer" if integer else "a number"
     valid_type = isinstance(value, int) if integer else isinstance(value, (int, float))
@@ -235,7 +245,7 @@ class Gate(abc.ABC):
     def fitted(self) -> bool:
         return self._fitted
 
-    def fit(self, train: GateTrainingData | None = None) -> "Gate":
+    def fit(self, train: GateTrainingData | None = None) -> Gate:
         if not self.training_needs:
             return self
         if train is None:
@@ -245,7 +255,9 @@ class Gate(abc.ABC):
                 + "; ".join(f"{m} ({sources[m]})" for m in sorted(self.training_needs))
             )
         if train.split != "train":
-            raise ValueError(f"gate '{self.name}' must be trained on the training split only; got split={train.split!r}")
+            raise ValueError(
+                f"gate '{self.name}' must be trained on the training split only; got split={train.split!r}"
+            )
         if len(train.signals) == 0:
             raise ValueError(f"gate '{self.name}': the training split holds no questions")
         train.require(sorted(self.training_needs), self.name)

@@ -31,7 +31,7 @@ training questions (ICL); `allocator: none` is the paper's "w/o Allocator" ablat
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from sklearn.linear_model import LogisticRegression
@@ -63,7 +63,9 @@ def trust_scores(s: np.ndarray, r_p: np.ndarray, g_p: np.ndarray | None = None) 
     return r_p * (s[:, 2] + 1.0 - s[:, 1]), g_p * (s[:, 1] + 1.0 - s[:, 2])
 
 
-def soft_bias_tree(s: np.ndarray, r_p: np.ndarray, alpha: float, beta: float, g_p: np.ndarray | None = None) -> list[str]:
+def soft_bias_tree(
+    s: np.ndarray, r_p: np.ndarray, alpha: float, beta: float, g_p: np.ndarray | None = None
+) -> list[str]:
     """The strategy (FA / FI / FE / RA) per question. The "w/o Allocator" ablation passes r_p = g_p = 1."""
     s = np.asarray(s, dtype=np.float64)
     t_ret, t_llm = trust_scores(s, r_p, g_p)
@@ -119,8 +121,16 @@ class BridgeGate(Gate):
         check_number("gate.soft_bias_min", soft_bias_min, 0.0, 0.5)
         check_number("gate.soft_bias_max", soft_bias_max, 0.5, 1.0)
         check_number("gate.seed", seed, integer=True)
-        super().__init__(alpha=alpha, beta=beta, dense_weight=dense_weight, sparse_weight=sparse_weight,
-                         allocator=allocator, soft_bias_min=soft_bias_min, soft_bias_max=soft_bias_max, seed=seed)
+        super().__init__(
+            alpha=alpha,
+            beta=beta,
+            dense_weight=dense_weight,
+            sparse_weight=sparse_weight,
+            allocator=allocator,
+            soft_bias_min=soft_bias_min,
+            soft_bias_max=soft_bias_max,
+            seed=seed,
+        )
         self.alpha, self.beta = float(alpha), float(beta)
         self.dense_weight, self.sparse_weight = float(dense_weight), float(sparse_weight)
         self.allocator = allocator

@@ -7,8 +7,8 @@ as for the answer cache: they only move float rounding. `cache_dir=None` compute
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -21,42 +21,77 @@ from confrag.llm.loading import LoadedLLM
 SHARD = 64  # questions per shard: the unit of resumption
 
 
-def cached_drafts(llm: LoadedLLM, prompts: Sequence[str], cache_dir: str | Path | None, max_new_tokens: int,
-                  batch_size: int, progress: bool = False) -> DraftSignals:
+def cached_drafts(
+    llm: LoadedLLM,
+    prompts: Sequence[str],
+    cache_dir: str | Path | None,
+    max_new_tokens: int,
+    batch_size: int,
+    progress: bool = False,
+) -> DraftSignals:
     """`draft_token_signals` of the closed-book prompts."""
+
     def compute(start: int, stop: int) -> list[dict]:
         draft = draft_token_signals(llm, prompts[start:stop], max_new_tokens=max_new_tokens, batch_size=batch_size)
-        return [{"text": t, "tokens": tok, "entropy": e.tolist(), "attention": a.tolist()}
-                for t, tok, e, a in zip(draft.texts, draft.tokens, draft.entropy, draft.attention)]
+        return [
+            {"text": t, "tokens": tok, "entropy": e.tolist(), "attention": a.tolist()}
+            for t, tok, e, a in zip(draft.texts, draft.tokens, draft.entropy, draft.attention)
+        ]
 
     if cache_dir is None:
         records = compute(0, len(prompts))
     else:
-        spec = {"llm": llm.identity, "prompts": fingerprint(list(prompts)), "max_new_tokens": max_new_tokens,
-                "generator": "draft_token_signals.v1"}
+        spec = {
+            "llm": llm.identity,
+            "prompts": fingerprint(list(prompts)),
+            "max_new_tokens": max_new_tokens,
+            "generator": "draft_token_signals.v1",
+        }
         artifact = ShardedArtifact(cache_dir, "gate_drafts", spec, len(prompts), SHARD, fmt="json")
         records = artifact.compute(compute, desc="drafts", progress=progress).records()
-    return DraftSignals(texts=[r["text"] for r in records], tokens=[list(r["tokens"]) for r in records],
-                        entropy=[np.asarray(r["entropy"], dtype=np.float64) for r in records],
-                        attention=[np.asarray(r["attention"], dtype=np.float64) for r in records])
+    return DraftSignals(
+        texts=[r["text"] for r in records],
+        tokens=[list(r["tokens"]) for r in records],
+        entropy=[np.asarray(r["entropy"], dtype=np.float64) for r in records],
+        attention=[np.asarray(r["attention"], dtype=np.float64) for r in records],
+    )
 
 
-def cached_internal_passages(llm: LoadedLLM, questions: Sequence[str], cache_dir: str | Path | None,
-                             max_new_tokens: int, batch_size: int, progress: bool = False) -> list[str]:
+def cached_internal_passages(
+    llm: LoadedLLM,
+    questions: Sequence[str],
+    cache_dir: str | Path | None,
+    max_new_tokens: int,
+    batch_size: int,
+    progress: bool = False,
+) -> list[str]:
     """BRIDGE's K_int per question (`internal_passages`)."""
+
     def compute(start: int, stop: int) -> list[str]:
         return internal_passages(llm, questions[start:stop], max_new_tokens=max_new_tokens, batch_size=batch_size)
 
     if cache_dir is None:
         return compute(0, len(questions))
-    spec = {"llm": llm.identity, "chat_template": llm.tokenizer.chat_template, "template": INTERNAL_KNOWLEDGE_TEMPLATE,
-            "questions": fingerprint(list(questions)), "max_new_tokens": max_new_tokens, "generator": "generate_greedy.v1"}
+    spec = {
+        "llm": llm.identity,
+        "chat_template": llm.tokenizer.chat_template,
+        "template": INTERNAL_KNOWLEDGE_TEMPLATE,
+        "questions": fingerprint(list(questions)),
+        "max_new_tokens": max_new_tokens,
+        "generator": "generate_greedy.v1",
+    }
     artifact = ShardedArtifact(cache_dir, "gate_internal_passages", spec, len(questions), SHARD, fmt="json")
     return list(artifact.compute(compute, desc="internal passages", progress=progress).records())
 
 
-def cached_states(llm: LoadedLLM, prompts: Sequence[str], layers: Sequence[int], cache_dir: str | Path | None,
-                  batch_size: int, progress: bool = False) -> tuple[np.ndarray, tuple[int, ...]]:
+def cached_states(
+    llm: LoadedLLM,
+    prompts: Sequence[str],
+    layers: Sequence[int],
+    cache_dir: str | Path | None,
+    batch_size: int,
+    progress: bool = False,
+) -> tuple[np.ndarray, tuple[int, ...]]:
     """Last-prompt-token hidden states (len(layers), n, d) at `layers` (ascending), and those layers."""
     layers = tuple(validate_layers(layers, llm.num_layers))
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=batch_size, progress=False)

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
+import lightgbm as lgb
 import numpy as np
 import torch
-import lightgbm as lgb
 from sklearn.model_selection import KFold, train_test_split
 from torch import nn
 
@@ -45,8 +45,9 @@ _WORD = re.compile(r"\w+")
 # ------------------------------------------------------------------ SN
 
 
-def siamese_scores(query: np.ndarray, history: np.ndarray, labels: np.ndarray, k: int,
-                   novelty_threshold: float) -> np.ndarray:
+def siamese_scores(
+    query: np.ndarray, history: np.ndarray, labels: np.ndarray, k: int, novelty_threshold: float
+) -> np.ndarray:
     """F_SN per query (Eq. 2), 1 for queries whose best similarity is below `novelty_threshold`."""
     fractions, best = knn_vote(query, history, labels, k)
     return np.where(best < novelty_threshold, 1.0, fractions)
@@ -57,14 +58,16 @@ def leave_one_out_siamese(embeddings: np.ndarray, labels: np.ndarray, k: int, no
     out = np.empty(len(embeddings))
     for i in range(len(embeddings)):
         others = np.arange(len(embeddings)) != i
-        out[i] = siamese_scores(embeddings[i:i + 1], embeddings[others], labels[others], k, novelty_threshold)[0]
+        out[i] = siamese_scores(embeddings[i : i + 1], embeddings[others], labels[others], k, novelty_threshold)[0]
     return out
 
 
 # ------------------------------------------------------------------ RQM
 
 
-def response_features(responses: Sequence[str], response_embedding: np.ndarray, question_embedding: np.ndarray) -> np.ndarray:
+def response_features(
+    responses: Sequence[str], response_embedding: np.ndarray, question_embedding: np.ndarray
+) -> np.ndarray:
     """Eq. 3: [L, E, C(r, q), phi(r)] per response."""
     lengths, richness = [], []
     for response in responses:
@@ -76,8 +79,14 @@ def response_features(responses: Sequence[str], response_embedding: np.ndarray, 
     return np.column_stack([lengths, richness, cosine, r])
 
 
-def rqm_targets(responses: Sequence[str], answers: Sequence[Sequence[str]], response_embedding: np.ndarray,
-                answer_embedding: np.ndarray, rouge_weight: float, cosine_weight: float) -> np.ndarray:
+def rqm_targets(
+    responses: Sequence[str],
+    answers: Sequence[Sequence[str]],
+    response_embedding: np.ndarray,
+    answer_embedding: np.ndarray,
+    rouge_weight: float,
+    cosine_weight: float,
+) -> np.ndarray:
     """Y_RQM = W^T [ROUGE-1; CS(r, R)] with weights normalized to sum 1, and 0 when ROUGE-1 is 0."""
     rouge = np.array([token_f1(response, list(gold)) for response, gold in zip(responses, answers)])
     cosine = np.clip(np.sum(unit_rows(response_embedding) * unit_rows(answer_embedding), axis=1), 0.0, 1.0)
@@ -119,8 +128,9 @@ class FusionModule(nn.Module):
         return g / g.sum(dim=1, keepdim=True).clamp_min(1e-12), g_w
 
 
-def ccsk_rule(f: np.ndarray, g: np.ndarray, g_w: np.ndarray, tau_pred: float, tau_conf: float,
-              tau_single: float) -> np.ndarray:
+def ccsk_rule(
+    f: np.ndarray, g: np.ndarray, g_w: np.ndarray, tau_pred: float, tau_conf: float, tau_single: float
+) -> np.ndarray:
     """Eq. 7 per question (True = retrieve). Columns of f, g, g_w: (SN, RQM). A tie in g_w picks SN."""
     f, g, g_w = (np.asarray(x, dtype=np.float64) for x in (f, g, g_w))
     trusted = g.max(axis=1) > tau_conf
@@ -135,8 +145,9 @@ def ccsk_rule(f: np.ndarray, g: np.ndarray, g_w: np.ndarray, tau_pred: float, ta
 class CCSKGate(Gate):
     name = "ccsk"
     needs = frozenset({"question_embedding", "responses", "response_embedding"})
-    training_needs = frozenset({"outcomes", "question_embedding", "responses", "response_embedding", "answers",
-                                "answer_embedding"})
+    training_needs = frozenset(
+        {"outcomes", "question_embedding", "responses", "response_embedding", "answers", "answer_embedding"}
+    )
     decision_passes = 1  # the response r is the closed-book answer
     decision_is_closed_book = True
 
@@ -180,11 +191,26 @@ class CCSKGate(Gate):
         check_number("gate.lr", lr, 1e-8, 1.0)
         check_number("gate.folds", folds, 2, integer=True)
         check_number("gate.seed", seed, integer=True)
-        config = dict(k=k, novelty_threshold=novelty_threshold, rouge_weight=rouge_weight, cosine_weight=cosine_weight,
-                      tau_pred=tau_pred, tau_conf=tau_conf, tau_single=tau_single, rqm_learning_rate=rqm_learning_rate,
-                      rqm_num_leaves=rqm_num_leaves, rqm_max_rounds=rqm_max_rounds,
-                      rqm_early_stopping=rqm_early_stopping, heads=heads, hidden=hidden, dropout=dropout,
-                      epochs=epochs, lr=lr, folds=folds, seed=seed)
+        config = dict(
+            k=k,
+            novelty_threshold=novelty_threshold,
+            rouge_weight=rouge_weight,
+            cosine_weight=cosine_weight,
+            tau_pred=tau_pred,
+            tau_conf=tau_conf,
+            tau_single=tau_single,
+            rqm_learning_rate=rqm_learning_rate,
+            rqm_num_leaves=rqm_num_leaves,
+            rqm_max_rounds=rqm_max_rounds,
+            rqm_early_stopping=rqm_early_stopping,
+            heads=heads,
+            hidden=hidden,
+            dropout=dropout,
+            epochs=epochs,
+            lr=lr,
+            folds=folds,
+            seed=seed,
+        )
         super().__init__(**config)
         for key, value in config.items():
             setattr(self, key, value)
@@ -195,12 +221,24 @@ class CCSKGate(Gate):
 
     # --- RQM ---------------------------------------------------------------------------------
     def _train_rqm(self, x: np.ndarray, y: np.ndarray, rounds: int, valid: tuple | None = None) -> lgb.Booster:
-        params = {"objective": "regression", "learning_rate": self.rqm_learning_rate, "num_leaves": self.rqm_num_leaves,
-                  "seed": self.seed, "deterministic": True, "num_threads": 1, "verbosity": -1}
+        params = {
+            "objective": "regression",
+            "learning_rate": self.rqm_learning_rate,
+            "num_leaves": self.rqm_num_leaves,
+            "seed": self.seed,
+            "deterministic": True,
+            "num_threads": 1,
+            "verbosity": -1,
+        }
         if valid is None:
             return lgb.train(params, lgb.Dataset(x, y), num_boost_round=rounds)
-        return lgb.train(params, lgb.Dataset(x, y), num_boost_round=rounds, valid_sets=[lgb.Dataset(*valid)],
-                         callbacks=[lgb.early_stopping(self.rqm_early_stopping, verbose=False)])
+        return lgb.train(
+            params,
+            lgb.Dataset(x, y),
+            num_boost_round=rounds,
+            valid_sets=[lgb.Dataset(*valid)],
+            callbacks=[lgb.early_stopping(self.rqm_early_stopping, verbose=False)],
+        )
 
     def _fit_rqm(self, x: np.ndarray, y: np.ndarray) -> int:
         """Fit the RQM with early stopping on a seeded 20 % hold-out; returns the rounds kept."""
@@ -246,8 +284,12 @@ class CCSKGate(Gate):
 
     def fusion_weights(self, signals: GateSignals, f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         with _one_thread(), torch.inference_mode():
-            g, g_w = self.fusion(*(torch.as_tensor(a, dtype=torch.float32) for a in (
-                unit_rows(signals.question_embedding), unit_rows(signals.response_embedding), f)))
+            g, g_w = self.fusion(
+                *(
+                    torch.as_tensor(a, dtype=torch.float32)
+                    for a in (unit_rows(signals.question_embedding), unit_rows(signals.response_embedding), f)
+                )
+            )
         return g.numpy().astype(np.float64), g_w.numpy().astype(np.float64)
 
     # --- gate --------------------------------------------------------------------------------
@@ -259,11 +301,18 @@ class CCSKGate(Gate):
         q = unit_rows(signals.question_embedding)
         self._history, self._labels = q, labels
         x = response_features(signals.responses, signals.response_embedding, q)
-        y = rqm_targets(signals.responses, train.answers, signals.response_embedding, train.answer_embedding,
-                        self.rouge_weight, self.cosine_weight)
+        y = rqm_targets(
+            signals.responses,
+            train.answers,
+            signals.response_embedding,
+            train.answer_embedding,
+            self.rouge_weight,
+            self.cosine_weight,
+        )
         rounds = self._fit_rqm(x, y)
-        f = np.column_stack([leave_one_out_siamese(q, labels, self.k, self.novelty_threshold),
-                             self._out_of_fold_rqm(x, y, rounds)])
+        f = np.column_stack(
+            [leave_one_out_siamese(q, labels, self.k, self.novelty_threshold), self._out_of_fold_rqm(x, y, rounds)]
+        )
         self._train_fusion(q, unit_rows(signals.response_embedding), f, labels.astype(np.float64))
 
     def module_scores(self, signals: GateSignals) -> np.ndarray:

@@ -14,17 +14,20 @@ before answering, on the QA prompt's last token (the state the CBDR probe reads)
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
-from confrag.gates.directions import ConfidenceDirection, direction_from_states
-
+from confrag.gates.directions import ConfidenceDirection
 
 # CtrlA follows representation engineering: the same content under opposite personas.
-CONFIDENT_TEMPLATE = "Pretend you are a very confident person who knows the answer for sure. Answer the question: {question}"
-UNCONFIDENT_TEMPLATE = "Pretend you are a very unconfident person who is unsure of the answer. Answer the question: {question}"
+CONFIDENT_TEMPLATE = (
+    "Pretend you are a very confident person who knows the answer for sure. Answer the question: {question}"
+)
+UNCONFIDENT_TEMPLATE = (
+    "Pretend you are a very unconfident person who is unsure of the answer. Answer the question: {question}"
+)
 
 
 def check_template(key: str, template: str) -> str:
@@ -40,8 +43,13 @@ class CtrlAGate(Gate):
     decision_passes = 1  # the QA-prompt prefill, continued as the closed-book answer
     decision_is_closed_book = True
 
-    def __init__(self, threshold: float = 0.0, layers: Sequence[int] | None = None,
-                 confident_template: str = CONFIDENT_TEMPLATE, unconfident_template: str = UNCONFIDENT_TEMPLATE) -> None:
+    def __init__(
+        self,
+        threshold: float = 0.0,
+        layers: Sequence[int] | None = None,
+        confident_template: str = CONFIDENT_TEMPLATE,
+        unconfident_template: str = UNCONFIDENT_TEMPLATE,
+    ) -> None:
         # The templates are what the direction is computed from (signals.contrastive_prompts): part of
         # the gate's identity even though decide() only reads the finished direction.
         check_number("gate.threshold", threshold)
@@ -51,8 +59,12 @@ class CtrlAGate(Gate):
             layers = [int(check_number("gate.layers[]", layer, 0, integer=True)) for layer in layers]
             if not layers:
                 raise ValueError("gate.layers must be null (the direction's layers) or a non-empty list of layers")
-        super().__init__(threshold=threshold, layers=layers, confident_template=confident_template,
-                         unconfident_template=unconfident_template)
+        super().__init__(
+            threshold=threshold,
+            layers=layers,
+            confident_template=confident_template,
+            unconfident_template=unconfident_template,
+        )
         self.confident_template, self.unconfident_template = confident_template, unconfident_template
         self.threshold = float(threshold)
         self.layers = layers
@@ -61,8 +73,10 @@ class CtrlAGate(Gate):
     def _fit(self, train: GateTrainingData) -> None:
         direction = train.confidence_direction
         if self.layers is not None and sorted(direction.layers) != sorted(self.layers):
-            raise ValueError(f"gate.layers={self.layers} but the confidence direction was computed at layers "
-                             f"{list(direction.layers)}; recompute it at gate.layers")
+            raise ValueError(
+                f"gate.layers={self.layers} but the confidence direction was computed at layers "
+                f"{list(direction.layers)}; recompute it at gate.layers"
+            )
         self.direction = direction
 
     def scores(self, signals: GateSignals) -> np.ndarray:

@@ -11,8 +11,8 @@ so that confident prompts project higher.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -28,10 +28,13 @@ class ConfidenceDirection:
         hidden_layers = [int(layer) for layer in hidden_layers]
         missing = [layer for layer in self.layers if layer not in hidden_layers]
         if missing:
-            raise ValueError(f"the confidence direction is at layers {list(self.layers)}; signals.hidden_states "
-                             f"lack layer(s) {missing} (they hold {hidden_layers})")
-        states = np.stack([np.asarray(hidden_states[hidden_layers.index(layer)], dtype=np.float64)
-                           for layer in self.layers])
+            raise ValueError(
+                f"the confidence direction is at layers {list(self.layers)}; signals.hidden_states "
+                f"lack layer(s) {missing} (they hold {hidden_layers})"
+            )
+        states = np.stack(
+            [np.asarray(hidden_states[hidden_layers.index(layer)], dtype=np.float64) for layer in self.layers]
+        )
         return np.einsum("lnd,ld->n", states - self.centers[:, None, :], self.directions) / len(self.layers)
 
 
@@ -40,8 +43,10 @@ def direction_from_states(confident: np.ndarray, unconfident: np.ndarray, layers
     confident = np.asarray(confident, dtype=np.float64)
     unconfident = np.asarray(unconfident, dtype=np.float64)
     if confident.shape != unconfident.shape or confident.ndim != 3 or confident.shape[0] != len(layers):
-        raise ValueError(f"confident and unconfident states must both have shape (len(layers)={len(layers)}, "
-                         f"pairs, d); got {confident.shape} and {unconfident.shape}")
+        raise ValueError(
+            f"confident and unconfident states must both have shape (len(layers)={len(layers)}, "
+            f"pairs, d); got {confident.shape} and {unconfident.shape}"
+        )
     if confident.shape[1] < 1:
         raise ValueError("at least one contrastive prompt pair is needed")
     directions = []

@@ -22,7 +22,7 @@ An empty draft has nothing to judge and nothing to answer with, so it retrieves.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS

@@ -14,9 +14,9 @@ own measured `decide` time, plus the mean over its decisions of the answer each 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -49,8 +49,9 @@ def decision_parts(needs: frozenset[str] | set[str]) -> list[str]:
     return sorted({part for name in needs for part in SIGNAL_PARTS[name]})
 
 
-def wall_time_per_question(needs: frozenset[str] | set[str], decisions: Sequence[Decision],
-                           timings: Mapping[str, float], decide_seconds: float) -> float:
+def wall_time_per_question(
+    needs: frozenset[str] | set[str], decisions: Sequence[Decision], timings: Mapping[str, float], decide_seconds: float
+) -> float:
     """Mean seconds per question of deciding (signals + `decide_seconds`, the whole set's decide time)
     and answering as decided (see the module docstring)."""
     if not decisions:
@@ -66,24 +67,32 @@ def wall_time_per_question(needs: frozenset[str] | set[str], decisions: Sequence
     return deciding + float(np.mean([cost[Decision(d)] for d in decisions]))
 
 
-def score_decisions(decisions: Sequence[Decision], closed_book_correct: np.ndarray,
-                    retrieve_correct: np.ndarray) -> np.ndarray:
+def score_decisions(
+    decisions: Sequence[Decision], closed_book_correct: np.ndarray, retrieve_correct: np.ndarray
+) -> np.ndarray:
     """Per question: correct under the gate's decision (a refusal is never correct)."""
     closed_book_correct = np.asarray(closed_book_correct, dtype=bool)
     retrieve_correct = np.asarray(retrieve_correct, dtype=bool)
     if not len(decisions) == len(closed_book_correct) == len(retrieve_correct):
-        raise ValueError(f"{len(decisions)} decisions for {len(closed_book_correct)} closed-book and "
-                         f"{len(retrieve_correct)} retrieval outcomes")
+        raise ValueError(
+            f"{len(decisions)} decisions for {len(closed_book_correct)} closed-book and "
+            f"{len(retrieve_correct)} retrieval outcomes"
+        )
     decided = np.array([Decision(d).value for d in decisions])
-    return np.where(decided == Decision.PARAMETRIC.value, closed_book_correct,
-                    np.where(decided == Decision.RETRIEVE.value, retrieve_correct, False))
+    return np.where(
+        decided == Decision.PARAMETRIC.value,
+        closed_book_correct,
+        np.where(decided == Decision.RETRIEVE.value, retrieve_correct, False),
+    )
 
 
 def rates(decisions: Sequence[Decision]) -> tuple[float, float]:
     """(retrieval rate, refusal rate)."""
     decided = [Decision(d) for d in decisions]
-    return (float(np.mean([d is Decision.RETRIEVE for d in decided])),
-            float(np.mean([d is Decision.REFUSE for d in decided])))
+    return (
+        float(np.mean([d is Decision.RETRIEVE for d in decided])),
+        float(np.mean([d is Decision.REFUSE for d in decided])),
+    )
 
 
 @dataclass(frozen=True)
@@ -104,31 +113,53 @@ class GateRow:
         return dict(self.__dict__)
 
 
-def gate_row(gate: str, contexts: str, decisions: Sequence[Decision], correct: np.ndarray, passes: np.ndarray,
-             wall_s: float, n_resamples: int, seed: int) -> GateRow:
+def gate_row(
+    gate: str,
+    contexts: str,
+    decisions: Sequence[Decision],
+    correct: np.ndarray,
+    passes: np.ndarray,
+    wall_s: float,
+    n_resamples: int,
+    seed: int,
+) -> GateRow:
     correct = np.asarray(correct, dtype=bool)
     answered = np.array([Decision(d) is not Decision.REFUSE for d in decisions])
     accuracy = accuracy_ci(correct, n_resamples=n_resamples, seed=seed)
     retrieval_rate, refusal_rate = rates(decisions)
-    return GateRow(gate=gate, contexts=contexts, n=len(correct), accuracy=accuracy.value, accuracy_low=accuracy.low,
-                   accuracy_high=accuracy.high, retrieval_rate=retrieval_rate, refusal_rate=refusal_rate,
-                   answered_accuracy=float(correct[answered].mean()) if answered.any() else float("nan"),
-                   llm_passes=float(np.mean(passes)), wall_s=float(wall_s))
+    return GateRow(
+        gate=gate,
+        contexts=contexts,
+        n=len(correct),
+        accuracy=accuracy.value,
+        accuracy_low=accuracy.low,
+        accuracy_high=accuracy.high,
+        retrieval_rate=retrieval_rate,
+        refusal_rate=refusal_rate,
+        answered_accuracy=float(correct[answered].mean()) if answered.any() else float("nan"),
+        llm_passes=float(np.mean(passes)),
+        wall_s=float(wall_s),
+    )
 
 
 def gates_markdown(rows: Sequence[GateRow], metric: str) -> str:
-    lines = [f"| Gate | n | Accuracy ({metric}, %) [95 % CI] | Retrieval rate (%) | Refusal rate (%) | "
-             "Accuracy on answered (%) | LLM passes / q | Wall s / q |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| Gate | n | Accuracy ({metric}, %) [95 % CI] | Retrieval rate (%) | Refusal rate (%) | "
+        "Accuracy on answered (%) | LLM passes / q | Wall s / q |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         answered = "—" if np.isnan(r.answered_accuracy) else f"{100 * r.answered_accuracy:.1f}"
-        lines.append(f"| {r.gate} | {r.n} | {100 * r.accuracy:.1f} [{100 * r.accuracy_low:.1f}, "
-                     f"{100 * r.accuracy_high:.1f}] | {100 * r.retrieval_rate:.1f} | {100 * r.refusal_rate:.1f} | "
-                     f"{answered} | {r.llm_passes:.2f} | {r.wall_s:.3f} |")
+        lines.append(
+            f"| {r.gate} | {r.n} | {100 * r.accuracy:.1f} [{100 * r.accuracy_low:.1f}, "
+            f"{100 * r.accuracy_high:.1f}] | {100 * r.retrieval_rate:.1f} | {100 * r.refusal_rate:.1f} | "
+            f"{answered} | {r.llm_passes:.2f} | {r.wall_s:.3f} |"
+        )
     return "\n".join(lines)
 
 
 # --- threshold curves ------------------------------------------------------------------------------
+
 
 def threshold_scores(gate: Gate, signals: GateSignals) -> np.ndarray:
     """Per question, the number a threshold gate compares with its threshold (to place a curve's grid)."""
@@ -138,8 +169,10 @@ def threshold_scores(gate: Gate, signals: GateSignals) -> np.ndarray:
         return np.array([s.max() if len(s) else np.inf for s in gate.scores(signals)])
     if isinstance(gate, (CtrlAGate, SKRKnnGate)):
         return np.asarray(gate.scores(signals), dtype=np.float64)
-    raise ValueError(f"gate '{gate.name}' has no single threshold score; curves are drawn for cbdr, dragin, ctrla "
-                     f"and skr_knn (give explicit values for other parameters)")
+    raise ValueError(
+        f"gate '{gate.name}' has no single threshold score; curves are drawn for cbdr, dragin, ctrla "
+        f"and skr_knn (give explicit values for other parameters)"
+    )
 
 
 def quantile_grid(scores: np.ndarray, points: int) -> list[float]:
@@ -167,6 +200,7 @@ class CurvePoint:
 
 # --- plot ------------------------------------------------------------------------------------------
 
+
 def plot_gates(rows: Sequence[GateRow], curves: Sequence[CurvePoint], path: str | Path, title: str) -> Path:
     """One panel per context condition: each gate's operating point, and a curve per threshold gate."""
     conditions = list(dict.fromkeys(r.contexts for r in rows))
@@ -175,13 +209,27 @@ def plot_gates(rows: Sequence[GateRow], curves: Sequence[CurvePoint], path: str 
     for index, condition in enumerate(conditions):
         axis = figure.add_subplot(1, len(conditions), index + 1)
         for gate in dict.fromkeys(c.gate for c in curves if c.contexts == condition):
-            points = sorted((c.retrieval_rate, c.accuracy) for c in curves if c.gate == gate and c.contexts == condition)
-            axis.plot([100 * x for x, _ in points], [100 * y for _, y in points], color=colours.get(gate, "gray"),
-                      alpha=0.6, linewidth=1.2)
+            points = sorted(
+                (c.retrieval_rate, c.accuracy) for c in curves if c.gate == gate and c.contexts == condition
+            )
+            axis.plot(
+                [100 * x for x, _ in points],
+                [100 * y for _, y in points],
+                color=colours.get(gate, "gray"),
+                alpha=0.6,
+                linewidth=1.2,
+            )
         for r in rows:
             if r.contexts == condition:
-                axis.scatter(100 * r.retrieval_rate, 100 * r.accuracy, color=colours[r.gate], s=36, zorder=3,
-                             label=r.gate, marker="X" if r.refusal_rate > 0 else "o")
+                axis.scatter(
+                    100 * r.retrieval_rate,
+                    100 * r.accuracy,
+                    color=colours[r.gate],
+                    s=36,
+                    zorder=3,
+                    label=r.gate,
+                    marker="X" if r.refusal_rate > 0 else "o",
+                )
         axis.set_xlim(-3, 103)
         axis.set_xlabel("retrieval rate (%)")
         axis.set_ylabel("accuracy (%)")

@@ -46,8 +46,10 @@ def gate_from_config(name: str, config: dict[str, Any], **overrides: Any) -> Gat
     except Exception as err:  # Hydra wraps the constructor's ValueError; show the constructor's message
         raise ValueError(f"gates.configs.{name}: {err.__cause__ or err}") from err
     if not isinstance(gate, Gate):
-        raise ValueError(f"gates.configs.{name} builds a {type(gate).__name__}, not a gate; its _target_ must be one "
-                         f"of {', '.join(f'{c.__module__}.{c.__name__}' for c in GATES.values())}")
+        raise ValueError(
+            f"gates.configs.{name} builds a {type(gate).__name__}, not a gate; its _target_ must be one "
+            f"of {', '.join(f'{c.__module__}.{c.__name__}' for c in GATES.values())}"
+        )
     return gate
 
 
@@ -57,8 +59,10 @@ def selected_gate(gate_node: DictConfig, configs: dict[str, dict[str, Any]]) -> 
     node = OmegaConf.to_container(gate_node, resolve=True)
     target = node.get("_target_") if isinstance(node, dict) else None
     if not target:
-        raise ValueError(f"gate: expected a gate config with a _target_ (gate=<name>, one of "
-                         f"{', '.join(sorted(configs))}); got {node!r}")
+        raise ValueError(
+            f"gate: expected a gate config with a _target_ (gate=<name>, one of "
+            f"{', '.join(sorted(configs))}); got {node!r}"
+        )
     same = [name for name, config in configs.items() if config.get("_target_") == target]
     return (same[0] if same else str(target).rsplit(".", 1)[-1]), node
 
@@ -69,12 +73,15 @@ def _int(value: Any, key: str, minimum: int) -> int:
     return value
 
 
-def gate_settings(section: DictConfig | None, gate_node: DictConfig | None, top_n: int,
-                  candidates_file: bool) -> GateSettings:
+def gate_settings(
+    section: DictConfig | None, gate_node: DictConfig | None, top_n: int, candidates_file: bool
+) -> GateSettings:
     """Every bad value of the `gates` section, named by its key, before anything expensive runs."""
     if section is None:
-        raise ValueError("task gates needs a `gates` section: compose conf/gates/default.yaml (see "
-                         "conf/experiment/gates_smollm2.yaml)")
+        raise ValueError(
+            "task gates needs a `gates` section: compose conf/gates/default.yaml (see "
+            "conf/experiment/gates_smollm2.yaml)"
+        )
     configs = OmegaConf.to_container(section.configs, resolve=True)
     names = [str(n) for n in section.names]
     if gate_node is not None:  # `gate=<name>` on the command line: that gate between the two bounds
@@ -84,8 +91,10 @@ def gate_settings(section: DictConfig | None, gate_node: DictConfig | None, top_
         raise ValueError(f"gates.names is empty; available gates: {', '.join(sorted(configs))}")
     for name in names:
         if name not in configs:
-            raise ValueError(f"unknown gate {name!r} in gates.names; available gates: {', '.join(sorted(configs))} "
-                             f"(each gates.configs.<name>, from conf/gate/<name>.yaml)")
+            raise ValueError(
+                f"unknown gate {name!r} in gates.names; available gates: {', '.join(sorted(configs))} "
+                f"(each gates.configs.<name>, from conf/gate/<name>.yaml)"
+            )
     if len(set(names)) != len(names):
         raise ValueError(f"gates.names lists a gate twice: {names}")
     gates = {name: gate_from_config(name, configs[name]) for name in names}
@@ -95,12 +104,16 @@ def gate_settings(section: DictConfig | None, gate_node: DictConfig | None, top_
         if name not in gates:  # a curve of a gate that is not run this time
             continue
         if isinstance(gates[name], BridgeGate):
-            raise ValueError("gates.curves.bridge: BRIDGE's FA answers are new generations for every new decision, so "
-                             "its curve cannot come from cached answers; curves are for cbdr, dragin, ctrla, skr_knn")
+            raise ValueError(
+                "gates.curves.bridge: BRIDGE's FA answers are new generations for every new decision, so "
+                "its curve cannot come from cached answers; curves are for cbdr, dragin, ctrla, skr_knn"
+            )
         param = spec.get("param")
         if param not in configs[name] or param == "_target_":
-            raise ValueError(f"gates.curves.{name}.param={param!r} is not a parameter of gates.configs.{name}; "
-                             f"parameters: {sorted(k for k in configs[name] if k != '_target_')}")
+            raise ValueError(
+                f"gates.curves.{name}.param={param!r} is not a parameter of gates.configs.{name}; "
+                f"parameters: {sorted(k for k in configs[name] if k != '_target_')}"
+            )
         values = spec.get("values")
         if values is not None:
             values = tuple(float(v) for v in values)
@@ -113,10 +126,16 @@ def gate_settings(section: DictConfig | None, gate_node: DictConfig | None, top_
     if section.metric not in BINARY_METRICS:
         raise ValueError(f"gates.metric={section.metric!r} is not one of {BINARY_METRICS}")
     return GateSettings(
-        names=tuple(names), configs=configs, top_k=top_k, reranker=str(section.reranker), metric=str(section.metric),
-        curves=curves, curve_points=_int(section.curve_points, "gates.curve_points", 2),
+        names=tuple(names),
+        configs=configs,
+        top_k=top_k,
+        reranker=str(section.reranker),
+        metric=str(section.metric),
+        curves=curves,
+        curve_points=_int(section.curve_points, "gates.curve_points", 2),
         timing_questions=_int(section.timing_questions, "gates.timing_questions", 1),
         draft_max_new_tokens=_int(section.draft_max_new_tokens, "gates.draft_max_new_tokens", 1),
         internal_max_new_tokens=_int(section.internal_max_new_tokens, "gates.internal_max_new_tokens", 1),
         batch_size=_int(section.batch_size, "gates.batch_size", 1),
-        n_resamples=_int(section.n_resamples, "gates.n_resamples", 100))
+        n_resamples=_int(section.n_resamples, "gates.n_resamples", 100),
+    )

@@ -4,8 +4,9 @@ embeddings, BRIDGE's matching scores; the LLM-bound ones through the cache (`gat
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,32 +46,47 @@ class SignalMaker:
     extract_batch_size: int
     progress: bool
 
-    def without_cache(self) -> "SignalMaker":
+    def without_cache(self) -> SignalMaker:
         return dataclasses.replace(self, cache_dir=None, progress=False)
 
     def qa_prompts(self, questions: Sequence[str]) -> list[str]:
         return [self.templates.qa_prompt(self.llm.tokenizer, q) for q in questions]
 
     def confidence(self, questions: Sequence[str]) -> np.ndarray:
-        return question_confidences(self.llm, self.templates, self.probe, questions, self.cache_dir,
-                                    batch_size=self.extract_batch_size, progress=self.progress)
+        return question_confidences(
+            self.llm,
+            self.templates,
+            self.probe,
+            questions,
+            self.cache_dir,
+            batch_size=self.extract_batch_size,
+            progress=self.progress,
+        )
 
     def draft(self, questions: Sequence[str]):
-        return cached_drafts(self.llm, self.qa_prompts(questions), self.cache_dir, self.draft_max_new_tokens,
-                             self.batch_size, self.progress)
+        return cached_drafts(
+            self.llm,
+            self.qa_prompts(questions),
+            self.cache_dir,
+            self.draft_max_new_tokens,
+            self.batch_size,
+            self.progress,
+        )
 
     def states(self, prompts: Sequence[str], layers: Sequence[int]) -> tuple[np.ndarray, tuple[int, ...]]:
         return cached_states(self.llm, prompts, layers, self.cache_dir, self.extract_batch_size, self.progress)
 
     def internal(self, questions: Sequence[str]) -> list[str]:
-        return cached_internal_passages(self.llm, questions, self.cache_dir, self.internal_max_new_tokens,
-                                        self.batch_size, self.progress)
+        return cached_internal_passages(
+            self.llm, questions, self.cache_dir, self.internal_max_new_tokens, self.batch_size, self.progress
+        )
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         return embed_texts(self.encoder, texts)
 
-    def matching(self, questions: Sequence[str], responses: Sequence[str],
-                 contexts: Sequence[Sequence[Any]]) -> np.ndarray:
+    def matching(
+        self, questions: Sequence[str], responses: Sequence[str], contexts: Sequence[Sequence[Any]]
+    ) -> np.ndarray:
         external, rest = external_knowledge(contexts)
         return bridge_matching_scores(self.encoder, self.internal(questions), responses, external, rest)
 
@@ -84,8 +100,9 @@ def ctrla_key(gate: CtrlAGate, llm: LoadedLLM) -> tuple:
     return ctrla_layers(gate, llm), gate.confident_template, gate.unconfident_template
 
 
-def question_signals(maker: SignalMaker, rows: Sequence[QARow], names: set[str], responses: Sequence[str],
-                     layers: Sequence[int] = ()) -> GateSignals:
+def question_signals(
+    maker: SignalMaker, rows: Sequence[QARow], names: set[str], responses: Sequence[str], layers: Sequence[int] = ()
+) -> GateSignals:
     """The signals in `names` that do not depend on the contexts (BRIDGE's matching scores do: `with_matching`)."""
     questions = [r.question for r in rows]
     fields: dict[str, Any] = {}
@@ -110,8 +127,9 @@ def with_matching(maker: SignalMaker, signals: GateSignals, contexts: Sequence[S
 
 def confidence_direction(maker: SignalMaker, gate: CtrlAGate, rows: Sequence[QARow]) -> ConfidenceDirection:
     """CtrlA's direction from the training questions' paired prompts (states cached)."""
-    confident, unconfident = contrastive_prompts(maker.llm.tokenizer, [r.question for r in rows],
-                                                 gate.confident_template, gate.unconfident_template)
+    confident, unconfident = contrastive_prompts(
+        maker.llm.tokenizer, [r.question for r in rows], gate.confident_template, gate.unconfident_template
+    )
     layers = ctrla_layers(gate, maker.llm)
     confident_states, layers = maker.states(confident, layers)
     unconfident_states, _ = maker.states(unconfident, layers)

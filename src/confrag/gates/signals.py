@@ -5,7 +5,8 @@ scores (BRIDGE). The gates themselves only see the resulting arrays (`GateSignal
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,7 +30,6 @@ from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import encode_prompts
 from confrag.retrieval.bm25 import BM25_PARAMS
 from confrag.retrieval.corpus import document_text
-
 
 # ------------------------------------------------------------------ DRAGIN: draft tokens
 
@@ -67,8 +67,9 @@ def _received_attention(attention: torch.Tensor, length: int) -> np.ndarray:
 
 
 @torch.inference_mode()
-def draft_token_signals(llm: LoadedLLM, prompts: Sequence[str], max_new_tokens: int = 32, batch_size: int = 8,
-                        progress: bool = False) -> DraftSignals:
+def draft_token_signals(
+    llm: LoadedLLM, prompts: Sequence[str], max_new_tokens: int = 32, batch_size: int = 8, progress: bool = False
+) -> DraftSignals:
     """One greedy generation per prompt (the closed-book draft) with, per draft token, the entropy of
     the distribution it was drawn from (raw logits) and the attention it receives in the last layer:
     the max over the token itself and every later draft token, per head, then averaged over heads
@@ -86,19 +87,25 @@ def draft_token_signals(llm: LoadedLLM, prompts: Sequence[str], max_new_tokens: 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     texts, tokens, entropies, attentions = ([None] * len(ids) for _ in range(4))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     with _eager_attention(model):
         for batch in tqdm(batches, desc="drafts", unit="batch", disable=not progress):
             width = max(len(ids[i]) for i in batch)
             input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
             mask = torch.zeros_like(input_ids)
             for row, index in enumerate(batch):  # left padding: every row's next token is at the end
-                input_ids[row, width - len(ids[index]):] = torch.tensor(ids[index])
-                mask[row, width - len(ids[index]):] = 1
+                input_ids[row, width - len(ids[index]) :] = torch.tensor(ids[index])
+                mask[row, width - len(ids[index]) :] = 1
             output = model.generate(
-                input_ids=input_ids.to(llm.device), attention_mask=mask.to(llm.device), max_new_tokens=max_new_tokens + 1,
-                do_sample=False, num_beams=1, pad_token_id=pad_id, return_dict_in_generate=True,
-                output_logits=True, output_attentions=True,
+                input_ids=input_ids.to(llm.device),
+                attention_mask=mask.to(llm.device),
+                max_new_tokens=max_new_tokens + 1,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad_id,
+                return_dict_in_generate=True,
+                output_logits=True,
+                output_attentions=True,
             )
             steps = len(output.logits)
             log_probs = torch.log_softmax(torch.stack(output.logits, dim=1).float(), dim=-1)  # (B, steps, V)
@@ -107,7 +114,9 @@ def draft_token_signals(llm: LoadedLLM, prompts: Sequence[str], max_new_tokens: 
             heads = output.attentions[0][-1].shape[1]
             attention = torch.zeros(len(batch), heads, steps, steps)
             for step in range(1, steps):
-                attention[:, :, step - 1, :step] = output.attentions[step][-1][:, :, 0, width:width + step].float().cpu()
+                attention[:, :, step - 1, :step] = (
+                    output.attentions[step][-1][:, :, 0, width : width + step].float().cpu()
+                )
             for row, index in enumerate(batch):
                 generated = output.sequences[row, width:].tolist()
                 length = next((i for i, t in enumerate(generated) if t in eos), len(generated))
@@ -123,9 +132,12 @@ def draft_token_signals(llm: LoadedLLM, prompts: Sequence[str], max_new_tokens: 
 # ------------------------------------------------------------------ CtrlA: contrastive direction
 
 
-def contrastive_prompts(tokenizer: PreTrainedTokenizerBase, questions: Sequence[str],
-                        confident_template: str = CONFIDENT_TEMPLATE,
-                        unconfident_template: str = UNCONFIDENT_TEMPLATE) -> tuple[list[str], list[str]]:
+def contrastive_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[str],
+    confident_template: str = CONFIDENT_TEMPLATE,
+    unconfident_template: str = UNCONFIDENT_TEMPLATE,
+) -> tuple[list[str], list[str]]:
     """Paired chat prompts (confident, unconfident) per question, through the model's chat template."""
     check_template("gate.confident_template", confident_template)
     check_template("gate.unconfident_template", unconfident_template)
@@ -139,13 +151,20 @@ def contrastive_prompts(tokenizer: PreTrainedTokenizerBase, questions: Sequence[
     return [render(confident_template, q) for q in questions], [render(unconfident_template, q) for q in questions]
 
 
-def contrastive_direction(llm: LoadedLLM, layers: Sequence[int], confident_prompts: Sequence[str],
-                          unconfident_prompts: Sequence[str], **engine_kwargs) -> ConfidenceDirection:
+def contrastive_direction(
+    llm: LoadedLLM,
+    layers: Sequence[int],
+    confident_prompts: Sequence[str],
+    unconfident_prompts: Sequence[str],
+    **engine_kwargs,
+) -> ConfidenceDirection:
     """CtrlA's confidence direction at `layers` from paired prompts, via the project's hidden-state engine
     (last prompt token, HF indexing)."""
     if len(confident_prompts) != len(unconfident_prompts) or not confident_prompts:
-        raise ValueError(f"need the same, non-zero number of confident and unconfident prompts; got "
-                         f"{len(confident_prompts)} and {len(unconfident_prompts)}")
+        raise ValueError(
+            f"need the same, non-zero number of confident and unconfident prompts; got "
+            f"{len(confident_prompts)} and {len(unconfident_prompts)}"
+        )
     layers = validate_layers(layers, llm.num_layers)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, **{"progress": False, **engine_kwargs})
     confident = engine.extract(confident_prompts, layers, desc="confident prompts")
@@ -164,7 +183,9 @@ def embed_texts(encoder: TextEncoder, texts: Sequence[str]) -> np.ndarray:
     """(n, d) unit vectors. Pass the pipeline's `confrag.retrieval.DenseRetriever` (all-MiniLM-L6-v2),
     or any object with `.encode(texts)`."""
     if not hasattr(encoder, "encode"):
-        raise TypeError(f"encoder must have an .encode(texts) method (e.g. a DenseRetriever); got {type(encoder).__name__}")
+        raise TypeError(
+            f"encoder must have an .encode(texts) method (e.g. a DenseRetriever); got {type(encoder).__name__}"
+        )
     vectors = np.asarray(encoder.encode(list(texts)), dtype=np.float32)
     if vectors.shape[0] != len(texts) or vectors.ndim != 2:
         raise ValueError(f"encoder returned shape {vectors.shape} for {len(texts)} texts")
@@ -181,15 +202,32 @@ INTERNAL_KNOWLEDGE_TEMPLATE = (
 )
 
 
-def internal_passages(llm: LoadedLLM, questions: Sequence[str], max_new_tokens: int = 128, batch_size: int = 16,
-                      template: str = INTERNAL_KNOWLEDGE_TEMPLATE, progress: bool = False) -> list[str]:
+def internal_passages(
+    llm: LoadedLLM,
+    questions: Sequence[str],
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
+    template: str = INTERNAL_KNOWLEDGE_TEMPLATE,
+    progress: bool = False,
+) -> list[str]:
     """K_int: the LLM's own evidence passage per question (greedy, through the chat template)."""
     if "{question}" not in template:
         raise ValueError(f"the internal-knowledge template must contain {{question}}; got {template!r}")
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": template.format(question=q)}],
-                                                 tokenize=False, add_generation_prompt=True) for q in questions]
-    return generate_greedy(llm.model, llm.tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                           desc="internal passages", progress=progress)
+    prompts = [
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": template.format(question=q)}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
+    return generate_greedy(
+        llm.model,
+        llm.tokenizer,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        desc="internal passages",
+        progress=progress,
+    )
 
 
 def external_knowledge(retrieved: Sequence[Sequence[Passage]]) -> tuple[list[str], list[str]]:
@@ -207,7 +245,9 @@ class SparseMatcher:
     project's BM25 retriever), standing in for BGE-M3's sparse lexical-weight score. IDF and average
     length come from `reference_texts`; words never seen there carry no weight."""
 
-    def __init__(self, reference_texts: Sequence[str], k1: float = BM25_PARAMS["k1"], b: float = BM25_PARAMS["b"]) -> None:
+    def __init__(
+        self, reference_texts: Sequence[str], k1: float = BM25_PARAMS["k1"], b: float = BM25_PARAMS["b"]
+    ) -> None:
         self.vectorizer = CountVectorizer(lowercase=True, stop_words="english")
         try:
             counts = self.vectorizer.fit_transform(list(reference_texts))
@@ -231,9 +271,14 @@ class SparseMatcher:
         return np.asarray(self.vectors(a).multiply(self.vectors(b)).sum(axis=1)).ravel()
 
 
-def bridge_matching_scores(encoder: TextEncoder, internal: Sequence[str], generated: Sequence[str],
-                           external: Sequence[str], retrieved: Sequence[str],
-                           sparse: SparseMatcher | None = None) -> np.ndarray:
+def bridge_matching_scores(
+    encoder: TextEncoder,
+    internal: Sequence[str],
+    generated: Sequence[str],
+    external: Sequence[str],
+    retrieved: Sequence[str],
+    sparse: SparseMatcher | None = None,
+) -> np.ndarray:
     """(n, 4, 2) matching scores S1..S4 x (dense cosine, sparse BM25 match) for BRIDGE.
 
     BRIDGE's four sources, and what plays them here without its sub-query generator/retriever:
@@ -244,8 +289,10 @@ def bridge_matching_scores(encoder: TextEncoder, internal: Sequence[str], genera
     IDF is fitted on all texts given."""
     n = len(internal)
     if not len(generated) == len(external) == len(retrieved) == n:
-        raise ValueError(f"internal ({n}), generated ({len(generated)}), external ({len(external)}) and retrieved "
-                         f"({len(retrieved)}) knowledge must be aligned per question")
+        raise ValueError(
+            f"internal ({n}), generated ({len(generated)}), external ({len(external)}) and retrieved "
+            f"({len(retrieved)}) knowledge must be aligned per question"
+        )
     sources = [list(internal), list(generated), list(external), list(retrieved)]
     if sparse is None:
         sparse = SparseMatcher([text for source in sources for text in source])

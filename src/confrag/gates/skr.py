@@ -26,8 +26,10 @@ def knn_vote(query: np.ndarray, history: np.ndarray, labels: np.ndarray, k: int)
     """(fraction of positive labels among the k most similar history rows, best similarity) per query."""
     query, history = np.asarray(query), np.asarray(history)
     if query.ndim != 2 or history.ndim != 2 or query.shape[1] != history.shape[1]:
-        raise ValueError(f"question embeddings {query.shape} and training-question embeddings {history.shape} "
-                         "must be 2-D with the same width (the same encoder)")
+        raise ValueError(
+            f"question embeddings {query.shape} and training-question embeddings {history.shape} "
+            "must be 2-D with the same width (the same encoder)"
+        )
     similarities = unit_rows(query) @ unit_rows(history).T
     labels = np.asarray(labels, dtype=np.float64)
     fractions, best = np.empty(len(query)), np.empty(len(query))

@@ -66,8 +66,9 @@ def extraction_bytes_per_token(cost: DecoderCost, depth: int, max_length: int, d
     return kv + transient + scores
 
 
-def extraction_budget(model: torch.nn.Module, depth: int, max_length: int,
-                      memory_fraction: float = MEMORY_FRACTION) -> tuple[int, int]:
+def extraction_budget(
+    model: torch.nn.Module, depth: int, max_length: int, memory_fraction: float = MEMORY_FRACTION
+) -> tuple[int, int]:
     """(rows, padded tokens) per extraction batch on the model's device: from free memory on CUDA, the
     CPU defaults elsewhere."""
     device = next(model.parameters()).device
@@ -81,7 +82,8 @@ def extraction_budget(model: torch.nn.Module, depth: int, max_length: int,
         raise MemoryError(
             f"free device memory ({free / 2**30:.1f} GiB) holds {tokens} tokens of an extraction batch at "
             f"{per_token / 2**20:.2f} MiB per token, fewer than the longest prompt ({max_length} tokens); "
-            f"free memory on {device} or set an integer batch size")
+            f"free memory on {device} or set an integer batch size"
+        )
     return MAX_EXTRACT_ROWS, tokens
 
 
@@ -90,14 +92,20 @@ def generation_bytes_per_row(cost: DecoderCost, prompt_length: int, total_length
     `total_length` positions, the prefill's transient activations for its prompt tokens, and the
     float32 logits of one position (the LM head runs at the last position only)."""
     kv = cost.kv_bytes_per_token(dtype_size) * total_length
-    transient = prompt_length * ((4 * cost.intermediate + 6 * cost.hidden) * dtype_size + 2 * 4 * cost.hidden
-                                 + 4 * cost.heads * total_length)
+    transient = prompt_length * (
+        (4 * cost.intermediate + 6 * cost.hidden) * dtype_size + 2 * 4 * cost.hidden + 4 * cost.heads * total_length
+    )
     logits = cost.vocab * (dtype_size + 2 * 4)
     return kv + transient + logits
 
 
-def generation_rows(model: torch.nn.Module, prompt_length: int, total_length: int,
-                    memory_fraction: float = MEMORY_FRACTION, max_rows: int = MAX_GENERATE_ROWS) -> int:
+def generation_rows(
+    model: torch.nn.Module,
+    prompt_length: int,
+    total_length: int,
+    memory_fraction: float = MEMORY_FRACTION,
+    max_rows: int = MAX_GENERATE_ROWS,
+) -> int:
     """Sequences per greedy-generation batch on the model's device: from free memory on CUDA (at most
     `max_rows`), the CPU default elsewhere."""
     device = next(model.parameters()).device
@@ -110,5 +118,6 @@ def generation_rows(model: torch.nn.Module, prompt_length: int, total_length: in
     if rows < 1:
         raise MemoryError(
             f"free device memory ({free / 2**30:.1f} GiB) does not hold one sequence of {total_length} tokens "
-            f"({per_row / 2**30:.2f} GiB with its cache); free memory on {device} or shorten the prompts")
+            f"({per_row / 2**30:.2f} GiB with its cache); free memory on {device} or shorten the prompts"
+        )
     return rows

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -62,16 +63,22 @@ class GreedyOptions:
         for name in ("share_prefix", "static_cache", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{key}.{name} must be true or false; got {getattr(self, name)!r}")
-        if isinstance(self.min_shared_prefix, bool) or not isinstance(self.min_shared_prefix, int) \
-                or self.min_shared_prefix < 1:
+        if (
+            isinstance(self.min_shared_prefix, bool)
+            or not isinstance(self.min_shared_prefix, int)
+            or self.min_shared_prefix < 1
+        ):
             raise ValueError(f"{key}.min_shared_prefix must be an integer >= 1; got {self.min_shared_prefix!r}")
         buckets = self.cache_buckets
-        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets) \
-                or list(buckets) != sorted(set(buckets)):
+        if (
+            not buckets
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets)
+            or list(buckets) != sorted(set(buckets))
+        ):
             raise ValueError(f"{key}.cache_buckets must be increasing integers >= 1; got {buckets!r}")
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None, key: str = "generation") -> "GreedyOptions":
+    def from_mapping(cls, values: Mapping[str, Any] | None, key: str = "generation") -> GreedyOptions:
         """From a config section; unknown keys are refused with the allowed ones."""
         values = dict(values or {})
         allowed = [f.name for f in fields(cls)]
@@ -143,15 +150,21 @@ def generate_greedy_ids(
     rows = generation_batch_rows(model, ids, max_new_tokens, batch_size, options, prefix_len)
     runner = _Runner(model, ids, pad_id, max_new_tokens, prefix_len, options, rows)
     answers: list[list[int]] = [[] for _ in ids]
-    batches = [order[i:i + runner.rows] for i in range(0, len(order), runner.rows)]
+    batches = [order[i : i + runner.rows] for i in range(0, len(order), runner.rows)]
     for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress):
         for index, tokens in zip(batch, runner.run(batch)):
             answers[index] = tokens
     return answers
 
 
-def generation_batch_rows(model: PreTrainedModel, ids: Sequence[Sequence[int]], max_new_tokens: int,
-                          batch_size: int | str, options: GreedyOptions, prefix_len: int = 0) -> int:
+def generation_batch_rows(
+    model: PreTrainedModel,
+    ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int | str,
+    options: GreedyOptions,
+    prefix_len: int = 0,
+) -> int:
     """Sequences per batch. "auto": from free device memory (the CPU default elsewhere); with a static
     cache, the rows of a cache kept from before if one fits, else a power of two, so that free-memory
     noise does not make a new shape to compile. A static-cache call with fewer prompts than rows uses
@@ -182,9 +195,10 @@ def _shared_prefix_length(ids: Sequence[Sequence[int]], options: GreedyOptions) 
 
 # Static caches by model, then by (rows, length): compiled decoding steps are tied to the cache's
 # buffers, so a new cache object would compile again. `release_static_caches` frees them.
-_STATIC_CACHES: "weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[int, int], StaticCache]]" = \
+_STATIC_CACHES: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple[int, int], StaticCache]] = (
     weakref.WeakKeyDictionary()
-_COMPILE_FAILED: "weakref.WeakSet[PreTrainedModel]" = weakref.WeakSet()
+)
+_COMPILE_FAILED: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()
 
 
 def release_static_caches(model: PreTrainedModel) -> None:
@@ -212,27 +226,33 @@ class _Runner:
     def run(self, batch: list[int]) -> list[list[int]]:
         rows = self.rows if self.static else len(batch)
         filled = batch + [batch[-1]] * (rows - len(batch))  # the static cache's fixed rows
-        suffixes = [self.ids[i][self.prefix_len:] for i in filled]
+        suffixes = [self.ids[i][self.prefix_len :] for i in filled]
         width = max(len(seq) for seq in suffixes)
         total = self.prefix_len + width
         input_ids = torch.full((rows, total), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
-        input_ids[:, :self.prefix_len] = torch.tensor(self.ids[batch[0]][:self.prefix_len])
-        mask[:, :self.prefix_len] = 1
+        input_ids[:, : self.prefix_len] = torch.tensor(self.ids[batch[0]][: self.prefix_len])
+        mask[:, : self.prefix_len] = 1
         for row, seq in enumerate(suffixes):
-            input_ids[row, total - len(seq):] = torch.tensor(seq)
-            mask[row, total - len(seq):] = 1
-        kwargs: dict[str, Any] = dict(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                                      max_new_tokens=self.max_new_tokens, do_sample=False, num_beams=1,
-                                      pad_token_id=self.pad_id)
+            input_ids[row, total - len(seq) :] = torch.tensor(seq)
+            mask[row, total - len(seq) :] = 1
+        kwargs: dict[str, Any] = dict(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=self.max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=self.pad_id,
+        )
         if self.static:
             output = self._generate_static(kwargs, rows, total)
         else:
             if self.prefix is not None:
-                kwargs["past_key_values"] = DynamicCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1))
-                                                          for k, v in self.prefix])
+                kwargs["past_key_values"] = DynamicCache(
+                    [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.prefix]
+                )
             output = self.model.generate(**kwargs)
-        return output[:len(batch), total:].tolist()  # one device-to-host copy for the batch
+        return output[: len(batch), total:].tolist()  # one device-to-host copy for the batch
 
     def _static_cache(self, rows: int, length: int) -> StaticCache:
         kept = _STATIC_CACHES.setdefault(self.model, {})
@@ -252,7 +272,8 @@ class _Runner:
             try:
                 return self.model.generate(**kwargs, past_key_values=self._static_cache(rows, length))
             except Exception as err:  # a compiler or CUDA-graph failure: the eager step computes the same
-                log.warning("compiling the decoding step failed (%s: %s); decoding eagerly from now on",
-                            type(err).__name__, err)
+                log.warning(
+                    "compiling the decoding step failed (%s: %s); decoding eagerly from now on", type(err).__name__, err
+                )
                 _COMPILE_FAILED.add(self.model)
         return self.model.generate(**kwargs, past_key_values=self._static_cache(rows, length), disable_compile=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -118,7 +118,9 @@ class HiddenStateEngine:
         return self.extract_ids(ids, layers, desc)
 
     @torch.inference_mode()
-    def extract_ids(self, ids: Sequence[Sequence[int]], layers: Sequence[int], desc: str = "hidden states") -> np.ndarray:
+    def extract_ids(
+        self, ids: Sequence[Sequence[int]], layers: Sequence[int], desc: str = "hidden states"
+    ) -> np.ndarray:
         layers = validate_layers(layers, self.num_layers)
         depth = max(layers)
         # The deepest layer is needed at one token only: run the stack to the layer before it and
@@ -141,8 +143,11 @@ class HiddenStateEngine:
                     if not compiled:
                         raise
                     # A compiler failure (no Triton, an unsupported op): the eager blocks compute the same.
-                    log.warning("compiled norm/MLP blocks failed (%s: %s); extracting eagerly from now on",
-                                type(err).__name__, err)
+                    log.warning(
+                        "compiled norm/MLP blocks failed (%s: %s); extracting eagerly from now on",
+                        type(err).__name__,
+                        err,
+                    )
                     self._compile_failed = True
                     _eager(compiled)
                     states = self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail)
@@ -178,8 +183,10 @@ class HiddenStateEngine:
         if AUTO not in (self.batch_size, self.max_batch_tokens):
             return int(self.batch_size), int(self.max_batch_tokens)
         rows, tokens = extraction_budget(self.model, depth, max_length)
-        return (rows if self.batch_size == AUTO else int(self.batch_size),
-                tokens if self.max_batch_tokens == AUTO else int(self.max_batch_tokens))
+        return (
+            rows if self.batch_size == AUTO else int(self.batch_size),
+            tokens if self.max_batch_tokens == AUTO else int(self.max_batch_tokens),
+        )
 
     def length_batches(self, lengths: Sequence[int], rows: int, tokens: int) -> list[list[int]]:
         """Indices grouped by length: a batch closes at `rows` rows, `tokens` padded tokens, or when
@@ -192,8 +199,9 @@ class HiddenStateEngine:
         for index in order:
             width = lengths[index]  # ascending: the newcomer is the longest
             count = len(current) + 1
-            if current and (count > rows or count * width > tokens
-                            or count * width > (1 + self.padding_tolerance) * (real + width)):
+            if current and (
+                count > rows or count * width > tokens or count * width > (1 + self.padding_tolerance) * (real + width)
+            ):
                 batches.append(current)
                 current, real = [], 0
             current.append(index)
@@ -229,13 +237,19 @@ class HiddenStateEngine:
         full_mask = torch.cat([torch.ones((batch, prefix_len), dtype=torch.long), mask], dim=1)
         cache = None
         if prefix_cache is not None:
-            cache = DynamicCache([(layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1))
-                                  for layer in prefix_cache.layers])
+            cache = DynamicCache(
+                [
+                    (layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1))
+                    for layer in prefix_cache.layers
+                ]
+            )
         device = self.device
         last, full_mask, position_ids = last.to(device), full_mask.to(device), position_ids.to(device)
         depth = max(layers)
         captured_layers = [layer for layer in layers if layer < depth] if tail else layers
-        with _capture(self.base, captured_layers, self.num_layers, last, full_layer=depth - 1 if tail else None) as captured:
+        with _capture(
+            self.base, captured_layers, self.num_layers, last, full_layer=depth - 1 if tail else None
+        ) as captured:
             self.base(
                 input_ids=input_ids.to(device),
                 attention_mask=full_mask,
@@ -248,8 +262,15 @@ class HiddenStateEngine:
             if prefix_cache is not None:
                 layer_cache = prefix_cache.layers[depth - 1]
                 prefix_kv = (layer_cache.keys, layer_cache.values)
-            state = _last_token_layer(self.base, self.decoder_layers[depth - 1], captured.pop("full"), last,
-                                      position_ids, full_mask, prefix_kv)
+            state = _last_token_layer(
+                self.base,
+                self.decoder_layers[depth - 1],
+                captured.pop("full"),
+                last,
+                position_ids,
+                full_mask,
+                prefix_kv,
+            )
             captured[depth] = self.base.norm(state) if depth == self.num_layers else state
         return np.stack([captured[layer].float().cpu().numpy() for layer in layers])
 
@@ -276,8 +297,9 @@ def _truncated(base: nn.Module, depth: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _capture(base: nn.Module, layers: Sequence[int], num_layers: int, last: torch.Tensor,
-             full_layer: int | None = None) -> Iterator[dict]:
+def _capture(
+    base: nn.Module, layers: Sequence[int], num_layers: int, last: torch.Tensor, full_layer: int | None = None
+) -> Iterator[dict]:
     """Forward hooks that keep, for each requested layer, the hidden state at each row's last token,
     and (as "full") every position of `full_layer`, the input of a last-token tail layer."""
     captured: dict = {}
@@ -287,6 +309,7 @@ def _capture(base: nn.Module, layers: Sequence[int], num_layers: int, last: torc
         def hook(_module, _inputs, output):
             hidden = output[0] if isinstance(output, tuple) else output
             captured["full" if full else layer] = hidden.detach() if full else hidden[rows, last].detach()
+
         return hook
 
     def module_of(layer: int) -> nn.Module:
@@ -343,8 +366,9 @@ def _last_token_layer(base, layer, hidden, last, position_ids, mask, prefix_kv) 
     keys = keys.repeat_interleave(attn.num_key_value_groups, dim=1)
     values = values.repeat_interleave(attn.num_key_value_groups, dim=1)
     # The last real token comes after every real token, so the padding mask alone is its causal mask.
-    context = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.bool()[:, None, None, :],
-                                             scale=attn.scaling)
+    context = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask.bool()[:, None, None, :], scale=attn.scaling
+    )
     state = hidden[rows, last] + attn.o_proj(context.transpose(1, 2).reshape(batch, -1))
     return state + layer.mlp(layer.post_attention_layernorm(state))
 

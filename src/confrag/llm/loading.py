@@ -8,13 +8,13 @@ reference, dtype). Artifact keys are built from it, so a cache never mixes two m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,8 +103,9 @@ def load_llm(cfg: LLMConfig | dict[str, Any]) -> LoadedLLM:
         cfg = LLMConfig(**dict(cfg))
     if cfg.device == "rank":  # one device per process of a torchrun / SLURM launch
         cfg = dataclasses.replace(cfg, device=rank_device())
-    loader = {"hf": _load_hf, "local": _load_local, "gguf": _load_gguf, "tiny": _load_tiny,
-              "random": _load_random}[cfg.source]
+    loader = {"hf": _load_hf, "local": _load_local, "gguf": _load_gguf, "tiny": _load_tiny, "random": _load_random}[
+        cfg.source
+    ]
     model, tokenizer, ref = loader(cfg)
     if cfg.chat_template:
         tokenizer.chat_template = cfg.chat_template
@@ -158,8 +159,9 @@ def _gguf_block_count(path: Path, name: str) -> int:
         arch = _gguf_field(fields["general.architecture"])
         return int(_gguf_field(fields[f"{arch}.block_count"]))
     except (KeyError, ValueError, OSError) as err:
-        raise LLMNotAvailableError(f"LLM '{name}': {path} has no readable layer count in its GGUF metadata "
-                                   f"({type(err).__name__}: {err})") from err
+        raise LLMNotAvailableError(
+            f"LLM '{name}': {path} has no readable layer count in its GGUF metadata ({type(err).__name__}: {err})"
+        ) from err
 
 
 def _gguf_field(field: Any) -> Any:
@@ -206,7 +208,8 @@ def _hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
     from huggingface_hub import try_to_load_from_cache
 
     missing = [
-        name for name in _HF_REQUIRED
+        name
+        for name in _HF_REQUIRED
         if not isinstance(try_to_load_from_cache(cfg.repo_id, name, revision=cfg.revision), str)
     ]
     weights = try_to_load_from_cache(cfg.repo_id, "model.safetensors.index.json", revision=cfg.revision)
@@ -223,6 +226,7 @@ def _hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
 
 # --- local directory -------------------------------------------------------------------------------
 
+
 def _load_local(cfg: LLMConfig):
     if not cfg.local_dir:
         raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
@@ -231,7 +235,8 @@ def _load_local(cfg: LLMConfig):
     if missing:
         raise LLMNotAvailableError(
             f"LLM '{cfg.name}': directory {path} lacks {', '.join(missing)}. Download the model with "
-            f"`huggingface-cli download {cfg.repo_id or 'REPO_ID'} --local-dir {path}` or point llm.local_dir elsewhere."
+            f"`huggingface-cli download {cfg.repo_id or 'REPO_ID'} --local-dir {path}` or point llm.local_dir "
+            "elsewhere."
         )
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, **_from_pretrained_kwargs(cfg))
@@ -258,6 +263,7 @@ def _dir_fingerprint(path: Path) -> str:
 
 
 # --- GGUF file (dequantized once, cached as safetensors) --------------------------------------------
+
 
 def gguf_location(cfg: LLMConfig) -> Path:
     """The GGUF file: `llm.gguf_path`, or `llm.gguf_file` inside the installed package `llm.gguf_package`."""
@@ -341,6 +347,7 @@ def _convert_gguf(path: Path, target: Path) -> None:
 
 # --- tiny random model (tests, fast_dev_run) -------------------------------------------------------
 
+
 def _load_tiny(cfg: LLMConfig):
     arch = cfg.tiny.get("arch", "llama")
     if arch not in TINY_ARCHS:
@@ -366,7 +373,9 @@ def _load_tiny(cfg: LLMConfig):
         torch.random.set_rng_state(generator_state)
     if arch == "qwen2" and not cfg.chat_template:
         tokenizer.chat_template = QWEN2_CHAT_TEMPLATE
-    ref = hashlib.sha256(json.dumps({"arch": arch, **shape, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[:16]
+    ref = hashlib.sha256(json.dumps({"arch": arch, **shape, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[
+        :16
+    ]
     return _place(model, cfg), tokenizer, f"tiny:{arch}@{ref}"
 
 
@@ -407,18 +416,37 @@ def _load_random(cfg: LLMConfig):
     allowed = sorted(set(PUBLISHED_SHAPES[shape]) - {"model_type", *_TOKENIZER_KEYS})
     bad = sorted(set(spec) - set(allowed))
     if bad:
-        raise ValueError(f"llm.random: key(s) {bad} cannot be set for shape {shape}; allowed: ['shape', {', '.join(map(repr, allowed))}] "
-                         f"(the vocabulary and special tokens are the tokenizer's)")
+        raise ValueError(
+            f"llm.random: key(s) {bad} cannot be set for shape {shape}; allowed: "
+            f"['shape', {', '.join(map(repr, allowed))}] "
+            f"(the vocabulary and special tokens are the tokenizer's)"
+        )
     overrides = {key: value for key, value in spec.items() if value is not None}
     tokenizer = _tiny_tokenizer(cfg)
-    config = shape_config(shape, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
+    config = shape_config(
+        shape,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **overrides,
+    )
     _check_memory_for(cfg, config)
     model = random_decoder(config, DTYPES[cfg.dtype], cfg.device, cfg.seed, cfg.attn_implementation)
     # The weights are drawn on the target device (fast for 8B weights; a GPU's random stream need not match
     # another's), so the reference names the weights themselves through a sample of every tensor.
-    ref = hashlib.sha256(json.dumps({"shape": shape, **overrides, "vocab": len(tokenizer), "seed": cfg.seed,
-                                     "weights": weights_sample_digest(model)}, sort_keys=True).encode())
+    ref = hashlib.sha256(
+        json.dumps(
+            {
+                "shape": shape,
+                **overrides,
+                "vocab": len(tokenizer),
+                "seed": cfg.seed,
+                "weights": weights_sample_digest(model),
+            },
+            sort_keys=True,
+        ).encode()
+    )
     return model, tokenizer, f"random:{shape}@{ref.hexdigest()[:16]}"
 
 
@@ -440,7 +468,8 @@ def available_memory(device: str) -> tuple[int, str]:
         if not torch.cuda.is_available():
             raise LLMNotAvailableError(
                 f"llm.device={device!r} but torch sees no CUDA device. For a CPU smoke test of a random-shape "
-                f"model use llm.device=cpu llm.dtype=float32 llm.random.num_hidden_layers=2.")
+                f"model use llm.device=cpu llm.dtype=float32 llm.random.num_hidden_layers=2."
+            )
         free, _total = torch.cuda.mem_get_info(torch.device(device))
         return int(free), f"free memory on {device}"
     try:
@@ -458,4 +487,6 @@ def _check_memory_for(cfg: LLMConfig, config) -> None:
             f"LLM '{cfg.name}': {cost.layers} layers of shape {cfg.random.get('shape')} in {cfg.dtype} need "
             f"{need / 2**30:.1f} GiB for the weights, more than {_WEIGHT_MEMORY_SHARE:.0%} of the "
             f"{have / 2**30:.1f} GiB {where}. Run it on a GPU (llm.device=cuda), or set a smaller "
-            f"llm.random.num_hidden_layers for a smoke test (one layer is {cost.layer_params * dtype_bytes(DTYPES[cfg.dtype]) / 2**30:.2f} GiB).")
+            f"llm.random.num_hidden_layers for a smoke test (one layer is "
+            f"{cost.layer_params * dtype_bytes(DTYPES[cfg.dtype]) / 2**30:.2f} GiB)."
+        )

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
@@ -36,13 +37,13 @@ class PromptTemplates:
         payload = {**asdict(self), "chat_template": tokenizer.chat_template}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
-    def format_contexts(self, contexts: Sequence["Passage"]) -> str:
+    def format_contexts(self, contexts: Sequence[Passage]) -> str:
         return self.context_separator.join(self.context.format(title=c.title, text=c.text) for c in contexts)
 
     def qa_prompt(self, tokenizer: PreTrainedTokenizerBase, question: str) -> str:
         return self._chat(tokenizer, self.qa.format(question=question))
 
-    def rag_prompt(self, tokenizer: PreTrainedTokenizerBase, question: str, contexts: Sequence["Passage"]) -> str:
+    def rag_prompt(self, tokenizer: PreTrainedTokenizerBase, question: str, contexts: Sequence[Passage]) -> str:
         return self._chat(tokenizer, self.rag.format(question=question, contexts=self.format_contexts(contexts)))
 
     def _chat(self, tokenizer: PreTrainedTokenizerBase, user_text: str) -> str:

@@ -10,8 +10,9 @@ bytes, matrix-multiply FLOPs per token and key/value bytes per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -20,17 +21,40 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 # projections carry a bias (hard-wired in transformers' Qwen2 attention); Llama's do not.
 PUBLISHED_SHAPES: dict[str, dict[str, Any]] = {
     "llama3_8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-        rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False,
-        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009,
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=128009,
     ),
     "qwen2_5_7b": dict(
-        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", use_sliding_window=False,
-        sliding_window=131072, max_window_layers=28, tie_word_embeddings=False,
-        bos_token_id=151643, eos_token_id=151645,
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        use_sliding_window=False,
+        sliding_window=131072,
+        max_window_layers=28,
+        tie_word_embeddings=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
     ),
 }
 
@@ -48,8 +72,13 @@ def shape_config(shape: str, **overrides: Any) -> PretrainedConfig:
     return AutoConfig.for_model(numbers.pop("model_type"), **numbers)
 
 
-def random_decoder(config: PretrainedConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
-                   seed: int = 0, attn_implementation: str | None = "sdpa") -> PreTrainedModel:
+def random_decoder(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attn_implementation: str | None = "sdpa",
+) -> PreTrainedModel:
     """A causal LM of `config`'s shape with seeded random weights (transformers' own initialisation),
     built and drawn directly on `device` (an 8B model drawn on the CPU takes minutes; on a GPU, well
     under a second). The caller's random state is left as it was."""
@@ -78,14 +107,20 @@ class DecoderCost:
     qkv_bias: bool
 
     @classmethod
-    def of(cls, config: PretrainedConfig) -> "DecoderCost":
+    def of(cls, config: PretrainedConfig) -> DecoderCost:
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(hidden=int(config.hidden_size), intermediate=int(config.intermediate_size),
-                   layers=int(config.num_hidden_layers), heads=heads,
-                   kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), head_dim=head_dim,
-                   vocab=int(config.vocab_size), tied=bool(getattr(config, "tie_word_embeddings", False)),
-                   qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)))
+        return cls(
+            hidden=int(config.hidden_size),
+            intermediate=int(config.intermediate_size),
+            layers=int(config.num_hidden_layers),
+            heads=heads,
+            kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=head_dim,
+            vocab=int(config.vocab_size),
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+        )
 
     # --- parameters and bytes ------------------------------------------------------------------
     @property
@@ -181,6 +216,13 @@ def tiny_overrides(shape: str, hidden_size: int = 128, layers: int = 4, heads: i
     numbers: Mapping[str, Any] = PUBLISHED_SHAPES[shape]
     ratio = numbers["intermediate_size"] / numbers["hidden_size"]
     kv = max(1, round(heads * numbers["num_key_value_heads"] / numbers["num_attention_heads"]))
-    return dict(hidden_size=hidden_size, intermediate_size=round_up(int(hidden_size * ratio), 32),
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                bos_token_id=1, eos_token_id=2)
+    return dict(
+        hidden_size=hidden_size,
+        intermediate_size=round_up(int(hidden_size * ratio), 32),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        bos_token_id=1,
+        eos_token_id=2,
+    )

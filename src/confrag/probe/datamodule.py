@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,11 +68,15 @@ def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num
         raise ValueError(f"model.layer={layer!r}: use 'mid' or an integer in 0..{num_layers}")
     chosen = int(chosen)
     if not 0 <= chosen <= num_layers:
-        raise ValueError(f"model.layer={chosen} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
-                         f"{num_layers // 2} = the paper's Layer/2, {num_layers} = final norm output)")
+        raise ValueError(
+            f"model.layer={chosen} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
+            f"{num_layers // 2} = the paper's Layer/2, {num_layers} = final norm output)"
+        )
     if chosen not in extracted:
-        raise ValueError(f"model.layer={chosen} is not among the extracted data.layers={extracted}; add it there "
-                         f"(or use data.layers=all)")
+        raise ValueError(
+            f"model.layer={chosen} is not among the extracted data.layers={extracted}; add it there "
+            f"(or use data.layers=all)"
+        )
     return chosen, extracted
 
 
@@ -86,8 +91,7 @@ def unrepeated_sampler(dataset: Dataset) -> DistributedSampler | None:
     world = torch.distributed.get_world_size()
     if world <= 1 or len(dataset) < world:
         return None
-    return UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=torch.distributed.get_rank(),
-                                        shuffle=False)
+    return UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=torch.distributed.get_rank(), shuffle=False)
 
 
 class NQConfidenceDataModule(LightningDataModule):
@@ -116,10 +120,13 @@ class NQConfidenceDataModule(LightningDataModule):
         generation: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if uses_candidates(train_states) and (isinstance(candidates_top_n, bool) or not isinstance(candidates_top_n, int)
-                                              or candidates_top_n < 1):
-            raise ValueError(f"data.candidates_top_n must be an integer >= 1 with data.train_states={train_states!r} "
-                             f"(got {candidates_top_n!r})")
+        if uses_candidates(train_states) and (
+            isinstance(candidates_top_n, bool) or not isinstance(candidates_top_n, int) or candidates_top_n < 1
+        ):
+            raise ValueError(
+                f"data.candidates_top_n must be an integer >= 1 with data.train_states={train_states!r} "
+                f"(got {candidates_top_n!r})"
+            )
         self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
         # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
         self.extract_compile = extract_compile
@@ -129,7 +136,11 @@ class NQConfidenceDataModule(LightningDataModule):
         self.nq_path, self.layer_spec, self.layers = nq_path, layer, layers
         self.num_questions, self.train_states = num_questions, train_states
         self.split_sizes, self.balance, self.seed = split_sizes, balance, seed
-        self.max_new_tokens, self.gen_batch_size, self.extract_batch_size = max_new_tokens, gen_batch_size, extract_batch_size
+        self.max_new_tokens, self.gen_batch_size, self.extract_batch_size = (
+            max_new_tokens,
+            gen_batch_size,
+            extract_batch_size,
+        )
         self.batch_size, self.num_workers, self.cache_dir, self.progress = batch_size, num_workers, cache_dir, progress
         self.data: ConfidenceData | None = None
         self.layer: int | None = None
@@ -152,11 +163,22 @@ class NQConfidenceDataModule(LightningDataModule):
         llm = llm or load_llm(self.llm_cfg)
         try:
             data = build_confidence_data(
-                llm, self.templates, rows, layers=self.layers, train_states=self.train_states, seed=self.seed,
-                split_sizes=self.split_sizes, balance=self.balance, max_new_tokens=self.max_new_tokens,
-                gen_batch_size=self.gen_batch_size, extract_batch_size=self.extract_batch_size,
-                cache_dir=self.cache_dir, progress=self.progress, candidates=candidates,
-                extract_compile=self.extract_compile, generation=self.generation,
+                llm,
+                self.templates,
+                rows,
+                layers=self.layers,
+                train_states=self.train_states,
+                seed=self.seed,
+                split_sizes=self.split_sizes,
+                balance=self.balance,
+                max_new_tokens=self.max_new_tokens,
+                gen_batch_size=self.gen_batch_size,
+                extract_batch_size=self.extract_batch_size,
+                cache_dir=self.cache_dir,
+                progress=self.progress,
+                candidates=candidates,
+                extract_compile=self.extract_compile,
+                generation=self.generation,
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)
@@ -172,8 +194,9 @@ class NQConfidenceDataModule(LightningDataModule):
     def retrieved(self, all_rows, rows) -> list[list]:
         """Each question's top `candidates_top_n` BM25 passages over every paragraph of the NQ file (cached)."""
         corpus = corpus_from_nq(all_rows, words_per_passage=self.words_per_passage)
-        found = retrieve_candidates(rows, corpus, BM25Retriever(corpus, cache_dir=self.cache_dir),
-                                    top_n=self.candidates_top_n)
+        found = retrieve_candidates(
+            rows, corpus, BM25Retriever(corpus, cache_dir=self.cache_dir), top_n=self.candidates_top_n
+        )
         return [c.passages for c in found]
 
     def prepare_data(self) -> None:
@@ -188,8 +211,9 @@ class NQConfidenceDataModule(LightningDataModule):
                 f"NQ_Confidence has an empty split ({ {s: len(e) for s, e in self.data.examples.items()} }): the LLM "
                 f"answered too few (or too many) questions correctly; raise data.num_questions"
             )
-        self.datasets = {s: ActivationDataset(self.data.stores, self.layer, self.data.examples[s])
-                         for s in ("train", "dev", "test")}
+        self.datasets = {
+            s: ActivationDataset(self.data.stores, self.layer, self.data.examples[s]) for s in ("train", "dev", "test")
+        }
 
     @property
     def input_dim(self) -> int:
@@ -203,7 +227,11 @@ class NQConfidenceDataModule(LightningDataModule):
         for start in range(0, len(examples), 1024):
             chunk = examples[start : start + 1024]
             for kind in {e.kind for e in chunk}:
-                states = self.data.stores[kind].take(self.layer, [e.index for e in chunk if e.kind == kind]).astype(np.float64)
+                states = (
+                    self.data.stores[kind]
+                    .take(self.layer, [e.index for e in chunk if e.kind == kind])
+                    .astype(np.float64)
+                )
                 total += states.sum(0)
                 squares += (states**2).sum(0)
         mean = total / len(examples)
@@ -215,8 +243,14 @@ class NQConfidenceDataModule(LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         sampler = None if shuffle else unrepeated_sampler(self.datasets[split])
-        return DataLoader(self.datasets[split], batch_size=self.batch_size, shuffle=shuffle, sampler=sampler,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            self.datasets[split],
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

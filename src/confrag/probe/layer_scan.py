@@ -6,7 +6,7 @@ where the confidence signal lives, so a sweep can be aimed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from sklearn.linear_model import LogisticRegression
@@ -34,6 +34,13 @@ def layer_scan(data: ConfidenceData, kinds: Sequence[str] | None = None, folds: 
             classifier = make_pipeline(StandardScaler(), LogisticRegression(C=0.05, max_iter=2000))
             classifier.fit(states[train], labels[train])
             scores.append(roc_auc_score(labels[test], classifier.predict_proba(states[test])[:, 1]))
-        results.append({"layer": layer, "auroc_mean": float(np.mean(scores)), "auroc_std": float(np.std(scores)),
-                        "examples": int(len(labels)), "positives": int(labels.sum())})
+        results.append(
+            {
+                "layer": layer,
+                "auroc_mean": float(np.mean(scores)),
+                "auroc_std": float(np.std(scores)),
+                "examples": int(len(labels)),
+                "positives": int(labels.sum()),
+            }
+        )
     return results

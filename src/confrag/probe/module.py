@@ -12,8 +12,9 @@ import json
 import logging
 import math
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +70,9 @@ class ProbeModule(LightningModule):
         self.register_buffer("mean", torch.zeros(input_dim))
         self.register_buffer("std", torch.ones(input_dim))
         self.loss = nn.CrossEntropyLoss()
-        metrics = MetricCollection({"acc": BinaryAccuracy(), "auroc": BinaryAUROC(), "ece": BinaryCalibrationError(n_bins=10)})
+        metrics = MetricCollection(
+            {"acc": BinaryAccuracy(), "auroc": BinaryAUROC(), "ece": BinaryCalibrationError(n_bins=10)}
+        )
         self.val_metrics = metrics.clone(prefix="val/")
         self.test_metrics = metrics.clone(prefix="test/")
         # Examples and positives seen per split (synced across DDP ranks like the metrics): AUROC needs both classes.
@@ -125,7 +128,9 @@ class ProbeModule(LightningModule):
         counts["examples"].update(torch.tensor(float(labels.numel()), device=labels.device))
         counts["positives"].update(labels.sum().float())
 
-    def _epoch_metrics(self, metrics: MetricCollection, counts: MetricCollection, stage: str) -> dict[str, torch.Tensor]:
+    def _epoch_metrics(
+        self, metrics: MetricCollection, counts: MetricCollection, stage: str
+    ) -> dict[str, torch.Tensor]:
         """The split's metrics; AUROC is NaN ("undefined") when the split holds one class only, where
         torchmetrics would report 0."""
         seen = counts.compute() if counts["examples"].update_called else {"examples": 0, "positives": 0}
@@ -140,8 +145,14 @@ class ProbeModule(LightningModule):
         if single_class:
             values[f"{stage}/auroc"] = torch.tensor(float("nan"), device=self.device)
             only = "positive" if positives else "negative"
-            log.warning("%s/auroc is undefined: the %s split holds only %s examples (%d of them); reported as NaN "
-                        "(null in metrics.json)", stage, "dev" if stage == "val" else stage, only, examples)
+            log.warning(
+                "%s/auroc is undefined: the %s split holds only %s examples (%d of them); reported as NaN "
+                "(null in metrics.json)",
+                stage,
+                "dev" if stage == "val" else stage,
+                only,
+                examples,
+            )
         return values
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -153,6 +164,7 @@ class ProbeModule(LightningModule):
 
 
 # --- saved probes ------------------------------------------------------------------------------
+
 
 class SavedProbe:
     """A trained probe plus the identity of the activations it expects."""
@@ -171,8 +183,8 @@ class SavedProbe:
         diffs = [k for k in found if json.dumps(found[k], sort_keys=True) != json.dumps(expected[k], sort_keys=True)]
         if diffs:
             raise ProbeMismatchError(
-                "probe was trained on other activations: " + "; ".join(
-                    f"{k}: trained on {expected[k]!r}, asked for {found[k]!r}" for k in diffs)
+                "probe was trained on other activations: "
+                + "; ".join(f"{k}: trained on {expected[k]!r}, asked for {found[k]!r}" for k in diffs)
             )
 
     def confidence(self, hidden_states) -> np.ndarray:
@@ -196,9 +208,13 @@ def load_probe(directory: Path | str) -> SavedProbe:
     directory = Path(directory)
     for name in ("probe.json", "probe.safetensors"):
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} not found: train a probe first (python train.py +experiment=probe_*)")
+            raise FileNotFoundError(
+                f"{directory / name} not found: train a probe first (python train.py +experiment=probe_*)"
+            )
     meta = json.loads((directory / "probe.json").read_text())
     hparams = meta["hparams"]
-    module = ProbeModule(**{k: hparams[k] for k in ("input_dim", "hidden_dims", "dropout", "lr", "weight_decay", "layer")})
+    module = ProbeModule(
+        **{k: hparams[k] for k in ("input_dim", "hidden_dims", "dropout", "lr", "weight_decay", "layer")}
+    )
     module.load_state_dict(load_file(str(directory / "probe.safetensors")))
     return SavedProbe(module, meta)

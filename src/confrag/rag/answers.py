@@ -26,9 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from confrag.artifacts import CacheMismatchError, ShardedArtifact, compute_shards, fingerprint
 from confrag.llm.batching import check_batch_size
@@ -58,8 +59,12 @@ class ScoredAnswer:
 
 
 def score_answer(answer: str, gold: Sequence[str]) -> ScoredAnswer:
-    return ScoredAnswer(answer=answer, has_answer=has_answer(answer, gold), em=exact_match(answer, gold),
-                        f1=round(token_f1(answer, gold), 6))
+    return ScoredAnswer(
+        answer=answer,
+        has_answer=has_answer(answer, gold),
+        em=exact_match(answer, gold),
+        f1=round(token_f1(answer, gold), 6),
+    )
 
 
 def prompt_hash(prompt: str) -> str:
@@ -71,9 +76,17 @@ class AnswerStore:
 
     `generated` counts the prompts this object sent to the LLM and `reused` those found in the cache."""
 
-    def __init__(self, llm: LoadedLLM, templates: PromptTemplates, cache_dir: str | Path, max_new_tokens: int = 32,
-                 batch_size: int | str = 16, chunk_size: int = 64, progress: bool = True,
-                 generation: GreedyOptions | None = None) -> None:
+    def __init__(
+        self,
+        llm: LoadedLLM,
+        templates: PromptTemplates,
+        cache_dir: str | Path,
+        max_new_tokens: int = 32,
+        batch_size: int | str = 16,
+        chunk_size: int = 64,
+        progress: bool = True,
+        generation: GreedyOptions | None = None,
+    ) -> None:
         for key, value in (("max_new_tokens", max_new_tokens), ("chunk_size", chunk_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rag.{key} must be an integer >= 1; got {value!r}")
@@ -81,9 +94,18 @@ class AnswerStore:
         self.generation = generation or GreedyOptions()
         self.llm, self.templates = llm, templates
         self.root = Path(cache_dir)
-        self.max_new_tokens, self.batch_size, self.chunk_size, self.progress = max_new_tokens, batch_size, chunk_size, progress
-        self.spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer),
-                     "max_new_tokens": max_new_tokens, "generator": GENERATOR}
+        self.max_new_tokens, self.batch_size, self.chunk_size, self.progress = (
+            max_new_tokens,
+            batch_size,
+            chunk_size,
+            progress,
+        )
+        self.spec = {
+            "llm": llm.identity,
+            "prompts": templates.identity(llm.tokenizer),
+            "max_new_tokens": max_new_tokens,
+            "generator": GENERATOR,
+        }
         self.key = fingerprint(self.spec)
         self.kind = f"{KIND}/{self.key}"
         self.dir = self.root / self.kind
@@ -133,16 +155,20 @@ class AnswerStore:
             spec = manifest["spec"]
             hashes = spec["prompt_hashes"]
             base = json.loads(json.dumps({k: v for k, v in spec.items() if k != "prompt_hashes"}))
-            if (manifest["key"] != manifest_path.parent.name or base != json.loads(json.dumps(self.spec))
-                    or manifest["num_items"] != len(hashes)):
+            if (
+                manifest["key"] != manifest_path.parent.name
+                or base != json.loads(json.dumps(self.spec))
+                or manifest["num_items"] != len(hashes)
+            ):
                 raise ValueError("manifest does not match its directory or this store")
             chunk = self._chunk({**self.spec, "prompt_hashes": list(hashes)}, len(hashes))
             if chunk.dir != manifest_path.parent:
                 raise ValueError("manifest key does not match its content")
             return chunk
         except (OSError, ValueError, KeyError, TypeError, CacheMismatchError) as err:
-            log.warning("Ignoring answer chunk %s (%s); its prompts are regenerated when asked for.",
-                        manifest_path.parent, err)
+            log.warning(
+                "Ignoring answer chunk %s (%s); its prompts are regenerated when asked for.", manifest_path.parent, err
+            )
             return None
 
     def answer_prompts(self, prompts: Sequence[str]) -> list[str]:
@@ -160,15 +186,27 @@ class AnswerStore:
         # chunks of processes asking for the same prompts at once the same chunks: they claim them in
         # turn (compute_shards), so each chunk is generated once.
         order = sorted(missing, key=lambda h: (len(missing[h]), h))
-        groups = [order[i:i + self.chunk_size] for i in range(0, len(order), self.chunk_size)]
+        groups = [order[i : i + self.chunk_size] for i in range(0, len(order), self.chunk_size)]
         log.info("answers %s: %d prompts to generate in %d chunk(s)", self.key, len(order), len(groups))
         jobs = []
         for number, chunk_hashes in enumerate(groups, start=1):
             chunk_prompts = [missing[h] for h in chunk_hashes]
             chunk = self._chunk({**self.spec, "prompt_hashes": chunk_hashes}, len(chunk_hashes))
-            jobs.append((chunk, lambda start, stop, p=chunk_prompts, n=number: generate_greedy(
-                self.llm.model, self.llm.tokenizer, p[start:stop], self.max_new_tokens, self.batch_size,
-                desc=f"answers {n}/{len(groups)}", progress=self.progress, options=self.generation)))
+            jobs.append(
+                (
+                    chunk,
+                    lambda start, stop, p=chunk_prompts, n=number: generate_greedy(
+                        self.llm.model,
+                        self.llm.tokenizer,
+                        p[start:stop],
+                        self.max_new_tokens,
+                        self.batch_size,
+                        desc=f"answers {n}/{len(groups)}",
+                        progress=self.progress,
+                        options=self.generation,
+                    ),
+                )
+            )
         compute_shards(jobs, desc=f"answers {self.key}", progress=False)
         for (chunk, _), chunk_hashes in zip(jobs, groups):
             self._learn(chunk.dir.name, chunk_hashes, chunk.records())

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,17 +52,27 @@ class QuestionOutcome:
     confidence: float | None = None  # Conf(H(Q)) of the probe, when known
 
     def to_dict(self) -> dict[str, Any]:
-        return {"qid": self.qid, "question": self.question, "answers": list(self.answers),
-                "confidence": self.confidence, "closed_book": self.closed_book.to_dict(),
-                "rag": {str(k): {**v.to_dict(), "contexts": list(v.contexts)} for k, v in sorted(self.rag.items())}}
+        return {
+            "qid": self.qid,
+            "question": self.question,
+            "answers": list(self.answers),
+            "confidence": self.confidence,
+            "closed_book": self.closed_book.to_dict(),
+            "rag": {str(k): {**v.to_dict(), "contexts": list(v.contexts)} for k, v in sorted(self.rag.items())},
+        }
 
     @classmethod
-    def from_dict(cls, record: Mapping[str, Any]) -> "QuestionOutcome":
+    def from_dict(cls, record: Mapping[str, Any]) -> QuestionOutcome:
         rag = {int(k): RagAnswer(**{**v, "contexts": tuple(v["contexts"])}) for k, v in record["rag"].items()}
         confidence = record.get("confidence")
-        return cls(qid=str(record["qid"]), question=record["question"], answers=tuple(record["answers"]),
-                   closed_book=ScoredAnswer(**record["closed_book"]), rag=rag,
-                   confidence=None if confidence is None else float(confidence))
+        return cls(
+            qid=str(record["qid"]),
+            question=record["question"],
+            answers=tuple(record["answers"]),
+            closed_book=ScoredAnswer(**record["closed_book"]),
+            rag=rag,
+            confidence=None if confidence is None else float(confidence),
+        )
 
 
 @dataclass
@@ -87,8 +98,9 @@ def rank_contexts(question: str, passages: Sequence[Any], reranker: Reranker | N
         return list(range(len(passages)))
     scores = np.asarray(reranker(question, [document_text(p) for p in passages]), dtype=np.float64).reshape(-1)
     if scores.shape != (len(passages),) or not np.isfinite(scores).all():
-        raise ValueError(f"{where}the reranker must return one finite score per passage ({len(passages)}); "
-                         f"got shape {scores.shape}")
+        raise ValueError(
+            f"{where}the reranker must return one finite score per passage ({len(passages)}); got shape {scores.shape}"
+        )
     return [int(i) for i in np.argsort(-scores, kind="stable")]
 
 
@@ -100,8 +112,9 @@ def _candidates_by_qid(rows: Sequence[QARow], candidates: Sequence[Candidates]) 
     matched = match_candidates(rows, candidates, source="the candidates")  # same qid, same question
     for row, found in zip(rows, matched):
         if not found.passages:
-            raise ValueError(f"question {row.qid!r} has no retrieved context (empty candidates); "
-                             "RAG needs at least one")
+            raise ValueError(
+                f"question {row.qid!r} has no retrieved context (empty candidates); RAG needs at least one"
+            )
     return matched
 
 
@@ -126,12 +139,17 @@ def run_rag(
             capped[k] += len(cands.passages) < k
     for k, count in capped.items():
         if count:
-            log.warning("top-%d: %d of %d questions have fewer than %d candidates; their prompts hold all they have",
-                        k, count, len(rows), k)
+            log.warning(
+                "top-%d: %d of %d questions have fewer than %d candidates; their prompts hold all they have",
+                k,
+                count,
+                len(rows),
+                k,
+            )
     items = [(row.question, ()) for row in rows]
     items += [(row.question, picks[k]) for row, picks in zip(rows, chosen) for k in ks]
     answers = store.answer(items)
-    closed, rag_answers = answers[:len(rows)], answers[len(rows):]
+    closed, rag_answers = answers[: len(rows)], answers[len(rows) :]
     outcomes = []
     for index, (row, picks) in enumerate(zip(rows, chosen)):
         rag = {}
@@ -141,8 +159,11 @@ def run_rag(
         if confidences is not None and row.qid not in confidences:
             raise ValueError(f"question {row.qid!r} has no confidence; give one for every question or none")
         confidence = None if confidences is None else float(confidences[row.qid])
-        outcomes.append(QuestionOutcome(row.qid, row.question, row.answers, score_answer(closed[index], row.answers),
-                                        rag, confidence))
+        outcomes.append(
+            QuestionOutcome(
+                row.qid, row.question, row.answers, score_answer(closed[index], row.answers), rag, confidence
+            )
+        )
     return RagRun(outcomes=outcomes, ks=ks, capped=capped)
 
 

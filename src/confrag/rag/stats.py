@@ -8,8 +8,9 @@ report neither.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.stats import binomtest, bootstrap
@@ -45,8 +46,9 @@ def _binary(values: Sequence[Any], name: str) -> np.ndarray:
     return array
 
 
-def accuracy_ci(correct: Sequence[Any], confidence_level: float = 0.95, n_resamples: int = 10_000,
-                seed: int = 0) -> Accuracy:
+def accuracy_ci(
+    correct: Sequence[Any], confidence_level: float = 0.95, n_resamples: int = 10_000, seed: int = 0
+) -> Accuracy:
     """Mean of 0/1 outcomes with a percentile-bootstrap interval (deterministic for a given seed)."""
     values = _binary(correct, "correct")
     if values.size == 0:
@@ -56,8 +58,15 @@ def accuracy_ci(correct: Sequence[Any], confidence_level: float = 0.95, n_resamp
     mean = float(values.mean())
     if values.size == 1:  # nothing to resample
         return Accuracy(mean, mean, mean, 1)
-    result = bootstrap((values,), np.mean, confidence_level=confidence_level, n_resamples=n_resamples,
-                       method="percentile", rng=np.random.default_rng(seed), vectorized=True)
+    result = bootstrap(
+        (values,),
+        np.mean,
+        confidence_level=confidence_level,
+        n_resamples=n_resamples,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+        vectorized=True,
+    )
     interval = result.confidence_interval
     return Accuracy(mean, float(interval.low), float(interval.high), int(values.size))
 
@@ -86,15 +95,22 @@ def _correct_by_qid(outcomes: Sequence[QuestionOutcome], k: int, metric: str, wh
     return {o.qid: float(getattr(o.rag[k], metric)) for o in outcomes}
 
 
-def table2_rows(runs: Mapping[RunKey, Sequence[QuestionOutcome]], base_reranker: str, ks: Sequence[int] = DEFAULT_KS,
-                metric: str = "has_answer", n_resamples: int = 10_000, seed: int = 0) -> list[dict[str, Any]]:
+def table2_rows(
+    runs: Mapping[RunKey, Sequence[QuestionOutcome]],
+    base_reranker: str,
+    ks: Sequence[int] = DEFAULT_KS,
+    metric: str = "has_answer",
+    n_resamples: int = 10_000,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """One dict per (LLM, reranker, dataset): accuracy with CI and McNemar vs `base_reranker` (same LLM and
     dataset, paired by qid) for every K."""
     if metric not in BINARY_METRICS:
         raise ValueError(f"eval.metric={metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)")
     if not any(reranker == base_reranker for _, reranker, _ in runs):
-        raise ValueError(f"eval.base_reranker={base_reranker!r} names no run; rerankers: "
-                         f"{sorted({r for _, r, _ in runs})}")
+        raise ValueError(
+            f"eval.base_reranker={base_reranker!r} names no run; rerankers: {sorted({r for _, r, _ in runs})}"
+        )
     rows = []
     for (llm, reranker, dataset), outcomes in runs.items():
         where = f"run ({llm}, {reranker}, {dataset})"
@@ -108,23 +124,31 @@ def table2_rows(runs: Mapping[RunKey, Sequence[QuestionOutcome]], base_reranker:
                 continue
             theirs = _correct_by_qid(base, k, metric, f"run ({llm}, {base_reranker}, {dataset})")
             if set(mine) != set(theirs):
-                raise ValueError(f"{where} and its base run answer different questions "
-                                 f"({len(set(mine) ^ set(theirs))} differ); a paired test needs the same ones")
+                raise ValueError(
+                    f"{where} and its base run answer different questions "
+                    f"({len(set(mine) ^ set(theirs))} differ); a paired test needs the same ones"
+                )
             qids = sorted(mine)
             asked = {o.qid: o.question for o in outcomes}
             base_asked = {o.qid: o.question for o in base}
             differ = [q for q in qids if not same_question(asked[q], base_asked[q])]
             if differ:  # paired by qid, so the qids must name the same questions in both runs
-                raise ValueError(f"{where} and its base run hold other questions under {len(differ)} qid(s), e.g. "
-                                 f"{differ[0]!r}: {asked[differ[0]]!r} vs {base_asked[differ[0]]!r}; a paired test "
-                                 f"needs the same questions")
+                raise ValueError(
+                    f"{where} and its base run hold other questions under {len(differ)} qid(s), e.g. "
+                    f"{differ[0]!r}: {asked[differ[0]]!r} vs {base_asked[differ[0]]!r}; a paired test "
+                    f"needs the same questions"
+                )
             row[f"top{k}_vs_base"] = mcnemar_exact([mine[q] for q in qids], [theirs[q] for q in qids])
         rows.append(row)
     return rows
 
 
-def table2_markdown(rows: Sequence[Mapping[str, Any]], base_reranker: str, ks: Sequence[int] = DEFAULT_KS,
-                    reranker_params: Mapping[str, str] | None = None) -> str:
+def table2_markdown(
+    rows: Sequence[Mapping[str, Any]],
+    base_reranker: str,
+    ks: Sequence[int] = DEFAULT_KS,
+    reranker_params: Mapping[str, str] | None = None,
+) -> str:
     """The papers' Table 2 (rows: LLM, reranker; columns: Top-K accuracy per dataset), in percent with CIs,
     plus one column per dataset of McNemar p-values vs the base reranker."""
     datasets = list(dict.fromkeys(row["dataset"] for row in rows))
@@ -148,15 +172,19 @@ def table2_markdown(rows: Sequence[Mapping[str, Any]], base_reranker: str, ks: S
                 continue
             line += [row[f"top{k}"].format() for k in ks]
             tests = [row[f"top{k}_vs_base"] for k in ks]
-            line.append("base" if reranker == base_reranker else
-                        " / ".join("—" if t is None else f"{t.pvalue:.3f}" for t in tests))
+            line.append(
+                "base"
+                if reranker == base_reranker
+                else " / ".join("—" if t is None else f"{t.pvalue:.3f}" for t in tests)
+            )
             if gold[d]:
                 line.append(" / ".join(f"{100 * row[f'gold_top{k}']:.1f}" for k in ks))
         lines.append("| " + " | ".join(line) + " |")
     notes = ", ".join(f"{d}: n = {'/'.join(map(str, sizes[d]))}" for d in datasets)
     lines.append("")
-    lines.append(f"Accuracy in % with 95 % percentile-bootstrap CI; p: exact McNemar test against "
-                 f"{base_reranker} on the same questions (same LLM). {notes}."
-                 + (" own ¶: % of questions whose own (gold) paragraph is among the contexts." if any(gold.values())
-                    else ""))
+    lines.append(
+        f"Accuracy in % with 95 % percentile-bootstrap CI; p: exact McNemar test against "
+        f"{base_reranker} on the same questions (same LLM). {notes}."
+        + (" own ¶: % of questions whose own (gold) paragraph is among the contexts." if any(gold.values()) else "")
+    )
     return "\n".join(lines)

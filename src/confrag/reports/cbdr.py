@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from lightning.pytorch.loggers import Logger
@@ -35,12 +36,21 @@ class RunContext:
     gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
 
 
-def table2(llm_name: str, runs: Outcomes, settings: CBDRSettings, n_resamples: int, seed: int,
-           gold_of: dict[str, dict[str, str | None]] | None = None) -> tuple[list[dict], str]:
+def table2(
+    llm_name: str,
+    runs: Outcomes,
+    settings: CBDRSettings,
+    n_resamples: int,
+    seed: int,
+    gold_of: dict[str, dict[str, str | None]] | None = None,
+) -> tuple[list[dict], str]:
     """Table 2's rows (and Markdown); with `gold_of` (dataset -> qid -> source id of the question's own
     paragraph) each row also says how often that paragraph is among the Top-K contexts."""
-    keyed = {(llm_name, reranker, dataset): outcomes for dataset, by_reranker in runs.items()
-             for reranker, outcomes in by_reranker.items()}
+    keyed = {
+        (llm_name, reranker, dataset): outcomes
+        for dataset, by_reranker in runs.items()
+        for reranker, outcomes in by_reranker.items()
+    }
     rows = table2_rows(keyed, settings.base, settings.ks, settings.eval_metric, n_resamples, seed)
     for row in rows:
         sources = (gold_of or {}).get(row["dataset"])
@@ -60,17 +70,22 @@ def closed_book_line(runs: Outcomes, metric: str, n_resamples: int, seed: int) -
     return f"Closed-book (QA prompt, no retrieval) {metric}: " + ", ".join(parts) + "."
 
 
-def gold_in_contexts(outcomes: Sequence[QuestionOutcome], k: int, gold_of: dict[str, str | None] | None = None) -> float:
+def gold_in_contexts(
+    outcomes: Sequence[QuestionOutcome], k: int, gold_of: dict[str, str | None] | None = None
+) -> float:
     """Share of questions whose own paragraph is among their Top-k contexts: a context id `<source>#<n>` whose
     source is the question's gold document (`gold_of`, qid -> source id; without it, the question's qid)."""
+
     def own(o: QuestionOutcome) -> bool:
         source = gold_of.get(o.qid) if gold_of is not None else o.qid
         return source is not None and any(c.rsplit("#", 1)[0] == source for c in o.rag[k].contexts)
+
     return float(np.mean([own(o) for o in outcomes])) if outcomes else 0.0
 
 
-def secondary_markdown(runs: Outcomes, ks: Sequence[int], gold_known: bool = False,
-                       gold_of: dict[str, dict[str, str | None]] | None = None) -> str:
+def secondary_markdown(
+    runs: Outcomes, ks: Sequence[int], gold_known: bool = False, gold_of: dict[str, dict[str, str | None]] | None = None
+) -> str:
     """has_answer beside exact match and token F1 (means, %), per dataset, reranker and K; with `gold_known`
     (passages cut from the questions' own paragraphs, ids `<qid>#<n>`) also how often the question's own
     paragraph is among the K contexts."""
@@ -78,8 +93,13 @@ def secondary_markdown(runs: Outcomes, ks: Sequence[int], gold_known: bool = Fal
     lines = ["| Dataset | Reranker | " + " | ".join(header) + " |", "|" + " --- |" * (2 + len(header))]
     for dataset, by_reranker in runs.items():
         for reranker, outcomes in by_reranker.items():
-            cells = [" / ".join(f"{100 * np.mean([float(getattr(o.rag[k], m)) for o in outcomes]):.1f}"
-                                for m in ("has_answer", "em", "f1")) for k in ks]
+            cells = [
+                " / ".join(
+                    f"{100 * np.mean([float(getattr(o.rag[k], m)) for o in outcomes]):.1f}"
+                    for m in ("has_answer", "em", "f1")
+                )
+                for k in ks
+            ]
             if gold_known:
                 sources = (gold_of or {}).get(dataset)
                 cells += [f"{100 * gold_in_contexts(outcomes, k, sources):.1f}" for k in ks]
@@ -87,26 +107,54 @@ def secondary_markdown(runs: Outcomes, ks: Sequence[int], gold_known: bool = Fal
     return "\n".join(lines)
 
 
-def run_record(settings: CBDRSettings, evaluation: RagEvaluation, rows1: list[dict], rows2: list[dict],
-               results: CBDRResults, seconds: float) -> dict[str, Any]:
+def run_record(
+    settings: CBDRSettings,
+    evaluation: RagEvaluation,
+    rows1: list[dict],
+    rows2: list[dict],
+    results: CBDRResults,
+    seconds: float,
+) -> dict[str, Any]:
     """metrics.json: the scalar metrics (also returned to sweepers and loggers) and every table's data."""
     chosen = results.chosen
-    metrics = {**results.at_beta, "chosen/beta": chosen["beta"], "chosen/test_accuracy": chosen["test/accuracy"],
-               "chosen/test_retrieval_rate": chosen["test/retrieval_rate"],
-               "test/always_retrieve_accuracy": chosen["test/always_retrieve_accuracy"],
-               "answers/generated": float(evaluation.answers["generated"])}
+    metrics = {
+        **results.at_beta,
+        "chosen/beta": chosen["beta"],
+        "chosen/test_accuracy": chosen["test/accuracy"],
+        "chosen/test_retrieval_rate": chosen["test/retrieval_rate"],
+        "test/always_retrieve_accuracy": chosen["test/always_retrieve_accuracy"],
+        "answers/generated": float(evaluation.answers["generated"]),
+    }
     return {
-        "metrics": metrics, "table1": rows1, "table2": plain(rows2), "table3": results.table3_rows,
-        "sweep": {"reranker": settings.reranker, "k": settings.k, "metric": settings.metric, "split": "test",
-                  "rows": results.grid.rows()},
-        "chosen_beta": chosen, "flips": [f.to_dict() for f in results.flips], "answers": evaluation.answers,
-        "confidence": results.confidence, "conf_quantiles": results.quantiles.tolist(),
-        "gate_check": evaluation.gate_check, "ks": list(settings.ks), "diagnostics": evaluation.diagnostics,
-        "eval": {"dev": [r.qid for r in evaluation.splits["dev"]], "test": [r.qid for r in evaluation.splits["test"]],
-                 "retrieval": {s.dataset: s.retrieval for s in evaluation.sets},
-                 "capped": {d: {n: r.capped for n, r in by.items()} for d, by in evaluation.runs.items()},
-                 "hotpotqa_questions": sum(len(s.rows) for s in evaluation.sets if s.dataset == HOTPOTQA)},
-        "wall_seconds": seconds, "seconds": evaluation.seconds}
+        "metrics": metrics,
+        "table1": rows1,
+        "table2": plain(rows2),
+        "table3": results.table3_rows,
+        "sweep": {
+            "reranker": settings.reranker,
+            "k": settings.k,
+            "metric": settings.metric,
+            "split": "test",
+            "rows": results.grid.rows(),
+        },
+        "chosen_beta": chosen,
+        "flips": [f.to_dict() for f in results.flips],
+        "answers": evaluation.answers,
+        "confidence": results.confidence,
+        "conf_quantiles": results.quantiles.tolist(),
+        "gate_check": evaluation.gate_check,
+        "ks": list(settings.ks),
+        "diagnostics": evaluation.diagnostics,
+        "eval": {
+            "dev": [r.qid for r in evaluation.splits["dev"]],
+            "test": [r.qid for r in evaluation.splits["test"]],
+            "retrieval": {s.dataset: s.retrieval for s in evaluation.sets},
+            "capped": {d: {n: r.capped for n, r in by.items()} for d, by in evaluation.runs.items()},
+            "hotpotqa_questions": sum(len(s.rows) for s in evaluation.sets if s.dataset == HOTPOTQA),
+        },
+        "wall_seconds": seconds,
+        "seconds": evaluation.seconds,
+    }
 
 
 def write_plots(out: Path, llm_name: str, results: CBDRResults) -> dict[str, Path]:
@@ -125,28 +173,35 @@ def write_plots(out: Path, llm_name: str, results: CBDRResults) -> dict[str, Pat
 def base_line(info: dict[str, Any]) -> str:
     if not info.get("trained"):
         return "the backbone as it is"
-    return (f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
-            f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s")
+    return (
+        f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
+        f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s"
+    )
 
 
 def stage_line(stage: RerankStage) -> str:
     """What the cached stage was built from: the probe's data and test scores, NQ_Rerank's size."""
     meta, report = stage.probe.meta, stage.preferences.report
     data, metrics = meta.get("nq_confidence", {}), meta.get("metrics", {})
-    scores = ", ".join(f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in ("test/acc", "test/auroc") if k in metrics)
-    return (f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
-            f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
-            f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
-            f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
-            f"(rule {report.get('selection', 'sign')}, reference {report['reference']}).")
+    scores = ", ".join(
+        f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in ("test/acc", "test/auroc") if k in metrics
+    )
+    return (
+        f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
+        f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
+        f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
+        f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
+        f"(rule {report.get('selection', 'sign')}, reference {report['reference']})."
+    )
 
 
 def pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f} %"
 
 
-def chain_markdown(stage: RerankStage, rows2: list[dict], diagnostics: dict[str, dict[str, Any]], ks: Sequence[int],
-                   dataset: str = NQ) -> str:
+def chain_markdown(
+    stage: RerankStage, rows2: list[dict], diagnostics: dict[str, dict[str, Any]], ks: Sequence[int], dataset: str = NQ
+) -> str:
     """Every link from probe to answer on one dataset's test questions, one line each: the probe on retrieved
     contexts, the labels each rule builds from it, the rankers trained on them, the answers they lead to."""
     by_name = {r["reranker"]: r for r in rows2 if r["dataset"] == dataset}
@@ -158,29 +213,38 @@ def chain_markdown(stage: RerankStage, rows2: list[dict], diagnostics: dict[str,
             return "not in Table 2"
         gold = f"own ¶ first {pct(row.get(f'gold_top{k1}'))}, " if f"gold_top{k1}" in row else ""
         test = row.get(f"top{k1}_vs_base")
-        return (f"{gold}Top-{k1} {row[f'top{k1}'].format()}"
-                + ("" if test is None else f" (p vs base {test.pvalue:.3f})"))
+        return f"{gold}Top-{k1} {row[f'top{k1}'].format()}" + (
+            "" if test is None else f" (p vs base {test.pvalue:.3f})"
+        )
 
     d = diagnostics.get(dataset, {})
     report = stage.preferences.report
     lines = [f"| link | measured as | {dataset} test |", "| --- | --- | --- |"]
     if d:
         auroc = d["probe_auroc_on_candidates"]
-        lines.append(f"| probe on retrieved contexts | AUROC of Conf(Q + C) against the LLM's answer under C "
-                     f"({d['candidates']} candidates; {pct(d['correct_share'])} of them make it right) | "
-                     f"{'undefined (one class)' if auroc is None else f'{auroc:.3f}'} |")
-        lines.append(f"| probe as reranker | own ¶ ranked first by Conf(Q + C) (chance {pct(d['chance_gold_first'])}, "
-                     f"mean rank {d['probe_gold_mean_rank'] or float('nan'):.1f}); answers | "
-                     f"{pct(d['probe_gold_first'])}; {answer_cells('probe as reranker')} |")
+        lines.append(
+            f"| probe on retrieved contexts | AUROC of Conf(Q + C) against the LLM's answer under C "
+            f"({d['candidates']} candidates; {pct(d['correct_share'])} of them make it right) | "
+            f"{'undefined (one class)' if auroc is None else f'{auroc:.3f}'} |"
+        )
+        lines.append(
+            f"| probe as reranker | own ¶ ranked first by Conf(Q + C) (chance {pct(d['chance_gold_first'])}, "
+            f"mean rank {d['probe_gold_mean_rank'] or float('nan'):.1f}); answers | "
+            f"{pct(d['probe_gold_first'])}; {answer_cells('probe as reranker')} |"
+        )
     for rule, r in report.get("by_selection", {}).items():
-        lines.append(f"| labels: rule {rule} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
-                     f"{pct(r['gold']['gold_in_pos_rate'])} / {pct(r['gold']['gold_in_neg_rate'])}, {r['kept']} |")
+        lines.append(
+            f"| labels: rule {rule} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
+            f"{pct(r['gold']['gold_in_pos_rate'])} / {pct(r['gold']['gold_in_neg_rate'])}, {r['kept']} |"
+        )
     for name in [n for n in by_name if n not in ("probe as reranker", "utility oracle (upper bound)")]:
         lines.append(f"| ranker: {name} | answers | {answer_cells(name)} |")
     if d:
-        lines.append(f"| utility oracle (upper bound) | answers ({pct(d['questions_with_a_correct_candidate'])} of "
-                     f"questions have a candidate that makes the LLM right) | "
-                     f"{answer_cells('utility oracle (upper bound)')} |")
+        lines.append(
+            f"| utility oracle (upper bound) | answers ({pct(d['questions_with_a_correct_candidate'])} of "
+            f"questions have a candidate that makes the LLM right) | "
+            f"{answer_cells('utility oracle (upper bound)')} |"
+        )
     return "\n".join(lines)
 
 
@@ -189,86 +253,154 @@ def conf_summary(values: Sequence[float]) -> str:
 
 
 def retrieval_line(stats: dict[str, Any]) -> str:
-    return (f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
-            f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %")
+    return (
+        f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
+        f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
+    )
 
 
-def report_markdown(run: RunContext, stage: RerankStage, settings: CBDRSettings, rows1: list[dict], table2_md: str,
-                    closed_line: str, secondary_md: str, results: CBDRResults, plots: dict[str, Path],
-                    record: dict[str, Any], rows2: list[dict]) -> str:
+def report_markdown(
+    run: RunContext,
+    stage: RerankStage,
+    settings: CBDRSettings,
+    rows1: list[dict],
+    table2_md: str,
+    closed_line: str,
+    secondary_md: str,
+    results: CBDRResults,
+    plots: dict[str, Path],
+    record: dict[str, Any],
+    rows2: list[dict],
+) -> str:
     chosen, ev = results.chosen, record["eval"]
     chain = chain_markdown(stage, rows2, record.get("diagnostics", {}), settings.ks)
     n_pref = len(stage.preferences.splits["test"])
-    capped = {f"{d} / {n}": {k: c for k, c in caps.items() if c} for d, by in ev["capped"].items()
-              for n, caps in by.items() if any(caps.values())}
+    capped = {
+        f"{d} / {n}": {k: c for k, c in caps.items() if c}
+        for d, by in ev["capped"].items()
+        for n, caps in by.items()
+        if any(caps.values())
+    }
     budget = f", budget {chosen['budget']:.2f}" if chosen["budget"] is not None else ""
     lines = [
-        f"# CBDR report — {run.llm_name}", "",
+        f"# CBDR report — {run.llm_name}",
+        "",
         f"Run folder: `{run.run_folder}`; wall time {record['wall_seconds']:.0f} s (probe, "
         f"preference data, rerankers and Table 1: {record['seconds']['stage']:.0f} s; evaluation answers: "
         f"{record['seconds']['answers']:.0f} s); answers generated {record['answers']['generated']}, read from "
-        f"the cache {record['answers']['reused']}.", "",
+        f"the cache {record['answers']['reused']}.",
+        "",
         f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions no stage trained on (not the "
         f"probe's, not the preference questions, not the base reranker's): dev {len(ev['dev'])} (choosing β), "
         f"test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by {run.retriever} over the NQ paragraphs; "
         f"{retrieval_line(ev['retrieval'][NQ])}.",
-        *([f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "
-           f"{ev['retrieval'][HOTPOTQA]['corpus_passages']} passages of their pooled supporting paragraphs; "
-           f"{retrieval_line(ev['retrieval'][HOTPOTQA])}."] if HOTPOTQA in ev["retrieval"] else []),
-        f"K larger than a question's candidates is capped to what it has: {capped or 'no question concerned'}.", "",
-        stage_line(stage), "",
-        "## Table 1 — reranking on the NQ_Rerank test split", "",
+        *(
+            [
+                f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "
+                f"{ev['retrieval'][HOTPOTQA]['corpus_passages']} passages of their pooled supporting paragraphs; "
+                f"{retrieval_line(ev['retrieval'][HOTPOTQA])}."
+            ]
+            if HOTPOTQA in ev["retrieval"]
+            else []
+        ),
+        f"K larger than a question's candidates is capped to what it has: {capped or 'no question concerned'}.",
+        "",
+        stage_line(stage),
+        "",
+        "## Table 1 — reranking on the NQ_Rerank test split",
+        "",
         f"Labels of rule {stage.preferences.report.get('selection', 'sign')}; base reranker: "
-        f"{base_line(stage.training.get('base', {}))}.", "",
-        markdown_table(rows1, f"{run.llm_name}, {n_pref} questions (P/R/MRR @K, %)"), "",
-        "## Table 2 — end-to-end accuracy (has_answer unless eval.metric says otherwise)", "",
-        table2_md, "", closed_line, "",
-        "## From probe to answer", "",
+        f"{base_line(stage.training.get('base', {}))}.",
+        "",
+        markdown_table(rows1, f"{run.llm_name}, {n_pref} questions (P/R/MRR @K, %)"),
+        "",
+        "## Table 2 — end-to-end accuracy (has_answer unless eval.metric says otherwise)",
+        "",
+        table2_md,
+        "",
+        closed_line,
+        "",
+        "## From probe to answer",
+        "",
         "Each link of the method measured on the same test questions: does the probe's confidence under a "
         "retrieved context predict the LLM's answer, does it rank the question's own paragraph first, do the "
         "labels built from it put that paragraph among the positives, and what the rankers trained on them "
-        "give as answers. The utility oracle is an upper bound, not a method.", "",
-        chain, "", "has_answer / exact match / token F1 (%), same questions; gold ¶: the "
-        "question's own paragraph among the contexts (%), when the corpus is cut from the questions' paragraphs:", "",
-        secondary_md, "",
-        f"## Table 3 — CBDR on NQ test ({settings.metric}, {settings.reranker} retrieving when it does)", "",
-        results.table3, "",
-        "## β curve", "",
+        "give as answers. The utility oracle is an upper bound, not a method.",
+        "",
+        chain,
+        "",
+        "has_answer / exact match / token F1 (%), same questions; gold ¶: the "
+        "question's own paragraph among the contexts (%), when the corpus is cut from the questions' paragraphs:",
+        "",
+        secondary_md,
+        "",
+        f"## Table 3 — CBDR on NQ test ({settings.metric}, {settings.reranker} retrieving when it does)",
+        "",
+        results.table3,
+        "",
+        "## β curve",
+        "",
         f"Conf(H(Q)) min / median / max: dev {conf_summary(results.confidence['dev'])}, test "
         f"{conf_summary(results.confidence['test'])}. Grid: {len(results.grid.betas)} thresholds"
         + (f", with {results.quantiles.size} quantiles of the dev confidences" if results.quantiles.size else "")
-        + ".", "",
-        *[f"![{name}]({path.name})" for name, path in plots.items()], "",
-        f"## β chosen on dev, reported on test (Top-{settings.k}, objective {chosen['objective']}{budget})", "",
+        + ".",
+        "",
+        *[f"![{name}]({path.name})" for name, path in plots.items()],
+        "",
+        f"## β chosen on dev, reported on test (Top-{settings.k}, objective {chosen['objective']}{budget})",
+        "",
         f"β = {chosen['beta']:g}: dev accuracy {100 * chosen['dev/accuracy']:.2f} % at retrieval rate "
         f"{100 * chosen['dev/retrieval_rate']:.2f} %; test accuracy {100 * chosen['test/accuracy']:.2f} % at "
         f"retrieval rate {100 * chosen['test/retrieval_rate']:.2f} % against "
         f"{100 * chosen['test/always_retrieve_accuracy']:.2f} % always retrieving (n = {chosen['test/n']}).",
         f"At cbdr.beta = {settings.beta:g}: test accuracy {100 * results.at_beta['test/accuracy_at_beta']:.2f} %, "
-        f"retrieval rate {100 * results.at_beta['test/retrieval_rate_at_beta']:.2f} %.", "",
-        "## Phase-difference analysis (appendix F), NQ test", "",
+        f"retrieval rate {100 * results.at_beta['test/retrieval_rate_at_beta']:.2f} %.",
+        "",
+        "## Phase-difference analysis (appendix F), NQ test",
+        "",
         *[flips_markdown(f) for f in results.flips],
     ]
     check = record["gate_check"]
     if check:
-        lines += ["## The gate run live", "",
-                  f"`ConfidenceGate` at β = {check['beta']:g}, Top-{check['k']}, on the first {check['questions']} test "
-                  f"questions: {check['decisions_agree']} decisions and {check['answers_agree']} answers agree with "
-                  f"the sweep's (largest |Conf live − Conf batch| = {check['max_confidence_difference']:.2e}).", ""]
+        lines += [
+            "## The gate run live",
+            "",
+            f"`ConfidenceGate` at β = {check['beta']:g}, Top-{check['k']}, on the first {check['questions']} test "
+            f"questions: {check['decisions_agree']} decisions and {check['answers_agree']} answers agree with "
+            f"the sweep's (largest |Conf live − Conf batch| = {check['max_confidence_difference']:.2e}).",
+            "",
+        ]
     lines += ["## Config", "", "```yaml", run.config_yaml.rstrip(), "```", ""]
     return "\n".join(lines)
 
 
-def log_results(loggers: Sequence[Logger], metrics: dict[str, float], rows1: list[dict], rows2: list[dict],
-                results: CBDRResults, plots: dict[str, Path]) -> None:
+def log_results(
+    loggers: Sequence[Logger],
+    metrics: dict[str, float],
+    rows1: list[dict],
+    rows2: list[dict],
+    results: CBDRResults,
+    plots: dict[str, Path],
+) -> None:
     for logger in loggers:
         logger.log_metrics(metrics)
         logger.save()
     for logger in wandb_loggers(loggers):
         log_rows(logger, "table1", rows1)
-        log_rows(logger, "table2", [{"llm": r["llm"], "reranker": r["reranker"], "dataset": r["dataset"], "n": r["n"],
-                                     **{k: r[k].value for k in r if k.startswith("top") and not k.endswith("_vs_base")}}
-                                    for r in rows2])
+        log_rows(
+            logger,
+            "table2",
+            [
+                {
+                    "llm": r["llm"],
+                    "reranker": r["reranker"],
+                    "dataset": r["dataset"],
+                    "n": r["n"],
+                    **{k: r[k].value for k in r if k.startswith("top") and not k.endswith("_vs_base")},
+                }
+                for r in rows2
+            ],
+        )
         log_rows(logger, "table3", results.table3_rows)
         log_rows(logger, "beta_sweep", results.grid.rows())
         for name, path in plots.items():

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lightning.pytorch.loggers import Logger
 
@@ -13,32 +14,60 @@ from confrag.reports.tables import log_rows, wandb_loggers
 from confrag.stages.gate_comparison import CONDITIONS, GateEvaluation, GateResults
 
 
-def gate_record(settings: GateSettings, evaluation: GateEvaluation, results: GateResults, curves: list[CurvePoint],
-                answers: dict[str, int], seconds: float) -> dict[str, Any]:
+def gate_record(
+    settings: GateSettings,
+    evaluation: GateEvaluation,
+    results: GateResults,
+    curves: list[CurvePoint],
+    answers: dict[str, int],
+    seconds: float,
+) -> dict[str, Any]:
     """metrics.json: the scalar metrics (returned to sweepers) and every table's data."""
-    metrics = {f"{r.contexts}/{r.gate}/{key}": getattr(r, key) for r in results.rows
-               for key in ("accuracy", "retrieval_rate", "refusal_rate", "llm_passes", "wall_s")}
+    metrics = {
+        f"{r.contexts}/{r.gate}/{key}": getattr(r, key)
+        for r in results.rows
+        for key in ("accuracy", "retrieval_rate", "refusal_rate", "llm_passes", "wall_s")
+    }
     return {
-        "metrics": metrics, "table": [r.to_dict() for r in results.rows], "curves": [c.to_dict() for c in curves],
+        "metrics": metrics,
+        "table": [r.to_dict() for r in results.rows],
+        "curves": [c.to_dict() for c in curves],
         "questions": {"train": [r.qid for r in evaluation.sets.train], "test": [r.qid for r in evaluation.sets.test]},
-        "fits": results.fits, "decisions": results.decisions, "sets": evaluation.sets.report,
-        "timings": evaluation.timings, "answers": answers,
-        "gates": {name: settings.configs[name] for name in settings.names}, "wall_seconds": seconds}
+        "fits": results.fits,
+        "decisions": results.decisions,
+        "sets": evaluation.sets.report,
+        "timings": evaluation.timings,
+        "answers": answers,
+        "gates": {name: settings.configs[name] for name in settings.names},
+        "wall_seconds": seconds,
+    }
 
 
 def tables_text(rows: Sequence[GateRow], metric: str) -> str:
     return "\n\n".join(f"{c}:\n" + gates_markdown([r for r in rows if r.contexts == c], metric) for c in CONDITIONS)
 
 
-def report_markdown(llm_name: str, run_folder: str, retriever: str, top_n: int, config_yaml: str,
-                    settings: GateSettings, evaluation: GateEvaluation, results: GateResults, plot: Path,
-                    answers: dict[str, int], seconds: float) -> str:
+def report_markdown(
+    llm_name: str,
+    run_folder: str,
+    retriever: str,
+    top_n: int,
+    config_yaml: str,
+    settings: GateSettings,
+    evaluation: GateEvaluation,
+    results: GateResults,
+    plot: Path,
+    answers: dict[str, int],
+    seconds: float,
+) -> str:
     sets = evaluation.sets.report
     timing = ", ".join(f"{part} {1000 * s:.0f} ms" for part, s in sorted(evaluation.timings.items()))
     lines = [
-        f"# Retrieval gates — {llm_name}", "",
+        f"# Retrieval gates — {llm_name}",
+        "",
         f"Run folder: `{run_folder}`; wall time {seconds:.0f} s; answers generated "
-        f"{answers['generated']}, read from the cache {answers['reused']}.", "",
+        f"{answers['generated']}, read from the cache {answers['reused']}.",
+        "",
         f"Questions: {sets['evaluation_questions']} NQ questions the probe never saw (the cbdr task's evaluation "
         f"questions), split by question: the gates are trained on {sets['train']} (training split: cached "
         f"closed-book / RAG outcomes with clean contexts) and evaluated on the {sets['test']} of the other "
@@ -46,11 +75,14 @@ def report_markdown(llm_name: str, run_folder: str, retriever: str, top_n: int, 
         f"Contexts: clean = top-{settings.top_k} of {retriever} top-{top_n} reranked by "
         f"{settings.reranker}; conflicting = the gold paragraph with its answer replaced by a same-kind answer of "
         f"another question (kinds: {sets['kinds']}), placed first, then the best {settings.top_k - 1} clean "
-        f"passages not from the gold paragraph ({100 * sets['conflicting_contexts_with_a_gold_answer_elsewhere']:.0f} % "
-        f"of them still hold a gold answer in another passage).", "",
+        "passages not from the gold paragraph "
+        f"({100 * sets['conflicting_contexts_with_a_gold_answer_elsewhere']:.0f} % "
+        f"of them still hold a gold answer in another passage).",
+        "",
         "Outcome per question: parametric → the closed-book answer, retrieve → the RAG answer (BRIDGE's FA: "
         "its internal passage and the contexts), refuse → a refusal (not correct). Accuracy on answered "
-        "excludes refusals. LLM passes: `gate.llm_forward_passes` (prompt prefill + greedy decode each).", "",
+        "excludes refusals. LLM passes: `gate.llm_forward_passes` (prompt prefill + greedy decode each).",
+        "",
         f"Wall time per question: a cost model over measured parts. Each part was timed fresh (no cache) on "
         f"{min(settings.timing_questions, sets['test'])} test questions ({timing}); a gate pays the parts its "
         "signals need, its own measured decide time, and per question the answer its decision implies "
@@ -60,15 +92,31 @@ def report_markdown(llm_name: str, run_folder: str, retriever: str, top_n: int, 
     for condition in CONDITIONS:
         rows = [r for r in results.rows if r.contexts == condition]
         lines += [f"## {condition.capitalize()} contexts", "", gates_markdown(rows, settings.metric), ""]
-    lines += ["## Accuracy against retrieval rate", "",
-              f"Points: each gate as configured; lines: {', '.join(settings.curves) or 'none'} over their "
-              "thresholds (cached answers only).", "", f"![gates]({plot.name})", "",
-              "## Config", "", "```yaml", config_yaml.rstrip(), "```", ""]
+    lines += [
+        "## Accuracy against retrieval rate",
+        "",
+        f"Points: each gate as configured; lines: {', '.join(settings.curves) or 'none'} over their "
+        "thresholds (cached answers only).",
+        "",
+        f"![gates]({plot.name})",
+        "",
+        "## Config",
+        "",
+        "```yaml",
+        config_yaml.rstrip(),
+        "```",
+        "",
+    ]
     return "\n".join(lines)
 
 
-def log_results(loggers: Sequence[Logger], metrics: dict[str, float], rows: Sequence[GateRow],
-                curves: Sequence[CurvePoint], plot: Path) -> None:
+def log_results(
+    loggers: Sequence[Logger],
+    metrics: dict[str, float],
+    rows: Sequence[GateRow],
+    curves: Sequence[CurvePoint],
+    plot: Path,
+) -> None:
     for logger in loggers:
         logger.log_metrics(metrics)
         logger.save()

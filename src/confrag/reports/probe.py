@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lightning.pytorch.loggers import Logger
 
@@ -14,19 +15,38 @@ from confrag.probe.module import metric_text, metric_value
 from confrag.reports.tables import log_rows, wandb_loggers
 
 
-def write_probe_report(out: Path, llm_name: str, datamodule: NQConfidenceDataModule, metrics: dict[str, float],
-                       summary: dict[str, Any], scan: list[dict], loggers: Sequence[Logger]) -> str:
+def write_probe_report(
+    out: Path,
+    llm_name: str,
+    datamodule: NQConfidenceDataModule,
+    metrics: dict[str, float],
+    summary: dict[str, Any],
+    scan: list[dict],
+    loggers: Sequence[Logger],
+) -> str:
     # An undefined metric (AUROC of a one-class split) is null in JSON and "undefined" when printed.
-    result = {"layer": datamodule.layer, "train_states": datamodule.train_states,
-              "metrics": {k: metric_value(v) for k, v in metrics.items()}, "nq_confidence": summary, "layer_scan": scan}
+    result = {
+        "layer": datamodule.layer,
+        "train_states": datamodule.train_states,
+        "metrics": {k: metric_value(v) for k, v in metrics.items()},
+        "nq_confidence": summary,
+        "layer_scan": scan,
+    }
     atomic_write_text(out / "metrics.json", json.dumps(result, indent=2))
     requested = summary.get("questions_requested")
-    lines = [f"Probe on layer {datamodule.layer} ({datamodule.train_states} states) — {llm_name}",
-             f"  questions {summary['questions']}" + (f" (of {requested} requested)" if requested else "")
-             + f", closed-book has_answer {summary['qa/has_answer']:.3f}",
-             "  balanced examples: " + ", ".join(f"{s} {summary[f'{s}/examples']}" for s in ("train", "dev", "test")),
-             "  test: " + ", ".join(f"{k.split('/')[1]} {metric_text(metrics[k])}"
-                                     for k in ("test/acc", "test/auroc", "test/ece") if k in metrics)]
+    lines = [
+        f"Probe on layer {datamodule.layer} ({datamodule.train_states} states) — {llm_name}",
+        f"  questions {summary['questions']}"
+        + (f" (of {requested} requested)" if requested else "")
+        + f", closed-book has_answer {summary['qa/has_answer']:.3f}",
+        "  balanced examples: " + ", ".join(f"{s} {summary[f'{s}/examples']}" for s in ("train", "dev", "test")),
+        "  test: "
+        + ", ".join(
+            f"{k.split('/')[1]} {metric_text(metrics[k])}"
+            for k in ("test/acc", "test/auroc", "test/ece")
+            if k in metrics
+        ),
+    ]
     if scan:
         lines.append("  per-layer 5-fold logistic AUROC (all questions of " + "+".join(datamodule.data.stores) + "):")
         lines += [f"    layer {r['layer']:>3}: {r['auroc_mean']:.3f} ± {r['auroc_std']:.3f}" for r in scan]

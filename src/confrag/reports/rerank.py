@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lightning.pytorch.loggers import Logger
 
@@ -18,52 +19,77 @@ def rules_summary(report: dict[str, Any]) -> str:
     for rule, r in report.get("by_selection", {}).items():
         rows = report.get("rules", {}).get(rule, {}).get("rows", {})
         split = f" (train {rows['train']} / test {rows['test']})" if rows else ""
-        lines.append(f"  rule {rule:8}: kept {r['kept']:4} rows{split}, gold passage in pos "
-                     f"{100 * r['gold']['gold_in_pos_rate']:.1f}% / neg {100 * r['gold']['gold_in_neg_rate']:.1f}% "
-                     f"(of {r['gold']['questions_with_gold']} questions with gold retrieved)")
+        lines.append(
+            f"  rule {rule:8}: kept {r['kept']:4} rows{split}, gold passage in pos "
+            f"{100 * r['gold']['gold_in_pos_rate']:.1f}% / neg {100 * r['gold']['gold_in_neg_rate']:.1f}% "
+            f"(of {r['gold']['questions_with_gold']} questions with gold retrieved)"
+        )
     if "utility" in report:
         u = report["utility"]
-        lines.append(f"  utility: the LLM answers correctly under {100 * u['correct_share']:.1f}% of the "
-                     f"{u['candidates']} candidates; {100 * u['questions_with_a_correct_candidate']:.1f}% of the "
-                     "questions have at least one such candidate")
+        lines.append(
+            f"  utility: the LLM answers correctly under {100 * u['correct_share']:.1f}% of the "
+            f"{u['candidates']} candidates; {100 * u['questions_with_a_correct_candidate']:.1f}% of the "
+            "questions have at least one such candidate"
+        )
     return "\n".join(lines)
 
 
 def base_summary(info: dict[str, Any]) -> str:
     if not info.get("trained"):
         return "  base reranker: the backbone as it is (base_reranker.train=false)"
-    return (f"  base reranker: {info['rows']} relevance rows from {info['questions']} questions no other stage uses "
-            f"(dropped {info['dropped']}), {info.get('steps', '?')} steps, trained in "
-            f"{info.get('train_seconds', float('nan')):.0f} s{' (read from the cache)' if info.get('cached') else ''}")
+    return (
+        f"  base reranker: {info['rows']} relevance rows from {info['questions']} questions no other stage uses "
+        f"(dropped {info['dropped']}), {info.get('steps', '?')} steps, trained in "
+        f"{info.get('train_seconds', float('nan')):.0f} s{' (read from the cache)' if info.get('cached') else ''}"
+    )
 
 
 def nq_rerank_summary(report: dict[str, Any]) -> str:
     """Sizes, drops, retrieval and, per reference and per rule, where the gold passage lands."""
     by_ref = "\n".join(
         f"  reference {ref:9}: kept {r['kept']:4} rows, Inc>0 for {100 * r['share_positive']:.1f}% of contexts, "
-        f"gold passage in pos {100 * r['gold']['gold_in_pos_rate']:.1f}% / neg {100 * r['gold']['gold_in_neg_rate']:.1f}% "
+        f"gold passage in pos {100 * r['gold']['gold_in_pos_rate']:.1f}% / "
+        f"neg {100 * r['gold']['gold_in_neg_rate']:.1f}% "
         f"(of {r['gold']['questions_with_gold']} questions with gold retrieved)"
-        for ref, r in report["by_reference"].items())
-    return "\n".join([
-        f"NQ_Rerank — {report['questions']} questions, rows train {report['rows']['train']} / test "
-        f"{report['rows']['test']}, dropped {report['dropped']}",
-        "  retrieval: gold passage retrieved for {:.1f} % of questions, an answer-bearing passage for {:.1f} %, "
-        "{} duplicate passages removed".format(100 * report["retrieval"]["gold_retrieved"],
-                                             100 * report["retrieval"]["answer_in_candidates"],
-                                             report["retrieval"]["duplicate_passages_removed"]),
-        by_ref, rules_summary(report)])
+        for ref, r in report["by_reference"].items()
+    )
+    return "\n".join(
+        [
+            f"NQ_Rerank — {report['questions']} questions, rows train {report['rows']['train']} / test "
+            f"{report['rows']['test']}, dropped {report['dropped']}",
+            "  retrieval: gold passage retrieved for {:.1f} % of questions, an answer-bearing passage for {:.1f} %, "
+            "{} duplicate passages removed".format(
+                100 * report["retrieval"]["gold_retrieved"],
+                100 * report["retrieval"]["answer_in_candidates"],
+                report["retrieval"]["duplicate_passages_removed"],
+            ),
+            by_ref,
+            rules_summary(report),
+        ]
+    )
 
 
-def write_rerank_report(out: Path, llm_name: str, report: dict[str, Any], test_questions: int, rows: list[dict],
-                        training: dict[str, Any], loggers: Sequence[Logger]) -> str:
-    title = (f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions; "
-             f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})")
+def write_rerank_report(
+    out: Path,
+    llm_name: str,
+    report: dict[str, Any],
+    test_questions: int,
+    rows: list[dict],
+    training: dict[str, Any],
+    loggers: Sequence[Logger],
+) -> str:
+    title = (
+        f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions; "
+        f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})"
+    )
     table = markdown_table(rows, title)
     text = "\n".join([nq_rerank_summary(report), base_summary(training.get("base", {})), "", table])
     atomic_write_text(out / "table1.md", table + "\n")
     atomic_write_text(out / "summary.txt", text + "\n")
-    atomic_write_text(out / "metrics.json", json.dumps({"table1": rows, "training": training, "nq_rerank": report},
-                                                       indent=2, ensure_ascii=False))
+    atomic_write_text(
+        out / "metrics.json",
+        json.dumps({"table1": rows, "training": training, "nq_rerank": report}, indent=2, ensure_ascii=False),
+    )
     for logger in wandb_loggers(loggers):
         log_rows(logger, "table1", rows)
     return text

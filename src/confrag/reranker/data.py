@@ -23,8 +23,9 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ RowSource = Sequence[dict] | str | Path
 
 # --- rows ----------------------------------------------------------------------------------------
 
+
 def _passage_list(row: dict, field: str, label: str) -> list[str]:
     value = row.get(field)
     if not isinstance(value, (list, tuple)) or not value:
@@ -56,8 +58,10 @@ def _passage_list(row: dict, field: str, label: str) -> list[str]:
     seen: dict[str, int] = {}
     for j, passage in enumerate(value):
         if passage in seen:
-            raise ValueError(f"{label}: field {field!r} holds the same passage twice (items {seen[passage]} and {j}): "
-                             f"{_short(passage)}")
+            raise ValueError(
+                f"{label}: field {field!r} holds the same passage twice (items {seen[passage]} and {j}): "
+                f"{_short(passage)}"
+            )
         seen[passage] = j
     return list(value)
 
@@ -66,7 +70,9 @@ def _score_list(row: dict, field: str, passages: list[str], passage_field: str, 
     scores = row[field]
     if not isinstance(scores, (list, tuple)) or len(scores) != len(passages):
         size = len(scores) if isinstance(scores, (list, tuple)) else _short(scores)
-        raise ValueError(f"{label}: field {field!r} has {size} values for {len(passages)} passages in {passage_field!r}")
+        raise ValueError(
+            f"{label}: field {field!r} has {size} values for {len(passages)} passages in {passage_field!r}"
+        )
     for j, score in enumerate(scores):
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
             raise ValueError(f"{label}: field {field!r} item {j} must be a finite number (got {score!r})")
@@ -119,8 +125,10 @@ def load_rows(source: RowSource, where: str) -> list[dict]:
             return validate_rows(load_from_disk(str(path)).to_list(), f"{where} ({path})")
         if path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz")):
             return _load_jsonl(path, where)
-        raise FileNotFoundError(f"{where}={str(source)!r}: expected a .jsonl / .jsonl.gz file or a `datasets` "
-                                f"folder (save_to_disk), or a list of rows")
+        raise FileNotFoundError(
+            f"{where}={str(source)!r}: expected a .jsonl / .jsonl.gz file or a `datasets` "
+            f"folder (save_to_disk), or a list of rows"
+        )
     return validate_rows(source, where)
 
 
@@ -149,16 +157,20 @@ def candidate_lists(rows: Sequence[dict], seed: int = 0) -> list[dict]:
         passages = list(row["pos"]) + list(row["neg"])
         labels = [1] * len(row["pos"]) + [0] * len(row["neg"])
         order = np.random.default_rng([seed, i]).permutation(len(passages))
-        out.append({"query": row["query"], "passages": [passages[j] for j in order], "labels": [labels[j] for j in order]})
+        out.append(
+            {"query": row["query"], "passages": [passages[j] for j in order], "labels": [labels[j] for j in order]}
+        )
     return out
 
 
 # --- datasets ------------------------------------------------------------------------------------
 
+
 def check_group_size(group_size: int) -> int:
     if isinstance(group_size, bool) or int(group_size) != group_size or group_size < 2:
-        raise ValueError(f"data.group_size must be an integer >= 2 (one positive and at least one negative); "
-                         f"got {group_size!r}")
+        raise ValueError(
+            f"data.group_size must be an integer >= 2 (one positive and at least one negative); got {group_size!r}"
+        )
     return int(group_size)
 
 
@@ -190,8 +202,11 @@ class GroupDataset(Dataset):
         teacher = None
         if self.has_teacher_scores:
             teacher = [float(row["pos_scores"][p])] + [float(row["neg_scores"][j]) for j in negs]
-        return {"query": row["query"], "passages": [row["pos"][p]] + [row["neg"][j] for j in negs],
-                "teacher_scores": teacher}
+        return {
+            "query": row["query"],
+            "passages": [row["pos"][p]] + [row["neg"][j] for j in negs],
+            "teacher_scores": teacher,
+        }
 
 
 class CandidateDataset(Dataset):
@@ -224,8 +239,9 @@ class _PairCollator:
     """Shared tokenization; counts the pairs it has seen and how many were truncated (in this process:
     with DataLoader workers each worker counts its own batches)."""
 
-    def __init__(self, tokenizer, query_max_len: int, passage_max_len: int,
-                 encode: Callable[..., EncodedPairs] = encode_pairs) -> None:
+    def __init__(
+        self, tokenizer, query_max_len: int, passage_max_len: int, encode: Callable[..., EncodedPairs] = encode_pairs
+    ) -> None:
         self.tokenizer, self.query_max_len, self.passage_max_len = tokenizer, query_max_len, passage_max_len
         self.encode = encode
         self.pairs = self.truncated_pairs = self.truncated_queries = 0
@@ -261,21 +277,29 @@ class CandidateCollator(_PairCollator):
         return batch
 
 
-def truncation_stats(rows: Sequence[dict], tokenizer, query_max_len: int, passage_max_len: int,
-                     encode: Callable[..., EncodedPairs] = encode_pairs) -> dict[str, int]:
+def truncation_stats(
+    rows: Sequence[dict],
+    tokenizer,
+    query_max_len: int,
+    passage_max_len: int,
+    encode: Callable[..., EncodedPairs] = encode_pairs,
+) -> dict[str, int]:
     """How many distinct (query, passage) pairs of the rows exceed the budget: a property of the data,
     independent of sampling and workers."""
     queries = [r["query"] for r in rows for _ in (*r["pos"], *r["neg"])]
     passages = [p for r in rows for p in (*r["pos"], *r["neg"])]
     truncated = cut = 0
     for start in range(0, len(queries), 256):
-        encoded = encode(tokenizer, queries[start:start + 256], passages[start:start + 256], query_max_len, passage_max_len)
+        encoded = encode(
+            tokenizer, queries[start : start + 256], passages[start : start + 256], query_max_len, passage_max_len
+        )
         truncated += encoded.truncated_pairs
         cut += encoded.truncated_queries
     return {"pairs": len(queries), "truncated_pairs": truncated, "truncated_queries": cut}
 
 
 # --- Lightning -----------------------------------------------------------------------------------
+
 
 def _positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -340,8 +364,9 @@ class PreferenceDataModule(LightningDataModule):
         for split, source in self.sources.items():
             if source is not None and split not in self.rows:
                 self.rows[split] = load_rows(source, f"data.{split}")
-                self.truncation[split] = truncation_stats(self.rows[split], self.tokenizer, self.query_max_len,
-                                                          self.passage_max_len, self.encode)
+                self.truncation[split] = truncation_stats(
+                    self.rows[split], self.tokenizer, self.query_max_len, self.passage_max_len, self.encode
+                )
 
     def _rows(self, split: str) -> list[dict]:
         if split not in self.rows:
@@ -359,13 +384,23 @@ class PreferenceDataModule(LightningDataModule):
         dataset = GroupDataset(self._rows("train"), self.group_size, self.seed)
         # A seeded generator: the same order on every run; it advances, so each epoch gets a new order.
         sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(self.seed))
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
-                          collate_fn=self._collator("train", GroupCollator))
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            collate_fn=self._collator("train", GroupCollator),
+        )
 
     def _eval_dataloader(self, split: str) -> DataLoader:
         dataset = CandidateDataset(self._rows(split), self.seed, where=f"data.{split}")
-        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers,
-                          collate_fn=self._collator(split, CandidateCollator))
+        return DataLoader(
+            dataset,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            collate_fn=self._collator(split, CandidateCollator),
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         # No validation rows: an empty list tells Lightning to skip validation.

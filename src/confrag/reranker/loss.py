@@ -21,7 +21,9 @@ def _check_temperature(temperature: float, key: str) -> float:
 
 def _check_groups(scores: torch.Tensor) -> None:
     if scores.dim() != 2 or scores.shape[1] < 2:
-        raise ValueError(f"scores must have shape (batch, group) with group >= 2 (data.group_size); got {tuple(scores.shape)}")
+        raise ValueError(
+            f"scores must have shape (batch, group) with group >= 2 (data.group_size); got {tuple(scores.shape)}"
+        )
 
 
 def group_infonce(scores: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -32,8 +34,9 @@ def group_infonce(scores: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.cross_entropy(scores.float() / tau, target)
 
 
-def distillation_kl(scores: torch.Tensor, teacher_scores: torch.Tensor, temperature: float,
-                    teacher_temperature: float | None = None) -> torch.Tensor:
+def distillation_kl(
+    scores: torch.Tensor, teacher_scores: torch.Tensor, temperature: float, teacher_temperature: float | None = None
+) -> torch.Tensor:
     """KL(teacher ‖ student) over each group, averaged over the batch.
 
     The teacher's distribution is softmax(Inc / τ_t), the student's softmax(scores / τ). Inc values are
@@ -44,7 +47,9 @@ def distillation_kl(scores: torch.Tensor, teacher_scores: torch.Tensor, temperat
     tau_t = _check_temperature(temperature if teacher_temperature is None else teacher_temperature, "model.distill_tau")
     _check_groups(scores)
     if teacher_scores.shape != scores.shape:
-        raise ValueError(f"teacher scores have shape {tuple(teacher_scores.shape)}, student scores {tuple(scores.shape)}")
+        raise ValueError(
+            f"teacher scores have shape {tuple(teacher_scores.shape)}, student scores {tuple(scores.shape)}"
+        )
     student = F.log_softmax(scores.float() / tau, dim=-1)
     teacher = F.log_softmax(teacher_scores.detach().float().to(scores.device) / tau_t, dim=-1)
     return F.kl_div(student, teacher, reduction="batchmean", log_target=True)

@@ -25,7 +25,7 @@ agree number for number:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -55,8 +55,9 @@ def _check_k(k: int) -> int:
     return int(k)
 
 
-def query_metrics(scores: Sequence[float], labels: Sequence[int], ks: Sequence[int] = (1, 3, 5),
-                  where: str = "query") -> dict[str, float]:
+def query_metrics(
+    scores: Sequence[float], labels: Sequence[int], ks: Sequence[int] = (1, 3, 5), where: str = "query"
+) -> dict[str, float]:
     """P@K, R@K and MRR@K of one query, keyed like `P@1`."""
     ranked = _ranked_labels(scores, labels, where)
     total = int(ranked.sum())
@@ -89,34 +90,46 @@ def _metric(name: str, scores, labels, k: int, skip_empty: bool) -> float:
     return _average(np.array([r[f"{name}@{k}"] for r in rows], dtype=np.float64), empty, skip_empty)
 
 
-def precision_at_k(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]], k: int,
-                   skip_empty: bool = False) -> float:
+def precision_at_k(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]], k: int, skip_empty: bool = False
+) -> float:
     """Mean over queries of (relevant in top K) / K."""
     return _metric("P", scores, labels, k, skip_empty)
 
 
-def recall_at_k(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]], k: int,
-                skip_empty: bool = False) -> float:
+def recall_at_k(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]], k: int, skip_empty: bool = False
+) -> float:
     """Mean over queries of (relevant in top K) / (relevant items of the query)."""
     return _metric("R", scores, labels, k, skip_empty)
 
 
-def mrr_at_k(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]], k: int,
-             skip_empty: bool = False) -> float:
+def mrr_at_k(
+    scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]], k: int, skip_empty: bool = False
+) -> float:
     """Mean over queries of 1 / rank of the first relevant item within the top K (0 when none)."""
     return _metric("MRR", scores, labels, k, skip_empty)
 
 
-def ranking_metrics(scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]],
-                    ks: Sequence[int] = (1, 3, 5), skip_empty: bool = False) -> dict[str, float]:
+def ranking_metrics(
+    scores: Sequence[Sequence[float]],
+    labels: Sequence[Sequence[int]],
+    ks: Sequence[int] = (1, 3, 5),
+    skip_empty: bool = False,
+) -> dict[str, float]:
     """Every metric at every K in one pass, ordered like Table 1: P@1, R@1, MRR@1, P@3, ..."""
     rows, empty = _per_query(scores, labels, ks)
     keys = [f"{m}@{k}" for k in ks for m in METRICS]
     return {key: _average(np.array([r[key] for r in rows], dtype=np.float64), empty, skip_empty) for key in keys}
 
 
-def ranking_table(scores_by_system: dict[str, Sequence[Sequence[float]]], labels: Sequence[Sequence[int]],
-                  ks: Sequence[int] = (1, 3, 5), skip_empty: bool = False, percent: bool = True) -> list[dict]:
+def ranking_table(
+    scores_by_system: dict[str, Sequence[Sequence[float]]],
+    labels: Sequence[Sequence[int]],
+    ks: Sequence[int] = (1, 3, 5),
+    skip_empty: bool = False,
+    percent: bool = True,
+) -> list[dict]:
     """Rows shaped like the papers' Table 1: {"system", "P@1", "R@1", "MRR@1", "P@3", ...}.
 
     Values are percentages like the paper's table (`percent=False` gives fractions). Every system is
@@ -150,11 +163,16 @@ class RankingMetrics(Metric):
         self.add_state("empty", default=[], dist_reduce_fx="cat")
 
     def update(self, scores: Sequence[Sequence[float]], labels: Sequence[Sequence[int]]) -> None:
-        rows, empty = _per_query([np.asarray(torch.as_tensor(s).detach().float().cpu()) for s in scores],
-                                 [np.asarray(torch.as_tensor(y).cpu()) for y in labels], self.ks)
+        rows, empty = _per_query(
+            [np.asarray(torch.as_tensor(s).detach().float().cpu()) for s in scores],
+            [np.asarray(torch.as_tensor(y).cpu()) for y in labels],
+            self.ks,
+        )
         if not rows:
             return
-        self.values.append(torch.tensor([[r[k] for k in self.keys] for r in rows], dtype=torch.float64, device=self.device))
+        self.values.append(
+            torch.tensor([[r[k] for k in self.keys] for r in rows], dtype=torch.float64, device=self.device)
+        )
         self.empty.append(torch.as_tensor(empty, device=self.device))
 
     def compute(self) -> dict[str, torch.Tensor]:

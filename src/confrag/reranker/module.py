@@ -15,8 +15,9 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,9 +28,9 @@ from confrag.artifacts import exclusive, honour_umask, make_temp_dir
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
 from confrag.reranker.data import pair_encoder
-from confrag.reranker.tokenization import CROSS_ENCODER, QWEN3_YES_NO
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import RankingMetrics
+from confrag.reranker.tokenization import CROSS_ENCODER, QWEN3_YES_NO
 
 __all__ = ["RerankerModule", "minilm_dir", "load_cross_encoder", "build_optimizer", "head_module_names"]
 
@@ -46,8 +47,7 @@ def _check(condition: bool, key: str, allowed: str, value: Any) -> None:
 def head_module_names(model: nn.Module) -> list[str]:
     """Top-level children holding parameters outside the encoder (BERT: `classifier`; XLM-R: `classifier`)."""
     prefix = getattr(model, "base_model_prefix", "")
-    return [name for name, child in model.named_children()
-            if name != prefix and any(True for _ in child.parameters())]
+    return [name for name, child in model.named_children() if name != prefix and any(True for _ in child.parameters())]
 
 
 def _reset_head(model: nn.Module, seed: int) -> None:
@@ -66,7 +66,9 @@ def _reset_head(model: nn.Module, seed: int) -> None:
                 module.reset_parameters()
 
 
-def load_cross_encoder(path: str, fresh_head: bool = False, seed: int = 0, trust_remote_code: bool = False) -> nn.Module:
+def load_cross_encoder(
+    path: str, fresh_head: bool = False, seed: int = 0, trust_remote_code: bool = False
+) -> nn.Module:
     """`AutoModelForSequenceClassification` with one logit; the head is drawn from `seed` when the
     checkpoint has none (an encoder such as MiniLM) or when `fresh_head` asks to discard it."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -75,11 +77,14 @@ def load_cross_encoder(path: str, fresh_head: bool = False, seed: int = 0, trust
     # Mismatched sizes are loaded (and reported) rather than fatal, so that the check below can name
     # the setting that resolves them.
     model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=trust_remote_code)
+        path, config=config, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=trust_remote_code
+    )
     mismatched = [str(item[0] if isinstance(item, (tuple, list)) else item) for item in info.get("mismatched_keys", [])]
     if mismatched and not fresh_head:
-        raise ValueError(f"model.backbone={path!r} has a head of another shape ({', '.join(mismatched)}); a reranker "
-                         f"needs one output. Set model.fresh_head=true to replace it")
+        raise ValueError(
+            f"model.backbone={path!r} has a head of another shape ({', '.join(mismatched)}); a reranker "
+            f"needs one output. Set model.fresh_head=true to replace it"
+        )
     heads = head_module_names(model)
     head_missing = any(key.split(".")[0] in heads for key in info.get("missing_keys", []))
     if fresh_head or head_missing:
@@ -97,20 +102,24 @@ def apply_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
     try:
         config = LoraConfig(**kwargs)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"model.lora: {err}. Keys are peft.LoraConfig fields "
-                         f"(r, lora_alpha, lora_dropout, target_modules, ...)") from err
+        raise ValueError(
+            f"model.lora: {err}. Keys are peft.LoraConfig fields (r, lora_alpha, lora_dropout, target_modules, ...)"
+        ) from err
     return get_peft_model(model, config)
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, warmup_ratio: float,
-                    total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, warmup_ratio: float, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters (no decay on biases and norm weights, as the HF Trainer that
     FlagEmbedding uses does) and a linear warmup / linear decay schedule over `total_steps`."""
     from transformers import get_linear_schedule_with_warmup
 
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
     total_steps = max(int(total_steps), 1)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(warmup_ratio * total_steps), total_steps)
@@ -138,15 +147,22 @@ class RerankerModule(LightningModule):
     ) -> None:
         super().__init__()
         self.encode = pair_encoder(kind)  # also the check of model.kind, before any weights load
-        _check(not (fresh_head and kind == QWEN3_YES_NO), "model.fresh_head", "false with model.kind=qwen3_yes_no "
-               "(its score comes from the LM head's yes/no rows, there is no head to redraw)", fresh_head)
+        _check(
+            not (fresh_head and kind == QWEN3_YES_NO),
+            "model.fresh_head",
+            "false with model.kind=qwen3_yes_no "
+            "(its score comes from the LM head's yes/no rows, there is no head to redraw)",
+            fresh_head,
+        )
         _check(tau > 0, "model.tau", "> 0", tau)
         _check(lr > 0, "model.lr", "> 0", lr)
         _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
         _check(0 <= warmup_ratio < 1, "model.warmup_ratio", "in [0, 1)", warmup_ratio)
         _check(distill_weight >= 0, "model.distill_weight", ">= 0", distill_weight)
         _check(distill_tau is None or distill_tau > 0, "model.distill_tau", "null or > 0", distill_tau)
-        _check(lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora)
+        _check(
+            lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora
+        )
         ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
         self.save_hyperparameters()
         from transformers import AutoTokenizer
@@ -177,8 +193,13 @@ class RerankerModule(LightningModule):
         out = []
         try:
             for start in range(0, len(queries), batch_size):
-                encoded = self.encode(self.tokenizer, queries[start:start + batch_size], passages[start:start + batch_size],
-                                      self.hparams.query_max_len, self.hparams.passage_max_len)
+                encoded = self.encode(
+                    self.tokenizer,
+                    queries[start : start + batch_size],
+                    passages[start : start + batch_size],
+                    self.hparams.query_max_len,
+                    self.hparams.passage_max_len,
+                )
                 out.append(self({k: v.to(self.device) for k, v in encoded.features.items()}).float().cpu())
         finally:
             self.train(was_training)
@@ -189,8 +210,10 @@ class RerankerModule(LightningModule):
         # Pairs tokenized for the other kind still run through the backbone and score as noise: refuse them.
         encode = getattr(getattr(self.trainer, "datamodule", None), "encode", self.encode)
         if encode is not self.encode:
-            raise ValueError(f"the datamodule tokenizes pairs for another model.kind than {self.hparams.kind!r}: "
-                             f"build PreferenceDataModule with kind=model.kind")
+            raise ValueError(
+                f"the datamodule tokenizes pairs for another model.kind than {self.hparams.kind!r}: "
+                f"build PreferenceDataModule with kind=model.kind"
+            )
 
     def on_train_start(self) -> None:
         # from_pretrained returns the backbone in eval mode and Lightning keeps modules in the mode it
@@ -209,8 +232,10 @@ class RerankerModule(LightningModule):
         if self.hparams.distill_weight > 0:
             teacher = batch.get("teacher_scores")
             if teacher is None:
-                raise ValueError("model.distill_weight > 0 needs teacher scores: every training row must have "
-                                 "pos_scores and neg_scores")
+                raise ValueError(
+                    "model.distill_weight > 0 needs teacher scores: every training row must have "
+                    "pos_scores and neg_scores"
+                )
             kl = distillation_kl(scores, teacher, self.hparams.tau, self.hparams.distill_tau)
             loss = loss + self.hparams.distill_weight * kl
         # Not on the progress bar: that would read the value back (a device sync) at every step.
@@ -236,8 +261,13 @@ class RerankerModule(LightningModule):
         self.test_metrics.reset()
 
     def configure_optimizers(self):
-        optimizer, scheduler = build_optimizer(self.model, self.hparams.lr, self.hparams.weight_decay,
-                                               self.hparams.warmup_ratio, self.trainer.estimated_stepping_batches)
+        optimizer, scheduler = build_optimizer(
+            self.model,
+            self.hparams.lr,
+            self.hparams.weight_decay,
+            self.hparams.warmup_ratio,
+            self.trainer.estimated_stepping_batches,
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -13,8 +13,9 @@ signature of `encode_pairs`, so `RerankerModule` and the collators only pick one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,11 +23,23 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from confrag.reranker.tokenization import EncodedPairs, cut_queries, pair_max_length
 
-__all__ = ["PREFIX", "SUFFIX", "BODY", "DEFAULT_INSTRUCTION", "LORA_TARGETS", "YesNoScorer", "answer_token_ids",
-           "encode_yes_no_pairs", "load_yes_no_scorer", "lora_settings"]
+__all__ = [
+    "PREFIX",
+    "SUFFIX",
+    "BODY",
+    "DEFAULT_INSTRUCTION",
+    "LORA_TARGETS",
+    "YesNoScorer",
+    "answer_token_ids",
+    "encode_yes_no_pairs",
+    "load_yes_no_scorer",
+    "lora_settings",
+]
 
-PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
-          "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+)
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
@@ -42,8 +55,10 @@ def answer_token_ids(tokenizer) -> tuple[int, int]:
     for word in ANSWERS:
         index = tokenizer.convert_tokens_to_ids(word)
         if index is None or tokenizer.convert_ids_to_tokens(index) != word:
-            raise ValueError(f"model.kind=qwen3_yes_no needs {word!r} as a single token of the backbone's "
-                             f"tokenizer ({type(tokenizer).__name__} has none): is model.backbone a Qwen3-Reranker?")
+            raise ValueError(
+                f"model.kind=qwen3_yes_no needs {word!r} as a single token of the backbone's "
+                f"tokenizer ({type(tokenizer).__name__} has none): is model.backbone a Qwen3-Reranker?"
+            )
         ids.append(int(index))
     return ids[0], ids[1]
 
@@ -59,8 +74,14 @@ def _cut_passage(passage: str, offsets: list[tuple[int, int]], budget: int) -> s
     return passage[: offsets[budget - 1][1]] if budget > 0 else ""
 
 
-def encode_yes_no_pairs(tokenizer, queries: Sequence[str], passages: Sequence[str], query_max_len: int = 128,
-                        passage_max_len: int = 512, instruction: str = DEFAULT_INSTRUCTION) -> EncodedPairs:
+def encode_yes_no_pairs(
+    tokenizer,
+    queries: Sequence[str],
+    passages: Sequence[str],
+    query_max_len: int = 128,
+    passage_max_len: int = 512,
+    instruction: str = DEFAULT_INSTRUCTION,
+) -> EncodedPairs:
     """Qwen3-Reranker prompts for (query, passage) pairs, padded on the tokenizer's `padding_side`.
 
     Budgets as in `encode_pairs`: the query is cut to query_max_len tokens and the passage to what is left
@@ -71,15 +92,22 @@ def encode_yes_no_pairs(tokenizer, queries: Sequence[str], passages: Sequence[st
         raise ValueError(f"{len(queries)} queries but {len(passages)} passages")
     prefix, suffix, frame = _ids(tokenizer, [PREFIX, SUFFIX, BODY.format(instruction=instruction, query="", doc="")])
     overhead = len(prefix) + len(suffix) + len(frame)
-    max_length = min(pair_max_length(tokenizer, query_max_len, passage_max_len),
-                     int(tokenizer.model_max_length) - overhead)
+    max_length = min(
+        pair_max_length(tokenizer, query_max_len, passage_max_len), int(tokenizer.model_max_length) - overhead
+    )
     cut_q, q_len = cut_queries(tokenizer, list(dict.fromkeys(queries)), query_max_len)
     unique_p = list(dict.fromkeys(passages))
-    offsets = dict(zip(unique_p, tokenizer(unique_p, add_special_tokens=False, return_offsets_mapping=True,
-                                           verbose=False)["offset_mapping"]))
+    offsets = dict(
+        zip(
+            unique_p,
+            tokenizer(unique_p, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"],
+        )
+    )
     budgets = [max_length - q_len[q] for q in queries]
-    bodies = [BODY.format(instruction=instruction, query=cut_q[q], doc=_cut_passage(p, offsets[p], b))
-              for q, p, b in zip(queries, passages, budgets)]
+    bodies = [
+        BODY.format(instruction=instruction, query=cut_q[q], doc=_cut_passage(p, offsets[p], b))
+        for q, p, b in zip(queries, passages, budgets)
+    ]
     ids = [prefix + body + suffix for body in _ids(tokenizer, bodies)]
     features = tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
     truncated = sum(len(offsets[p]) > b for p, b in zip(passages, budgets))
@@ -104,14 +132,16 @@ class YesNoScorer(nn.Module):
     def config(self):
         return self.lm.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **_: Any) -> SequenceClassifierOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any
+    ) -> SequenceClassifierOutput:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         # Positions count real tokens only: a left-padded row then sees exactly the positions it has unpadded.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       use_cache=False).last_hidden_state
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         # The largest index holding a real token, whichever side the padding is on.
         last = (attention_mask * torch.arange(input_ids.shape[1], device=input_ids.device)).argmax(-1)
         hidden = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last]

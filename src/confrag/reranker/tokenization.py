@@ -7,8 +7,8 @@ passage truncated to the rest of `query_max_len + passage_max_len`. Qwen3-Rerank
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -37,8 +37,14 @@ def cut_queries(tokenizer, queries: list[str], query_max_len: int) -> tuple[dict
 
     `truncation="only_second"` never shortens the query, so a long query is cut here first, at the
     character offset where its query_max_len-th token ends."""
-    encoded = tokenizer(queries, add_special_tokens=False, truncation=True, max_length=query_max_len,
-                        return_offsets_mapping=True, return_overflowing_tokens=False)
+    encoded = tokenizer(
+        queries,
+        add_special_tokens=False,
+        truncation=True,
+        max_length=query_max_len,
+        return_offsets_mapping=True,
+        return_overflowing_tokens=False,
+    )
     full = tokenizer(queries, add_special_tokens=False, verbose=False)["input_ids"]
     cut, lengths = {}, {}
     for q, ids, offsets, whole in zip(queries, encoded["input_ids"], encoded["offset_mapping"], full):
@@ -47,8 +53,9 @@ def cut_queries(tokenizer, queries: list[str], query_max_len: int) -> tuple[dict
     return cut, lengths
 
 
-def encode_pairs(tokenizer, queries: Sequence[str], passages: Sequence[str], query_max_len: int = 128,
-                 passage_max_len: int = 512) -> EncodedPairs:
+def encode_pairs(
+    tokenizer, queries: Sequence[str], passages: Sequence[str], query_max_len: int = 128, passage_max_len: int = 512
+) -> EncodedPairs:
     """Tokenize (query, passage) pairs FlagEmbedding-style: the query cut to query_max_len tokens, the
     pair to query_max_len + passage_max_len with only the passage truncated; padded to the longest."""
     if len(queries) != len(passages):
@@ -60,6 +67,12 @@ def encode_pairs(tokenizer, queries: Sequence[str], passages: Sequence[str], que
     p_len = dict(zip(unique_p, map(len, tokenizer(unique_p, add_special_tokens=False, verbose=False)["input_ids"])))
     special = tokenizer.num_special_tokens_to_add(pair=True)
     truncated = sum(q_len[q] + p_len[p] + special > max_length for q, p in zip(queries, passages))
-    features = tokenizer([cut[q] for q in queries], list(passages), truncation="only_second", max_length=max_length,
-                         padding=True, return_tensors="pt")
+    features = tokenizer(
+        [cut[q] for q in queries],
+        list(passages),
+        truncation="only_second",
+        max_length=max_length,
+        padding=True,
+        return_tensors="pt",
+    )
     return EncodedPairs(dict(features), int(truncated), sum(cut[q] != q for q in queries))

@@ -41,8 +41,15 @@ class BM25Retriever:
             raise ValueError("cannot build a BM25 index over an empty corpus")
         self.corpus = corpus
         self.progress = progress
-        self.key = fingerprint({"schema": _INDEX_SCHEMA, "corpus": corpus.fingerprint, "stopwords": STOPWORDS,
-                                "params": BM25_PARAMS, "bm25s": bm25s.__version__})
+        self.key = fingerprint(
+            {
+                "schema": _INDEX_SCHEMA,
+                "corpus": corpus.fingerprint,
+                "stopwords": STOPWORDS,
+                "params": BM25_PARAMS,
+                "bm25s": bm25s.__version__,
+            }
+        )
         self.index_dir = Path(cache_dir) / "retrieval" / "bm25" / self.key if cache_dir is not None else None
         if self.index_dir is None:
             self.model = self._build()
@@ -57,8 +64,9 @@ class BM25Retriever:
                     self._save(self.model)
 
     def _build(self) -> bm25s.BM25:
-        tokens = bm25s.tokenize([document_text(p) for p in self.corpus.passages], stopwords=STOPWORDS,
-                                show_progress=self.progress)
+        tokens = bm25s.tokenize(
+            [document_text(p) for p in self.corpus.passages], stopwords=STOPWORDS, show_progress=self.progress
+        )
         model = bm25s.BM25(**BM25_PARAMS)
         model.index(tokens, show_progress=self.progress)
         return model

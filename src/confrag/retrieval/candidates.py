@@ -21,9 +21,10 @@ import gzip
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from confrag.artifacts import atomic_write_bytes
 from confrag.data.nq import DataFormatError, QARow, _numbered_lines
@@ -31,7 +32,10 @@ from confrag.qa_metrics import has_answer, normalize_answer
 from confrag.retrieval.corpus import Corpus, CorpusPassage
 from confrag.retrieval.ranking import Hits, check_top_n
 
-_ROW_FIELDS = '{"qid": str, "question": str, "answers": [str, ...], "contexts": [{"title": str, "text": str, "score": float}, ...]}'
+_ROW_FIELDS = (
+    '{"qid": str, "question": str, "answers": [str, ...], '
+    '"contexts": [{"title": str, "text": str, "score": float}, ...]}'
+)
 
 
 class Retriever(Protocol):
@@ -61,13 +65,28 @@ class Candidates:
         return any(self.from_gold)
 
 
-def make_candidates(qid: str, question: str, answers: Sequence[str], passages: list[CorpusPassage],
-                    scores: list[float], gold_source: str | None) -> Candidates:
-    return Candidates(qid=qid, question=question, answers=tuple(answers), passages=passages, scores=scores,
-                      has_answer=[has_answer(p.text, answers) for p in passages], gold_source=gold_source)
+def make_candidates(
+    qid: str,
+    question: str,
+    answers: Sequence[str],
+    passages: list[CorpusPassage],
+    scores: list[float],
+    gold_source: str | None,
+) -> Candidates:
+    return Candidates(
+        qid=qid,
+        question=question,
+        answers=tuple(answers),
+        passages=passages,
+        scores=scores,
+        has_answer=[has_answer(p.text, answers) for p in passages],
+        gold_source=gold_source,
+    )
 
 
-def retrieve_candidates(rows: Sequence[QARow], corpus: Corpus, retriever: Retriever, top_n: int = 20) -> list[Candidates]:
+def retrieve_candidates(
+    rows: Sequence[QARow], corpus: Corpus, retriever: Retriever, top_n: int = 20
+) -> list[Candidates]:
     """The `top_n` passages `retriever` finds for each row's question (capped at the corpus size)."""
     check_top_n(top_n)
     if retriever.corpus.fingerprint != corpus.fingerprint:
@@ -77,8 +96,14 @@ def retrieve_candidates(rows: Sequence[QARow], corpus: Corpus, retriever: Retrie
         )
     hits = retriever.search([row.question for row in rows], top_n)
     return [
-        make_candidates(row.qid, row.question, row.answers, [corpus.passages[i] for i, _ in row_hits],
-                        [score for _, score in row_hits], corpus.gold_source_of.get(row.qid))
+        make_candidates(
+            row.qid,
+            row.question,
+            row.answers,
+            [corpus.passages[i] for i, _ in row_hits],
+            [score for _, score in row_hits],
+            corpus.gold_source_of.get(row.qid),
+        )
         for row, row_hits in zip(rows, hits)
     ]
 
@@ -87,10 +112,17 @@ def retrieve_candidates(rows: Sequence[QARow], corpus: Corpus, retriever: Retrie
 
 
 def _candidates_record(c: Candidates) -> dict[str, Any]:
-    contexts = [{"title": p.title, "text": p.text, "score": s, "pid": p.pid, "source_id": p.source_id}
-                for p, s in zip(c.passages, c.scores)]
-    return {"qid": c.qid, "question": c.question, "answers": list(c.answers), "gold_source": c.gold_source,
-            "contexts": contexts}
+    contexts = [
+        {"title": p.title, "text": p.text, "score": s, "pid": p.pid, "source_id": p.source_id}
+        for p, s in zip(c.passages, c.scores)
+    ]
+    return {
+        "qid": c.qid,
+        "question": c.question,
+        "answers": list(c.answers),
+        "gold_source": c.gold_source,
+        "contexts": contexts,
+    }
 
 
 def save_candidates_jsonl(candidates: Sequence[Candidates], path: str | os.PathLike[str]) -> Path:
@@ -117,15 +149,18 @@ def _require_str(obj: Mapping[str, Any], key: str, where: str, allow_empty: bool
 def _parse_answers(obj: Mapping[str, Any], where: str) -> tuple[str, ...]:
     answers = obj.get("answers")
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) and a.strip() for a in answers):
-        raise DataFormatError(f'{where}: field "answers" must be a non-empty list of non-empty strings; got {answers!r}')
+        raise DataFormatError(
+            f'{where}: field "answers" must be a non-empty list of non-empty strings; got {answers!r}'
+        )
     return tuple(answers)
 
 
 def _parse_context(ctx: Any, qid: str, position: int, where: str) -> tuple[CorpusPassage, float]:
     where = f"{where}, contexts[{position}]"
     if not isinstance(ctx, Mapping):
-        raise DataFormatError(f'{where}: must be an object {{"title": str, "text": str, "score": float}}; '
-                              f"got {type(ctx).__name__}")
+        raise DataFormatError(
+            f'{where}: must be an object {{"title": str, "text": str, "score": float}}; got {type(ctx).__name__}'
+        )
     title = _require_str(ctx, "title", where, allow_empty=True)
     text = _require_str(ctx, "text", where)
     score = ctx.get("score")
@@ -151,8 +186,9 @@ def _parse_candidates(obj: Any, where: str) -> Candidates:
         raise DataFormatError(f'{where}: field "gold_source" must be a non-empty string or null; got {gold_source!r}')
     contexts = obj.get("contexts")
     if not isinstance(contexts, list):
-        raise DataFormatError(f'{where}: field "contexts" must be a list of {{"title", "text", "score"}} objects; '
-                              f"got {contexts!r}")
+        raise DataFormatError(
+            f'{where}: field "contexts" must be a list of {{"title", "text", "score"}} objects; got {contexts!r}'
+        )
     parsed = [_parse_context(ctx, qid, j, where) for j, ctx in enumerate(contexts)]
     return make_candidates(qid, question, answers, [p for p, _ in parsed], [s for _, s in parsed], gold_source)
 
@@ -164,7 +200,9 @@ def load_candidates_jsonl(path: str | os.PathLike[str]) -> list[Candidates]:
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataFormatError(f"candidates file {path} {reason}; set it with the `retrieval.candidates_path` config value")
+        raise DataFormatError(
+            f"candidates file {path} {reason}; set it with the `retrieval.candidates_path` config value"
+        )
     first_line_of: dict[str, int] = {}
     out: list[Candidates] = []
     with contextlib.closing(_numbered_lines(path)) as lines:
@@ -180,8 +218,10 @@ def load_candidates_jsonl(path: str | os.PathLike[str]) -> list[Candidates]:
                 ) from exc
             candidates = _parse_candidates(obj, where)
             if candidates.qid in first_line_of:
-                raise DataFormatError(f"{where}: duplicate qid {candidates.qid!r} (first at line "
-                                      f"{first_line_of[candidates.qid]}); qids must be unique")
+                raise DataFormatError(
+                    f"{where}: duplicate qid {candidates.qid!r} (first at line "
+                    f"{first_line_of[candidates.qid]}); qids must be unique"
+                )
             first_line_of[candidates.qid] = lineno
             out.append(candidates)
     return out
@@ -196,25 +236,30 @@ def same_question(a: str, b: str) -> bool:
     return normalize_answer(a) == normalize_answer(b)
 
 
-def match_candidates(rows: Sequence[QARow], candidates: Sequence[Candidates], source: str = "candidates",
-                     shown: int = 3) -> list[Candidates]:
+def match_candidates(
+    rows: Sequence[QARow], candidates: Sequence[Candidates], source: str = "candidates", shown: int = 3
+) -> list[Candidates]:
     """The candidates of each row, in row order: joined by qid, then checked by content. Raises
     CandidatesMismatchError naming `source` (e.g. the file) when some row has no entry, or when an entry's
     question differs from the row's question under the same qid, listing the first `shown` of them."""
     by_qid = {c.qid: c for c in candidates}
     missing = [row.qid for row in rows if row.qid not in by_qid]
     if missing:
-        raise CandidatesMismatchError(f"{source}: no candidates for {len(missing)} of {len(rows)} questions, "
-                                      f"e.g. {missing[:shown]}")
+        raise CandidatesMismatchError(
+            f"{source}: no candidates for {len(missing)} of {len(rows)} questions, e.g. {missing[:shown]}"
+        )
     differ = [(row, by_qid[row.qid]) for row in rows if not same_question(row.question, by_qid[row.qid].question)]
     if differ:
-        listed = "; ".join(f"qid {row.qid!r}: the data asks {row.question!r}, {source} has {found.question!r}"
-                           for row, found in differ[:shown])
+        listed = "; ".join(
+            f"qid {row.qid!r}: the data asks {row.question!r}, {source} has {found.question!r}"
+            for row, found in differ[:shown]
+        )
         raise CandidatesMismatchError(
             f"{source}: {len(differ)} of {len(rows)} questions differ from the data's question with the same qid "
             f"({listed}{'; ...' if len(differ) > shown else ''}). The candidates were built from other data (another "
             f"NQ file or version; default qids are line positions): rebuild them from this data, or give the "
-            f'rows stable "id"s')
+            f'rows stable "id"s'
+        )
     return [by_qid[row.qid] for row in rows]
 
 

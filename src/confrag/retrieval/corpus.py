@@ -18,9 +18,10 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from confrag.artifacts import fingerprint
 from confrag.data.nq import DataFormatError, QARow, _numbered_lines
@@ -74,7 +75,7 @@ def split_passages(
     words). Whitespace inside a chunk is collapsed to single spaces. Empty text gives no passages."""
     check_words_per_passage(words_per_passage)
     words = text.split()
-    chunks = [words[start:start + words_per_passage] for start in range(0, len(words), words_per_passage)]
+    chunks = [words[start : start + words_per_passage] for start in range(0, len(words), words_per_passage)]
     if len(chunks) > 1 and len(chunks[-1]) < min_last_words:
         tail = chunks.pop()
         chunks[-1] = chunks[-1] + tail
@@ -117,7 +118,7 @@ def corpus_from_nq(rows: Sequence[QARow], words_per_passage: int = DEFAULT_WORDS
             gold_source_of.setdefault(row.qid, source_id)
     if not passages:
         raise DataFormatError(
-            f"none of the {len(rows)} NQ rows has a non-empty gold paragraph (\"ctxs\"); a corpus needs "
+            f'none of the {len(rows)} NQ rows has a non-empty gold paragraph ("ctxs"); a corpus needs '
             "rows from a file with passages, such as the shared nq_open_gold.jsonl.gz, or use load_corpus_jsonl"
         )
     return _make_corpus(passages, gold_source_of)

@@ -13,8 +13,8 @@ import hashlib
 import importlib.util
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -89,7 +89,9 @@ def _check_mean_pooling(model_dir: Path) -> None:
     if not pooling.is_file():
         return
     config = _read_json(pooling)
-    other_modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and k != "pooling_mode_mean_tokens" and v]
+    other_modes = [
+        k for k, v in config.items() if k.startswith("pooling_mode_") and k != "pooling_mode_mean_tokens" and v
+    ]
     if not config.get("pooling_mode_mean_tokens") or other_modes:
         raise ValueError(
             f"{pooling}: DenseRetriever implements mean pooling only (pooling_mode_mean_tokens: true and no "
@@ -135,8 +137,9 @@ class DenseRetriever:
     # --- encoding -----------------------------------------------------------------------------
     @torch.inference_mode()
     def _encode_batch(self, texts: list[str]) -> np.ndarray:
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
-                               return_tensors="pt").to(self.device)
+        batch = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
         hidden = self.model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         # Mean over real tokens only; the clamp mirrors sentence-transformers for an all-padding row.
@@ -149,7 +152,7 @@ class DenseRetriever:
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
         for start in range(0, len(order), self.batch_size):
-            chunk = order[start:start + self.batch_size]
+            chunk = order[start : start + self.batch_size]
             out[chunk] = self._encode_batch([texts[i] for i in chunk])
             if bar is not None:
                 bar.update(len(chunk))
@@ -162,9 +165,18 @@ class DenseRetriever:
         if cache_dir is None:
             with tqdm(total=len(self.corpus), desc="embed passages", unit="psg", disable=not self.progress) as bar:
                 return self._encode_passages(0, len(self.corpus), bar)
-        spec = {"schema": _EMBED_SCHEMA, "model": model_fingerprint(self.model_dir), "corpus": self.corpus.fingerprint,
-                "max_length": self.max_length, "pooling": "mean", "normalize": True, "dtype": "float32"}
-        artifact = ShardedArtifact(Path(cache_dir) / "retrieval", "dense", spec, len(self.corpus), shard_size, fmt="npy")
+        spec = {
+            "schema": _EMBED_SCHEMA,
+            "model": model_fingerprint(self.model_dir),
+            "corpus": self.corpus.fingerprint,
+            "max_length": self.max_length,
+            "pooling": "mean",
+            "normalize": True,
+            "dtype": "float32",
+        }
+        artifact = ShardedArtifact(
+            Path(cache_dir) / "retrieval", "dense", spec, len(self.corpus), shard_size, fmt="npy"
+        )
         pending = artifact.pending()
         todo = sum(stop - start for start, stop in map(artifact.shard_range, pending))
         with tqdm(total=todo, desc="embed passages", unit="psg", disable=not self.progress or todo == 0) as bar:
@@ -179,7 +191,7 @@ class DenseRetriever:
         check_top_n(top_n)
         hits: list[Hits] = []
         for start in range(0, len(queries), _QUERY_CHUNK):
-            query_vectors = self.encode(list(queries[start:start + _QUERY_CHUNK]))
+            query_vectors = self.encode(list(queries[start : start + _QUERY_CHUNK]))
             scores = query_vectors @ self.passage_embeddings.T
             hits.extend(top_n_hits(row, top_n) for row in scores)
         return hits

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from confrag.data.nq import QARow
 from confrag.preferences import RERANK_INSTRUCTION
@@ -46,7 +47,9 @@ class BaseRerankerSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"base_reranker.{key} must be an integer >= {minimum} (got {value!r})")
         if self.num_questions is not None and (isinstance(self.num_questions, bool) or self.num_questions < 2):
-            raise ValueError(f"base_reranker.num_questions must be an integer >= 2 or null (got {self.num_questions!r})")
+            raise ValueError(
+                f"base_reranker.num_questions must be an integer >= 2 or null (got {self.num_questions!r})"
+            )
 
 
 @dataclass
@@ -66,8 +69,9 @@ def gold_passages(row: QARow, words_per_passage: int) -> list[CorpusPassage]:
     return [p for p in own if has_answer(p.text, row.answers)] or own
 
 
-def relevance_training_rows(rows: Sequence[QARow], candidates: Sequence[Candidates], negatives: int,
-                            words_per_passage: int) -> tuple[list[dict], dict[str, int]]:
+def relevance_training_rows(
+    rows: Sequence[QARow], candidates: Sequence[Candidates], negatives: int, words_per_passage: int
+) -> tuple[list[dict], dict[str, int]]:
     """One row per question: its gold passages as `pos`, the first `negatives` retrieved passages that are
     not from its gold paragraph and hold no answer as `neg`. Questions without a gold paragraph or without
     such a negative are dropped and counted."""
@@ -78,34 +82,62 @@ def relevance_training_rows(rows: Sequence[QARow], candidates: Sequence[Candidat
             dropped["no_gold_paragraph"] += 1
             continue
         own_texts = {p.text for p in pos}
-        neg = [p for p, hit, gold in zip(c.passages, c.has_answer, c.from_gold)
-               if not hit and not gold and p.text not in own_texts][:negatives]
+        neg = [
+            p
+            for p, hit, gold in zip(c.passages, c.has_answer, c.from_gold)
+            if not hit and not gold and p.text not in own_texts
+        ][:negatives]
         if not neg:
             dropped["no_hard_negative"] += 1
             continue
-        out.append({"qid": row.qid, "query": row.question, "pos": [document_text(p) for p in pos],
-                    "neg": [document_text(p) for p in neg], "prompt": RERANK_INSTRUCTION})
+        out.append(
+            {
+                "qid": row.qid,
+                "query": row.question,
+                "pos": [document_text(p) for p in pos],
+                "neg": [document_text(p) for p in neg],
+                "prompt": RERANK_INSTRUCTION,
+            }
+        )
     return out, dropped
 
 
-def ensure_base_reranker(settings: BaseRerankerSettings, recipe: RerankerRecipe, retrieval: Retrieval,
-                         rows: Sequence[QARow]) -> BaseReranker:
+def ensure_base_reranker(
+    settings: BaseRerankerSettings, recipe: RerankerRecipe, retrieval: Retrieval, rows: Sequence[QARow]
+) -> BaseReranker:
     """The base: trained on `rows` (questions no other stage uses) and cached by key, or the backbone."""
     if not settings.train:
         return BaseReranker(recipe.make_model(lora=None), None, {"trained": False})
     start = time.perf_counter()
     candidates, stats = question_candidates(retrieval, rows, top_n=settings.negatives_top_n)
-    train_rows, dropped = relevance_training_rows(rows, candidates, settings.negatives,
-                                                  int(retrieval.settings.words_per_passage))
+    train_rows, dropped = relevance_training_rows(
+        rows, candidates, settings.negatives, int(retrieval.settings.words_per_passage)
+    )
     if not train_rows:
-        raise ValueError(f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); "
-                         "raise base_reranker.num_questions or base_reranker.negatives_top_n")
+        raise ValueError(
+            f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); "
+            "raise base_reranker.num_questions or base_reranker.negatives_top_n"
+        )
     trainer_settings = {"max_epochs": settings.max_epochs}
     directory = reranker_cache_dir(recipe, train_rows, trainer_settings=trainer_settings)
     cached = (directory / "confrag_training.json").is_file()
     module, info = ensure_reranker(recipe, train_rows, "base", [], trainer_settings=trainer_settings, lora=None)
-    info = {**info, "trained": True, "questions": len(rows), "rows": len(train_rows), "dropped": dropped,
-            "retrieval": stats, "cached": cached, "stage_seconds": time.perf_counter() - start}
-    log.info("Base reranker: %d rows from %d questions (dropped %s), trained in %.0f s%s", len(train_rows), len(rows),
-             dropped, info.get("train_seconds", float("nan")), " (read from the cache)" if cached else "")
+    info = {
+        **info,
+        "trained": True,
+        "questions": len(rows),
+        "rows": len(train_rows),
+        "dropped": dropped,
+        "retrieval": stats,
+        "cached": cached,
+        "stage_seconds": time.perf_counter() - start,
+    }
+    log.info(
+        "Base reranker: %d rows from %d questions (dropped %s), trained in %.0f s%s",
+        len(train_rows),
+        len(rows),
+        dropped,
+        info.get("train_seconds", float("nan")),
+        " (read from the cache)" if cached else "",
+    )
     return BaseReranker(module, None if recipe.fast_dev_run else directory, info)

@@ -12,9 +12,10 @@ Both read the same per-candidate data that also gives the probe's AUROC on held-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
@@ -35,14 +36,16 @@ DIAGNOSTICS = (PROBE_RANKER, ORACLE)
 
 def lookup_scorer(candidates: Sequence[Candidates], values: Sequence[np.ndarray]):
     """A Table 2 scorer over precomputed per-candidate values: (question, passage texts) -> their values."""
-    table = {(c.question, document_text(p)): float(v) for c, vs in zip(candidates, values)
-             for p, v in zip(c.passages, vs)}
+    table = {
+        (c.question, document_text(p)): float(v) for c, vs in zip(candidates, values) for p, v in zip(c.passages, vs)
+    }
 
     def score(question: str, passages: list[str]) -> np.ndarray:
         missing = [p[:60] for p in passages if (question, p) not in table]
         if missing:
             raise ValueError(f"no diagnostic value for question {question!r}, passages {missing[:2]}")
         return np.array([table[(question, p)] for p in passages], dtype=np.float64)
+
     return score
 
 
@@ -53,8 +56,10 @@ class CandidateDiagnostics:
     correct: list[np.ndarray]  # the LLM's answer with that candidate alone holds a gold answer
 
     def scorers(self) -> dict[str, Any]:
-        return {PROBE_RANKER: lookup_scorer(self.candidates, self.confidence),
-                ORACLE: lookup_scorer(self.candidates, [c.astype(np.float64) for c in self.correct])}
+        return {
+            PROBE_RANKER: lookup_scorer(self.candidates, self.confidence),
+            ORACLE: lookup_scorer(self.candidates, [c.astype(np.float64) for c in self.correct]),
+        }
 
     def summary(self) -> dict[str, Any]:
         """The probe's AUROC on these candidate states (labels: actual answers), where it ranks the question's
@@ -68,24 +73,37 @@ class CandidateDiagnostics:
             if gold:
                 order = list(np.argsort(-values, kind="stable"))
                 gold_rank.append(1 + min(order.index(j) for j in gold))
-        return {"questions": len(self.candidates), "candidates": int(conf.size),
-                "correct_share": float(correct.mean()) if correct.size else 0.0,
-                "questions_with_a_correct_candidate": float(np.mean([c.any() for c in self.correct]))
-                if self.correct else 0.0,
-                "probe_auroc_on_candidates": auroc,
-                "questions_with_gold_retrieved": len(gold_rank),
-                "probe_gold_first": float(np.mean([r == 1 for r in gold_rank])) if gold_rank else None,
-                "probe_gold_mean_rank": float(np.mean(gold_rank)) if gold_rank else None,
-                "chance_gold_first": float(np.mean([sum(c.from_gold) / len(c.passages) for c in self.candidates
-                                                    if any(c.from_gold)])) if gold_rank else None}
+        return {
+            "questions": len(self.candidates),
+            "candidates": int(conf.size),
+            "correct_share": float(correct.mean()) if correct.size else 0.0,
+            "questions_with_a_correct_candidate": float(np.mean([c.any() for c in self.correct]))
+            if self.correct
+            else 0.0,
+            "probe_auroc_on_candidates": auroc,
+            "questions_with_gold_retrieved": len(gold_rank),
+            "probe_gold_first": float(np.mean([r == 1 for r in gold_rank])) if gold_rank else None,
+            "probe_gold_mean_rank": float(np.mean(gold_rank)) if gold_rank else None,
+            "chance_gold_first": float(
+                np.mean([sum(c.from_gold) / len(c.passages) for c in self.candidates if any(c.from_gold)])
+            )
+            if gold_rank
+            else None,
+        }
 
 
-def candidate_diagnostics(llm: LoadedLLM, templates: PromptTemplates, probe: SavedProbe,
-                          candidates: Sequence[Candidates], store: AnswerStore, cache_dir: str | Path,
-                          extract_batch_size: int, progress: bool = True) -> CandidateDiagnostics:
+def candidate_diagnostics(
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    probe: SavedProbe,
+    candidates: Sequence[Candidates],
+    store: AnswerStore,
+    cache_dir: str | Path,
+    extract_batch_size: int,
+    progress: bool = True,
+) -> CandidateDiagnostics:
     """Conf(Q + C) of every candidate (through the activation cache) and the LLM's answer under each (through
     the answer cache)."""
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress)
-    shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir,
-                               progress=progress)
+    shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir, progress=progress)
     return CandidateDiagnostics(list(candidates), shifts.candidates, candidate_utility(store, candidates))

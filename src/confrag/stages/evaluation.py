@@ -22,9 +22,10 @@ import dataclasses
 import gc
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from confrag.cbdr import ConfidenceGate, SweepData, question_confidences
 from confrag.cbdr.gate import gate_check
@@ -63,24 +64,36 @@ def evaluation_rows(stage: RerankStage, num_questions: int | None, seed: int) ->
 
 def check_held_out(stage: RerankStage, rows: Sequence[QARow]) -> None:
     """No evaluation question was used by the probe, the preference rows or the base reranker."""
-    check_disjoint(rows, {"the probe's questions": stage.probe_data.data.rows,
-                          "the preference questions": stage.questions.preference,
-                          "the base reranker's questions": stage.questions.base})
+    check_disjoint(
+        rows,
+        {
+            "the probe's questions": stage.probe_data.data.rows,
+            "the preference questions": stage.questions.preference,
+            "the base reranker's questions": stage.questions.base,
+        },
+    )
 
 
 def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[str, Scorer]:
     """Table 2's rows: `eval.rerankers` (or every Table 1 row); the base and CBDR's reranker always."""
     names = list(scorers) if settings.rerankers is None else list(settings.rerankers)
-    for key, name in [("eval.base_reranker", settings.base), ("cbdr.reranker", settings.reranker)] + \
-                     [("eval.rerankers", n) for n in names]:
+    for key, name in [("eval.base_reranker", settings.base), ("cbdr.reranker", settings.reranker)] + [
+        ("eval.rerankers", n) for n in names
+    ]:
         if name not in scorers:
             raise ValueError(f"{key}={name!r} is not a Table 1 row; rows: {list(scorers)}")
     keep = set(names) | {settings.base, settings.reranker}
     return {name: score for name, score in scorers.items() if name in keep}
 
 
-def hotpotqa_eval_set(evaluation: EvalSettings, stage: RerankStage, settings: CBDRSettings, cache_dir: str,
-                      seed: int, eval_batch_size: int) -> EvalSet | None:
+def hotpotqa_eval_set(
+    evaluation: EvalSettings,
+    stage: RerankStage,
+    settings: CBDRSettings,
+    cache_dir: str,
+    seed: int,
+    eval_batch_size: int,
+) -> EvalSet | None:
     """HotpotQA questions with candidates retrieved from their pooled supporting paragraphs (see the
     module docstring), scored by the same systems (BM25 / bi-encoder rebuilt over that corpus)."""
     if not evaluation.hotpotqa_path:
@@ -93,15 +106,17 @@ def hotpotqa_eval_set(evaluation: EvalSettings, stage: RerankStage, settings: CB
     return EvalSet(HOTPOTQA, rows, candidates, scorers, {**stats, "corpus_passages": len(retrieval.corpus)})
 
 
-def answer_set(eval_set: EvalSet, store: AnswerStore, ks: Sequence[int],
-               confidences: dict[str, float] | None = None) -> dict[str, RagRun]:
+def answer_set(
+    eval_set: EvalSet, store: AnswerStore, ks: Sequence[int], confidences: dict[str, float] | None = None
+) -> dict[str, RagRun]:
     """Closed-book and top-K RAG answers of every question under every reranker (one store for all)."""
     runs = {}
     for name, scorer in eval_set.scorers.items():
         before = store.generated
         runs[name] = run_rag(eval_set.rows, eval_set.candidates, store, ks, scorer, confidences)
-        log.info("%s / %s: %d answers generated, the rest from the cache", eval_set.dataset, name,
-                 store.generated - before)
+        log.info(
+            "%s / %s: %d answers generated, the rest from the cache", eval_set.dataset, name, store.generated - before
+        )
     return runs
 
 
@@ -114,16 +129,25 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def confidence_gate(stage: RerankStage, settings: CBDRSettings, llm: LoadedLLM, templates: PromptTemplates,
-                    beta: float | None = None) -> ConfidenceGate:
+def confidence_gate(
+    stage: RerankStage, settings: CBDRSettings, llm: LoadedLLM, templates: PromptTemplates, beta: float | None = None
+) -> ConfidenceGate:
     """CBDR for one question at a time: the stage's probe, retriever and `cbdr.reranker`, at `cbdr.beta`
     (or `beta`). Refuses a probe trained on another LLM, prompt template or layer."""
     if settings.reranker not in stage.scorers:
         raise ValueError(f"cbdr.reranker={settings.reranker!r} is not a Table 1 row; rows: {list(stage.scorers)}")
-    return ConfidenceGate(llm, templates, stage.probe, settings.beta if beta is None else beta,
-                          retrieve_fn=retrieve_fn(stage.retrieval), rerank_fn=stage.scorers[settings.reranker],
-                          top_k=settings.k, max_new_tokens=settings.gate_max_new_tokens,
-                          batch_size=settings.gate_batch_size, progress=False)
+    return ConfidenceGate(
+        llm,
+        templates,
+        stage.probe,
+        settings.beta if beta is None else beta,
+        retrieve_fn=retrieve_fn(stage.retrieval),
+        rerank_fn=stage.scorers[settings.reranker],
+        top_k=settings.k,
+        max_new_tokens=settings.gate_max_new_tokens,
+        batch_size=settings.gate_batch_size,
+        progress=False,
+    )
 
 
 @dataclass
@@ -151,16 +175,28 @@ class RagEvaluation:
     def sweep_data(self, settings: CBDRSettings) -> tuple[SweepData, SweepData, SweepData]:
         """CBDR's reranker on dev and test, and the base reranker on test."""
         ours = self.runs[NQ][settings.reranker].outcomes
-        dev, test = (SweepData.from_outcomes(only(ours, self.splits[s]), settings.metric, settings.ks)
-                     for s in ("dev", "test"))
-        base = SweepData.from_outcomes(only(self.runs[NQ][settings.base].outcomes, self.splits["test"]),
-                                       settings.metric, settings.ks)
+        dev, test = (
+            SweepData.from_outcomes(only(ours, self.splits[s]), settings.metric, settings.ks) for s in ("dev", "test")
+        )
+        base = SweepData.from_outcomes(
+            only(self.runs[NQ][settings.base].outcomes, self.splits["test"]), settings.metric, settings.ks
+        )
         return dev, test, base
 
 
-def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSettings, answers: AnswerSettings,
-             llm_config: dict, templates: PromptTemplates, cache_dir: str, seed: int, out: Path,
-             eval_batch_size: int, progress: bool = True) -> RagEvaluation:
+def evaluate(
+    stage: RerankStage,
+    settings: CBDRSettings,
+    evaluation: EvalSettings,
+    answers: AnswerSettings,
+    llm_config: dict,
+    templates: PromptTemplates,
+    cache_dir: str,
+    seed: int,
+    out: Path,
+    eval_batch_size: int,
+    progress: bool = True,
+) -> RagEvaluation:
     """Held-out questions → candidates → Conf(H(Q)) → answers under every reranker and K (cached per prompt),
     saved as outcomes; then the live gate on a few test questions."""
     eval_rows = evaluation_rows(stage, evaluation.num_questions, seed)
@@ -171,11 +207,25 @@ def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSetting
     sets += [hotpot] if hotpot else []
     llm = load_llm(llm_config)
     try:
-        store = AnswerStore(llm, templates, cache_dir, max_new_tokens=answers.max_new_tokens,
-                            batch_size=answers.batch_size, chunk_size=answers.chunk_size, progress=progress,
-                            generation=answers.generation)
-        confidence = question_confidences(llm, templates, stage.probe, [r.question for r in eval_rows], cache_dir,
-                                          batch_size=answers.extract_batch_size, progress=progress)
+        store = AnswerStore(
+            llm,
+            templates,
+            cache_dir,
+            max_new_tokens=answers.max_new_tokens,
+            batch_size=answers.batch_size,
+            chunk_size=answers.chunk_size,
+            progress=progress,
+            generation=answers.generation,
+        )
+        confidence = question_confidences(
+            llm,
+            templates,
+            stage.probe,
+            [r.question for r in eval_rows],
+            cache_dir,
+            batch_size=answers.extract_batch_size,
+            progress=progress,
+        )
         confidences = {row.qid: float(c) for row, c in zip(eval_rows, confidence)}
         runs = {s.dataset: answer_set(s, store, settings.ks, confidences if s.dataset == NQ else None) for s in sets}
         summaries = {}
@@ -184,17 +234,26 @@ def evaluate(stage: RerankStage, settings: CBDRSettings, evaluation: EvalSetting
             for s in sets:
                 rows = [r for r in s.rows if s.dataset != NQ or r.qid in test]
                 chosen = [c for c in s.candidates if s.dataset != NQ or c.qid in test]
-                diagnostics = candidate_diagnostics(llm, templates, stage.probe, chosen, store, cache_dir,
-                                                    answers.extract_batch_size, progress)
+                diagnostics = candidate_diagnostics(
+                    llm, templates, stage.probe, chosen, store, cache_dir, answers.extract_batch_size, progress
+                )
                 summaries[s.dataset] = diagnostics.summary()
                 for name, scorer in diagnostics.scorers().items():
-                    runs[s.dataset][name] = run_rag(rows, chosen, store, settings.ks, scorer,
-                                                    confidences if s.dataset == NQ else None)
+                    runs[s.dataset][name] = run_rag(
+                        rows, chosen, store, settings.ks, scorer, confidences if s.dataset == NQ else None
+                    )
         log.info("answers: %d generated, %d from the cache", store.generated, store.reused)
         counts = {"generated": store.generated, "reused": store.reused}
-        check = gate_check(confidence_gate(stage, settings, llm, templates),
-                           splits["test"][:settings.gate_check_questions], runs[NQ][settings.reranker].outcomes,
-                           settings.k) if settings.gate_check_questions else {}
+        check = (
+            gate_check(
+                confidence_gate(stage, settings, llm, templates),
+                splits["test"][: settings.gate_check_questions],
+                runs[NQ][settings.reranker].outcomes,
+                settings.k,
+            )
+            if settings.gate_check_questions
+            else {}
+        )
     finally:
         del llm
         gc.collect()

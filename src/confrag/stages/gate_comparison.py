@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -74,6 +75,7 @@ CONDITIONS = (CLEAN, CONFLICTING)
 
 # --- questions and contexts ------------------------------------------------------------------------
 
+
 @dataclass
 class QuestionSets:
     train: list[QARow]
@@ -91,12 +93,19 @@ def question_sets(rows: Sequence[QARow], dev_fraction: float, seed: int) -> Ques
     conflicts = {e.qid: e for e in conflict_set.examples}
     test = [r for r in parts["test"] if r.qid in conflicts]
     if not test:
-        raise ValueError(f"none of the {len(parts['test'])} test questions has a conflicting version (skipped: "
-                         f"{dict(conflict_set.skipped)}); raise eval.num_questions")
+        raise ValueError(
+            f"none of the {len(parts['test'])} test questions has a conflicting version (skipped: "
+            f"{dict(conflict_set.skipped)}); raise eval.num_questions"
+        )
     kinds = sorted({e.kind for e in conflicts.values()})
-    report = {"evaluation_questions": len(rows), "train": len(parts["dev"]), "test_all": len(parts["test"]),
-              "test": len(test), "conflicts_skipped": dict(conflict_set.skipped),
-              "kinds": {k: sum(conflicts[r.qid].kind == k for r in test) for k in kinds}}
+    report = {
+        "evaluation_questions": len(rows),
+        "train": len(parts["dev"]),
+        "test_all": len(parts["test"]),
+        "test": len(test),
+        "conflicts_skipped": dict(conflict_set.skipped),
+        "kinds": {k: sum(conflicts[r.qid].kind == k for r in test) for k in kinds},
+    }
     return QuestionSets(parts["dev"], test, {r.qid: conflicts[r.qid] for r in test}, report)
 
 
@@ -105,24 +114,47 @@ def reranked(candidates: Sequence[Candidates], scorer: Scorer) -> list[Candidate
     out = []
     for c in candidates:
         order = rank_contexts(c.question, c.passages, scorer, where=f"question {c.qid!r}: ")
-        out.append(make_candidates(c.qid, c.question, c.answers, [c.passages[i] for i in order],
-                                   [c.scores[i] for i in order], c.gold_source))
+        out.append(
+            make_candidates(
+                c.qid,
+                c.question,
+                c.answers,
+                [c.passages[i] for i in order],
+                [c.scores[i] for i in order],
+                c.gold_source,
+            )
+        )
     return out
 
 
 def conflicting_candidates(ranked: Candidates, example: ConflictExample, k: int) -> Candidates:
     """The conflicting paragraph first, then the best K − 1 passages not split from the gold paragraph."""
-    rest = [(p, s) for p, s, gold in zip(ranked.passages, ranked.scores, ranked.from_gold) if not gold][:k - 1]
+    rest = [(p, s) for p, s, gold in zip(ranked.passages, ranked.scores, ranked.from_gold) if not gold][: k - 1]
     # The conflicting paragraph was placed, not retrieved: it has no retrieval score.
-    return make_candidates(ranked.qid, ranked.question, ranked.answers, [example.passage, *(p for p, _ in rest)],
-                           [math.nan, *(s for _, s in rest)], ranked.gold_source)
+    return make_candidates(
+        ranked.qid,
+        ranked.question,
+        ranked.answers,
+        [example.passage, *(p for p, _ in rest)],
+        [math.nan, *(s for _, s in rest)],
+        ranked.gold_source,
+    )
 
 
 # --- timing ----------------------------------------------------------------------------------------
 
-def measure_parts(maker: SignalMaker, retrieval: Retrieval, scorer: Scorer, rows: Sequence[QARow],
-                  clean: Sequence[Candidates], parts: set[str], layers: Sequence[int], k: int,
-                  answers: AnswerSettings) -> dict[str, float]:
+
+def measure_parts(
+    maker: SignalMaker,
+    retrieval: Retrieval,
+    scorer: Scorer,
+    rows: Sequence[QARow],
+    clean: Sequence[Candidates],
+    parts: set[str],
+    layers: Sequence[int],
+    k: int,
+    answers: AnswerSettings,
+) -> dict[str, float]:
     """Seconds per question of each part, computed fresh (no cache) on `rows` with the run's batch sizes."""
     fresh = maker.without_cache()
     llm = maker.llm
@@ -149,8 +181,9 @@ def measure_parts(maker: SignalMaker, retrieval: Retrieval, scorer: Scorer, rows
         "internal": lambda: fresh.internal(questions),
         "embed_question": lambda: fresh.embed(questions),
         "embed_response": lambda: fresh.embed(responses),
-        "matching": lambda: bridge_matching_scores(maker.encoder, fresh.internal(questions), responses,
-                                                   *external_knowledge([c.passages[:k] for c in clean])),
+        "matching": lambda: bridge_matching_scores(
+            maker.encoder, fresh.internal(questions), responses, *external_knowledge([c.passages[:k] for c in clean])
+        ),
     }
     timings = {}
     # closed_book first: the response parts read its answers. `matching` times its internal passages
@@ -165,6 +198,7 @@ def measure_parts(maker: SignalMaker, retrieval: Retrieval, scorer: Scorer, rows
 
 
 # --- everything the gates decide from --------------------------------------------------------------
+
 
 @dataclass
 class GateEvaluation:
@@ -184,13 +218,25 @@ class GateEvaluation:
 
 def correct_of(outcomes: Sequence[QuestionOutcome], metric: str, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(closed-book correct, top-K RAG correct) per question."""
-    return (np.array([bool(getattr(o.closed_book, metric)) for o in outcomes]),
-            np.array([bool(getattr(o.rag[k], metric)) for o in outcomes]))
+    return (
+        np.array([bool(getattr(o.closed_book, metric)) for o in outcomes]),
+        np.array([bool(getattr(o.rag[k], metric)) for o in outcomes]),
+    )
 
 
-def prepare_gate_evaluation(stage: RerankStage, rows: Sequence[QARow], settings: GateSettings, gates: dict[str, Gate],
-                            llm: LoadedLLM, templates: PromptTemplates, answers: AnswerSettings, dev_fraction: float,
-                            cache_dir: str, seed: int, progress: bool = True) -> GateEvaluation:
+def prepare_gate_evaluation(
+    stage: RerankStage,
+    rows: Sequence[QARow],
+    settings: GateSettings,
+    gates: dict[str, Gate],
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    answers: AnswerSettings,
+    dev_fraction: float,
+    cache_dir: str,
+    seed: int,
+    progress: bool = True,
+) -> GateEvaluation:
     """Everything that runs the LLM before the gates decide: answers in both conditions (cached per
     prompt), the signals the configured gates read, CtrlA's directions, and the timed parts."""
     if settings.reranker not in stage.scorers:
@@ -198,48 +244,92 @@ def prepare_gate_evaluation(stage: RerankStage, rows: Sequence[QARow], settings:
     check_held_out(stage, rows)
     scorer, k = stage.scorers[settings.reranker], settings.top_k
     sets = question_sets(rows, dev_fraction, seed)
-    candidates, retrieval = question_candidates(stage.retrieval, [*sets.train, *sets.test],
-                                                stage.retrieval.settings.candidates_path)
+    candidates, retrieval = question_candidates(
+        stage.retrieval, [*sets.train, *sets.test], stage.retrieval.settings.candidates_path
+    )
     ranked = reranked(candidates, scorer)
-    clean_test = ranked[len(sets.train):]
+    clean_test = ranked[len(sets.train) :]
     conflict_test = [conflicting_candidates(c, sets.conflicts[c.qid], k) for c in clean_test]
-    sets.report.update(retrieval=retrieval, conflicting_contexts_with_a_gold_answer_elsewhere=float(np.mean(
-        [any(c.has_answer[1:]) for c in conflict_test])))
+    sets.report.update(
+        retrieval=retrieval,
+        conflicting_contexts_with_a_gold_answer_elsewhere=float(
+            np.mean([any(c.has_answer[1:]) for c in conflict_test])
+        ),
+    )
 
-    store = AnswerStore(llm, templates, cache_dir, max_new_tokens=answers.max_new_tokens,
-                        batch_size=answers.batch_size, chunk_size=answers.chunk_size, progress=progress,
-                        generation=answers.generation)
+    store = AnswerStore(
+        llm,
+        templates,
+        cache_dir,
+        max_new_tokens=answers.max_new_tokens,
+        batch_size=answers.batch_size,
+        chunk_size=answers.chunk_size,
+        progress=progress,
+        generation=answers.generation,
+    )
     # The clean ranking is already the reranker's: run_rag without a reranker keeps it (same prompts as cbdr's).
     clean_run = run_rag([*sets.train, *sets.test], ranked, store, [k])
     conflict_run = run_rag(sets.test, conflict_test, store, [k])
-    train_outcomes, clean_outcomes = clean_run.outcomes[:len(sets.train)], clean_run.outcomes[len(sets.train):]
+    train_outcomes, clean_outcomes = clean_run.outcomes[: len(sets.train)], clean_run.outcomes[len(sets.train) :]
 
-    maker = SignalMaker(llm, templates, stage.probe, text_encoder(stage.retrieval.retriever),
-                        settings.draft_max_new_tokens, settings.internal_max_new_tokens, settings.batch_size,
-                        cache_dir, answers.extract_batch_size, progress)
+    maker = SignalMaker(
+        llm,
+        templates,
+        stage.probe,
+        text_encoder(stage.retrieval.retriever),
+        settings.draft_max_new_tokens,
+        settings.internal_max_new_tokens,
+        settings.batch_size,
+        cache_dir,
+        answers.extract_batch_size,
+        progress,
+    )
     needs = set().union(*(g.needs for g in gates.values()))
     train_needs = set().union(*(g.training_needs for g in gates.values()))
     ctrla = [g for g in gates.values() if isinstance(g, CtrlAGate)]
     layers = sorted({layer for g in ctrla for layer in ctrla_layers(g, llm)})
     train_signals = question_signals(maker, sets.train, train_needs, [o.closed_book.answer for o in train_outcomes])
-    base = question_signals(maker, sets.test, needs - {"matching_scores"},
-                            [o.closed_book.answer for o in clean_outcomes], layers)
+    base = question_signals(
+        maker, sets.test, needs - {"matching_scores"}, [o.closed_book.answer for o in clean_outcomes], layers
+    )
     contexts = {CLEAN: [c.passages[:k] for c in clean_test], CONFLICTING: [c.passages for c in conflict_test]}
-    test_signals = {condition: with_matching(maker, base, contexts[condition]) if "matching_scores" in needs else base
-                    for condition in CONDITIONS}
+    test_signals = {
+        condition: with_matching(maker, base, contexts[condition]) if "matching_scores" in needs else base
+        for condition in CONDITIONS
+    }
     directions: dict[tuple, ConfidenceDirection] = {}
     for gate in ctrla:
         if ctrla_key(gate, llm) not in directions:
             directions[ctrla_key(gate, llm)] = confidence_direction(maker, gate, sets.train)
     parts = {"closed_book", "rag_answer", "retrieve"} | set(decision_parts(needs))
-    timing_rows = sets.test[:settings.timing_questions]
-    timings = measure_parts(maker, stage.retrieval, scorer, timing_rows, clean_test[:len(timing_rows)], parts,
-                            layers or (llm.mid_layer,), k, answers)
-    return GateEvaluation(sets, train_outcomes, {CLEAN: clean_outcomes, CONFLICTING: conflict_run.outcomes}, contexts,
-                          train_signals, test_signals, directions, timings, store, maker)
+    timing_rows = sets.test[: settings.timing_questions]
+    timings = measure_parts(
+        maker,
+        stage.retrieval,
+        scorer,
+        timing_rows,
+        clean_test[: len(timing_rows)],
+        parts,
+        layers or (llm.mid_layer,),
+        k,
+        answers,
+    )
+    return GateEvaluation(
+        sets,
+        train_outcomes,
+        {CLEAN: clean_outcomes, CONFLICTING: conflict_run.outcomes},
+        contexts,
+        train_signals,
+        test_signals,
+        directions,
+        timings,
+        store,
+        maker,
+    )
 
 
 # --- fitting, deciding, scoring ----------------------------------------------------------------------
+
 
 def training_data(gate: Gate, evaluation: GateEvaluation, settings: GateSettings) -> GateTrainingData | None:
     """The training split's data for a gate that learns (None for one that does not): its signals, its
@@ -248,13 +338,19 @@ def training_data(gate: Gate, evaluation: GateEvaluation, settings: GateSettings
         return None
     rows, signals = evaluation.sets.train, evaluation.train_signals
     closed_book, rag = correct_of(evaluation.train_outcomes, settings.metric, settings.top_k)
-    answer_embedding = (evaluation.maker.embed([r.answers[0] for r in rows])
-                        if "answer_embedding" in gate.training_needs else None)
-    direction = (evaluation.directions[ctrla_key(gate, evaluation.maker.llm)]
-                 if isinstance(gate, CtrlAGate) else None)
-    return GateTrainingData(signals, closed_book_correct=closed_book, rag_correct=rag,
-                            answers=[tuple(r.answers) for r in rows], answer_embedding=answer_embedding,
-                            confidence_direction=direction, split="train")
+    answer_embedding = (
+        evaluation.maker.embed([r.answers[0] for r in rows]) if "answer_embedding" in gate.training_needs else None
+    )
+    direction = evaluation.directions[ctrla_key(gate, evaluation.maker.llm)] if isinstance(gate, CtrlAGate) else None
+    return GateTrainingData(
+        signals,
+        closed_book_correct=closed_book,
+        rag_correct=rag,
+        answers=[tuple(r.answers) for r in rows],
+        answer_embedding=answer_embedding,
+        confidence_direction=direction,
+        split="train",
+    )
 
 
 def retrieval_correct(gate: Gate, evaluation: GateEvaluation, condition: str, settings: GateSettings) -> np.ndarray:
@@ -269,8 +365,9 @@ def retrieval_correct(gate: Gate, evaluation: GateEvaluation, condition: str, se
     full = [i for i, s in enumerate(strategies) if s == "FA"]
     if full:
         internal = evaluation.maker.internal(signals.questions)
-        items = [(signals.questions[i], answer_contexts("FA", internal[i], evaluation.contexts[condition][i]))
-                 for i in full]
+        items = [
+            (signals.questions[i], answer_contexts("FA", internal[i], evaluation.contexts[condition][i])) for i in full
+        ]
         for i, answer in zip(full, evaluation.store.answer(items)):
             correct[i] = bool(getattr(score_answer(answer, outcomes[i].answers), settings.metric))
     return correct
@@ -291,9 +388,11 @@ def run_gates(evaluation: GateEvaluation, settings: GateSettings, seed: int) -> 
         train = training_data(gate, evaluation, settings)
         start = time.perf_counter()
         gate.fit(train)
-        fits[name] = {"split": None if train is None else train.split,
-                      "qids": [] if train is None else list(train.signals.qids),
-                      "seconds": time.perf_counter() - start}
+        fits[name] = {
+            "split": None if train is None else train.split,
+            "qids": [] if train is None else list(train.signals.qids),
+            "seconds": time.perf_counter() - start,
+        }
         fitted[name] = gate
         for condition in CONDITIONS:
             signals = evaluation.test_signals[condition]
@@ -303,8 +402,18 @@ def run_gates(evaluation: GateEvaluation, settings: GateSettings, seed: int) -> 
             closed_book = correct_of(evaluation.test_outcomes[condition], settings.metric, settings.top_k)[0]
             correct = score_decisions(decided, closed_book, retrieval_correct(gate, evaluation, condition, settings))
             wall = wall_time_per_question(gate.needs, decided, evaluation.timings, decide_seconds)
-            rows.append(gate_row(name, condition, decided, correct, gate.llm_forward_passes(decided), wall,
-                                 settings.n_resamples, seed))
+            rows.append(
+                gate_row(
+                    name,
+                    condition,
+                    decided,
+                    correct,
+                    gate.llm_forward_passes(decided),
+                    wall,
+                    settings.n_resamples,
+                    seed,
+                )
+            )
             decisions[condition][name] = [Decision(d).value for d in decided]
     return GateResults(rows, fits, decisions, fitted)
 
@@ -323,7 +432,14 @@ def threshold_curves(evaluation: GateEvaluation, settings: GateSettings, results
                 gate = settings.build(name, **{spec.param: value}).fit(train)
                 decided = gate.decide(signals)
                 correct = score_decisions(decided, closed_book, rag)
-                points.append(CurvePoint(name, condition, spec.param, float(value),
-                                         float(np.mean([d is Decision.RETRIEVE for d in decided])),
-                                         float(correct.mean())))
+                points.append(
+                    CurvePoint(
+                        name,
+                        condition,
+                        spec.param,
+                        float(value),
+                        float(np.mean([d is Decision.RETRIEVE for d in decided])),
+                        float(correct.mean()),
+                    )
+                )
     return points

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import gc
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,9 @@ class PreferenceSettings:
         problems = []
         if self.reference not in REFERENCES:
             problems.append(f"preferences.reference={self.reference!r} is not one of {REFERENCES}")
-        for key, rule in [("preferences.selection", self.selection)] + [("preferences.compare", r) for r in self.compare]:
+        for key, rule in [("preferences.selection", self.selection)] + [
+            ("preferences.compare", r) for r in self.compare
+        ]:
             if rule not in SELECTIONS:
                 problems.append(f"{key}: {rule!r} is not one of {SELECTIONS}")
         for key in ("top_k", "max_new_tokens", "answer_chunk_size"):
@@ -100,8 +103,9 @@ def candidate_utility(store: AnswerStore, candidates: Sequence[Candidates]) -> l
     hold a gold answer (the prompt of a Top-1 answer, so the answer cache shares them with Table 2)."""
     items = [(c.question, [p]) for c in candidates for p in c.passages]
     answers = store.answer(items)
-    flags = np.array([has_answer(a, c.answers) for a, c in zip(answers, (c for c in candidates for _ in c.passages))],
-                     dtype=bool)
+    flags = np.array(
+        [has_answer(a, c.answers) for a, c in zip(answers, (c for c in candidates for _ in c.passages))], dtype=bool
+    )
     bounds = np.cumsum([0] + [len(c.passages) for c in candidates])
     return [flags[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
@@ -110,42 +114,75 @@ def split_rows(rows: list[dict], test_qids: set[str]) -> dict[str, list[dict]]:
     return {"train": [r for r in rows if r["qid"] not in test_qids], "test": [r for r in rows if r["qid"] in test_qids]}
 
 
-def build_nq_rerank(settings: PreferenceSettings, llm_config: LLMConfig | dict, templates: PromptTemplates,
-                    probe: SavedProbe, rows: Sequence[QARow], retrieval: Retrieval, candidates_path: str | None,
-                    cache_dir: str | Path, seed: int, out: Path, progress: bool = True) -> PreferenceStage:
+def build_nq_rerank(
+    settings: PreferenceSettings,
+    llm_config: LLMConfig | dict,
+    templates: PromptTemplates,
+    probe: SavedProbe,
+    rows: Sequence[QARow],
+    retrieval: Retrieval,
+    candidates_path: str | None,
+    cache_dir: str | Path,
+    seed: int,
+    out: Path,
+    progress: bool = True,
+) -> PreferenceStage:
     """NQ_Rerank for `rows` under every rule of `settings.rules`."""
     candidates, retrieval_stats = question_candidates(retrieval, rows, candidates_path)
     if settings.top_k > max(len(c.passages) for c in candidates):
-        raise ValueError(f"preferences.top_k={settings.top_k} is larger than any question's candidate list "
-                         f"(at most {max(len(c.passages) for c in candidates)}); lower it or raise retrieval.top_n")
+        raise ValueError(
+            f"preferences.top_k={settings.top_k} is larger than any question's candidate list "
+            f"(at most {max(len(c.passages) for c in candidates)}); lower it or raise retrieval.top_n"
+        )
     needs_utility = "utility" in settings.rules
     llm = load_llm(llm_config)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=settings.extract_batch_size, progress=progress)
     try:
-        shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir,
-                                   progress=progress)
+        shifts = confidence_shifts(
+            llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir, progress=progress
+        )
         utility = None
         if needs_utility:
-            store = AnswerStore(llm, templates, cache_dir, max_new_tokens=settings.max_new_tokens,
-                                batch_size=settings.answer_batch_size, chunk_size=settings.answer_chunk_size,
-                                progress=progress)
+            store = AnswerStore(
+                llm,
+                templates,
+                cache_dir,
+                max_new_tokens=settings.max_new_tokens,
+                batch_size=settings.answer_batch_size,
+                chunk_size=settings.answer_chunk_size,
+                progress=progress,
+            )
             utility = candidate_utility(store, candidates)
     finally:
         del engine, llm
         gc.collect()
     # One split by question for every rule: each rule's Table 1 holds out the same questions.
-    test_qids = {r["qid"] for r in split_by_question([{"qid": c.qid} for c in candidates],
-                                                       float(settings.test_fraction), seed)["test"]}
+    test_qids = {
+        r["qid"]
+        for r in split_by_question([{"qid": c.qid} for c in candidates], float(settings.test_fraction), seed)["test"]
+    }
     splits_by_rule, drops = {}, {}
     for rule in settings.rules:
         kept, drops[rule] = build_rows(candidates, shifts, settings.reference, settings.top_k, rule, utility)
         splits_by_rule[rule] = split_rows(kept, test_qids)
     splits = splits_by_rule[settings.selection]
-    report = {**dataset_report(candidates, shifts, settings.top_k, splits, settings.reference,
-                               drops[settings.selection], settings.selection, utility),
-              "retrieval": retrieval_stats,
-              "rules": {rule: {"rows": {s: len(r) for s, r in sp.items()}, "dropped": drops[rule]}
-                        for rule, sp in splits_by_rule.items()}}
+    report = {
+        **dataset_report(
+            candidates,
+            shifts,
+            settings.top_k,
+            splits,
+            settings.reference,
+            drops[settings.selection],
+            settings.selection,
+            utility,
+        ),
+        "retrieval": retrieval_stats,
+        "rules": {
+            rule: {"rows": {s: len(r) for s, r in sp.items()}, "dropped": drops[rule]}
+            for rule, sp in splits_by_rule.items()
+        },
+    }
     key = fingerprint({"rows": splits_by_rule, "probe": probe.meta.get("activations", {}).get("key")})
     save_rows(splits, out / "nq_rerank")
     for rule, rule_splits in splits_by_rule.items():

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning import Callback, Trainer
@@ -42,8 +43,14 @@ def prepared_datamodule(recipe: ProbeRecipe) -> NQConfidenceDataModule:
     return datamodule
 
 
-def fit_probe(recipe: ProbeRecipe, callbacks: list[Callback], loggers: list[Logger], run_config: dict | None = None,
-              datamodule: NQConfidenceDataModule | None = None, **trainer_settings: Any):
+def fit_probe(
+    recipe: ProbeRecipe,
+    callbacks: list[Callback],
+    loggers: list[Logger],
+    run_config: dict | None = None,
+    datamodule: NQConfidenceDataModule | None = None,
+    **trainer_settings: Any,
+):
     """NQ_Confidence (cached) → probe training with best-dev checkpoint → test metrics."""
     datamodule = datamodule or prepared_datamodule(recipe)
     summary = datamodule.data.summary()
@@ -72,25 +79,33 @@ def fit_probe(recipe: ProbeRecipe, callbacks: list[Callback], loggers: list[Logg
 
 def probe_cache_dir(cache_dir: str | Path, datamodule: NQConfidenceDataModule, recipe: ProbeRecipe) -> Path:
     """Where a probe trained with exactly these activations and settings is kept for later stages."""
-    key = fingerprint({
-        "activations": datamodule.activations()["key"],
-        "split": [datamodule.split_sizes, datamodule.balance],
-        **recipe.identity,
-        "seed": recipe.seed,
-    })
+    key = fingerprint(
+        {
+            "activations": datamodule.activations()["key"],
+            "split": [datamodule.split_sizes, datamodule.balance],
+            **recipe.identity,
+            "seed": recipe.seed,
+        }
+    )
     return Path(cache_dir) / "probes" / key
 
 
-def save_trained_probe(model: ProbeModule, datamodule: NQConfidenceDataModule, metrics: dict, best: str,
-                       *directories: Path) -> None:
+def save_trained_probe(
+    model: ProbeModule, datamodule: NQConfidenceDataModule, metrics: dict, best: str, *directories: Path
+) -> None:
     """The probe with its metrics (undefined ones as null) and data summary, in each of `directories`."""
-    extra = {"metrics": {k: metric_value(v) for k, v in metrics.items()}, "best_checkpoint": best,
-             "nq_confidence": datamodule.data.summary()}
+    extra = {
+        "metrics": {k: metric_value(v) for k, v in metrics.items()},
+        "best_checkpoint": best,
+        "nq_confidence": datamodule.data.summary(),
+    }
     for directory in directories:
         save_probe(model, directory, datamodule.activations(), extra)
 
 
-def ensure_probe(recipe: ProbeRecipe, cache_dir: str | Path, workdir: Path) -> tuple[SavedProbe, NQConfidenceDataModule]:
+def ensure_probe(
+    recipe: ProbeRecipe, cache_dir: str | Path, workdir: Path
+) -> tuple[SavedProbe, NQConfidenceDataModule]:
     """The probe a later stage needs: read from the cache when trained before, else trained now."""
     datamodule = prepared_datamodule(recipe)
     directory = probe_cache_dir(cache_dir, datamodule, recipe)
@@ -100,7 +115,13 @@ def ensure_probe(recipe: ProbeRecipe, cache_dir: str | Path, workdir: Path) -> t
             if not (directory / "probe.json").is_file():
                 log.info("No cached probe at %s: training it", directory)
                 checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor="val/auroc", mode="max")
-                model, datamodule, metrics, best = fit_probe(recipe, [checkpoint], [], datamodule=datamodule,
-                                                             enable_progress_bar=False, default_root_dir=str(workdir))
+                model, datamodule, metrics, best = fit_probe(
+                    recipe,
+                    [checkpoint],
+                    [],
+                    datamodule=datamodule,
+                    enable_progress_bar=False,
+                    default_root_dir=str(workdir),
+                )
                 save_trained_probe(model, datamodule, metrics, best, directory)
     return load_probe(directory), datamodule

@@ -10,9 +10,10 @@ a run of the same settings has built it, so a sweep over τ or K recomputes only
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from lightning.pytorch.loggers import Logger
@@ -43,6 +44,7 @@ RELEVANCE_FT = "base + relevance FT"
 def confidence_ft(rule: str) -> str:
     """The Table 1 / Table 2 name of the base fine-tuned on a preference rule's rows."""
     return f"base + confidence FT ({rule})"
+
 
 Scorer = Callable[[str, list[str]], np.ndarray]  # (query, passages) -> one score per passage
 
@@ -82,17 +84,35 @@ class RerankStage:
 def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
     probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
     retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
-    questions = plan_questions(load_nq_jsonl(probe_data.nq_path), probe_data.data.rows,
-                               recipe.preferences.num_questions,
-                               recipe.base.num_questions if recipe.base.train else 0, recipe.seed, probe_data.nq_path,
-                               base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None)
-    stage = build_nq_rerank(recipe.preferences, recipe.llm, recipe.templates, probe, questions.preference, retrieval,
-                            recipe.retrieval.candidates_path, recipe.cache_dir, recipe.seed, out, recipe.progress)
+    questions = plan_questions(
+        load_nq_jsonl(probe_data.nq_path),
+        probe_data.data.rows,
+        recipe.preferences.num_questions,
+        recipe.base.num_questions if recipe.base.train else 0,
+        recipe.seed,
+        probe_data.nq_path,
+        base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None,
+    )
+    stage = build_nq_rerank(
+        recipe.preferences,
+        recipe.llm,
+        recipe.templates,
+        probe,
+        questions.preference,
+        retrieval,
+        recipe.retrieval.candidates_path,
+        recipe.cache_dir,
+        recipe.seed,
+        out,
+        recipe.progress,
+    )
     train_rows, test_rows = stage.splits["train"], stage.splits["test"]
     if not train_rows or not test_rows:
-        raise ValueError(f"NQ_Rerank ({recipe.preferences.selection}) has {len(train_rows)} train and {len(test_rows)} "
-                         f"test rows after dropping {stage.report['dropped']}; raise preferences.num_questions or "
-                         "retrieval.top_n, or try another preferences.reference / preferences.selection")
+        raise ValueError(
+            f"NQ_Rerank ({recipe.preferences.selection}) has {len(train_rows)} train and {len(test_rows)} "
+            f"test rows after dropping {stage.report['dropped']}; raise preferences.num_questions or "
+            "retrieval.top_n, or try another preferences.reference / preferences.selection"
+        )
     base = ensure_base_reranker(recipe.base, recipe.reranker, retrieval, questions.base)
     rerankers: dict[str, RerankerModule] = {BASE: base.module}
     training: dict[str, Any] = {"base": base.info}
@@ -102,23 +122,48 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
             training[rule] = {"train_rows": 0}
             continue
         rerankers[confidence_ft(rule)], training[rule] = ensure_reranker(
-            recipe.reranker, rows, f"confidence_{rule}", loggers if rule == recipe.preferences.selection else [],
-            run_config, start_from=base.directory)
+            recipe.reranker,
+            rows,
+            f"confidence_{rule}",
+            loggers if rule == recipe.preferences.selection else [],
+            run_config,
+            start_from=base.directory,
+        )
     if recipe.preferences.relevance_baseline:
         # The control: the same base, the same questions, as many steps, labels from answer containment.
         relevance = relevance_rows(stage.candidates, {r["qid"] for r in train_rows}, recipe.preferences.top_k)
         steps = int(training[recipe.preferences.selection]["steps"])
         rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(
-            recipe.reranker, relevance, "relevance", [], run_config, start_from=base.directory,
-            trainer_settings={"max_steps": max(steps, 1), "max_epochs": -1})
-        rerankers = {k: rerankers[k] for k in [BASE, RELEVANCE_FT, *(r for r in rerankers if r not in (BASE, RELEVANCE_FT))]}
+            recipe.reranker,
+            relevance,
+            "relevance",
+            [],
+            run_config,
+            start_from=base.directory,
+            trainer_settings={"max_steps": max(steps, 1), "max_epochs": -1},
+        )
+        rerankers = {
+            k: rerankers[k] for k in [BASE, RELEVANCE_FT, *(r for r in rerankers if r not in (BASE, RELEVANCE_FT))]
+        }
     place_on_device(recipe.reranker, rerankers.values())
     scorers = table1_systems(retrieval, rerankers, recipe.reranker.eval_batch_size)
-    return RerankStage(probe, probe_data, retrieval, questions, stage, base, rerankers, scorers, training,
-                       confidence_ft(recipe.preferences.selection))
+    return RerankStage(
+        probe,
+        probe_data,
+        retrieval,
+        questions,
+        stage,
+        base,
+        rerankers,
+        scorers,
+        training,
+        confidence_ft(recipe.preferences.selection),
+    )
 
 
-def table1_systems(retrieval: Retrieval, rerankers: dict[str, RerankerModule], eval_batch_size: int) -> dict[str, Scorer]:
+def table1_systems(
+    retrieval: Retrieval, rerankers: dict[str, RerankerModule], eval_batch_size: int
+) -> dict[str, Scorer]:
     """The rows of Table 1 as scoring functions (query, passages) → scores: BM25 and the bi-encoder over the
     retrieval corpus (the passages must be in it), then each cross-encoder."""
     index_of = {document_text(p): i for i, p in enumerate(retrieval.corpus.passages)}
@@ -142,7 +187,11 @@ def table1(systems: dict[str, Scorer], test_rows: list[dict], seed: int, progres
     """P@K, R@K, MRR@K (K = 1, 3, 5) of every system on the preference test split's candidate lists."""
     lists = candidate_lists(test_rows, seed)
     labels = [c["labels"] for c in lists]
-    scores = {name: [np.asarray(score(c["query"], c["passages"]), dtype=np.float64).tolist()
-                     for c in tqdm(lists, desc=f"Table 1: {name}", unit="query", disable=not progress)]
-              for name, score in systems.items()}
+    scores = {
+        name: [
+            np.asarray(score(c["query"], c["passages"]), dtype=np.float64).tolist()
+            for c in tqdm(lists, desc=f"Table 1: {name}", unit="query", disable=not progress)
+        ]
+        for name, score in systems.items()
+    }
     return ranking_table(scores, labels, KS)

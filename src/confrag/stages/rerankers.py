@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import lightning as L
 import torch
@@ -41,8 +42,12 @@ class RerankerRecipe:
     device: str | None = None  # where the rerankers score ("cuda" with the GPU trainer)
 
 
-def reranker_cache_dir(recipe: RerankerRecipe, train_rows: list[dict], start_from: Path | None = None,
-                       trainer_settings: dict[str, Any] | None = None) -> Path:
+def reranker_cache_dir(
+    recipe: RerankerRecipe,
+    train_rows: list[dict],
+    start_from: Path | None = None,
+    trainer_settings: dict[str, Any] | None = None,
+) -> Path:
     """Where a reranker fine-tuned on exactly these rows with these settings (from `start_from`, an exported
     reranker, instead of the `model` backbone; with `trainer_settings` over the trainer's) is kept."""
     key = {"rows": fingerprint(train_rows), **recipe.identity}
@@ -58,10 +63,17 @@ def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:
     return recipe.make_model(backbone=str(directory), fresh_head=False, lora=None)
 
 
-def ensure_reranker(recipe: RerankerRecipe, train_rows: list[dict], name: str, loggers: list[Logger],
-                    run_config: dict | None = None, *, start_from: Path | None = None,
-                    trainer_settings: dict[str, Any] | None = None,
-                    **model_overrides: Any) -> tuple[RerankerModule, dict[str, Any]]:
+def ensure_reranker(
+    recipe: RerankerRecipe,
+    train_rows: list[dict],
+    name: str,
+    loggers: list[Logger],
+    run_config: dict | None = None,
+    *,
+    start_from: Path | None = None,
+    trainer_settings: dict[str, Any] | None = None,
+    **model_overrides: Any,
+) -> tuple[RerankerModule, dict[str, Any]]:
     """A cross-encoder fine-tuned with group InfoNCE on `train_rows` (from the `model` backbone, or from the
     exported reranker `start_from`): loaded from the cache when the same rows and settings trained one
     before, else trained now and exported there. The global RNG is seeded right before training, so a
@@ -70,20 +82,30 @@ def ensure_reranker(recipe: RerankerRecipe, train_rows: list[dict], name: str, l
     directory = reranker_cache_dir(recipe, train_rows, start_from, trainer_settings)
     marker = directory / "confrag_training.json"
     if recipe.fast_dev_run:
-        return _train(recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings,
-                      model_overrides)
+        return _train(
+            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides
+        )
     # One process trains it; another one asking at the same time waits, then reads it.
     with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
         if marker.is_file():
             log.info("Reranker %s: cached at %s", name, directory)
             return load_reranker(recipe, directory), json.loads(marker.read_text())
-        return _train(recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings,
-                      model_overrides)
+        return _train(
+            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides
+        )
 
 
-def _train(recipe: RerankerRecipe, train_rows: list[dict], name: str, loggers: list[Logger], run_config: dict | None,
-           directory: Path, start_from: Path | None, trainer_settings: dict[str, Any] | None,
-           model_overrides: dict[str, Any]) -> tuple[RerankerModule, dict[str, Any]]:
+def _train(
+    recipe: RerankerRecipe,
+    train_rows: list[dict],
+    name: str,
+    loggers: list[Logger],
+    run_config: dict | None,
+    directory: Path,
+    start_from: Path | None,
+    trainer_settings: dict[str, Any] | None,
+    model_overrides: dict[str, Any],
+) -> tuple[RerankerModule, dict[str, Any]]:
     start = time.perf_counter()
     L.seed_everything(int(recipe.identity.get("seed", 0)), workers=True, verbose=False)
     if start_from is not None:
@@ -92,14 +114,20 @@ def _train(recipe: RerankerRecipe, train_rows: list[dict], name: str, loggers: l
     model.run_config = run_config
     datamodule = recipe.make_datamodule(train=train_rows, tokenizer=model.hparams.backbone, kind=model.hparams.kind)
     datamodule.setup("fit")
-    trainer = recipe.make_trainer(logger=loggers or False, default_root_dir=str(recipe.output_dir / name),
-                                  **(trainer_settings or {}))
+    trainer = recipe.make_trainer(
+        logger=loggers or False, default_root_dir=str(recipe.output_dir / name), **(trainer_settings or {})
+    )
     trainer.fit(model, datamodule=datamodule)
-    info = {"name": name, "train_rows": len(train_rows), "steps": int(trainer.global_step),
-            "train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
-            "truncation": datamodule.truncation.get("train", {}), "train_seconds": time.perf_counter() - start,
-            "start_from": None if start_from is None else Path(start_from).name,
-            "trainer_settings": trainer_settings or {}}
+    info = {
+        "name": name,
+        "train_rows": len(train_rows),
+        "steps": int(trainer.global_step),
+        "train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
+        "truncation": datamodule.truncation.get("train", {}),
+        "train_seconds": time.perf_counter() - start,
+        "start_from": None if start_from is None else Path(start_from).name,
+        "trainer_settings": trainer_settings or {},
+    }
     if not recipe.fast_dev_run:
         model.export(directory)
         atomic_write_text(directory / "confrag_training.json", json.dumps(info, indent=2))

@@ -8,9 +8,10 @@ list read from `retrieval.candidates_path`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,9 @@ class Retrieval:
         return self.dense if self.settings.retriever == "dense" else self.bm25
 
 
-def build_retrieval(settings: RetrievalSettings, cache_dir: str | Path, rows: Sequence[QARow] | None = None) -> Retrieval:
+def build_retrieval(
+    settings: RetrievalSettings, cache_dir: str | Path, rows: Sequence[QARow] | None = None
+) -> Retrieval:
     """The corpus (the paragraphs of `rows`, else `retrieval.corpus_path`, else every gold paragraph of the
     NQ file), its BM25 index, and (when asked for, or for Table 1's bi-encoder row) the dense MiniLM index;
     all cached."""
@@ -91,7 +94,9 @@ def build_retrieval(settings: RetrievalSettings, cache_dir: str | Path, rows: Se
     else:
         corpus = corpus_from_nq(load_nq_jsonl(settings.nq_path), words_per_passage=words)
     bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
-    dense = DenseRetriever(corpus, cache_dir=cache_dir) if (settings.retriever == "dense" or settings.bi_encoder) else None
+    dense = (
+        DenseRetriever(corpus, cache_dir=cache_dir) if (settings.retriever == "dense" or settings.bi_encoder) else None
+    )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
     return Retrieval(corpus, bm25, dense, settings)
 
@@ -107,37 +112,50 @@ def without_duplicates(candidates: Candidates) -> tuple[Candidates, int]:
             keep.append(j)
     if len(keep) == len(candidates.passages):
         return candidates, 0
-    return make_candidates(candidates.qid, candidates.question, candidates.answers,
-                           [candidates.passages[j] for j in keep], [candidates.scores[j] for j in keep],
-                           candidates.gold_source), len(candidates.passages) - len(keep)
+    return make_candidates(
+        candidates.qid,
+        candidates.question,
+        candidates.answers,
+        [candidates.passages[j] for j in keep],
+        [candidates.scores[j] for j in keep],
+        candidates.gold_source,
+    ), len(candidates.passages) - len(keep)
 
 
-def question_candidates(retrieval: Retrieval, rows: Sequence[QARow], candidates_path: str | None = None,
-                        top_n: int | None = None) -> tuple[list[Candidates], dict[str, Any]]:
+def question_candidates(
+    retrieval: Retrieval, rows: Sequence[QARow], candidates_path: str | None = None, top_n: int | None = None
+) -> tuple[list[Candidates], dict[str, Any]]:
     """Top-N candidates per question (N = `retrieval.top_n` unless `top_n` says otherwise): retrieved, or
     read from `candidates_path` (a prebuilt list)."""
     if candidates_path:  # joined by qid, then checked by question text
-        found = match_candidates(rows, load_candidates_jsonl(candidates_path),
-                                 source=f"retrieval.candidates_path={candidates_path}")
+        found = match_candidates(
+            rows, load_candidates_jsonl(candidates_path), source=f"retrieval.candidates_path={candidates_path}"
+        )
     else:
-        found = retrieve_candidates(rows, retrieval.corpus, retrieval.retriever,
-                                    top_n=int(top_n or retrieval.settings.top_n))
+        found = retrieve_candidates(
+            rows, retrieval.corpus, retrieval.retriever, top_n=int(top_n or retrieval.settings.top_n)
+        )
     cleaned, removed = zip(*(without_duplicates(c) for c in found)) if found else ((), ())
     empty = [c.qid for c in cleaned if not c.passages]
     if empty:
         raise ValueError(f"questions without any retrieved context: {empty[:5]}")
-    stats = {"questions": len(cleaned), "duplicate_passages_removed": int(sum(removed)),
-             "gold_retrieved": float(np.mean([c.gold_retrieved for c in cleaned])),
-             "answer_in_candidates": float(np.mean([any(c.has_answer) for c in cleaned]))}
+    stats = {
+        "questions": len(cleaned),
+        "duplicate_passages_removed": int(sum(removed)),
+        "gold_retrieved": float(np.mean([c.gold_retrieved for c in cleaned])),
+        "answer_in_candidates": float(np.mean([any(c.has_answer) for c in cleaned])),
+    }
     return list(cleaned), stats
 
 
 def retrieve_fn(retrieval: Retrieval):
     """question -> the retriever's top-N passages (repeated texts removed), as the batch stages get them."""
+
     def retrieve(question: str) -> list:
         texts: dict[str, Any] = {}
         for index, _ in retrieval.retriever.search([question], int(retrieval.settings.top_n))[0]:
             passage = retrieval.corpus.passages[index]
             texts.setdefault(document_text(passage), passage)
         return list(texts.values())
+
     return retrieve

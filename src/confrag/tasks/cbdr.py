@@ -41,8 +41,9 @@ def check(cfg: DictConfig) -> Checked:
     recipe = rerank_recipe(cfg)
     answers = settings_from(AnswerSettings, cfg.rag, "rag")
     evaluation = settings_from(EvalSettings, cfg.eval, "eval")
-    settings = cbdr_settings(plain(cfg.cbdr), answers, evaluation, recipe.retrieval.top_n,
-                             bool(recipe.retrieval.candidates_path))
+    settings = cbdr_settings(
+        plain(cfg.cbdr), answers, evaluation, recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
+    )
     return Checked(recipe, answers, evaluation, settings)
 
 
@@ -56,8 +57,19 @@ def run(cfg: DictConfig) -> dict[str, float]:
         stage = rerank_stage(recipe, out, loggers, run_config)
         rows1 = table1(stage.scorers, stage.preferences.splits["test"], cfg.seed)
     with timer.stage("answers"):
-        evaluation = evaluate(stage, settings, checked.evaluation, checked.answers, recipe.llm, recipe.templates,
-                              recipe.cache_dir, recipe.seed, out, recipe.reranker.eval_batch_size, recipe.progress)
+        evaluation = evaluate(
+            stage,
+            settings,
+            checked.evaluation,
+            checked.answers,
+            recipe.llm,
+            recipe.templates,
+            recipe.cache_dir,
+            recipe.seed,
+            out,
+            recipe.reranker.eval_batch_size,
+            recipe.progress,
+        )
     evaluation.seconds = timer.seconds()
     if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
         return {}
@@ -68,13 +80,22 @@ def run(cfg: DictConfig) -> dict[str, float]:
     record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
     record["stages"] = timer.stages
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))
-    run = report.RunContext(cfg.llm.name, out.name, recipe.retrieval.retriever, recipe.retrieval.top_n,
-                            config_yaml(cfg), gold_known=not (recipe.retrieval.corpus_path or
-                                                              recipe.retrieval.candidates_path))
-    secondary = [report.closed_book_line(tables, settings.eval_metric, n_resamples, cfg.seed),
-                 report.secondary_markdown(tables, settings.ks, run.gold_known, evaluation.gold_sources())]
-    atomic_write_text(out / "report.md", report.report_markdown(run, stage, settings, rows1, table2_md, *secondary,
-                                                                results, plots, record, rows2))
+    run = report.RunContext(
+        cfg.llm.name,
+        out.name,
+        recipe.retrieval.retriever,
+        recipe.retrieval.top_n,
+        config_yaml(cfg),
+        gold_known=not (recipe.retrieval.corpus_path or recipe.retrieval.candidates_path),
+    )
+    secondary = [
+        report.closed_book_line(tables, settings.eval_metric, n_resamples, cfg.seed),
+        report.secondary_markdown(tables, settings.ks, run.gold_known, evaluation.gold_sources()),
+    ]
+    atomic_write_text(
+        out / "report.md",
+        report.report_markdown(run, stage, settings, rows1, table2_md, *secondary, results, plots, record, rows2),
+    )
     report.log_results(loggers, record["metrics"], rows1, rows2, results, plots)
     print(f"CBDR report: {out / 'report.md'}\n\n{table2_md}\n\n{results.table3}", flush=True)
     return record["metrics"]

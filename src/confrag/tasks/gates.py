@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 
 from confrag.artifacts import atomic_write_text
 from confrag.cbdr.settings import AnswerSettings, EvalSettings
+from confrag.distributed import rank_info
 from confrag.gates.evaluation import plot_gates
 from confrag.gates.settings import GateSettings, gate_settings
-from confrag.distributed import rank_info
 from confrag.instantiators import config_yaml, output_dir, settings_from, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.recipes import rerank_recipe
@@ -41,8 +41,9 @@ def check(cfg: DictConfig) -> Checked:
     recipe = rerank_recipe(cfg)
     answers = settings_from(AnswerSettings, cfg.rag, "rag")
     evaluation = settings_from(EvalSettings, cfg.eval, "eval")
-    gates = gate_settings(cfg.get("gates"), cfg.get("gate"), recipe.retrieval.top_n,
-                          bool(recipe.retrieval.candidates_path))
+    gates = gate_settings(
+        cfg.get("gates"), cfg.get("gate"), recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
+    )
     return Checked(recipe, answers, evaluation, gates)
 
 
@@ -55,9 +56,19 @@ def run(cfg: DictConfig) -> dict[str, float]:
     stage = rerank_stage(recipe, out, loggers, run_config)
     llm = load_llm(recipe.llm)
     rows = evaluation_rows(stage, checked.evaluation.num_questions, recipe.seed)
-    evaluation = prepare_gate_evaluation(stage, rows, settings, gates, llm, recipe.templates, checked.answers,
-                                         checked.evaluation.dev_fraction, recipe.cache_dir, recipe.seed,
-                                         recipe.progress)
+    evaluation = prepare_gate_evaluation(
+        stage,
+        rows,
+        settings,
+        gates,
+        llm,
+        recipe.templates,
+        checked.answers,
+        checked.evaluation.dev_fraction,
+        recipe.cache_dir,
+        recipe.seed,
+        recipe.progress,
+    )
     if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
         return {}
     results = run_gates(evaluation, settings, cfg.seed)
@@ -65,13 +76,27 @@ def run(cfg: DictConfig) -> dict[str, float]:
     answers = {"generated": evaluation.store.generated, "reused": evaluation.store.reused}
     evaluation.store = evaluation.maker = llm = None  # the LLM is not needed any more: free it before reporting
     gc.collect()
-    plot = plot_gates(results.rows, curves, out / "gates.png",
-                      f"{cfg.llm.name}: retrieval gates on NQ test ({settings.metric})")
+    plot = plot_gates(
+        results.rows, curves, out / "gates.png", f"{cfg.llm.name}: retrieval gates on NQ test ({settings.metric})"
+    )
     record = report.gate_record(settings, evaluation, results, curves, answers, time.perf_counter() - start)
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))
-    atomic_write_text(out / "gates.md", report.report_markdown(
-        cfg.llm.name, out.name, recipe.retrieval.retriever, recipe.retrieval.top_n, config_yaml(cfg), settings,
-        evaluation, results, plot, answers, record["wall_seconds"]))
+    atomic_write_text(
+        out / "gates.md",
+        report.report_markdown(
+            cfg.llm.name,
+            out.name,
+            recipe.retrieval.retriever,
+            recipe.retrieval.top_n,
+            config_yaml(cfg),
+            settings,
+            evaluation,
+            results,
+            plot,
+            answers,
+            record["wall_seconds"],
+        ),
+    )
     report.log_results(loggers, record["metrics"], results.rows, curves, plot)
     print(f"Gates report: {out / 'gates.md'}\n\n{report.tables_text(results.rows, settings.metric)}", flush=True)
     return record["metrics"]

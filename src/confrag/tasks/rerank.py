@@ -29,7 +29,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     stage.rerankers[stage.main].export(out / "reranker")
     test_rows = stage.preferences.splits["test"]
     rows = table1(stage.scorers, test_rows, cfg.seed)
-    print(write_rerank_report(out, cfg.llm.name, stage.preferences.report, len(test_rows), rows, stage.training,
-                              loggers), flush=True)
+    print(
+        write_rerank_report(out, cfg.llm.name, stage.preferences.report, len(test_rows), rows, stage.training, loggers),
+        flush=True,
+    )
     main = next(r for r in rows if r["system"] == stage.main)
     return {f"test/{k}": v / 100 for k, v in main.items() if k != "system"}
