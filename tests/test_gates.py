@@ -34,7 +34,7 @@ from confrag.gates import (
 )
 from confrag.gates.bridge import answer_contexts, combine_scores, soft_bias_tree, trust_scores
 from confrag.gates.ccsk import ccsk_rule, leave_one_out_siamese, response_features, rqm_targets, siamese_scores
-from confrag.gates.ctrla import direction_from_states
+from confrag.gates.directions import direction_from_states
 from confrag.gates.dragin import is_content_token, rind_scores
 from confrag.gates.signals import (
     SparseMatcher,

@@ -17,13 +17,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from confrag.data.nq import Passage
 from confrag.gates.base import DraftSignals, check_number
-from confrag.gates.ctrla import (
-    CONFIDENT_TEMPLATE,
-    UNCONFIDENT_TEMPLATE,
-    ConfidenceDirection,
-    check_template,
-    direction_from_states,
-)
+from confrag.gates.ctrla import CONFIDENT_TEMPLATE, UNCONFIDENT_TEMPLATE, check_template
+from confrag.gates.directions import ConfidenceDirection, direction_from_states
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
 from confrag.llm.loading import LoadedLLM
