@@ -214,8 +214,9 @@ def test_tau_and_k_sweep_reuses_probe_and_candidate_states(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
-    # once: answers and states of the three probe prompt kinds, the empty-context reference, the candidates
-    assert output.count("shards to compute") == 8, output[-3000:]
+    # once: answers and states of the three probe prompt kinds; the preference questions' QA and
+    # empty-context references (they are not the probe's questions) and their candidates
+    assert output.count("shards to compute") == 9, output[-3000:]
     jobs = sorted((logs / "rerank" / "multiruns").glob("*/[0-9]*"))
     assert len(jobs) == 4
     settings = {

@@ -152,9 +152,25 @@ def run_record(
             "capped": {d: {n: r.capped for n, r in by.items()} for d, by in evaluation.runs.items()},
             "hotpotqa_questions": sum(len(s.rows) for s in evaluation.sets if s.dataset == HOTPOTQA),
         },
+        # Choices between rerankers (the rule of `ours`, the probe option) are made on dev, never on test.
+        "dev_accuracy": dev_accuracy(evaluation, settings),
         "wall_seconds": seconds,
         "seconds": evaluation.seconds,
     }
+
+
+def dev_accuracy(evaluation: RagEvaluation, settings: CBDRSettings) -> dict[str, dict[str, float]]:
+    """Every NQ row's accuracy (eval.metric) per K on the dev questions (diagnostic rows are test-only)."""
+    dev = {r.qid for r in evaluation.splits["dev"]}
+    out = {}
+    for name, run in evaluation.runs[NQ].items():
+        outcomes = [o for o in run.outcomes if o.qid in dev]
+        if outcomes:
+            out[name] = {
+                f"top{k}": float(np.mean([getattr(o.rag[k], settings.eval_metric) for o in outcomes]))
+                for k in settings.ks
+            } | {"n": len(outcomes)}
+    return out
 
 
 def write_plots(out: Path, llm_name: str, results: CBDRResults) -> dict[str, Path]:
