@@ -8,6 +8,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from confrag.cbdr.settings import AnswerSettings, EvalSettings
 from confrag.distributed import rank_trainer_devices
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
@@ -100,4 +101,13 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
         cache_dir=str(cfg.paths.cache_dir),
         seed=int(cfg.seed),
         progress=bool(cfg.get("progress", True)),
+    )
+
+
+def evaluation_recipe(cfg: DictConfig) -> tuple[RerankRecipe, AnswerSettings, EvalSettings]:
+    """What the cbdr and gates tasks share: the rerank stage, the answers (`rag`), the questions (`eval`)."""
+    return (
+        rerank_recipe(cfg),
+        settings_from(AnswerSettings, cfg.rag, "rag"),
+        settings_from(EvalSettings, cfg.eval, "eval"),
     )

@@ -15,6 +15,7 @@ from confrag.cbdr.gate import check_beta
 from confrag.cbdr.sweep import METRICS, OBJECTIVES, beta_grid, check_betas
 from confrag.llm.batching import check_batch_size
 from confrag.llm.generation import GreedyOptions
+from confrag.rag.answers import AnswerStore
 from confrag.rag.pipeline import check_ks
 from confrag.rag.stats import BINARY_METRICS
 
@@ -50,6 +51,19 @@ class AnswerSettings:
             check_batch_size(getattr(self, key), f"rag.{key}")
         if not isinstance(self.generation, GreedyOptions):
             object.__setattr__(self, "generation", GreedyOptions.from_mapping(self.generation, "rag.generation"))
+
+    def store(self, llm: Any, templates: Any, cache_dir: Any, progress: bool = True) -> AnswerStore:
+        """The answer cache these settings describe, for `llm` (a LoadedLLM) and its prompt templates."""
+        return AnswerStore(
+            llm,
+            templates,
+            cache_dir,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            chunk_size=self.chunk_size,
+            progress=progress,
+            generation=self.generation,
+        )
 
 
 @dataclass(frozen=True)

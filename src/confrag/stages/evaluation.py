@@ -207,16 +207,7 @@ def evaluate(
     sets += [hotpot] if hotpot else []
     llm = load_llm(llm_config)
     try:
-        store = AnswerStore(
-            llm,
-            templates,
-            cache_dir,
-            max_new_tokens=answers.max_new_tokens,
-            batch_size=answers.batch_size,
-            chunk_size=answers.chunk_size,
-            progress=progress,
-            generation=answers.generation,
-        )
+        store = answers.store(llm, templates, cache_dir, progress)
         confidence = question_confidences(
             llm,
             templates,

@@ -257,16 +257,7 @@ def prepare_gate_evaluation(
         ),
     )
 
-    store = AnswerStore(
-        llm,
-        templates,
-        cache_dir,
-        max_new_tokens=answers.max_new_tokens,
-        batch_size=answers.batch_size,
-        chunk_size=answers.chunk_size,
-        progress=progress,
-        generation=answers.generation,
-    )
+    store = answers.store(llm, templates, cache_dir, progress)
     # The clean ranking is already the reranker's: run_rag without a reranker keeps it (same prompts as cbdr's).
     clean_run = run_rag([*sets.train, *sets.test], ranked, store, [k])
     conflict_run = run_rag(sets.test, conflict_test, store, [k])

@@ -19,9 +19,9 @@ from confrag.cbdr import ConfidenceGate
 from confrag.cbdr.analysis import cbdr_results
 from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings, cbdr_settings
 from confrag.distributed import rank_info
-from confrag.instantiators import config_yaml, output_dir, plain, settings_from, task_loggers
+from confrag.instantiators import config_yaml, output_dir, plain, task_loggers
 from confrag.llm.loading import load_llm
-from confrag.recipes import rerank_recipe, templates
+from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.stages.evaluation import confidence_gate, evaluate
 from confrag.stages.rerank import RerankRecipe, rerank_stage, table1
@@ -38,9 +38,7 @@ class Checked:
 
 def check(cfg: DictConfig) -> Checked:
     """The rerank stage's settings and the task's own (`rag`, `eval`, `cbdr`), before anything runs."""
-    recipe = rerank_recipe(cfg)
-    answers = settings_from(AnswerSettings, cfg.rag, "rag")
-    evaluation = settings_from(EvalSettings, cfg.eval, "eval")
+    recipe, answers, evaluation = evaluation_recipe(cfg)
     settings = cbdr_settings(
         plain(cfg.cbdr), answers, evaluation, recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )

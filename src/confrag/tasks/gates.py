@@ -19,9 +19,9 @@ from confrag.cbdr.settings import AnswerSettings, EvalSettings
 from confrag.distributed import rank_info
 from confrag.gates.evaluation import plot_gates
 from confrag.gates.settings import GateSettings, gate_settings
-from confrag.instantiators import config_yaml, output_dir, settings_from, task_loggers
+from confrag.instantiators import config_yaml, output_dir, task_loggers
 from confrag.llm.loading import load_llm
-from confrag.recipes import rerank_recipe
+from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
 from confrag.stages.evaluation import evaluation_rows
 from confrag.stages.gate_comparison import prepare_gate_evaluation, run_gates, threshold_curves
@@ -38,9 +38,7 @@ class Checked:
 
 def check(cfg: DictConfig) -> Checked:
     """The rerank stage's settings, the shared `rag` / `eval` nodes and the `gates` node, before anything runs."""
-    recipe = rerank_recipe(cfg)
-    answers = settings_from(AnswerSettings, cfg.rag, "rag")
-    evaluation = settings_from(EvalSettings, cfg.eval, "eval")
+    recipe, answers, evaluation = evaluation_recipe(cfg)
     gates = gate_settings(
         cfg.get("gates"), cfg.get("gate"), recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )
