@@ -83,6 +83,8 @@ def test_gpu_experiments_load_the_papers_models(tmp_path):
         cfg = compose_cfg([f"+experiment={name}"], tmp_path)
         assert cfg.model.backbone == "BAAI/bge-reranker-v2-m3" and cfg.model.lr == 6e-5
         assert cfg.model.weight_decay == 0.01 and cfg.trainer.max_epochs == 1 and cfg.preferences.reference == "qa"
+        # bge-reranker-v2-m3 already is a relevance reranker: it is the base as it comes, aligned from there.
+        assert cfg.base_reranker.train is False
     for name, repo in (
         ("cbdr_llama3", "meta-llama/Meta-Llama-3-8B-Instruct"),
         ("cbdr_qwen2_5", "Qwen/Qwen2.5-7B-Instruct"),
