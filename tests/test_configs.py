@@ -171,8 +171,11 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     activation_dirs = list((cache / "activations").iterdir())
-    assert len(activation_dirs) == 1  # one prompt kind (qa), extracted once for all three layers
-    assert (done.stdout + done.stderr).count("shards to compute") == 2  # generations and activations, once each
+    # One prompt kind (qa) and the dev and test questions' candidates (the checkpoint's ranking metric), each
+    # extracted once for all three layers.
+    assert len(activation_dirs) == 3
+    # QA generations and states, dev and test candidates' states: each computed once, by the first job.
+    assert (done.stdout + done.stderr).count("shards to compute") == 4
     jobs = sorted((logs / "probe" / "multiruns").glob("*/[0-9]*"))
     assert len(jobs) == 3
     layers = [json.loads((job / "probe" / "probe.json").read_text())["activations"]["layer"] for job in jobs]
@@ -216,9 +219,10 @@ def test_tau_and_k_sweep_reuses_probe_and_candidate_states(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
-    # once: answers and states of the three probe prompt kinds; the preference questions' QA and
-    # empty-context references (they are not the probe's questions) and their candidates
-    assert output.count("shards to compute") == 9, output[-3000:]
+    # once: answers and states of the three probe prompt kinds; the probe's dev and test questions' candidates
+    # (its checkpoint's ranking metric); the preference questions' QA and empty-context references (they are not
+    # the probe's questions) and their candidates
+    assert output.count("shards to compute") == 11, output[-3000:]
     jobs = sorted((logs / "rerank" / "multiruns").glob("*/[0-9]*"))
     assert len(jobs) == 4
     settings = {

@@ -278,3 +278,31 @@ def test_build_confidence_data_rejects_bad_settings(tiny_llama, templates, rows,
     with pytest.raises(ValueError, match=r"0\.\.4"):
         build(tiny_llama, templates, rows, tmp_path, layers=[9])
     assert not list(tmp_path.iterdir())  # refused before anything was computed
+
+
+def test_candidates_option_trains_on_every_candidate_labelled_by_its_answer(tiny_llama, templates, rows, tmp_path):
+    """`candidates`: one state per (question, candidate) pair, lists of different lengths, each labelled by the
+    LLM's own answer under that candidate; no QA or gold-paragraph state; splits by question."""
+    from confrag.nq_confidence import PAIRS_KIND
+
+    lists = [[row.contexts[0], rows[(i + 1) % len(rows)].contexts[0]][: 1 + i % 2] for i, row in enumerate(rows)]
+    data = build(tiny_llama, templates, rows, tmp_path, train_states="candidates", candidates=lists, balance=False)
+    assert set(data.stores) == {PAIRS_KIND}
+    pairs = sum(len(c) for c in lists)
+    assert len(data.stores[PAIRS_KIND]) == pairs == len(data.labels[PAIRS_KIND]) == len(data.pair_question)
+    assert data.pair_question.tolist() == [i for i, c in enumerate(lists) for _ in c]
+    on_disk = stored_responses(tmp_path, PAIRS_KIND)
+    golds = [rows[i].answers for i in data.pair_question]
+    assert data.labels[PAIRS_KIND].tolist() == [int(has_answer(r, g)) for r, g in zip(on_disk, golds)]
+    prompts = [
+        templates.rag_prompt(tiny_llama.tokenizer, rows[i].question, [p]) for i, c in enumerate(lists) for p in c
+    ]
+    reference = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, share_prefix=False, progress=False)
+    np.testing.assert_allclose(
+        data.stores[PAIRS_KIND].take(2, range(pairs)), reference.extract(prompts, [2])[0], rtol=1e-5, atol=1e-5
+    )
+    # Unbalanced: every pair of a split's questions is an example of that split, none elsewhere.
+    for split, examples in data.examples.items():
+        expected = [j for j, i in enumerate(data.pair_question) if data.split_of[i] == split]
+        assert [e.index for e in examples] == expected
+    assert data.summary()["candidates/has_answer"] == pytest.approx(data.labels[PAIRS_KIND].mean())

@@ -27,6 +27,7 @@ from confrag.rag import (
 )
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import RagAnswer
+from confrag.rag.stats import detectable_difference, holm, paired_difference
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 
@@ -283,6 +284,34 @@ def test_exact_mcnemar_counts_discordant_pairs():
         mcnemar_exact([1], [1, 0])
 
 
+def test_holm_steps_down_and_keeps_order():
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
+    assert holm([0.9, 0.8]) == pytest.approx([1.0, 1.0])  # 2 × 0.8 capped at 1, then monotone
+    assert holm([]) == []
+
+
+def test_paired_difference_resamples_questions_not_systems():
+    a, b = [1] * 30 + [0] * 70, [0] * 10 + [1] * 20 + [0] * 70  # a right on 30, b on 20, 10 discordant pairs
+    diff = paired_difference(a, b, n_resamples=2000)
+    assert diff.value == pytest.approx(0.1) and diff.n == 100
+    assert 0.03 < diff.low < 0.1 < diff.high < 0.17  # only the 10 discordant questions vary: a narrow interval
+    with pytest.raises(ValueError, match="equal length"):
+        paired_difference([1], [1, 0])
+
+
+def test_detectable_difference_shrinks_with_questions_and_grows_with_discordance():
+    small, large = detectable_difference(150, 0.2), detectable_difference(600, 0.2)
+    assert 0 < large < small < 0.2
+    assert large == pytest.approx(0.051, abs=0.003)  # Connor's formula at n = 600, psi = 0.2
+    assert detectable_difference(600, 0.3) > large
+    assert detectable_difference(600, 0.0) is None
+    # The formula inverted: that difference needs n = 600 questions.
+    d, psi = large, 0.2
+    z_a, z_b = 1.959964, 0.841621
+    assert (z_a * psi**0.5 + z_b * (psi - d * d) ** 0.5) ** 2 / d**2 == pytest.approx(600, rel=1e-3)
+
+
 def fake_outcomes(k_correct: dict[int, list[int]], qids=None) -> list[QuestionOutcome]:
     n = len(next(iter(k_correct.values())))
     qids = qids or [f"q{i}" for i in range(n)]
@@ -315,10 +344,15 @@ def test_table2_has_cis_and_paired_tests_against_the_base_row():
     lines = table.splitlines()
     assert lines[0] == (
         "| LLM | Reranker | Params | NQ Top-1 | NQ Top-3 | NQ p vs base (Top-1 / Top-3) | "
-        "HotpotQA Top-1 | HotpotQA Top-3 | HotpotQA p vs base (Top-1 / Top-3) |"
+        "NQ Top-1 − base [95 % CI] · Holm p · detectable | "
+        "HotpotQA Top-1 | HotpotQA Top-3 | HotpotQA p vs base (Top-1 / Top-3) | "
+        "HotpotQA Top-1 − base [95 % CI] · Holm p · detectable |"
     )
-    assert lines[2].startswith("| Llama3 | bge-base | 568M | 30.00 [") and "| base |" in lines[2]
-    assert lines[3].startswith("| Llama3 | bge-ft | 568M | 70.00 [") and "| 0.125 / 1.000 |" in lines[3]
+    assert lines[2].startswith("| Llama3 | bge-base | 568M | 30.00 [") and "| base | — |" in lines[2]
+    assert lines[3].startswith("| Llama3 | bge-ft | 568M | 70.00 [") and "| 0.125 / 1.000 | +40.0 [" in lines[3]
+    # One row compared per dataset and K: Holm leaves its p as it is; the difference is paired.
+    assert ft["top1_p_holm"] == pytest.approx(0.125) and ft["top1_diff"].value == pytest.approx(0.4)
+    assert ft["top1_diff"].low > 0 and ft["top1_mde"] is not None
     assert "NQ: n = 10" in table and "HotpotQA: n = 2" in table
     with pytest.raises(ValueError, match="eval.base_reranker='other' names no run"):
         table2_rows(runs, base_reranker="other")

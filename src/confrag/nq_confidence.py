@@ -11,8 +11,10 @@ For each selected question and each prompt kind
 the stage caches the greedy answer and the last-prompt-token hidden states of the requested layers.
 The label of a state is "the answer under that prompt contains a gold answer" (has_answer; exact
 match is kept beside it). Questions are split train/dev/test by question, stratified on the
-closed-book label in the paper's proportions; each split's examples are class-balanced by
-down-sampling the majority class, at most the paper's 1000/300/500 per class.
+closed-book label in the proportions of `question_splits` (default: the paper's 1000/300/500); with
+`balance`, each split's examples are class-balanced by down-sampling the majority class, at most
+`split_sizes` per class (the paper's 1000/300/500). Without it every state is kept, and the probe
+balances the classes by weighting its loss (`model.class_weight=balanced`).
 """
 
 from __future__ import annotations
@@ -36,16 +38,26 @@ log = logging.getLogger(__name__)
 
 KINDS = ("qa", "rag_gold", "rag_other")
 CANDIDATE_KIND = "rag_cand"
+# One state per (question, retrieved candidate) pair, every candidate of every question (`candidates`).
+PAIRS_KIND = "rag_pairs"
 TRAIN_STATES = {
     "qa": ("qa",),
     "qa+rag": ("qa", "rag_gold", "rag_other"),
     "qa+candidates": ("qa",),
     "qa+rag+candidates": ("qa", "rag_gold", "rag_other"),
+    # The post-retrieval probe as the reference trains it: candidate states only, each labelled by the LLM's
+    # answer under that candidate, the question's whole candidate list (duplicates removed), no fixed ranks.
+    "candidates": (),
 }
 
 
 def uses_candidates(train_states: str) -> bool:
-    return train_states.endswith("+candidates")
+    return train_states.endswith("candidates")
+
+
+def pairs_only(train_states: str) -> bool:
+    """Whether the option trains on the flat (question, candidate) pairs alone (`candidates`)."""
+    return train_states == "candidates"
 
 
 def kinds_of(train_states: str, num_candidates: int) -> tuple[str, ...]:
@@ -58,6 +70,8 @@ def kinds_of(train_states: str, num_candidates: int) -> tuple[str, ...]:
 
 def kind_order(kind: str) -> tuple[int, int]:
     """Sort key of a prompt kind: the fixed kinds first, then the candidates by rank."""
+    if kind == PAIRS_KIND:
+        return len(KINDS) + 1, 0
     if kind.startswith(CANDIDATE_KIND):
         return len(KINDS), int(kind[len(CANDIDATE_KIND) :])
     return KINDS.index(kind), 0
@@ -70,7 +84,7 @@ SPLITS = tuple(PAPER_SPLIT_SIZES)
 @dataclass(frozen=True)
 class Example:
     kind: str
-    index: int  # row of the question in `ConfidenceData.rows` and in the kind's activation store
+    index: int  # row in the kind's activation store: the question's row in `ConfidenceData.rows`, or the pair's
     label: int
 
 
@@ -87,6 +101,7 @@ class ConfidenceData:
     examples: dict[str, list[Example]]
     identity: dict[str, Any] = field(default_factory=dict)
     requested_questions: int | None = None  # set when more questions were asked for than the data holds
+    pair_question: np.ndarray | None = None  # `candidates`: the question row of each (question, candidate) pair
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"questions": len(self.rows)}
@@ -95,7 +110,9 @@ class ConfidenceData:
         for kind, labels in self.labels.items():
             out[f"{kind}/has_answer"] = float(labels.mean()) if len(labels) else 0.0
             out[f"{kind}/exact_match"] = float(self.exact[kind].mean()) if len(labels) else 0.0
-        candidate_labels = [labels for kind, labels in self.labels.items() if kind.startswith(CANDIDATE_KIND)]
+        candidate_labels = [
+            labels for kind, labels in self.labels.items() if kind.startswith(CANDIDATE_KIND) or kind == PAIRS_KIND
+        ]
         if candidate_labels:
             out["candidates/has_answer"] = float(np.concatenate(candidate_labels).mean())
         for split, examples in self.examples.items():
@@ -170,6 +187,14 @@ def stratified_question_splits(labels: np.ndarray, seed: int, sizes: dict[str, i
     return split_of
 
 
+def check_splits(sizes: dict[str, int], key: str) -> dict[str, int]:
+    """Positive sizes for exactly train, dev and test (`key` names the setting in the error)."""
+    sizes = dict(sizes)
+    if set(sizes) != set(SPLITS) or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes.values()):
+        raise ValueError(f"{key} must give positive integer sizes for exactly {SPLITS}; got {sizes}")
+    return sizes
+
+
 def balanced_examples(candidates: list[Example], cap: int, seed: int) -> list[Example]:
     """Equal numbers of positives and negatives (the smaller class, at most `cap` each), seeded."""
     rng = np.random.default_rng(seed)
@@ -189,6 +214,7 @@ def build_confidence_data(
     seed: int = 0,
     split_sizes: dict[str, int] | None = None,
     balance: bool = True,
+    question_splits: dict[str, int] | None = None,
     max_new_tokens: int = 24,
     gen_batch_size: int | str = 16,
     extract_batch_size: int | str = 16,
@@ -202,15 +228,15 @@ def build_confidence_data(
     """NQ_Confidence for `rows`; `candidates[i]` (passages with .title and .text) are question i's retrieved
     contexts, needed by the `+candidates` options (one prompt kind per rank)."""
     num_candidates = min((len(c) for c in candidates), default=0) if candidates is not None else 0
-    kinds = kinds_of(train_states, num_candidates)
+    # The flat pairs option takes every question's whole list; the ranked options one kind per common rank.
+    kinds = kinds_of(train_states, 0 if pairs_only(train_states) else num_candidates)
     if uses_candidates(train_states) and num_candidates == 0:
         raise ValueError(
             f"data.train_states={train_states!r} needs retrieved candidates for every question "
             "(data.candidates_top_n >= 1)"
         )
-    sizes = dict(split_sizes or PAPER_SPLIT_SIZES)
-    if set(sizes) != set(SPLITS) or any(int(v) < 1 for v in sizes.values()):
-        raise ValueError(f"data.split_sizes must give positive sizes for exactly {SPLITS}; got {sizes}")
+    sizes = check_splits(split_sizes or PAPER_SPLIT_SIZES, "data.split_sizes")
+    proportions = check_splits(question_splits or sizes, "data.question_splits")
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
@@ -257,20 +283,60 @@ def build_confidence_data(
             (activations, lambda a, b, p=prompts, k=kind: engine.extract(p[a:b], layer_list, desc=f"states [{k}]"))
         )
         artifacts[kind] = (generations, activations)
+    owners = {kind: np.arange(len(rows)) for kind in kinds}  # the question row of each item of a kind
+    if pairs_only(train_states):
+        pair_question = np.array([i for i, c in enumerate(candidates) for _ in c], dtype=np.int64)
+        prompts = [
+            templates.rag_prompt(llm.tokenizer, rows[i].question, [p]) for i, c in enumerate(candidates) for p in c
+        ]
+        pair_spec = {
+            **base_spec,
+            "kind": PAIRS_KIND,
+            "contexts": fingerprint([[int(i), p.title, p.text] for i, c in enumerate(candidates) for p in c]),
+        }
+        generations = ShardedArtifact(
+            cache_dir,
+            "generations",
+            {**pair_spec, "max_new_tokens": max_new_tokens},
+            len(prompts),
+            shard_size,
+            fmt="json",
+        )
+        activations = ShardedArtifact(
+            cache_dir, "activations", {**pair_spec, "layers": layer_list, "store": "float32"}, len(prompts), shard_size,
+            fmt="npy",
+        )  # fmt: skip
+        jobs.append(
+            (
+                generations,
+                lambda a, b: generate_greedy(
+                    llm.model, llm.tokenizer, prompts[a:b], max_new_tokens, gen_batch_size, desc="answers [pairs]",
+                    progress=progress, options=generation,
+                ),
+            )
+        )  # fmt: skip
+        jobs.append((activations, lambda a, b: engine.extract(prompts[a:b], layer_list, desc="states [pairs]")))
+        artifacts[PAIRS_KIND] = (generations, activations)
+        owners[PAIRS_KIND] = pair_question
+        kinds = (*kinds, PAIRS_KIND)
     compute_shards(jobs, desc="NQ_Confidence answers and hidden states", progress=progress)
 
     stores, responses, labels, exact = {}, {}, {}, {}
     for kind, (generations, activations) in artifacts.items():
         responses[kind] = generations.records()
-        labels[kind] = np.array([has_answer(r, row.answers) for r, row in zip(responses[kind], rows)], dtype=np.int64)
-        exact[kind] = np.array([exact_match(r, row.answers) for r, row in zip(responses[kind], rows)], dtype=np.int64)
+        golds = [rows[i].answers for i in owners[kind]]
+        labels[kind] = np.array([has_answer(r, g) for r, g in zip(responses[kind], golds)], dtype=np.int64)
+        exact[kind] = np.array([exact_match(r, g) for r, g in zip(responses[kind], golds)], dtype=np.int64)
         stores[kind] = ActivationStore(activations, layer_list)
 
-    split_of = stratified_question_splits(labels["qa"], seed, sizes)
+    split_of = stratified_question_splits(question_labels(labels, owners, len(rows)), seed, proportions)
     examples = {}
     for split in SPLITS:
         candidates = [
-            Example(kind, i, int(labels[kind][i])) for kind in kinds for i in range(len(rows)) if split_of[i] == split
+            Example(kind, j, int(labels[kind][j]))
+            for kind in kinds
+            for j, i in enumerate(owners[kind])
+            if split_of[i] == split
         ]
         examples[split] = balanced_examples(candidates, int(sizes[split]), seed) if balance else candidates
     identity = {
@@ -280,10 +346,21 @@ def build_confidence_data(
         "activations": {kind: stores[kind].key for kind in kinds},
     }
     data = ConfidenceData(
-        rows, layer_list, train_states, stores, responses, labels, exact, split_of, examples, identity
-    )
+        rows, layer_list, train_states, stores, responses, labels, exact, split_of, examples, identity,
+        pair_question=owners.get(PAIRS_KIND),
+    )  # fmt: skip
     log.info("NQ_Confidence: %s", data.summary())
     return data
+
+
+def question_labels(labels: dict[str, np.ndarray], owners: dict[str, np.ndarray], num_rows: int) -> np.ndarray:
+    """The per-question label the splits are stratified on: the closed-book answer's, or without QA states
+    (`candidates`) whether some candidate made the LLM answer correctly."""
+    if "qa" in labels:
+        return labels["qa"]
+    found = np.zeros(num_rows, dtype=np.int64)
+    np.maximum.at(found, owners[PAIRS_KIND], labels[PAIRS_KIND])
+    return found
 
 
 def activation_identity(data: ConfidenceData, layer: int) -> dict[str, Any]:

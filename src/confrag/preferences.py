@@ -34,7 +34,6 @@ import numpy as np
 
 from confrag.artifacts import (
     ActivationStore,
-    ShardedArtifact,
     atomic_write_text,
     fingerprint,
     honour_umask,
@@ -44,6 +43,7 @@ from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
+from confrag.probe.ranking import candidate_states, state_artifact
 from confrag.retrieval.candidates import Candidates
 from confrag.retrieval.corpus import document_text
 
@@ -58,29 +58,6 @@ RERANK_INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer 
 class ConfidenceShifts:
     reference: dict[str, np.ndarray]  # reference kind -> Conf per question
     candidates: list[np.ndarray]  # per question: Conf(Q + Ci) for each candidate
-
-
-def _state_artifact(
-    cache_dir,
-    llm: LoadedLLM,
-    templates: PromptTemplates,
-    kind: str,
-    rows_key: str,
-    layer: int,
-    num_items: int,
-    shard_size: int,
-    extra: dict | None = None,
-) -> ShardedArtifact:
-    spec = {
-        "llm": llm.identity,
-        "prompts": templates.identity(llm.tokenizer),
-        "rows": rows_key,
-        "kind": kind,
-        **(extra or {}),
-        "layers": [layer],
-        "store": "float32",
-    }
-    return ShardedArtifact(cache_dir, "activations", spec, num_items, shard_size, fmt="npy")
 
 
 def confidence_shifts(
@@ -117,7 +94,7 @@ def confidence_shifts(
     for kind in REFERENCES:
         if kind in reference:
             continue
-        artifact = _state_artifact(cache_dir, llm, templates, kind, rows_key, layer, len(questions), shard_size)
+        artifact = state_artifact(cache_dir, llm, templates, kind, rows_key, layer, len(questions), shard_size)
         artifact.compute(
             lambda a, b, p=prompts[kind], k=kind: engine.extract(p[a:b], [layer], desc=f"states [{k}]"),
             desc=f"{kind} states",
@@ -125,20 +102,17 @@ def confidence_shifts(
         )
         reference[kind] = probe.confidence(ActivationStore(artifact, [layer]).take(layer, range(len(questions))))
 
-    pairs = [(i, c) for i, cs in enumerate(candidate_sets) for c in cs.passages]
-    pair_prompts = [templates.rag_prompt(tok, questions[i], [c]) for i, c in pairs]
-    contexts_key = fingerprint([[c.title, c.text] for _, c in pairs])
-    artifact = _state_artifact(
-        cache_dir, llm, templates, "rag_candidates", rows_key, layer, len(pairs), shard_size, {"contexts": contexts_key}
-    )
-    artifact.compute(
-        lambda a, b: engine.extract(pair_prompts[a:b], [layer], desc="states [candidates]"),
-        desc="candidate states",
+    states, bounds = candidate_states(
+        llm,
+        templates,
+        candidate_sets,
+        layer,
+        engine=engine,
+        cache_dir=cache_dir,
+        shard_size=shard_size,
         progress=progress,
     )
-    store = ActivationStore(artifact, [layer])
-    conf = probe.confidence(store.take(layer, range(len(pairs)))) if pairs else np.zeros(0)
-    bounds = np.cumsum([0] + [len(cs.passages) for cs in candidate_sets])
+    conf = probe.confidence(states) if len(states) else np.zeros(0)
     return ConfidenceShifts(reference, [conf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
 

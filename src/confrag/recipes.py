@@ -12,25 +12,35 @@ from confrag.cbdr.settings import AnswerSettings, EvalSettings
 from confrag.distributed import rank_trainer_devices
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
+from confrag.probe.module import check_probe_settings
 from confrag.reranker.data import check_group_size
 from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
-from confrag.stages.probe import ProbeRecipe
+from confrag.stages.probe import DEFAULT_MONITOR, ProbeRecipe
 from confrag.stages.rerank import RerankRecipe
 from confrag.stages.rerankers import RerankerRecipe
 from confrag.stages.retrieval import RetrievalSettings
 
+# The probe model's settings checked before any stage runs (the rest are checked by the module itself).
+PROBE_SETTING_KEYS = ("dropout", "lr", "weight_decay", "optimizer", "l2", "class_weight")
 # The reranker `data` keys that change what training learns (not workers, not the scoring batch).
 RERANKER_DATA_KEYS = ("group_size", "batch_size", "query_max_len", "passage_max_len")
 TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
 
 
-def probe_recipe(node: DictConfig, seed: int) -> ProbeRecipe:
+def probe_recipe(node: DictConfig, seed: int, monitor: str | None = None) -> ProbeRecipe:
     """From a node holding the probe's `data` (NQConfidenceDataModule), `model` and `trainer`: the probe
-    task's root config, or the `probe` node of a later task. The DataModule is built once here (it loads
-    no model) to check its settings against the model's config, before anything runs."""
+    task's root config, or the `probe` node of a later task. The DataModule and the model's settings are
+    checked here (no model is loaded), before anything runs. `monitor`: the dev metric the checkpoint is
+    chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else val/gold_mrr)."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
     instantiate(data_cfg, _convert_="all").check_settings()
+    model_settings = OmegaConf.to_container(model_cfg, resolve=True)
+    check_probe_settings(**{k: v for k, v in model_settings.items() if k in PROBE_SETTING_KEYS})
+    if model_settings.get("optimizer") == "lbfgs" and data_cfg.get("batch_size") is not None:
+        raise ValueError(
+            f"model.optimizer=lbfgs takes whole-split batches: set data.batch_size=null (got {data_cfg.batch_size})"
+        )
     return ProbeRecipe(
         make_datamodule=lambda: instantiate(data_cfg, _convert_="all"),
         make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
@@ -40,6 +50,7 @@ def probe_recipe(node: DictConfig, seed: int) -> ProbeRecipe:
             "max_epochs": trainer_cfg.get("max_epochs"),
         },
         seed=seed,
+        monitor=str(monitor or node.get("monitor") or DEFAULT_MONITOR),
     )
 
 

@@ -7,6 +7,7 @@ fails at once, named by its key.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,7 @@ class EvalSettings:
     hotpotqa_path: str | None = None  # HotpotQA (official JSON or JSONL); None = NQ only
     hotpotqa_num_questions: int | None = 200
     diagnostics: bool = True  # Table 2's probe-as-reranker and utility-oracle rows (one answer per candidate)
+    nq_path: str | None = None  # evaluation questions from their own file (NQ format), checked disjoint from training
 
     def __post_init__(self) -> None:
         if self.metric not in BINARY_METRICS:
@@ -91,6 +93,8 @@ class EvalSettings:
                 f"eval.dev_fraction must be a number in (0, 1), the share of evaluation questions used "
                 f"to choose β (or to fit the gates); got {fraction!r}"
             )
+        if self.nq_path is not None and not Path(self.nq_path).is_file():
+            raise ValueError(f"eval.nq_path={self.nq_path!r} is not a file (a JSONL of NQ-format questions)")
         positive_int(self.num_questions, "eval.num_questions", minimum=2, allow_none=True)
         positive_int(self.hotpotqa_num_questions, "eval.hotpotqa_num_questions", minimum=2, allow_none=True)
         positive_int(self.n_resamples, "eval.n_resamples", minimum=100)

@@ -5,6 +5,11 @@ whole activation cache in memory. `prepare_data` loads the LLM only when somethi
 from the cache and frees it afterwards. With `train_states` ending in `+candidates`, each question's
 top `candidates_top_n` BM25 passages over the NQ file's paragraphs (the retrieval stage's default
 corpus) are added as prompt kinds, labelled by the LLM's answer under each.
+
+With `ranking_top_n` (the default), the dev and test questions' candidates (the same top-N BM25 passages
+with repeated texts removed that NQ_Rerank and the evaluation use) are scored too (`confrag.probe.ranking`):
+the dev set chooses the checkpoint, the test set (plus `ranking_test_questions` held-out questions from the
+rest of the file, states only) reports the probe as a reranker.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from confrag.artifacts import ActivationStore
 from confrag.data.nq import load_nq_jsonl
-from confrag.data.splits import select_questions
+from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.llm.generation import GreedyOptions
+from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LLMConfig, load_llm, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import (
@@ -34,7 +40,9 @@ from confrag.nq_confidence import (
     resolve_layers,
     uses_candidates,
 )
+from confrag.probe.ranking import RankingSet, candidate_states
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
+from confrag.retrieval.candidates import without_duplicates
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +117,7 @@ class NQConfidenceDataModule(LightningDataModule):
         max_new_tokens: int = 24,
         gen_batch_size: int | str = 16,
         extract_batch_size: int | str = 16,
-        batch_size: int = 64,
+        batch_size: int | None = 64,
         num_workers: int = 0,
         cache_dir: str = ".cache",
         seed: int = 0,
@@ -118,8 +126,24 @@ class NQConfidenceDataModule(LightningDataModule):
         words_per_passage: int = 100,
         extract_compile: bool = False,
         generation: dict[str, Any] | None = None,
+        question_splits: dict[str, int] | None = None,
+        ranking_top_n: int | None = 20,
+        ranking_test_questions: int = 0,
     ) -> None:
         super().__init__()
+        for key, value, least in (
+            ("ranking_top_n", ranking_top_n, 2),
+            ("ranking_test_questions", ranking_test_questions, 0),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"data.{key} must be null or an integer >= {least} (got {value!r})")
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(f"data.batch_size must be an integer >= 1, or null for full batches (got {batch_size!r})")
+        self.question_splits = question_splits
+        self.ranking_top_n, self.ranking_test_questions = ranking_top_n, int(ranking_test_questions or 0)
+        self.ranking: dict[str, RankingSet] = {}
         if uses_candidates(train_states) and (
             isinstance(candidates_top_n, bool) or not isinstance(candidates_top_n, int) or candidates_top_n < 1
         ):
@@ -171,6 +195,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 seed=self.seed,
                 split_sizes=self.split_sizes,
                 balance=self.balance,
+                question_splits=self.question_splits,
                 max_new_tokens=self.max_new_tokens,
                 gen_batch_size=self.gen_batch_size,
                 extract_batch_size=self.extract_batch_size,
@@ -182,6 +207,8 @@ class NQConfidenceDataModule(LightningDataModule):
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)
+            if self.ranking_top_n:
+                self.ranking = self.ranking_sets(llm, data, all_rows)
             self.num_layers = llm.num_layers
             self.llm_identity = llm.identity
             self.prompts_identity = self.templates.identity(llm.tokenizer)
@@ -192,12 +219,51 @@ class NQConfidenceDataModule(LightningDataModule):
         return data
 
     def retrieved(self, all_rows, rows) -> list[list]:
-        """Each question's top `candidates_top_n` BM25 passages over every paragraph of the NQ file (cached)."""
+        """Each question's top `candidates_top_n` BM25 passages over every paragraph of the NQ file (cached),
+        repeated texts removed as where the probe is applied."""
         corpus = corpus_from_nq(all_rows, words_per_passage=self.words_per_passage)
         found = retrieve_candidates(
             rows, corpus, BM25Retriever(corpus, cache_dir=self.cache_dir), top_n=self.candidates_top_n
         )
-        return [c.passages for c in found]
+        return [without_duplicates(c)[0].passages for c in found]
+
+    def ranking_sets(self, llm, data: ConfidenceData, all_rows) -> dict[str, RankingSet]:
+        """The dev and test questions' top-`ranking_top_n` candidates (repeated texts removed, as where the
+        probe is applied) with their states at the probe's layer (cached); the test set adds
+        `ranking_test_questions` questions from outside the probe's questions (their own artifact, so that
+        they are computed once whatever the probe's splits)."""
+        groups = {s: [r for r, split in zip(data.rows, data.split_of) if split == s] for s in ("dev", "test")}
+        if self.ranking_test_questions:
+            groups["test_extra"] = self.extra_test_rows(all_rows, data.rows)
+        corpus = corpus_from_nq(all_rows, words_per_passage=self.words_per_passage)
+        retriever = BM25Retriever(corpus, cache_dir=self.cache_dir)
+        engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=self.extract_batch_size, progress=self.progress)
+        parts = {}
+        for name, rows in groups.items():
+            found = [without_duplicates(c)[0] for c in retrieve_candidates(rows, corpus, retriever, self.ranking_top_n)]
+            states, _ = candidate_states(
+                llm,
+                self.templates,
+                found,
+                self.layer,
+                engine=engine,
+                cache_dir=self.cache_dir,
+                layers=data.layers,  # every extracted layer: a layer sweep extracts the candidates once
+                progress=self.progress,
+            )
+            parts[name] = (found, states)
+        test = [parts["test"], *([parts["test_extra"]] if "test_extra" in parts else [])]
+        sets = {"dev": RankingSet.of("dev", [parts["dev"]]), "test": RankingSet.of("test", test)}
+        if "test_extra" in parts:  # the same questions whatever the probe's splits: recipes compare on them
+            sets["heldout"] = RankingSet.of("heldout", [parts["test_extra"]])
+        return sets
+
+    def extra_test_rows(self, all_rows, probe_rows) -> list:
+        """`ranking_test_questions` seeded questions of the file outside the probe's questions."""
+        outside = held_out(all_rows, probe_rows, "the probe's ranking test", "data.ranking_test_questions")
+        extra = select_questions(outside, self.ranking_test_questions, self.seed)
+        check_disjoint(extra, {"the probe's questions": probe_rows}, "the ranking test questions")
+        return extra
 
     def prepare_data(self) -> None:
         if self.data is None:
@@ -217,7 +283,7 @@ class NQConfidenceDataModule(LightningDataModule):
 
     @property
     def input_dim(self) -> int:
-        return self.data.stores["qa"].dim
+        return next(iter(self.data.stores.values())).dim
 
     def feature_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """Mean and std of the training states of the chosen layer, streamed in chunks."""
@@ -245,7 +311,8 @@ class NQConfidenceDataModule(LightningDataModule):
         sampler = None if shuffle else unrepeated_sampler(self.datasets[split])
         return DataLoader(
             self.datasets[split],
-            batch_size=self.batch_size,
+            # null: the whole split in one batch (full-batch optimizers such as L-BFGS)
+            batch_size=self.batch_size or max(1, len(self.datasets[split])),
             shuffle=shuffle,
             sampler=sampler,
             num_workers=self.num_workers,

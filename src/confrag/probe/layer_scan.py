@@ -28,7 +28,7 @@ def layer_scan(data: ConfidenceData, kinds: Sequence[str] | None = None, folds: 
     splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
     results = []
     for layer in data.layers:
-        states = np.concatenate([data.stores[k].take(layer, range(len(data.rows))) for k in kinds])
+        states = np.concatenate([data.stores[k].take(layer, range(len(data.labels[k]))) for k in kinds])
         scores = []
         for train, test in splitter.split(states, labels):
             classifier = make_pipeline(StandardScaler(), LogisticRegression(C=0.05, max_iter=2000))

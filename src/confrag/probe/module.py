@@ -2,12 +2,18 @@
 
 Defaults follow the papers / Ni et al. (2025): d→512→64→32→2, ReLU, dropout 0.5, Adam lr 5e-5.
 Inputs are standardized with the training split's mean and std, kept as buffers so that
-`confidence()` takes raw hidden states. A saved probe carries the identity of the activations it
-was trained on (model, prompt template, layer); `load_probe(...).check(...)` refuses another one.
+`confidence()` takes raw hidden states. `hidden_dims=[]` is a logistic probe; with `optimizer="lbfgs"`
+(full-batch L-BFGS to convergence, `l2` on the weights) it is the reference's standardized logistic
+regression, the same optimum as scikit-learn's (tested). `class_weight="balanced"` weighs the loss by
+inverse class frequency, so that every training state is kept instead of down-sampling the majority.
+
+A saved probe carries the identity of the activations it was trained on (model, prompt template,
+layer); `load_probe(...).check(...)` refuses another one.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -56,11 +62,21 @@ class ProbeModule(LightningModule):
         lr: float = 5e-5,
         weight_decay: float = 0.0,
         layer: int | None = None,
+        optimizer: str = "adam",
+        l2: float = 0.0,
+        class_weight: str | None = None,
     ) -> None:
         super().__init__()
         hidden_dims = [int(d) for d in hidden_dims]  # plain ints, so the saved hparams stay JSON lists
-        if input_dim < 1 or not 0.0 <= dropout < 1.0 or lr <= 0:
-            raise ValueError(f"probe: need input_dim >= 1, 0 <= dropout < 1, lr > 0 (got {input_dim}, {dropout}, {lr})")
+        check_probe_settings(
+            input_dim=input_dim,
+            dropout=dropout,
+            lr=lr,
+            weight_decay=weight_decay,
+            optimizer=optimizer,
+            l2=l2,
+            class_weight=class_weight,
+        )
         self.save_hyperparameters()
         dims = [input_dim, *hidden_dims]
         blocks: list[nn.Module] = []
@@ -69,7 +85,8 @@ class ProbeModule(LightningModule):
         self.net = nn.Sequential(*blocks, nn.Linear(dims[-1], 2))
         self.register_buffer("mean", torch.zeros(input_dim))
         self.register_buffer("std", torch.ones(input_dim))
-        self.loss = nn.CrossEntropyLoss()
+        # Per-class loss weights (1, 1 unless class_weight="balanced" and set_class_weights saw the labels).
+        self.register_buffer("class_weights", torch.ones(2))
         metrics = MetricCollection(
             {"acc": BinaryAccuracy(), "auroc": BinaryAUROC(), "ece": BinaryCalibrationError(n_bins=10)}
         )
@@ -82,6 +99,20 @@ class ProbeModule(LightningModule):
     def set_standardization(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
         self.mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
         self.std.copy_(torch.as_tensor(std, dtype=torch.float32).clamp_min(1e-6))
+
+    def set_class_weights(self, labels: Sequence[int] | np.ndarray) -> None:
+        """With class_weight="balanced": weight n / (2 n_c) for class c of the training labels, as
+        scikit-learn's class_weight="balanced"; otherwise nothing changes."""
+        if self.hparams.class_weight != "balanced":
+            return
+        counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=2).astype(np.float64)
+        if (counts == 0).any():
+            raise ValueError(f"probe: class_weight=balanced needs both classes in the training split (got {counts})")
+        self.class_weights.copy_(torch.as_tensor(counts.sum() / (2 * counts), dtype=torch.float32))
+
+    def weight_penalty(self) -> torch.Tensor:
+        """l2 / 2 × the squared norm of the weight matrices (biases are not penalized, as in scikit-learn)."""
+        return 0.5 * self.hparams.l2 * sum((m.weight**2).sum() for m in self.net if isinstance(m, nn.Linear))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.net((hidden.float() - self.mean) / self.std)
@@ -99,7 +130,9 @@ class ProbeModule(LightningModule):
     def _step(self, batch, stage: str):
         hidden, labels = batch
         logits = self(hidden)
-        loss = self.loss(logits, labels)
+        loss = nn.functional.cross_entropy(logits, labels, weight=self.class_weights)
+        if stage == "train" and self.hparams.l2 > 0:
+            loss = loss + self.weight_penalty()
         self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=stage != "train", batch_size=len(labels))
         return loss, torch.softmax(logits, dim=-1)[:, 1], labels
 
@@ -160,7 +193,51 @@ class ProbeModule(LightningModule):
         checkpoint["confrag_config"] = getattr(self, "run_config", None)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        return OPTIMIZERS[self.hparams.optimizer](self)
+
+
+# The probe's optimizers by name (`model.optimizer`). L-BFGS takes full batches (`data.batch_size=null`) and
+# runs to convergence within each step, so a logistic probe reaches the convex optimum in a few epochs.
+OPTIMIZERS = {
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=m.hparams.lr, weight_decay=m.hparams.weight_decay),
+    "lbfgs": lambda m: torch.optim.LBFGS(
+        m.parameters(),
+        lr=m.hparams.lr,
+        max_iter=200,
+        tolerance_grad=1e-9,
+        tolerance_change=1e-12,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    ),
+}
+CLASS_WEIGHTS = (None, "balanced")
+
+
+def check_probe_settings(**settings: Any) -> None:
+    """Refuse settings no probe trains with, naming the `model.*` key and what is allowed; settings not
+    given take ProbeModule's defaults."""
+    defaults = {
+        k: p.default for k, p in inspect.signature(ProbeModule.__init__).parameters.items() if p.default is not p.empty
+    }
+    values = {**defaults, **settings}
+    input_dim, dropout, lr = values.get("input_dim"), values["dropout"], values["lr"]
+    weight_decay, optimizer, l2, class_weight = (values[k] for k in ("weight_decay", "optimizer", "l2", "class_weight"))
+    problems = []
+    if input_dim is not None and input_dim < 1:
+        problems.append(f"input_dim must be >= 1 (got {input_dim})")
+    if not 0.0 <= float(dropout) < 1.0:
+        problems.append(f"model.dropout must be in [0, 1) (got {dropout})")
+    if not float(lr) > 0:
+        problems.append(f"model.lr must be > 0 (got {lr})")
+    for key, value in (("weight_decay", weight_decay), ("l2", l2)):
+        if not float(value) >= 0:
+            problems.append(f"model.{key} must be >= 0 (got {value})")
+    if optimizer not in OPTIMIZERS:
+        problems.append(f"model.optimizer={optimizer!r} is not one of {tuple(OPTIMIZERS)}")
+    if class_weight not in CLASS_WEIGHTS:
+        problems.append(f"model.class_weight={class_weight!r} is not one of {CLASS_WEIGHTS}")
+    if problems:
+        raise ValueError("probe: " + "; ".join(problems))
 
 
 # --- saved probes ------------------------------------------------------------------------------
@@ -214,7 +291,9 @@ def load_probe(directory: Path | str) -> SavedProbe:
     meta = json.loads((directory / "probe.json").read_text())
     hparams = meta["hparams"]
     module = ProbeModule(
-        **{k: hparams[k] for k in ("input_dim", "hidden_dims", "dropout", "lr", "weight_decay", "layer")}
+        **{k: hparams[k] for k in ("input_dim", "hidden_dims", "dropout", "lr", "weight_decay", "layer")},
+        # Settings added later: probes saved before them were trained as the defaults say.
+        **{k: hparams[k] for k in ("optimizer", "l2", "class_weight") if k in hparams},
     )
     module.load_state_dict(load_file(str(directory / "probe.safetensors")))
     return SavedProbe(module, meta)

@@ -36,7 +36,7 @@ from confrag.llm.batching import check_batch_size
 from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
-from confrag.qa_metrics import exact_match, has_answer, token_f1
+from confrag.qa_metrics import exact_match, has_answer, has_answer_dpr, token_f1
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,14 @@ KIND = "answers"
 
 @dataclass(frozen=True)
 class ScoredAnswer:
-    """An answer and its correctness: has_answer (the main metric), exact match and token F1."""
+    """An answer and its correctness: has_answer (the main metric), exact match, token F1 and DPR's own
+    has_answer (None in records written before it was scored: `eval.metric=has_answer_dpr` refuses them)."""
 
     answer: str
     has_answer: bool
     em: bool
     f1: float
+    has_answer_dpr: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,6 +66,7 @@ def score_answer(answer: str, gold: Sequence[str]) -> ScoredAnswer:
         has_answer=has_answer(answer, gold),
         em=exact_match(answer, gold),
         f1=round(token_f1(answer, gold), 6),
+        has_answer_dpr=has_answer_dpr(answer, gold),
     )
 
 

@@ -38,8 +38,20 @@ def write_probe_report(
         f"Probe on layer {datamodule.layer} ({datamodule.train_states} states) — {llm_name}",
         f"  questions {summary['questions']}"
         + (f" (of {requested} requested)" if requested else "")
-        + f", closed-book has_answer {summary['qa/has_answer']:.3f}",
-        "  balanced examples: " + ", ".join(f"{s} {summary[f'{s}/examples']}" for s in ("train", "dev", "test")),
+        + (f", closed-book has_answer {summary['qa/has_answer']:.3f}" if "qa/has_answer" in summary else "")
+        + (
+            f", has_answer under a candidate {summary['candidates/has_answer']:.3f}"
+            if "candidates/has_answer" in summary
+            else ""
+        ),
+        (
+            "  balanced examples: "
+            if datamodule.balance
+            else "  examples (every state, loss weighted by model.class_weight): "
+        )
+        + ", ".join(
+            f"{s} {summary[f'{s}/examples']} ({summary[f'{s}/positives']} positive)" for s in ("train", "dev", "test")
+        ),
         "  test: "
         + ", ".join(
             f"{k.split('/')[1]} {metric_text(metrics[k])}"
@@ -47,6 +59,7 @@ def write_probe_report(
             if k in metrics
         ),
     ]
+    lines += ranking_lines(metrics)
     if scan:
         lines.append("  per-layer 5-fold logistic AUROC (all questions of " + "+".join(datamodule.data.stores) + "):")
         lines += [f"    layer {r['layer']:>3}: {r['auroc_mean']:.3f} ± {r['auroc_std']:.3f}" for r in scan]
@@ -58,6 +71,25 @@ def write_probe_report(
             log_rows(logger, "layer_scan", scan)
             logger.log_image("layer_scan_plot", [str(out / "layer_scan.png")])
     return text
+
+
+def ranking_lines(metrics: dict[str, float]) -> list[str]:
+    """The probe as a reranker of its dev and test questions' candidates, and where its best checkpoint was."""
+    lines = []
+    for stage, name in (("val", "dev"), ("test", "test"), ("heldout", "held-out questions")):
+        first, mrr = metrics.get(f"{stage}/gold_first"), metrics.get(f"{stage}/gold_mrr")
+        if first is None:
+            continue
+        n = metrics.get(f"{stage}/questions")
+        chance = metrics.get(f"{stage}/chance_gold_first")
+        lines.append(
+            f"  probe as reranker, {name}: own paragraph first {100 * first:.1f} %, MRR {mrr:.3f}"
+            + (f" over {int(n)} questions" if n else "")
+            + (f" (chance {100 * chance:.1f} %)" if chance is not None else "")
+        )
+    if "best_epoch" in metrics:
+        lines.append(f"  best dev checkpoint: epoch {int(metrics['best_epoch'])} of 0..{int(metrics['last_epoch'])}")
+    return lines
 
 
 def plot_layer_scan(scan: list[dict], mid_layer: int, path: Path, title: str) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from confrag.artifacts import atomic_write_bytes
 from confrag.data.nq import DataFormatError, QARow, _numbered_lines
 from confrag.qa_metrics import has_answer, normalize_answer
-from confrag.retrieval.corpus import Corpus, CorpusPassage
+from confrag.retrieval.corpus import Corpus, CorpusPassage, document_text
 from confrag.retrieval.ranking import Hits, check_top_n
 
 _ROW_FIELDS = (
@@ -109,6 +109,27 @@ def retrieve_candidates(
 
 
 # ---------------------------------------------------------------- files
+
+
+def without_duplicates(candidates: Candidates) -> tuple[Candidates, int]:
+    """The same candidates with repeated passage texts removed (first kept), and how many went."""
+    seen: set[str] = set()
+    keep = []
+    for j, passage in enumerate(candidates.passages):
+        text = document_text(passage)
+        if text not in seen:
+            seen.add(text)
+            keep.append(j)
+    if len(keep) == len(candidates.passages):
+        return candidates, 0
+    return make_candidates(
+        candidates.qid,
+        candidates.question,
+        candidates.answers,
+        [candidates.passages[j] for j in keep],
+        [candidates.scores[j] for j in keep],
+        candidates.gold_source,
+    ), len(candidates.passages) - len(keep)
 
 
 def _candidates_record(c: Candidates) -> dict[str, Any]:

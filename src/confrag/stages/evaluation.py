@@ -31,7 +31,7 @@ from confrag.cbdr import ConfidenceGate, SweepData, question_confidences
 from confrag.cbdr.gate import gate_check
 from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings
 from confrag.data.hotpotqa import load_hotpotqa
-from confrag.data.nq import QARow
+from confrag.data.nq import QARow, load_nq_jsonl
 from confrag.data.splits import check_disjoint, select_questions, split_dev_test
 from confrag.llm.loading import LoadedLLM, load_llm
 from confrag.llm.prompts import PromptTemplates
@@ -55,9 +55,13 @@ class EvalSet:
     retrieval: dict[str, Any]
 
 
-def evaluation_rows(stage: RerankStage, num_questions: int | None, seed: int) -> list[QARow]:
-    """A seeded sample of the NQ questions no stage trained on."""
-    rows = select_questions(stage.questions.held_out, num_questions, seed)
+def evaluation_rows(
+    stage: RerankStage, num_questions: int | None, seed: int, nq_path: str | None = None
+) -> list[QARow]:
+    """A seeded sample of the NQ questions no stage trained on; with `nq_path` (`eval.nq_path`), of that
+    file's questions instead, each checked by normalized text against every training pool."""
+    pool = load_nq_jsonl(nq_path) if nq_path else stage.questions.held_out
+    rows = select_questions(pool, num_questions, seed)
     check_held_out(stage, rows)
     return rows
 
@@ -199,7 +203,7 @@ def evaluate(
 ) -> RagEvaluation:
     """Held-out questions → candidates → Conf(H(Q)) → answers under every reranker and K (cached per prompt),
     saved as outcomes; then the live gate on a few test questions."""
-    eval_rows = evaluation_rows(stage, evaluation.num_questions, seed)
+    eval_rows = evaluation_rows(stage, evaluation.num_questions, seed, evaluation.nq_path)
     splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), seed)
     candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
     sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]

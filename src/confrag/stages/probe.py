@@ -1,5 +1,9 @@
 """The probe stage: NQ_Confidence (cached) → probe training with the best-dev checkpoint → test metrics.
 
+The checkpoint is chosen by `ProbeRecipe.monitor`: by default the dev questions' candidate ranking
+(`val/gold_mrr`, `confrag.probe.ranking`), the probe's use downstream, not AUROC on a mix of prompt kinds.
+A best checkpoint at the last epoch means the probe was still improving: the run warns and records it.
+
 A later stage asks for the probe with `ensure_probe`: read from the cache when the same activations and
 settings trained one before, else trained now and kept there.
 """
@@ -13,14 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from lightning import Callback, Trainer
+from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from confrag.artifacts import exclusive, fingerprint
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
+from confrag.probe.ranking import SELECTION_METRIC, RankingSet
+
+# What a probe trained for a later task is selected on when its node names nothing else (`probe.monitor`).
+DEFAULT_MONITOR = f"val/{SELECTION_METRIC}"
+RANKING_METRICS = ("gold_first", "gold_mrr", "gold_mean_rank", "chance_gold_first", "questions")
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +44,53 @@ class ProbeRecipe:
     make_trainer: Callable[..., Trainer]  # keyword arguments callbacks, logger and any Trainer setting
     identity: dict[str, Any]  # the model settings and epochs: with the activations, the probe's cache key
     seed: int
+    monitor: str = DEFAULT_MONITOR  # the dev metric the checkpoint is chosen by (higher is better)
+
+
+class CandidateRanking(Callback):
+    """Scores the dev questions' candidates at the end of every validation and logs where their own
+    paragraph lands (`val/gold_mrr`, `val/gold_first`): the metric the checkpoint is chosen by."""
+
+    def __init__(self, ranking: RankingSet) -> None:
+        self.ranking = ranking
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        found = self.ranking.metrics(pl_module.confidence(self.ranking.states))
+        for name in ("gold_mrr", "gold_first"):
+            if found[name] is not None:
+                pl_module.log(f"val/{name}", float(found[name]), prog_bar=name == "gold_mrr")
+
+
+def ranking_callbacks(datamodule: NQConfidenceDataModule, monitor: str) -> list[Callback]:
+    """The dev ranking callback when the data has a dev ranking set; a monitor on a ranking metric without
+    one is refused, naming both settings."""
+    dev = getattr(datamodule, "ranking", {}).get("dev")
+    if dev is None:
+        if monitor.startswith("val/gold_"):
+            raise ValueError(
+                f"the probe's checkpoint monitors {monitor!r}, a candidate-ranking metric, but data.ranking_top_n "
+                "is null: set data.ranking_top_n (e.g. 20) or monitor val/auroc"
+            )
+        return []
+    if not dev.metrics(np.zeros(len(dev.states)))["questions"]:
+        raise ValueError(
+            "no dev question has its own paragraph among its candidates, so the probe cannot be selected on "
+            f"{monitor!r}: raise data.num_questions or data.ranking_top_n, or monitor val/auroc"
+        )
+    return [CandidateRanking(dev)]
+
+
+def ranking_results(model: ProbeModule, datamodule: NQConfidenceDataModule) -> dict[str, float]:
+    """The probe as a reranker of its dev and test questions' candidates (`val/gold_first`, `test/gold_mrr`,
+    ...; `heldout/...` for the `data.ranking_test_questions` alone, the same questions whatever the probe's
+    splits; none without ranking sets), for the weights given: the chosen checkpoint's, not the last epoch's."""
+    found = {}
+    for split, prefix in (("dev", "val"), ("test", "test"), ("heldout", "heldout")):
+        ranking = getattr(datamodule, "ranking", {}).get(split)
+        if ranking is not None:
+            values = ranking.metrics(model.confidence(ranking.states))
+            found.update({f"{prefix}/{k}": float(values[k]) for k in RANKING_METRICS if values.get(k) is not None})
+    return found
 
 
 def prepared_datamodule(recipe: ProbeRecipe) -> NQConfidenceDataModule:
@@ -57,7 +114,9 @@ def fit_probe(
     log.info("NQ_Confidence summary: %s", summary)
     model = recipe.make_model(input_dim=datamodule.input_dim, layer=datamodule.layer)
     model.set_standardization(*datamodule.feature_stats())
+    model.set_class_weights([e.label for e in datamodule.data.examples["train"]])
     model.run_config = run_config
+    callbacks = [*callbacks, *ranking_callbacks(datamodule, recipe.monitor)]
     trainer = recipe.make_trainer(callbacks=callbacks, logger=loggers or False, **trainer_settings)
     for logger in loggers:
         logger.log_hyperparams({**(run_config or {}), "nq_confidence": summary})
@@ -72,9 +131,27 @@ def fit_probe(
         score = checkpoint.best_model_score
         if checkpoint.monitor and score is not None and math.isfinite(float(score)):  # -inf: never defined
             metrics[checkpoint.monitor] = float(score)
+        metrics.update(best_epoch_metrics(best, trainer))
     test_metrics = trainer.test(model, datamodule=datamodule, verbose=False)[0]
     metrics.update({k: float(v) for k, v in {**trainer.callback_metrics, **test_metrics}.items()})
+    metrics.update(ranking_results(model, datamodule))
     return model, datamodule, metrics, best
+
+
+def best_epoch_metrics(best: str, trainer: Trainer) -> dict[str, float]:
+    """The epoch of the best checkpoint beside the last epoch; a warning when they are the same: a probe
+    still improving at its last epoch is under-trained, not a result (raise trainer.max_epochs or model.lr)."""
+    epoch = torch.load(best, map_location="cpu", weights_only=False).get("epoch")
+    last = trainer.current_epoch - 1  # current_epoch counts the finished epochs once fit ends
+    if epoch is None:
+        return {}
+    if epoch >= last and last > 0:
+        log.warning(
+            "The probe's best dev checkpoint is its last epoch (%d): it was still improving when training stopped. "
+            "Raise trainer.max_epochs (or model.lr) until the best epoch comes before the last.",
+            epoch,
+        )
+    return {"best_epoch": float(epoch), "last_epoch": float(last)}
 
 
 def probe_cache_dir(cache_dir: str | Path, datamodule: NQConfidenceDataModule, recipe: ProbeRecipe) -> Path:
@@ -83,6 +160,9 @@ def probe_cache_dir(cache_dir: str | Path, datamodule: NQConfidenceDataModule, r
         {
             "activations": datamodule.activations()["key"],
             "split": [datamodule.split_sizes, datamodule.balance],
+            **({"question_splits": datamodule.question_splits} if datamodule.question_splits else {}),
+            **({"ranking_top_n": datamodule.ranking_top_n} if datamodule.ranking_top_n else {}),
+            "monitor": recipe.monitor,
             **recipe.identity,
             "seed": recipe.seed,
         }
@@ -114,7 +194,7 @@ def ensure_probe(
         with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}"):
             if not (directory / "probe.json").is_file():
                 log.info("No cached probe at %s: training it", directory)
-                checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor="val/auroc", mode="max")
+                checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor=recipe.monitor, mode="max")
                 model, datamodule, metrics, best = fit_probe(
                     recipe,
                     [checkpoint],

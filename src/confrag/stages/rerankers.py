@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
@@ -128,10 +129,47 @@ def _train(
         "start_from": None if start_from is None else Path(start_from).name,
         "trainer_settings": trainer_settings or {},
     }
+    info["score_spread"] = check_not_collapsed(model, train_rows, name)
     if not recipe.fast_dev_run:
         model.export(directory)
         atomic_write_text(directory / "confrag_training.json", json.dumps(info, indent=2))
+        remove_checkpoints(trainer)
     return model, info
+
+
+# A reranker whose scores spread less than this (logits, median over groups) across a group's candidates no
+# longer ranks: every later number made with it would be noise.
+COLLAPSE_SPREAD = 1e-4
+
+
+def check_not_collapsed(model: RerankerModule, rows: list[dict], name: str, groups: int = 32) -> float:
+    """The median spread (max - min) of the reranker's scores across the candidates of its first `groups`
+    training groups; a reranker under COLLAPSE_SPREAD is refused, naming the settings that usually cause it."""
+    sample = [r for r in rows if len(r.get("pos", [])) + len(r.get("neg", [])) >= 2][:groups]
+    if not sample:
+        return float("nan")
+    spreads = []
+    for row in sample:
+        passages = [*row["pos"], *row["neg"]]
+        scores = model.score([row["query"]] * len(passages), passages)
+        spreads.append(float(np.max(scores) - np.min(scores)))
+    spread = float(np.median(spreads))
+    if not spread >= COLLAPSE_SPREAD:  # also catches NaN scores
+        raise ValueError(
+            f"reranker {name}: its scores no longer vary across candidates (median spread {spread:.2e} over "
+            f"{len(sample)} training groups): training collapsed it. Lower model.lr, use model.tau closer to 1, "
+            "or train fewer steps; nothing was exported"
+        )
+    return spread
+
+
+def remove_checkpoints(trainer: Trainer) -> None:
+    """Once a reranker is exported to the cache, the Lightning checkpoints its training wrote to the run folder
+    are copies of it (hundreds of MB each for a cross-encoder): remove them."""
+    for callback in trainer.checkpoint_callbacks:
+        paths = {callback.last_model_path, callback.best_model_path, *getattr(callback, "best_k_models", {})}
+        for path in filter(None, paths):
+            Path(path).unlink(missing_ok=True)
 
 
 def place_on_device(recipe: RerankerRecipe, modules: Iterable[RerankerModule]) -> None:

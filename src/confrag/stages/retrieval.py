@@ -30,7 +30,7 @@ from confrag.retrieval import (
     validate_candidates_jsonl,
     validate_corpus_jsonl,
 )
-from confrag.retrieval.candidates import make_candidates
+from confrag.retrieval.candidates import without_duplicates
 
 log = logging.getLogger(__name__)
 
@@ -99,27 +99,6 @@ def build_retrieval(
     )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
     return Retrieval(corpus, bm25, dense, settings)
-
-
-def without_duplicates(candidates: Candidates) -> tuple[Candidates, int]:
-    """The same candidates with repeated passage texts removed (first kept), and how many went."""
-    seen: set[str] = set()
-    keep = []
-    for j, passage in enumerate(candidates.passages):
-        text = document_text(passage)
-        if text not in seen:
-            seen.add(text)
-            keep.append(j)
-    if len(keep) == len(candidates.passages):
-        return candidates, 0
-    return make_candidates(
-        candidates.qid,
-        candidates.question,
-        candidates.answers,
-        [candidates.passages[j] for j in keep],
-        [candidates.scores[j] for j in keep],
-        candidates.gold_source,
-    ), len(candidates.passages) - len(keep)
 
 
 def question_candidates(

@@ -53,7 +53,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
     llm = load_llm(recipe.llm)
-    rows = evaluation_rows(stage, checked.evaluation.num_questions, recipe.seed)
+    rows = evaluation_rows(stage, checked.evaluation.num_questions, recipe.seed, checked.evaluation.nq_path)
     evaluation = prepare_gate_evaluation(
         stage,
         rows,

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 def check(cfg: DictConfig) -> ProbeRecipe:
     """The probe's data settings against the model's config (layer range), before anything runs."""
-    return probe_recipe(cfg, cfg.seed)
+    checkpoint = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
+    return probe_recipe(cfg, cfg.seed, monitor=checkpoint.get("monitor"))
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
