@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from confrag.artifacts import exclusive, honour_umask, make_temp_dir
+from confrag.artifacts import exclusive, folder_problem, honour_umask, make_temp_dir, write_folder_digest
 from confrag.distributed import rank_device
 from confrag.llm.shapes import PUBLISHED_SHAPES, DecoderCost, dtype_bytes, random_decoder, shape_config
 from confrag.paths import default_cache_dir
@@ -133,7 +133,8 @@ def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
     if cfg.source == "gguf":
         path = gguf_location(cfg)
         converted = _model_cache(cfg) / f"{path.stem}-{_file_sha256(path)[:16]}"
-        if _converted_complete(converted):  # a JSON read, where parsing the GGUF metadata takes seconds
+        # A JSON read (its digest checked), where parsing the GGUF metadata takes seconds.
+        if not folder_problem(converted, only=("config.json",)):
             return int(AutoConfig.from_pretrained(converted).num_hidden_layers)
         return _gguf_block_count(path, cfg.name)
     if cfg.source == "local":
@@ -303,27 +304,33 @@ def _load_gguf(cfg: LLMConfig):
     path = gguf_location(cfg)
     sha = _file_sha256(path)[:16]
     converted = _model_cache(cfg) / f"{path.stem}-{sha}"
-    if not _converted_complete(converted):
-        _convert_gguf(path, converted)
+    _ensure_converted(path, converted)
     tokenizer = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, **_from_pretrained_kwargs(cfg))
     return _place(model, cfg), tokenizer, f"gguf:{path.name}@{sha}"
 
 
-def _converted_complete(target: Path) -> bool:
-    # The folder only ever appears by rename of a finished conversion, so its config marks it whole.
-    return (target / "config.json").is_file()
+def _ensure_converted(path: Path, target: Path) -> None:
+    """The conversion of `path` in `target`, whole: its files match the digest taken when it was written
+    (the weights included: the model identity names the GGUF file, so a damaged conversion would
+    otherwise key healthy caches). A damaged conversion, or one without a digest, is rebuilt."""
+    problem = folder_problem(target)  # without the lock: a whole conversion may sit in a read-only cache
+    if problem:
+        if target.exists():
+            log.warning("Converted model %s %s; converting %s again.", target, problem, path.name)
+        _convert_gguf(path, target)
 
 
 def _convert_gguf(path: Path, target: Path) -> None:
-    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy; written to a temp dir, then renamed.
+    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy with its folder digest; written to a
+    temp dir, then renamed.
 
     Several processes may start on a fresh cache at once (a multirun, two runs, torchrun ranks): the
-    conversion runs under a file lock, and a process that finds the target complete after waiting for
+    conversion runs under a file lock, and a process that finds the target whole after waiting for
     the lock uses it instead of converting again."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(target.parent / f".{target.name}.lock", f"the conversion of {path.name}"):
-        if _converted_complete(target):
+        if not folder_problem(target):
             return
         log.info("Dequantizing %s into %s (once)", path.name, target)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -332,12 +339,13 @@ def _convert_gguf(path: Path, target: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
-        if target.exists():  # left incomplete by something other than this function: rebuilt
+        if target.exists():  # damaged, or without a digest: rebuilt
             shutil.rmtree(target)
-        tmp = make_temp_dir(target.parent, target.name + ".tmp-")
+        tmp = make_temp_dir(target.parent, "." + target.name + ".tmp-")
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_folder_digest(tmp)
             honour_umask(tmp)
             os.replace(tmp, target)
         except BaseException:
@@ -390,8 +398,7 @@ def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
     )
     path = gguf_location(source)
     converted = _model_cache(source) / f"{path.stem}-{_file_sha256(path)[:16]}"
-    if not _converted_complete(converted):
-        _convert_gguf(path, converted)
+    _ensure_converted(path, converted)
     return AutoTokenizer.from_pretrained(converted)
 
 

@@ -24,7 +24,8 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from confrag.artifacts import exclusive, honour_umask, make_temp_dir
+from confrag.artifacts import exclusive, honour_umask, make_temp_dir, write_folder_digest
+from confrag.finite import require_finite
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
 from confrag.reranker.data import pair_encoder
@@ -203,7 +204,9 @@ class RerankerModule(LightningModule):
                 out.append(self({k: v.to(self.device) for k, v in encoded.features.items()}).float().cpu())
         finally:
             self.train(was_training)
-        return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+        scores = torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+        require_finite(scores, stage="reranker scoring", artifact=f"the scores of {self.hparams.backbone}")
+        return scores
 
     # --- training ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -238,6 +241,9 @@ class RerankerModule(LightningModule):
                 )
             kl = distillation_kl(scores, teacher, self.hparams.tau, self.hparams.distill_tau)
             loss = loss + self.hparams.distill_weight * kl
+        require_finite(
+            loss, stage="reranker training", artifact=f"the loss of batch {batch_idx} (epoch {self.current_epoch})"
+        )
         # Not on the progress bar: that would read the value back (a device sync) at every step.
         self.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=scores.shape[0])
         return loss
@@ -294,6 +300,7 @@ class RerankerModule(LightningModule):
             try:
                 model.save_pretrained(str(tmp))
                 self.tokenizer.save_pretrained(str(tmp))
+                write_folder_digest(tmp)  # checked where the export is read (`resolve_backbone`)
                 honour_umask(tmp)
                 old = None
                 if directory.exists():
