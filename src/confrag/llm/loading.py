@@ -317,7 +317,7 @@ def _ensure_converted(path: Path, target: Path) -> None:
     problem = folder_problem(target)  # without the lock: a whole conversion may sit in a read-only cache
     if problem:
         if target.exists():
-            log.warning("Converted model %s %s; converting %s again.", target, problem, path.name)
+            log.warning("Converted model %s: %s; converting %s again.", target, problem, path.name)
         _convert_gguf(path, target)
 
 

@@ -86,7 +86,7 @@ class BM25Retriever:
         problem = folder_problem(self.index_dir)
         if problem:
             # Bit rot in the score matrix loads without a complaint and ranks passages by garbage.
-            log.warning("BM25 index %s %s; rebuilding it.", self.index_dir, problem)
+            log.warning("BM25 index %s: %s; rebuilding it.", self.index_dir, problem)
             shutil.rmtree(self.index_dir, ignore_errors=True)
             return None
         try:

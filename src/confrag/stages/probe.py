@@ -115,7 +115,7 @@ def ensure_probe(
             problem = folder_problem(directory)
             if problem:
                 if (directory / "probe.json").is_file():  # a damaged one (or saved before digests)
-                    log.warning("Cached probe %s %s; training it again.", directory, problem)
+                    log.warning("Cached probe %s: %s; training it again.", directory, problem)
                 log.info("No whole cached probe at %s: training it", directory)
                 checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor="val/auroc", mode="max")
                 model, datamodule, metrics, best = fit_probe(

@@ -92,7 +92,7 @@ def ensure_reranker(
             log.info("Reranker %s: cached at %s", name, directory)
             return load_reranker(recipe, directory), json.loads(marker.read_text())
         if directory.exists():
-            log.warning("Cached reranker %s %s; training it again.", directory, problem)
+            log.warning("Cached reranker %s: %s; training it again.", directory, problem)
             marker.unlink(missing_ok=True)
         return _train(
             recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides
