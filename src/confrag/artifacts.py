@@ -68,6 +68,27 @@ class CacheMismatchError(RuntimeError):
     """An artifact directory holds something other than what its key promises."""
 
 
+class CacheReadOnlyError(OSError):
+    """Something is missing from a cache this process cannot write: it cannot be computed here."""
+
+
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in `directory` (or, when it does not exist yet, in its
+    nearest existing parent): a read-only mount or folder without write permission says no."""
+    directory = Path(directory)
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _read_only_message(what: str, directory: Path) -> str:
+    return (
+        f"{what} is missing from the cache and {directory} cannot be written (a read-only cache): it cannot be "
+        f"computed here. Fill the cache once from a run that can write it, or set paths.cache_dir to a "
+        f"writable folder"
+    )
+
+
 def fingerprint(obj: Any) -> str:
     """Short sha256 of a canonical JSON encoding."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
@@ -414,6 +435,8 @@ class ShardedArtifact:
                     f"refusing to reuse it. Delete {self.dir} to recompute."
                 )
         else:
+            if not _writable(self.dir):
+                raise CacheReadOnlyError(_read_only_message(f"{self.kind} artifact {self.key}", self.dir))
             atomic_write_text(self.manifest_path, json.dumps(self._manifest(), indent=2, default=str))
         # Temp files left by a killed writer are never part of the result. Only old ones are removed, so
         # that a second process writing the same artifact right now keeps its file.
@@ -617,6 +640,16 @@ def compute_shards(
     todo = [(artifact, fn, index) for artifact, fn in jobs for index in artifact.pending()]
     if not todo:
         return
+    # Before any shard is computed (and before a deferred LLM loads for it): named, not a raw OSError on a lock.
+    for artifact, _, index in todo:
+        if not _writable(artifact.dir):
+            missing = [a.shard_path(i).name for a, _, i in todo if a is artifact]
+            raise CacheReadOnlyError(
+                _read_only_message(
+                    f"{artifact.shard_path(index)} ({len(missing)} shard(s) of {artifact.kind} {artifact.key})",
+                    artifact.dir,
+                )
+            )
     for artifact, _ in jobs:
         missing = sum(a is artifact for a, _, _ in todo)
         if missing:

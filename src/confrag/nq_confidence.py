@@ -17,6 +17,7 @@ down-sampling the majority class, at most the paper's 1000/300/500 per class.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -214,8 +215,11 @@ def build_confidence_data(
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
-    engine = HiddenStateEngine(
-        llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress, compile=extract_compile
+    # Built at the first shard to compute: with a DeferredLLM, a complete cache never loads the weights.
+    engine = functools.cache(
+        lambda: HiddenStateEngine(
+            llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress, compile=extract_compile
+        )
     )
 
     # Every answer and state shard of every prompt kind goes into one pool of claimable shards: processes
@@ -254,7 +258,7 @@ def build_confidence_data(
             )
         )
         jobs.append(
-            (activations, lambda a, b, p=prompts, k=kind: engine.extract(p[a:b], layer_list, desc=f"states [{k}]"))
+            (activations, lambda a, b, p=prompts, k=kind: engine().extract(p[a:b], layer_list, desc=f"states [{k}]"))
         )
         artifacts[kind] = (generations, activations)
     compute_shards(jobs, desc="NQ_Confidence answers and hidden states", progress=progress)

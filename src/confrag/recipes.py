@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from confrag.cbdr.settings import AnswerSettings, EvalSettings
+from confrag.cbdr.settings import AnswerSettings, EvalSettings, positive_int
 from confrag.distributed import rank_trainer_devices
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
 from confrag.reranker.data import check_group_size
+from confrag.reranker.module import check_settings as check_reranker_settings
 from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 from confrag.stages.probe import ProbeRecipe
@@ -31,6 +33,11 @@ def probe_recipe(node: DictConfig, seed: int) -> ProbeRecipe:
     no model) to check its settings against the model's config, before anything runs."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
     instantiate(data_cfg, _convert_="all").check_settings()
+    # A throwaway probe of input size 1: its own checks (dropout, lr, ...) run now, not after NQ_Confidence.
+    try:
+        instantiate(model_cfg, input_dim=1, layer=None, _convert_="all")
+    except InstantiationException as err:  # Hydra's wrapper hides the module's own message
+        raise ValueError(f"model: {err.__cause__ or err}") from err
     return ProbeRecipe(
         make_datamodule=lambda: instantiate(data_cfg, _convert_="all"),
         make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
@@ -53,8 +60,11 @@ def rank_devices(trainer_cfg: DictConfig) -> dict:
 def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
     check_group_size(cfg.data.group_size)
-    if not float(cfg.model.tau) > 0:
-        raise ValueError(f"model.tau must be > 0 (got {cfg.model.tau})")
+    for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
+        positive_int(cfg.data.get(key, 1), f"data.{key}")
+    positive_int(cfg.data.get("num_workers", 0), "data.num_workers", minimum=0)
+    # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
+    check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
     return RerankerRecipe(
         make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),

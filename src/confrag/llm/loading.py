@@ -152,6 +152,122 @@ def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
         raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
 
 
+def prompt_tokenizer(cfg: LLMConfig | dict[str, Any]) -> tuple[PreTrainedTokenizerBase, int]:
+    """The tokenizer `load_llm` gives the model (its chat template included) and the model's context length
+    (`max_position_embeddings`), without loading any weights: prompt lengths can so be checked before the
+    LLM loads. A GGUF model is converted first (as `load_llm` would)."""
+    if not isinstance(cfg, LLMConfig):
+        cfg = LLMConfig(**dict(cfg))
+    if cfg.source == "tiny":
+        arch = cfg.tiny.get("arch", "llama")
+        if arch not in TINY_ARCHS:
+            raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
+        tokenizer = _tiny_tokenizer(cfg)
+        limit = AutoConfig.for_model(arch, **_tiny_shape(cfg)).max_position_embeddings
+        if arch == "qwen2":
+            tokenizer.chat_template = QWEN2_CHAT_TEMPLATE
+    elif cfg.source == "random":
+        shape = cfg.random.get("shape")
+        if shape not in PUBLISHED_SHAPES:
+            raise ValueError(f"llm.random.shape={shape!r} is not one of {tuple(PUBLISHED_SHAPES)}")
+        tokenizer = _tiny_tokenizer(cfg)
+        limit = cfg.random.get("max_position_embeddings") or PUBLISHED_SHAPES[shape]["max_position_embeddings"]
+    else:
+        if cfg.source == "gguf":
+            path = gguf_location(cfg)
+            where: Any = _model_cache(cfg) / f"{path.stem}-{_file_sha256(path)[:16]}"
+            _ensure_converted(path, where)
+            kwargs = {}
+        elif cfg.source == "local":
+            if not cfg.local_dir:
+                raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
+            where, kwargs = Path(cfg.local_dir).expanduser(), {}
+        else:
+            if not cfg.repo_id:
+                raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
+            where, kwargs = cfg.repo_id, {"revision": cfg.revision}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+            limit = AutoConfig.from_pretrained(where, **kwargs).max_position_embeddings
+        except (OSError, ValueError) as err:
+            if cfg.source == "hf":
+                raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+            raise LLMNotAvailableError(f"LLM '{cfg.name}': no tokenizer or config in {where} ({err})") from err
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, int(limit)
+
+
+def llm_identity(cfg: LLMConfig | dict[str, Any]) -> dict[str, Any] | None:
+    """The identity `load_llm` gives the model, from its files and settings alone (no weights loaded);
+    None for `source: random`, whose identity samples the weights themselves."""
+    if not isinstance(cfg, LLMConfig):
+        cfg = LLMConfig(**dict(cfg))
+    if cfg.source == "random":
+        return None
+    if cfg.source == "tiny":
+        ref = _tiny_ref(cfg)
+    elif cfg.source == "gguf":
+        path = gguf_location(cfg)
+        ref = f"gguf:{path.name}@{_file_sha256(path)[:16]}"
+    elif cfg.source == "local":
+        if not cfg.local_dir:
+            raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
+        ref = f"local:{_dir_fingerprint(Path(cfg.local_dir).expanduser())}"
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision)
+        except (OSError, ValueError) as err:
+            raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+        ref = _hf_ref(cfg, config)
+    return {"name": cfg.name, "source": cfg.source, "ref": ref, "dtype": cfg.dtype}
+
+
+class DeferredLLM:
+    """What `load_llm` gives (identity, tokenizer, layer count, context length), with the weights loaded
+    only when `.model` is first used: a stage whose results are all in the cache never loads them, and a
+    stage that could not store what it would compute (a read-only cache) is refused before they load.
+    The identity is computed from files and settings, and checked again once the weights are loaded."""
+
+    def __init__(self, cfg: LLMConfig | dict[str, Any]) -> None:
+        self.cfg = cfg if isinstance(cfg, LLMConfig) else LLMConfig(**dict(cfg))
+        self.tokenizer, self.context = prompt_tokenizer(self.cfg)
+        self._loaded: LoadedLLM | None = None
+        identity = llm_identity(self.cfg)
+        if identity is None:  # a random model's identity needs its weights
+            identity = self.loaded.identity
+        self.identity = identity
+        self.num_layers = model_num_layers(self.cfg)
+
+    @property
+    def loaded(self) -> LoadedLLM:
+        if self._loaded is None:
+            loaded = load_llm(self.cfg)
+            if getattr(self, "identity", loaded.identity) != loaded.identity:
+                raise RuntimeError(
+                    f"LLM '{self.cfg.name}': loaded as {loaded.identity}, announced as {self.identity} before "
+                    f"loading; the caches keyed by it would mix models"
+                )
+            loaded.tokenizer = self.tokenizer  # one tokenizer object for prompts and generation
+            loaded.model.generation_config.pad_token_id = self.tokenizer.pad_token_id
+            self._loaded = loaded
+        return self._loaded
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.loaded.model
+
+    @property
+    def mid_layer(self) -> int:
+        return self.num_layers // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+
 def _gguf_block_count(path: Path, name: str) -> int:
     from gguf import GGUFReader
 
@@ -201,8 +317,12 @@ def _load_hf(cfg: LLMConfig):
         model = AutoModelForCausalLM.from_pretrained(cfg.repo_id, revision=cfg.revision, **_from_pretrained_kwargs(cfg))
     except (OSError, ValueError) as err:
         raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+    return _place(model, cfg), tokenizer, _hf_ref(cfg, config)
+
+
+def _hf_ref(cfg: LLMConfig, config: Any) -> str:
     commit = getattr(config, "_commit_hash", None) or cfg.revision or "unknown"
-    return _place(model, cfg), tokenizer, f"hf:{cfg.repo_id}@{commit}"
+    return f"hf:{cfg.repo_id}@{commit}"
 
 
 def _hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
@@ -361,7 +481,7 @@ def _load_tiny(cfg: LLMConfig):
     if arch not in TINY_ARCHS:
         raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
     tokenizer = _tiny_tokenizer(cfg)
-    shape = {k: v for k, v in cfg.tiny.items() if k not in ("arch", "tokenizer")}
+    shape = _tiny_shape(cfg)
     config = AutoConfig.for_model(
         arch,
         vocab_size=len(tokenizer),
@@ -381,10 +501,17 @@ def _load_tiny(cfg: LLMConfig):
         torch.random.set_rng_state(generator_state)
     if arch == "qwen2" and not cfg.chat_template:
         tokenizer.chat_template = QWEN2_CHAT_TEMPLATE
-    ref = hashlib.sha256(json.dumps({"arch": arch, **shape, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[
-        :16
-    ]
-    return _place(model, cfg), tokenizer, f"tiny:{arch}@{ref}"
+    return _place(model, cfg), tokenizer, _tiny_ref(cfg)
+
+
+def _tiny_shape(cfg: LLMConfig) -> dict[str, Any]:
+    return {k: v for k, v in cfg.tiny.items() if k not in ("arch", "tokenizer")}
+
+
+def _tiny_ref(cfg: LLMConfig) -> str:
+    arch = cfg.tiny.get("arch", "llama")
+    payload = json.dumps({"arch": arch, **_tiny_shape(cfg), "seed": cfg.seed}, sort_keys=True)
+    return f"tiny:{arch}@{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
 
 
 def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:

@@ -13,6 +13,7 @@ transformers, sentence-transformers' `CrossEncoder` and FlagEmbedding's `FlagRer
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import shutil
 from collections.abc import Sequence
@@ -127,6 +128,43 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def _check_settings(
+    tau: float,
+    lr: float,
+    weight_decay: float,
+    warmup_ratio: float,
+    lora: dict[str, Any] | None,
+    distill_weight: float,
+    distill_tau: float | None,
+    fresh_head: bool,
+    kind: str,
+) -> None:
+    _check(
+        not (fresh_head and kind == QWEN3_YES_NO),
+        "model.fresh_head",
+        "false with model.kind=qwen3_yes_no "
+        "(its score comes from the LM head's yes/no rows, there is no head to redraw)",
+        fresh_head,
+    )
+    _check(tau > 0, "model.tau", "> 0", tau)
+    _check(lr > 0, "model.lr", "> 0", lr)
+    _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
+    _check(0 <= warmup_ratio < 1, "model.warmup_ratio", "in [0, 1)", warmup_ratio)
+    _check(distill_weight >= 0, "model.distill_weight", ">= 0", distill_weight)
+    _check(distill_tau is None or distill_tau > 0, "model.distill_tau", "null or > 0", distill_tau)
+    _check(lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora)
+
+
+def check_settings(**settings: Any) -> None:
+    """RerankerModule's checks of its `model.*` settings (the defaults filled in), without loading the
+    backbone: what a task runs before any stage."""
+    bound = inspect.signature(RerankerModule.__init__).bind(None, **settings)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    pair_encoder(arguments["kind"])
+    _check_settings(**{k: arguments[k] for k in inspect.signature(_check_settings).parameters})
+
+
 class RerankerModule(LightningModule):
     def __init__(
         self,
@@ -148,22 +186,7 @@ class RerankerModule(LightningModule):
     ) -> None:
         super().__init__()
         self.encode = pair_encoder(kind)  # also the check of model.kind, before any weights load
-        _check(
-            not (fresh_head and kind == QWEN3_YES_NO),
-            "model.fresh_head",
-            "false with model.kind=qwen3_yes_no "
-            "(its score comes from the LM head's yes/no rows, there is no head to redraw)",
-            fresh_head,
-        )
-        _check(tau > 0, "model.tau", "> 0", tau)
-        _check(lr > 0, "model.lr", "> 0", lr)
-        _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
-        _check(0 <= warmup_ratio < 1, "model.warmup_ratio", "in [0, 1)", warmup_ratio)
-        _check(distill_weight >= 0, "model.distill_weight", ">= 0", distill_weight)
-        _check(distill_tau is None or distill_tau > 0, "model.distill_tau", "null or > 0", distill_tau)
-        _check(
-            lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora
-        )
+        _check_settings(tau, lr, weight_decay, warmup_ratio, lora, distill_weight, distill_tau, fresh_head, kind)
         ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
         self.save_hyperparameters()
         from transformers import AutoTokenizer
