@@ -162,7 +162,7 @@ def bm25_indexes(repeats: int, synthetic: int) -> None:
     from confrag.retrieval.corpus import Corpus, CorpusPassage, passages_fingerprint
 
     nq = corpus_from_nq(load_nq_jsonl(default_nq_path()), words_per_passage=100)
-    words = " ".join(p.text for p in nq.passages).split()
+    words = np.array(" ".join(p.text for p in nq.passages).split())
     rng = np.random.default_rng(0)
     passages = [
         CorpusPassage(pid=f"s{i}#0", title=f"s{i}", text=" ".join(rng.choice(words, 100)), source_id=f"s{i}")

@@ -23,13 +23,16 @@ def _as_array(values: Any) -> np.ndarray:
 
 
 def nonfinite_rows(values: Any, axis: int = 0) -> np.ndarray:
-    """Indices along `axis` holding a NaN or infinity (empty when all is finite). A float64 sum is tried
-    first: it is finite exactly when every value is (float32 values cannot overflow it), and it costs a
-    single pass without a boolean array the size of the data."""
+    """Indices along `axis` holding a NaN or infinity (empty when all is finite). A plain sum is tried
+    first (one vectorized pass, no boolean array the size of the data): a finite sum proves every value
+    finite; a non-finite one (a NaN or inf, or an overflow of large finite values) is then looked at
+    value by value."""
     array = _as_array(values)
     if array.size == 0 or array.dtype.kind != "f":
         return np.zeros(0, dtype=np.int64)
-    if np.isfinite(array.sum(dtype=np.float64)):
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = array.sum()
+    if np.isfinite(total):
         return np.zeros(0, dtype=np.int64)
     bad = ~np.isfinite(array)
     if array.ndim == 0:

@@ -179,9 +179,7 @@ def prompt_tokenizer(cfg: LLMConfig | dict[str, Any]) -> tuple[PreTrainedTokeniz
             _ensure_converted(path, where)
             kwargs = {}
         elif cfg.source == "local":
-            if not cfg.local_dir:
-                raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
-            where, kwargs = Path(cfg.local_dir).expanduser(), {}
+            where, kwargs = _local_dir(cfg), {}
         else:
             if not cfg.repo_id:
                 raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
@@ -213,9 +211,7 @@ def llm_identity(cfg: LLMConfig | dict[str, Any]) -> dict[str, Any] | None:
         path = gguf_location(cfg)
         ref = f"gguf:{path.name}@{_file_sha256(path)[:16]}"
     elif cfg.source == "local":
-        if not cfg.local_dir:
-            raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
-        ref = f"local:{_dir_fingerprint(Path(cfg.local_dir).expanduser())}"
+        ref = f"local:{_dir_fingerprint(_local_dir(cfg))}"
     else:
         try:
             config = AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision)
@@ -348,7 +344,8 @@ def _hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
 # --- local directory -------------------------------------------------------------------------------
 
 
-def _load_local(cfg: LLMConfig):
+def _local_dir(cfg: LLMConfig) -> Path:
+    """`llm.local_dir`, holding a config, weights and a tokenizer (else the missing files are named)."""
     if not cfg.local_dir:
         raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
     path = Path(cfg.local_dir).expanduser()
@@ -359,6 +356,11 @@ def _load_local(cfg: LLMConfig):
             f"`huggingface-cli download {cfg.repo_id or 'REPO_ID'} --local-dir {path}` or point llm.local_dir "
             "elsewhere."
         )
+    return path
+
+
+def _load_local(cfg: LLMConfig):
+    path = _local_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, **_from_pretrained_kwargs(cfg))
     return _place(model, cfg), tokenizer, f"local:{_dir_fingerprint(path)}"
