@@ -94,8 +94,9 @@ def test_templates_must_hold_their_fields():
 
 def test_the_identity_and_context_are_known_before_the_weights_load(tiny_llama, smollm2, monkeypatch):
     """What keys the caches, read from files: a DeferredLLM checks it again when the weights load."""
-    import confrag.llm.loading as loading
     from tests.conftest import TINY_SHAPE
+
+    import confrag.llm.loading as loading
 
     tiny = dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", **TINY_SHAPE))
     gguf = dict(
@@ -109,4 +110,4 @@ def test_the_identity_and_context_are_known_before_the_weights_load(tiny_llama, 
     assert deferred._loaded is None and deferred.num_layers == tiny_llama.num_layers
     monkeypatch.setattr(loading, "llm_identity", lambda cfg: {**tiny_llama.identity, "ref": "tiny:llama@other"})
     with pytest.raises(RuntimeError, match="the caches keyed by it would mix models"):
-        loading.DeferredLLM(tiny).model
+        _ = loading.DeferredLLM(tiny).model
