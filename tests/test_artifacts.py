@@ -16,7 +16,16 @@ import time
 import numpy as np
 import pytest
 
-from confrag.artifacts import STALE_TMP_SECONDS, ActivationStore, CacheMismatchError, ShardedArtifact, fingerprint
+from confrag.artifacts import (
+    STALE_TMP_SECONDS,
+    ActivationStore,
+    CacheMismatchError,
+    ShardedArtifact,
+    digest_record,
+    fingerprint,
+    npy_bytes,
+)
+from confrag.finite import NonFiniteError
 
 SPEC = {
     "llm": {"name": "tiny", "ref": "tiny:llama@abc"},
@@ -395,18 +404,70 @@ def test_damaged_digest_file_means_a_damaged_shard(tmp_path, damage):
     assert json.loads(digest.read_text()) == record  # the recomputed shard has the same bytes
 
 
-def test_shards_written_without_digests_are_used_and_get_one(tmp_path):
+def test_a_shard_without_digest_is_recomputed_not_adopted(tmp_path, caplog):
+    """A deleted digest and a damaged shard: before, the damaged bytes got a fresh digest and were used."""
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    records = {i: artifact.digest_path(i).read_text() for i in range(4)}
+    artifact.digest_path(1).unlink()
+    flip_data_bytes(artifact.shard_path(1))
+    reopened = npy_artifact(tmp_path)
+    assert reopened.pending() == [1]
+    assert "shard-00001.npy has no digest file; it is recomputed" in caplog.text
+    counter = Counter()
+    reopened.compute(counter, progress=False)
+    assert counter.calls == [(3, 6)]
+    np.testing.assert_array_equal(all_values(reopened), fake_states(0, 10))
+    assert {i: artifact.digest_path(i).read_text() for i in range(4)} == records
+
+
+def test_adopt_records_the_digest_of_a_whole_shard_written_before_digests(tmp_path):
     artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
     records = {i: artifact.digest_path(i).read_text() for i in range(4)}
     for i in range(4):
         artifact.digest_path(i).unlink()  # a cache written before digests existed
     legacy = npy_artifact(tmp_path)
-    assert legacy.pending() == []
-    legacy.compute(must_not_run, progress=False)
-    np.testing.assert_array_equal(all_values(legacy), fake_states(0, 10))
-    assert {i: artifact.digest_path(i).read_text() for i in range(4)} == records  # recorded on first read
-    flip_data_bytes(artifact.shard_path(1))
-    assert npy_artifact(tmp_path).pending() == [1]  # from then on damage is caught
+    truncate = artifact.shard_path(2)
+    truncate.write_bytes(truncate.read_bytes()[:-8])  # damaged: not adopted
+    assert [legacy.adopt(i) for i in range(4)] == [True, True, False, True]
+    assert {i: artifact.digest_path(i).read_text() for i in (0, 1, 3)} == {i: records[i] for i in (0, 1, 3)}
+    counter = Counter()
+    npy_artifact(tmp_path).compute(counter, progress=False)
+    assert counter.calls == [(6, 9)]
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_array_is_never_written(tmp_path, value):
+    def states(start, stop):
+        out = fake_states(start, stop)
+        if start == 3:
+            out[1, 1, 0] = value  # item 4, in the second layer
+        return out
+
+    artifact = npy_artifact(tmp_path)
+    with pytest.raises(NonFiniteError, match=r"activations: shard .*shard-00001.npy holds .* in row\(s\) 4\b"):
+        artifact.compute(states, progress=False)
+    assert not artifact.shard_path(1).exists() and not artifact.digest_path(1).exists()
+
+
+def test_nan_in_a_shard_with_a_matching_digest_is_damage(tmp_path, caplog):
+    """As if an older version had written what the LLM produced: NaN rows, digest consistent."""
+    artifact = npy_artifact(tmp_path).compute(Counter(), progress=False)
+    values = np.load(artifact.shard_path(2))
+    values[0, 1, :] = np.nan
+    values[1, 2, 3] = np.inf
+    # The writer refuses it: the bytes and their digest are written by hand.
+    data = npy_bytes(values)
+    artifact.digest_path(2).write_text(json.dumps(digest_record(data)))
+    artifact.shard_path(2).write_bytes(data)
+    reopened = npy_artifact(tmp_path)
+    assert (
+        reopened.inspect(2).state == "damaged"
+        and "NaN or inf in 2 item(s) (first: item 7)" in reopened.inspect(2).reason
+    )
+    counter = Counter()
+    reopened.compute(counter, progress=False)
+    assert counter.calls == [(6, 9)]
+    assert np.isfinite(all_values(reopened)).all()
 
 
 def test_a_handle_verifies_each_shard_once(tmp_path, monkeypatch):

@@ -44,7 +44,7 @@ def artifact_dir(root, kind: str):
 def test_a_whole_cache_passes(cache, capsys):
     assert main(["verify", str(cache)]) == 0
     out = capsys.readouterr().out
-    assert "3 artifacts, 8 shards: 3 whole, 0 damaged, 0 incomplete" in out and "DAMAGED" not in out
+    assert "3 artifacts, 8 shards: 3 whole, 0 damaged, 0 without digest, 0 incomplete" in out and "DAMAGED" not in out
 
 
 def test_damage_is_reported_by_artifact_and_shard_and_nothing_is_written(cache, capsys):
@@ -61,20 +61,48 @@ def test_damage_is_reported_by_artifact_and_shard_and_nothing_is_written(cache, 
     out = capsys.readouterr().out
     assert f"DAMAGED     activations/{activations.name}/shard-00002.npy: checksum mismatch" in out
     assert f"DAMAGED     generations/{generations.name}/shard-00001.json: checksum mismatch" in out
-    assert "3 artifacts, 8 shards: 1 whole, 2 damaged, 0 incomplete" in out
+    assert "3 artifacts, 8 shards: 1 whole, 2 damaged, 0 without digest, 0 incomplete" in out
     assert snapshot(cache) == before
 
 
-def test_incomplete_and_legacy_artifacts_are_listed_but_not_damage(cache, capsys):
+def test_incomplete_artifacts_are_listed_but_not_damage(cache, capsys):
     activations = artifact_dir(cache, "activations")
     (activations / "shard-00003.npy").unlink()
-    for digest in artifact_dir(cache, "generations").glob("*.digest"):
-        digest.unlink()  # written before checksums existed
     assert main(["verify", str(cache)]) == 0
     out = capsys.readouterr().out
     assert f"INCOMPLETE  activations/{activations.name}: 1 of 4 shards missing" in out
-    assert "3 shard(s) were written before checksums" in out
     assert "1 incomplete" in out and "0 damaged" in out
+
+
+def test_shards_without_digest_fail_unless_adopted(cache, capsys):
+    """A deleted digest beside a damaged shard used to read '0 damaged': now it is 'without digest', exit 1,
+    and --adopt records digests only for shards that pass every other check."""
+    generations = artifact_dir(cache, "generations")
+    for digest in generations.glob("*.digest"):
+        digest.unlink()  # written before checksums existed (or deleted)
+    (generations / "shard-00002.json").write_text('["answer 4", "answer 5"]')  # one item too many
+    before = snapshot(cache)
+    assert main(["verify", str(cache)]) == 1
+    out = capsys.readouterr().out
+    assert f"NO DIGEST   generations/{generations.name}: 2 shard(s) without a digest" in out
+    assert f"DAMAGED     generations/{generations.name}/shard-00002.json: holds 2 items, expected 1" in out
+    assert snapshot(cache) == before  # verify alone writes nothing
+    assert main(["verify", "--adopt", str(cache)]) == 1  # the damaged shard stays damaged
+    out = capsys.readouterr().out
+    assert "adopted: recorded the digest of 2 shard(s)" in out
+    assert sorted(p.name for p in generations.glob("*.digest")) == [
+        "shard-00000.json.digest",
+        "shard-00001.json.digest",
+    ]
+    (generations / "shard-00002.json").unlink()
+    assert main(["verify", str(cache)]) == 0
+
+
+def test_a_folder_that_is_no_cache_exits_non_zero(tmp_path, capsys):
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"not a cache")
+    assert main(["verify", str(tmp_path / "photos")]) == 3
+    assert "holds no confrag artifact" in capsys.readouterr().err
 
 
 def test_a_manifest_that_does_not_match_its_directory_is_damage(cache, capsys):

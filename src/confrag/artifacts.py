@@ -10,8 +10,13 @@ is refused.
 Integrity: beside each shard, `<shard>.digest` records the xxh3-128 hash and size of the shard's
 bytes; it is written (atomically) before the shard itself, so a shard on disk always has its digest.
 A handle verifies every shard once, on its first read, and a shard that fails (digest mismatch,
-truncation, wrong shape or length) is reported by name and recomputed. Shards written before digests
-existed are checked for shape and length as before, and their digest is recorded on that first read.
+truncation, wrong shape or length, NaN or inf in an npy shard) is reported by name and recomputed. A
+shard without a digest is not trusted: it is recomputed, unless `cache_verify verify --adopt` recorded
+its digest (for caches written before digests). A non-finite array is never written.
+
+Single-file and single-folder results (converted models, probes, reranker exports, BM25 indexes,
+preference rows) carry a folder digest (`confrag.digest.json`: xxh3-128 and size of every file), written
+before the folder is renamed into place and checked where it is read (`folder_problem`).
 
 Several processes (jobs of a multirun, ranks of a torchrun launch, SLURM jobs) may fill one artifact
 together: `compute` claims a shard by taking its lock (`<shard>.lock`, a `filelock` flock) without
@@ -46,6 +51,7 @@ from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from confrag import distributed
+from confrag.finite import nonfinite_rows, require_finite
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,27 @@ WAIT_LOG_SECONDS = 60.0  # how often it says it is still waiting
 
 class CacheMismatchError(RuntimeError):
     """An artifact directory holds something other than what its key promises."""
+
+
+class CacheReadOnlyError(OSError):
+    """Something is missing from a cache this process cannot write: it cannot be computed here."""
+
+
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in `directory` (or, when it does not exist yet, in its
+    nearest existing parent): a read-only mount or folder without write permission says no."""
+    directory = Path(directory)
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _read_only_message(what: str, directory: Path) -> str:
+    return (
+        f"{what} is missing from the cache and {directory} cannot be written (a read-only cache): it cannot be "
+        f"computed here. Fill the cache once from a run that can write it, or set paths.cache_dir to a "
+        f"writable folder"
+    )
 
 
 def fingerprint(obj: Any) -> str:
@@ -207,6 +234,101 @@ def digest_record(data: bytes) -> dict[str, Any]:
     return {"algorithm": DIGEST_ALGORITHM, "digest": bytes_digest(data), "bytes": len(data)}
 
 
+# --- folder digests (single results: converted models, probes, reranker exports, indexes) -----------
+
+FOLDER_DIGEST = "confrag.digest.json"
+
+
+class ArtifactDamagedError(RuntimeError):
+    """A stored result fails its digest (or has none): rebuilt where the project made it, refused where
+    a user supplied it."""
+
+
+def _listed_files(directory: Path, names: Sequence[str] | None = None) -> list[Path]:
+    # Dot files are locks and temp files, never part of a result.
+    roots = [directory] if names is None else [directory / name for name in names]
+    found = []
+    for root in roots:
+        found += [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+    return sorted(
+        p
+        for p in found
+        if p.name != FOLDER_DIGEST and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
+
+
+def write_folder_digest(directory: Path | str, names: Sequence[str] | None = None) -> None:
+    """Record the xxh3-128 digest and size of every file under `directory` (dot files aside; only the files
+    and folders `names` when given) in `<directory>/confrag.digest.json`, atomically. Call it on the
+    finished folder, before renaming it into place, or after the last file of an in-place result."""
+    directory = Path(directory)
+    files = {}
+    for path in _listed_files(directory, names):
+        digest, size = file_digest(path)
+        files[path.relative_to(directory).as_posix()] = {"digest": digest, "bytes": size}
+    record = {"algorithm": DIGEST_ALGORITHM, "files": files}
+    atomic_write_text(directory / FOLDER_DIGEST, json.dumps(record, indent=1, sort_keys=True))
+
+
+def covered_problem(path: Path | str) -> str | None:
+    """For a file or folder inside a folder with a digest: what is wrong with it ("" when whole), or None
+    when no digest covers it (a user's own file)."""
+    path = Path(path)
+    try:
+        record = json.loads((path.parent / FOLDER_DIGEST).read_text())
+        listed = [name for name in record["files"] if name == path.name or name.startswith(path.name + "/")]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return folder_problem(path.parent, only=listed) if listed else None
+
+
+def has_folder_digest(directory: Path | str) -> bool:
+    return (Path(directory) / FOLDER_DIGEST).is_file()
+
+
+def folder_problem(directory: Path | str, only: Sequence[str] | None = None) -> str:
+    """What is wrong with a folder result against its `confrag.digest.json` ("" when every listed file
+    is whole): no digest, an unreadable one, a listed file missing, resized or with other bytes. `only`
+    checks just those listed files (a config read without the weights). Files the digest does not list
+    are not judged."""
+    directory = Path(directory)
+    path = directory / FOLDER_DIGEST
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"has no digest file {FOLDER_DIGEST}" if directory.is_dir() else "does not exist"
+    except (OSError, ValueError) as err:
+        return f"unreadable digest file {FOLDER_DIGEST} ({err})"
+    files = record.get("files") if isinstance(record, dict) else None
+    if record.get("algorithm") != DIGEST_ALGORITHM or not isinstance(files, dict) or not files:
+        return f"digest file {FOLDER_DIGEST} is not a {DIGEST_ALGORITHM} record of its files"
+    names = list(files) if only is None else [name for name in only if name in files]
+    if only is not None and len(names) != len(only):
+        return f"digest file {FOLDER_DIGEST} does not list {sorted(set(only) - set(names))}"
+    for name in names:
+        entry = files[name]
+        try:
+            found, size = file_digest(directory / name)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as err:
+            return f"{name} is unreadable ({err})"
+        if not isinstance(entry, dict) or size != entry.get("bytes"):
+            return (
+                f"{name} holds {size} bytes, its digest says {entry.get('bytes') if isinstance(entry, dict) else '?'}"
+            )
+        if found != entry.get("digest"):
+            return f"{name}: checksum mismatch ({DIGEST_ALGORITHM} {found}, recorded {entry.get('digest')})"
+    return ""
+
+
+def require_whole_folder(directory: Path | str, what: str) -> None:
+    """Raise ArtifactDamagedError naming `what` and the folder when `folder_problem` finds anything."""
+    problem = folder_problem(directory)
+    if problem:
+        raise ArtifactDamagedError(f"{what} {directory}: {problem}")
+
+
 @dataclass(frozen=True)
 class ShardStatus:
     """What a look at one shard found: `state` is ok, legacy (whole, written without a digest),
@@ -313,6 +435,8 @@ class ShardedArtifact:
                     f"refusing to reuse it. Delete {self.dir} to recompute."
                 )
         else:
+            if not _writable(self.dir):
+                raise CacheReadOnlyError(_read_only_message(f"{self.kind} artifact {self.key}", self.dir))
             atomic_write_text(self.manifest_path, json.dumps(self._manifest(), indent=2, default=str))
         # Temp files left by a killed writer are never part of the result. Only old ones are removed, so
         # that a second process writing the same artifact right now keeps its file.
@@ -386,6 +510,12 @@ class ShardedArtifact:
             return f"unreadable: {err}"
         if rows != stop - start:
             return f"holds {rows} items, expected {stop - start}"
+        if self.fmt == "npy":
+            # Hidden states and embeddings are finite: a NaN or inf here (written by an older version, or
+            # by hand with a matching digest) is damage, never data.
+            bad = nonfinite_rows(payload, axis=1)
+            if len(bad):
+                return f"holds NaN or inf in {len(bad)} item(s) (first: item {start + int(bad[0])})"
         return ""
 
     def _identity(self, index: int) -> tuple[int, int, int] | None:
@@ -408,21 +538,30 @@ class ShardedArtifact:
                 log.warning("Cache shard %s is damaged (%s); it is recomputed.", self.shard_path(index), status.reason)
             return False
         if status.state == "legacy":
-            self._record_legacy_digest(index)
-        if status.state in ("ok", "legacy"):
+            # No digest, no proof: a deleted digest looks the same as a shard from before digests, and
+            # damage may have happened in between. Recomputed; `cache_verify verify --adopt` adopts the
+            # shards of a cache written before digests when its owner vouches for them.
+            if index not in self._reported:
+                self._reported.add(index)
+                log.warning(
+                    "Cache shard %s has no digest file; it is recomputed (for a cache written before digests, "
+                    "`python -m confrag.cache_verify verify --adopt` records them instead).",
+                    self.shard_path(index),
+                )
+            return False
+        if status.state == "ok":
             self._verified[index] = identity
             return True
         return False
 
-    def _record_legacy_digest(self, index: int) -> None:
-        # A shard from before digests: whole and the right shape, so its digest is recorded now and any
-        # later damage is caught. A read-only cache simply stays without one.
-        try:
-            data = self.shard_path(index).read_bytes()
-            atomic_write_text(self.digest_path(index), json.dumps(digest_record(data)))
-            log.debug("Recorded the digest of %s (written before digests)", self.shard_path(index))
-        except OSError as err:
-            log.debug("Could not record the digest of %s: %s", self.shard_path(index), err)
+    def adopt(self, index: int) -> bool:
+        """Record the digest of shard `index` when it has none and passes the shape, length and finiteness
+        checks (a shard written before digests, vouched for by the user); True when it was recorded."""
+        if self.inspect(index).state != "legacy":
+            return False
+        data = self.shard_path(index).read_bytes()
+        atomic_write_text(self.digest_path(index), json.dumps(digest_record(data)))
+        return True
 
     def pending(self) -> list[int]:
         return [i for i in range(self.num_shards) if not self._readable(i)]
@@ -441,7 +580,12 @@ class ShardedArtifact:
         """Write shard `index`: its digest first, then the shard, each atomically, so that a shard on disk
         always has the digest of its own bytes (a crash in between leaves the shard missing)."""
         if self.fmt == "npy":
-            data = npy_bytes(np.ascontiguousarray(payload))
+            payload = np.ascontiguousarray(payload)
+            start, stop = self.shard_range(index)
+            require_finite(
+                payload, stage=self.kind, artifact=f"shard {self.shard_path(index)}", axis=1, row_offset=start
+            )
+            data = npy_bytes(payload)
         else:
             data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
         atomic_write_text(self.digest_path(index), json.dumps(digest_record(data)))
@@ -496,6 +640,16 @@ def compute_shards(
     todo = [(artifact, fn, index) for artifact, fn in jobs for index in artifact.pending()]
     if not todo:
         return
+    # Before any shard is computed (and before a deferred LLM loads for it): named, not a raw OSError on a lock.
+    for artifact, _, index in todo:
+        if not _writable(artifact.dir):
+            missing = [a.shard_path(i).name for a, _, i in todo if a is artifact]
+            raise CacheReadOnlyError(
+                _read_only_message(
+                    f"{artifact.shard_path(index)} ({len(missing)} shard(s) of {artifact.kind} {artifact.key})",
+                    artifact.dir,
+                )
+            )
     for artifact, _ in jobs:
         missing = sum(a is artifact for a, _, _ in todo)
         if missing:

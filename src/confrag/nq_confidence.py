@@ -19,6 +19,7 @@ balances the classes by weighting its loss (`model.class_weight=balanced`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -240,8 +241,11 @@ def build_confidence_data(
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
-    engine = HiddenStateEngine(
-        llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress, compile=extract_compile
+    # Built at the first shard to compute: with a DeferredLLM, a complete cache never loads the weights.
+    engine = functools.cache(
+        lambda: HiddenStateEngine(
+            llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress, compile=extract_compile
+        )
     )
 
     # Every answer and state shard of every prompt kind goes into one pool of claimable shards: processes
@@ -280,7 +284,7 @@ def build_confidence_data(
             )
         )
         jobs.append(
-            (activations, lambda a, b, p=prompts, k=kind: engine.extract(p[a:b], layer_list, desc=f"states [{k}]"))
+            (activations, lambda a, b, p=prompts, k=kind: engine().extract(p[a:b], layer_list, desc=f"states [{k}]"))
         )
         artifacts[kind] = (generations, activations)
     owners = {kind: np.arange(len(rows)) for kind in kinds}  # the question row of each item of a kind
@@ -315,7 +319,7 @@ def build_confidence_data(
                 ),
             )
         )  # fmt: skip
-        jobs.append((activations, lambda a, b: engine.extract(prompts[a:b], layer_list, desc="states [pairs]")))
+        jobs.append((activations, lambda a, b: engine().extract(prompts[a:b], layer_list, desc="states [pairs]")))
         artifacts[PAIRS_KIND] = (generations, activations)
         owners[PAIRS_KIND] = pair_question
         kinds = (*kinds, PAIRS_KIND)

@@ -38,7 +38,9 @@ from confrag.artifacts import (
     fingerprint,
     honour_umask,
     make_temp_dir,
+    write_folder_digest,
 )
+from confrag.finite import require_finite
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -113,6 +115,14 @@ def confidence_shifts(
         progress=progress,
     )
     conf = probe.confidence(states) if len(states) else np.zeros(0)
+    # Inc is a difference of these: named by question here, so that no NaN reaches a preference row.
+    for kind, values in reference.items():
+        require_finite(
+            values, stage="Inc", artifact=f"Conf of the {kind} prompts", rows=[c.qid for c in candidate_sets]
+        )
+    require_finite(
+        conf, stage="Inc", artifact="Conf of the RAG prompts", rows=[c.qid for c in candidate_sets for _ in c.passages]
+    )
     return ConfidenceShifts(reference, [conf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
 
@@ -340,3 +350,6 @@ def save_rows(splits: dict[str, list[dict]], directory: Path) -> None:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+    # Over what this call wrote only: a rule's rows saved into a subfolder later carry their own digest.
+    written = [f"{split}.jsonl" for split in splits] + [f"{split}_arrow" for split, rows in splits.items() if rows]
+    write_folder_digest(directory, written)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from confrag.cbdr.settings import AnswerSettings, EvalSettings
+from confrag.cbdr.settings import AnswerSettings, EvalSettings, positive_int
 from confrag.distributed import rank_trainer_devices
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
-from confrag.probe.module import check_probe_settings
 from confrag.reranker.data import check_group_size
+from confrag.reranker.module import check_settings as check_reranker_settings
 from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 from confrag.stages.probe import DEFAULT_MONITOR, ProbeRecipe
@@ -21,8 +22,6 @@ from confrag.stages.rerank import RerankRecipe
 from confrag.stages.rerankers import RerankerRecipe
 from confrag.stages.retrieval import RetrievalSettings
 
-# The probe model's settings checked before any stage runs (the rest are checked by the module itself).
-PROBE_SETTING_KEYS = ("dropout", "lr", "weight_decay", "optimizer", "l2", "class_weight")
 # The reranker `data` keys that change what training learns (not workers, not the scoring batch).
 RERANKER_DATA_KEYS = ("group_size", "batch_size", "query_max_len", "passage_max_len")
 TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
@@ -35,9 +34,12 @@ def probe_recipe(node: DictConfig, seed: int, monitor: str | None = None) -> Pro
     chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else val/gold_mrr)."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
     instantiate(data_cfg, _convert_="all").check_settings()
-    model_settings = OmegaConf.to_container(model_cfg, resolve=True)
-    check_probe_settings(**{k: v for k, v in model_settings.items() if k in PROBE_SETTING_KEYS})
-    if model_settings.get("optimizer") == "lbfgs" and data_cfg.get("batch_size") is not None:
+    # A throwaway probe of input size 1: its own checks (dropout, lr, ...) run now, not after NQ_Confidence.
+    try:
+        instantiate(model_cfg, input_dim=1, layer=None, _convert_="all")
+    except InstantiationException as err:  # Hydra's wrapper hides the module's own message
+        raise ValueError(f"model: {err.__cause__ or err}") from err
+    if model_cfg.get("optimizer") == "lbfgs" and data_cfg.get("batch_size") is not None:
         raise ValueError(
             f"model.optimizer=lbfgs takes whole-split batches: set data.batch_size=null (got {data_cfg.batch_size})"
         )
@@ -64,8 +66,11 @@ def rank_devices(trainer_cfg: DictConfig) -> dict:
 def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
     check_group_size(cfg.data.group_size)
-    if not float(cfg.model.tau) > 0:
-        raise ValueError(f"model.tau must be > 0 (got {cfg.model.tau})")
+    for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
+        positive_int(cfg.data.get(key, 1), f"data.{key}")
+    positive_int(cfg.data.get("num_workers", 0), "data.num_workers", minimum=0)
+    # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
+    check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
     return RerankerRecipe(
         make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),

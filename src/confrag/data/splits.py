@@ -19,9 +19,32 @@ from confrag.qa_metrics import normalize_answer
 log = logging.getLogger(__name__)
 
 
+def drop_duplicate_questions(rows: Sequence[QARow]) -> list[QARow]:
+    """The rows without repeats of an earlier row's question (compared by normalized text: case,
+    punctuation, articles, whitespace), with a warning counting and naming them: a repeated question could
+    otherwise land in a training split and an evaluation split at once."""
+    seen: dict[str, str] = {}
+    kept, dropped = [], []
+    for row in rows:
+        key = question_key(row)
+        if key in seen:
+            dropped.append((row.qid, seen[key]))
+        else:
+            seen[key] = row.qid
+            kept.append(row)
+    if dropped:
+        examples = ", ".join(f"{qid!r} repeats {first!r}" for qid, first in dropped[:3])
+        log.warning(
+            "%d duplicate question(s) dropped (same normalized text as an earlier row), e.g. %s", len(dropped), examples
+        )
+    return kept
+
+
 def select_questions(rows: Sequence[QARow], num_questions: int | None, seed: int) -> list[QARow]:
-    """A seeded sample of `num_questions` rows, kept in file order (all rows when None). Asking for more
-    rows than there are gives all of them, with a warning naming both numbers."""
+    """A seeded sample of `num_questions` rows, kept in file order (all rows when None), after dropping
+    repeated questions (`drop_duplicate_questions`). Asking for more rows than there are gives all of them,
+    with a warning naming both numbers."""
+    rows = drop_duplicate_questions(rows)
     if num_questions is None or num_questions >= len(rows):
         if num_questions is not None and num_questions > len(rows):
             log.warning(
@@ -48,8 +71,10 @@ def split_dev_test(rows: Sequence[QARow], dev_fraction: float, seed: int) -> dic
 
 def held_out(rows: Sequence[QARow], used: Iterable[QARow], what: str, where: str) -> list[QARow]:
     """The rows whose qid none of `used` has (file order); an error when fewer than two are left."""
+    # By qid and by question text: a repeat of a used question under another qid is not held out.
     taken = {row.qid for row in used}
-    pool = [row for row in rows if row.qid not in taken]
+    used_questions = {question_key(row) for row in used}
+    pool = [row for row in rows if row.qid not in taken and question_key(row) not in used_questions]
     if len(pool) < 2:
         raise ValueError(
             f"{where}: {len(taken)} of its {len(rows)} questions are used before {what}, leaving "

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from confrag.artifacts import exclusive, honour_umask, make_temp_dir
+from confrag.artifacts import exclusive, folder_problem, honour_umask, make_temp_dir, write_folder_digest
 from confrag.distributed import rank_device
 from confrag.llm.shapes import PUBLISHED_SHAPES, DecoderCost, dtype_bytes, random_decoder, shape_config
 from confrag.paths import default_cache_dir
@@ -133,7 +133,8 @@ def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
     if cfg.source == "gguf":
         path = gguf_location(cfg)
         converted = _model_cache(cfg) / f"{path.stem}-{_file_sha256(path)[:16]}"
-        if _converted_complete(converted):  # a JSON read, where parsing the GGUF metadata takes seconds
+        # A JSON read (its digest checked), where parsing the GGUF metadata takes seconds.
+        if not folder_problem(converted, only=("config.json",)):
             return int(AutoConfig.from_pretrained(converted).num_hidden_layers)
         return _gguf_block_count(path, cfg.name)
     if cfg.source == "local":
@@ -149,6 +150,118 @@ def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
         return int(AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision).num_hidden_layers)
     except (OSError, ValueError) as err:
         raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+
+
+def prompt_tokenizer(cfg: LLMConfig | dict[str, Any]) -> tuple[PreTrainedTokenizerBase, int]:
+    """The tokenizer `load_llm` gives the model (its chat template included) and the model's context length
+    (`max_position_embeddings`), without loading any weights: prompt lengths can so be checked before the
+    LLM loads. A GGUF model is converted first (as `load_llm` would)."""
+    if not isinstance(cfg, LLMConfig):
+        cfg = LLMConfig(**dict(cfg))
+    if cfg.source == "tiny":
+        arch = cfg.tiny.get("arch", "llama")
+        if arch not in TINY_ARCHS:
+            raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
+        tokenizer = _tiny_tokenizer(cfg)
+        limit = AutoConfig.for_model(arch, **_tiny_shape(cfg)).max_position_embeddings
+        if arch == "qwen2":
+            tokenizer.chat_template = QWEN2_CHAT_TEMPLATE
+    elif cfg.source == "random":
+        shape = cfg.random.get("shape")
+        if shape not in PUBLISHED_SHAPES:
+            raise ValueError(f"llm.random.shape={shape!r} is not one of {tuple(PUBLISHED_SHAPES)}")
+        tokenizer = _tiny_tokenizer(cfg)
+        limit = cfg.random.get("max_position_embeddings") or PUBLISHED_SHAPES[shape]["max_position_embeddings"]
+    else:
+        if cfg.source == "gguf":
+            path = gguf_location(cfg)
+            where: Any = _model_cache(cfg) / f"{path.stem}-{_file_sha256(path)[:16]}"
+            _ensure_converted(path, where)
+            kwargs = {}
+        elif cfg.source == "local":
+            where, kwargs = _local_dir(cfg), {}
+        else:
+            if not cfg.repo_id:
+                raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
+            where, kwargs = cfg.repo_id, {"revision": cfg.revision}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+            limit = AutoConfig.from_pretrained(where, **kwargs).max_position_embeddings
+        except (OSError, ValueError) as err:
+            if cfg.source == "hf":
+                raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+            raise LLMNotAvailableError(f"LLM '{cfg.name}': no tokenizer or config in {where} ({err})") from err
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, int(limit)
+
+
+def llm_identity(cfg: LLMConfig | dict[str, Any]) -> dict[str, Any] | None:
+    """The identity `load_llm` gives the model, from its files and settings alone (no weights loaded);
+    None for `source: random`, whose identity samples the weights themselves."""
+    if not isinstance(cfg, LLMConfig):
+        cfg = LLMConfig(**dict(cfg))
+    if cfg.source == "random":
+        return None
+    if cfg.source == "tiny":
+        ref = _tiny_ref(cfg)
+    elif cfg.source == "gguf":
+        path = gguf_location(cfg)
+        ref = f"gguf:{path.name}@{_file_sha256(path)[:16]}"
+    elif cfg.source == "local":
+        ref = f"local:{_dir_fingerprint(_local_dir(cfg))}"
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision)
+        except (OSError, ValueError) as err:
+            raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+        ref = _hf_ref(cfg, config)
+    return {"name": cfg.name, "source": cfg.source, "ref": ref, "dtype": cfg.dtype}
+
+
+class DeferredLLM:
+    """What `load_llm` gives (identity, tokenizer, layer count, context length), with the weights loaded
+    only when `.model` is first used: a stage whose results are all in the cache never loads them, and a
+    stage that could not store what it would compute (a read-only cache) is refused before they load.
+    The identity is computed from files and settings, and checked again once the weights are loaded."""
+
+    def __init__(self, cfg: LLMConfig | dict[str, Any]) -> None:
+        self.cfg = cfg if isinstance(cfg, LLMConfig) else LLMConfig(**dict(cfg))
+        self.tokenizer, self.context = prompt_tokenizer(self.cfg)
+        self._loaded: LoadedLLM | None = None
+        identity = llm_identity(self.cfg)
+        if identity is None:  # a random model's identity needs its weights
+            identity = self.loaded.identity
+        self.identity = identity
+        self.num_layers = model_num_layers(self.cfg)
+
+    @property
+    def loaded(self) -> LoadedLLM:
+        if self._loaded is None:
+            loaded = load_llm(self.cfg)
+            if getattr(self, "identity", loaded.identity) != loaded.identity:
+                raise RuntimeError(
+                    f"LLM '{self.cfg.name}': loaded as {loaded.identity}, announced as {self.identity} before "
+                    f"loading; the caches keyed by it would mix models"
+                )
+            loaded.tokenizer = self.tokenizer  # one tokenizer object for prompts and generation
+            loaded.model.generation_config.pad_token_id = self.tokenizer.pad_token_id
+            self._loaded = loaded
+        return self._loaded
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.loaded.model
+
+    @property
+    def mid_layer(self) -> int:
+        return self.num_layers // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
 
 
 def _gguf_block_count(path: Path, name: str) -> int:
@@ -200,8 +313,12 @@ def _load_hf(cfg: LLMConfig):
         model = AutoModelForCausalLM.from_pretrained(cfg.repo_id, revision=cfg.revision, **_from_pretrained_kwargs(cfg))
     except (OSError, ValueError) as err:
         raise LLMNotAvailableError(_hf_missing_message(cfg, err)) from err
+    return _place(model, cfg), tokenizer, _hf_ref(cfg, config)
+
+
+def _hf_ref(cfg: LLMConfig, config: Any) -> str:
     commit = getattr(config, "_commit_hash", None) or cfg.revision or "unknown"
-    return _place(model, cfg), tokenizer, f"hf:{cfg.repo_id}@{commit}"
+    return f"hf:{cfg.repo_id}@{commit}"
 
 
 def _hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
@@ -227,7 +344,8 @@ def _hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
 # --- local directory -------------------------------------------------------------------------------
 
 
-def _load_local(cfg: LLMConfig):
+def _local_dir(cfg: LLMConfig) -> Path:
+    """`llm.local_dir`, holding a config, weights and a tokenizer (else the missing files are named)."""
     if not cfg.local_dir:
         raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
     path = Path(cfg.local_dir).expanduser()
@@ -238,6 +356,11 @@ def _load_local(cfg: LLMConfig):
             f"`huggingface-cli download {cfg.repo_id or 'REPO_ID'} --local-dir {path}` or point llm.local_dir "
             "elsewhere."
         )
+    return path
+
+
+def _load_local(cfg: LLMConfig):
+    path = _local_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, **_from_pretrained_kwargs(cfg))
     return _place(model, cfg), tokenizer, f"local:{_dir_fingerprint(path)}"
@@ -303,27 +426,33 @@ def _load_gguf(cfg: LLMConfig):
     path = gguf_location(cfg)
     sha = _file_sha256(path)[:16]
     converted = _model_cache(cfg) / f"{path.stem}-{sha}"
-    if not _converted_complete(converted):
-        _convert_gguf(path, converted)
+    _ensure_converted(path, converted)
     tokenizer = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, **_from_pretrained_kwargs(cfg))
     return _place(model, cfg), tokenizer, f"gguf:{path.name}@{sha}"
 
 
-def _converted_complete(target: Path) -> bool:
-    # The folder only ever appears by rename of a finished conversion, so its config marks it whole.
-    return (target / "config.json").is_file()
+def _ensure_converted(path: Path, target: Path) -> None:
+    """The conversion of `path` in `target`, whole: its files match the digest taken when it was written
+    (the weights included: the model identity names the GGUF file, so a damaged conversion would
+    otherwise key healthy caches). A damaged conversion, or one without a digest, is rebuilt."""
+    problem = folder_problem(target)  # without the lock: a whole conversion may sit in a read-only cache
+    if problem:
+        if target.exists():
+            log.warning("Converted model %s: %s; converting %s again.", target, problem, path.name)
+        _convert_gguf(path, target)
 
 
 def _convert_gguf(path: Path, target: Path) -> None:
-    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy; written to a temp dir, then renamed.
+    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy with its folder digest; written to a
+    temp dir, then renamed.
 
     Several processes may start on a fresh cache at once (a multirun, two runs, torchrun ranks): the
-    conversion runs under a file lock, and a process that finds the target complete after waiting for
+    conversion runs under a file lock, and a process that finds the target whole after waiting for
     the lock uses it instead of converting again."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with exclusive(target.parent / f".{target.name}.lock", f"the conversion of {path.name}"):
-        if _converted_complete(target):
+        if not folder_problem(target):
             return
         log.info("Dequantizing %s into %s (once)", path.name, target)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -332,12 +461,13 @@ def _convert_gguf(path: Path, target: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
-        if target.exists():  # left incomplete by something other than this function: rebuilt
+        if target.exists():  # damaged, or without a digest: rebuilt
             shutil.rmtree(target)
-        tmp = make_temp_dir(target.parent, target.name + ".tmp-")
+        tmp = make_temp_dir(target.parent, "." + target.name + ".tmp-")
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            write_folder_digest(tmp)
             honour_umask(tmp)
             os.replace(tmp, target)
         except BaseException:
@@ -353,7 +483,7 @@ def _load_tiny(cfg: LLMConfig):
     if arch not in TINY_ARCHS:
         raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
     tokenizer = _tiny_tokenizer(cfg)
-    shape = {k: v for k, v in cfg.tiny.items() if k not in ("arch", "tokenizer")}
+    shape = _tiny_shape(cfg)
     config = AutoConfig.for_model(
         arch,
         vocab_size=len(tokenizer),
@@ -373,10 +503,17 @@ def _load_tiny(cfg: LLMConfig):
         torch.random.set_rng_state(generator_state)
     if arch == "qwen2" and not cfg.chat_template:
         tokenizer.chat_template = QWEN2_CHAT_TEMPLATE
-    ref = hashlib.sha256(json.dumps({"arch": arch, **shape, "seed": cfg.seed}, sort_keys=True).encode()).hexdigest()[
-        :16
-    ]
-    return _place(model, cfg), tokenizer, f"tiny:{arch}@{ref}"
+    return _place(model, cfg), tokenizer, _tiny_ref(cfg)
+
+
+def _tiny_shape(cfg: LLMConfig) -> dict[str, Any]:
+    return {k: v for k, v in cfg.tiny.items() if k not in ("arch", "tokenizer")}
+
+
+def _tiny_ref(cfg: LLMConfig) -> str:
+    arch = cfg.tiny.get("arch", "llama")
+    payload = json.dumps({"arch": arch, **_tiny_shape(cfg), "seed": cfg.seed}, sort_keys=True)
+    return f"tiny:{arch}@{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
 
 
 def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
@@ -390,8 +527,7 @@ def _tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
     )
     path = gguf_location(source)
     converted = _model_cache(source) / f"{path.stem}-{_file_sha256(path)[:16]}"
-    if not _converted_complete(converted):
-        _convert_gguf(path, converted)
+    _ensure_converted(path, converted)
     return AutoTokenizer.from_pretrained(converted)
 
 

@@ -14,6 +14,7 @@ rest of the file, states only) reports the probe as a reranker.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from collections.abc import Sequence
@@ -28,9 +29,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from confrag.artifacts import ActivationStore
 from confrag.data.nq import load_nq_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
+from confrag.llm.batching import check_batch_size
+from confrag.llm.context import fit_questions
 from confrag.llm.generation import GreedyOptions
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.llm.loading import LLMConfig, load_llm, model_num_layers
+from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import (
     ConfidenceData,
@@ -88,6 +91,17 @@ def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num
     return chosen, extracted
 
 
+def check_loader_settings(batch_size: Any, num_workers: Any, max_new_tokens: Any) -> None:
+    """`data.batch_size` >= 1, `data.num_workers` >= 0, `data.max_new_tokens` >= 1, each an integer."""
+    for key, value, least in (
+        ("data.batch_size", batch_size, 1),
+        ("data.num_workers", num_workers, 0),
+        ("data.max_new_tokens", max_new_tokens, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"{key} must be an integer >= {least}; got {value!r}")
+
+
 def unrepeated_sampler(dataset: Dataset) -> DistributedSampler | None:
     """Under DDP, a sampler giving each rank its share of the dev or test examples, each example once.
     Lightning's default DistributedSampler repeats examples to even out the ranks, and the repeats would
@@ -129,6 +143,7 @@ class NQConfidenceDataModule(LightningDataModule):
         question_splits: dict[str, int] | None = None,
         ranking_top_n: int | None = 20,
         ranking_test_questions: int = 0,
+        truncate_questions: bool = False,
     ) -> None:
         super().__init__()
         for key, value, least in (
@@ -166,14 +181,18 @@ class NQConfidenceDataModule(LightningDataModule):
             extract_batch_size,
         )
         self.batch_size, self.num_workers, self.cache_dir, self.progress = batch_size, num_workers, cache_dir, progress
+        self.truncate_questions = bool(truncate_questions)
         self.data: ConfidenceData | None = None
         self.layer: int | None = None
         self.llm_identity: dict[str, Any] | None = None
         self.prompts_identity: str | None = None
 
     def check_settings(self) -> None:
-        """Refuse a layer setting the model does not have, from its config alone (no weights are loaded):
-        before any answer is generated, not after."""
+        """Refuse a layer setting the model does not have, from its config alone (no weights are loaded),
+        and batch sizes, workers and token counts out of range: before any answer is generated, not after."""
+        check_loader_settings(self.batch_size, self.num_workers, self.max_new_tokens)
+        check_batch_size(self.gen_batch_size, "data.gen_batch_size")
+        check_batch_size(self.extract_batch_size, "data.extract_batch_size")
         probe_layers(self.layer_spec, self.layers, model_num_layers(self.llm_cfg))
 
     def build(self, llm=None) -> ConfidenceData:
@@ -182,9 +201,21 @@ class NQConfidenceDataModule(LightningDataModule):
         self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
         all_rows = load_nq_jsonl(self.nq_path)
         rows = select_questions(all_rows, self.num_questions, self.seed)
-        candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         own = llm is None
-        llm = llm or load_llm(self.llm_cfg)
+        # Weights load at the first shard to compute (none when the cache is complete): a question longer
+        # than the context, or a read-only cache that lacks a shard, is named before they load.
+        llm = llm or DeferredLLM(self.llm_cfg)
+        if own:
+            rows = fit_questions(
+                rows,
+                self.templates,
+                llm.tokenizer,
+                llm.context,
+                self.max_new_tokens,
+                self.truncate_questions,
+                str(self.nq_path),
+            )
+        candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         try:
             data = build_confidence_data(
                 llm,
@@ -237,7 +268,12 @@ class NQConfidenceDataModule(LightningDataModule):
             groups["test_extra"] = self.extra_test_rows(all_rows, data.rows)
         corpus = corpus_from_nq(all_rows, words_per_passage=self.words_per_passage)
         retriever = BM25Retriever(corpus, cache_dir=self.cache_dir)
-        engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=self.extract_batch_size, progress=self.progress)
+        # Built at the first shard to compute: a complete cache loads no weights.
+        engine = functools.cache(
+            lambda: HiddenStateEngine(
+                llm.model, llm.tokenizer, batch_size=self.extract_batch_size, progress=self.progress
+            )
+        )
         parts = {}
         for name, rows in groups.items():
             found = [without_duplicates(c)[0] for c in retrieve_candidates(rows, corpus, retriever, self.ranking_top_n)]

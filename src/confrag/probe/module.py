@@ -30,7 +30,14 @@ from torch import nn
 from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
-from confrag.artifacts import atomic_write_bytes, atomic_write_text, exclusive
+from confrag.artifacts import (
+    atomic_write_bytes,
+    atomic_write_text,
+    exclusive,
+    require_whole_folder,
+    write_folder_digest,
+)
+from confrag.finite import require_finite
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +132,9 @@ class ProbeModule(LightningModule):
         hidden = torch.as_tensor(np.asarray(hidden_states, dtype=np.float32)).to(self.mean.device)
         probs = torch.softmax(self(hidden.reshape(-1, hidden.shape[-1])), dim=-1)[:, 1]
         self.train(was_training)
-        return probs.cpu().numpy()
+        probs = probs.cpu().numpy()
+        require_finite(probs, stage="probe confidence", artifact=f"the probe's output (layer {self.hparams.layer})")
+        return probs
 
     def _step(self, batch, stage: str):
         hidden, labels = batch
@@ -138,6 +147,9 @@ class ProbeModule(LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss, _, _ = self._step(batch, "train")
+        require_finite(
+            loss, stage="probe training", artifact=f"the loss of batch {batch_idx} (epoch {self.current_epoch})"
+        )
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -268,6 +280,9 @@ class SavedProbe:
         return self.module.confidence(hidden_states)
 
 
+PROBE_FILES = ("probe.safetensors", "probe.json")
+
+
 def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str, Any], extra: dict[str, Any]) -> Path:
     """Weights and metadata, each written atomically; two processes saving to one directory take turns,
     so the weights and the metadata found there always come from the same save."""
@@ -278,16 +293,21 @@ def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str
     with exclusive(directory / ".probe.lock", f"the probe in {directory}"):
         atomic_write_bytes(directory / "probe.safetensors", save(tensors))
         atomic_write_text(directory / "probe.json", json.dumps(meta, indent=2, default=str))
+        # Last: a save interrupted before this line leaves a digest that does not match, never a trusted mix.
+        write_folder_digest(directory, PROBE_FILES)
     return directory
 
 
 def load_probe(directory: Path | str) -> SavedProbe:
+    """The probe saved in `directory`, its weights and JSON checked against the digest `save_probe` took:
+    ArtifactDamagedError when they differ or the digest is missing (a cached probe is then retrained)."""
     directory = Path(directory)
-    for name in ("probe.json", "probe.safetensors"):
+    for name in PROBE_FILES:
         if not (directory / name).is_file():
             raise FileNotFoundError(
                 f"{directory / name} not found: train a probe first (python train.py +experiment=probe_*)"
             )
+    require_whole_folder(directory, "probe")
     meta = json.loads((directory / "probe.json").read_text())
     hparams = meta["hparams"]
     module = ProbeModule(

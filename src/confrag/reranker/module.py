@@ -13,6 +13,7 @@ transformers, sentence-transformers' `CrossEncoder` and FlagEmbedding's `FlagRer
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import shutil
 from collections.abc import Sequence
@@ -24,7 +25,8 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from confrag.artifacts import exclusive, honour_umask, make_temp_dir
+from confrag.artifacts import exclusive, honour_umask, make_temp_dir, write_folder_digest
+from confrag.finite import require_finite
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
 from confrag.reranker.data import pair_encoder
@@ -126,6 +128,43 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def _check_settings(
+    tau: float,
+    lr: float,
+    weight_decay: float,
+    warmup_ratio: float,
+    lora: dict[str, Any] | None,
+    distill_weight: float,
+    distill_tau: float | None,
+    fresh_head: bool,
+    kind: str,
+) -> None:
+    _check(
+        not (fresh_head and kind == QWEN3_YES_NO),
+        "model.fresh_head",
+        "false with model.kind=qwen3_yes_no "
+        "(its score comes from the LM head's yes/no rows, there is no head to redraw)",
+        fresh_head,
+    )
+    _check(tau > 0, "model.tau", "> 0", tau)
+    _check(lr > 0, "model.lr", "> 0", lr)
+    _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
+    _check(0 <= warmup_ratio < 1, "model.warmup_ratio", "in [0, 1)", warmup_ratio)
+    _check(distill_weight >= 0, "model.distill_weight", ">= 0", distill_weight)
+    _check(distill_tau is None or distill_tau > 0, "model.distill_tau", "null or > 0", distill_tau)
+    _check(lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora)
+
+
+def check_settings(**settings: Any) -> None:
+    """RerankerModule's checks of its `model.*` settings (the defaults filled in), without loading the
+    backbone: what a task runs before any stage."""
+    bound = inspect.signature(RerankerModule.__init__).bind(None, **settings)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    pair_encoder(arguments["kind"])
+    _check_settings(**{k: arguments[k] for k in inspect.signature(_check_settings).parameters})
+
+
 class RerankerModule(LightningModule):
     def __init__(
         self,
@@ -147,22 +186,7 @@ class RerankerModule(LightningModule):
     ) -> None:
         super().__init__()
         self.encode = pair_encoder(kind)  # also the check of model.kind, before any weights load
-        _check(
-            not (fresh_head and kind == QWEN3_YES_NO),
-            "model.fresh_head",
-            "false with model.kind=qwen3_yes_no "
-            "(its score comes from the LM head's yes/no rows, there is no head to redraw)",
-            fresh_head,
-        )
-        _check(tau > 0, "model.tau", "> 0", tau)
-        _check(lr > 0, "model.lr", "> 0", lr)
-        _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
-        _check(0 <= warmup_ratio < 1, "model.warmup_ratio", "in [0, 1)", warmup_ratio)
-        _check(distill_weight >= 0, "model.distill_weight", ">= 0", distill_weight)
-        _check(distill_tau is None or distill_tau > 0, "model.distill_tau", "null or > 0", distill_tau)
-        _check(
-            lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora
-        )
+        _check_settings(tau, lr, weight_decay, warmup_ratio, lora, distill_weight, distill_tau, fresh_head, kind)
         ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
         self.save_hyperparameters()
         from transformers import AutoTokenizer
@@ -203,7 +227,9 @@ class RerankerModule(LightningModule):
                 out.append(self({k: v.to(self.device) for k, v in encoded.features.items()}).float().cpu())
         finally:
             self.train(was_training)
-        return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+        scores = torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+        require_finite(scores, stage="reranker scoring", artifact=f"the scores of {self.hparams.backbone}")
+        return scores
 
     # --- training ----------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -238,6 +264,9 @@ class RerankerModule(LightningModule):
                 )
             kl = distillation_kl(scores, teacher, self.hparams.tau, self.hparams.distill_tau)
             loss = loss + self.hparams.distill_weight * kl
+        require_finite(
+            loss, stage="reranker training", artifact=f"the loss of batch {batch_idx} (epoch {self.current_epoch})"
+        )
         # Not on the progress bar: that would read the value back (a device sync) at every step.
         self.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=scores.shape[0])
         return loss
@@ -294,6 +323,7 @@ class RerankerModule(LightningModule):
             try:
                 model.save_pretrained(str(tmp))
                 self.tokenizer.save_pretrained(str(tmp))
+                write_folder_digest(tmp)  # checked where the export is read (`resolve_backbone`)
                 honour_umask(tmp)
                 old = None
                 if directory.exists():

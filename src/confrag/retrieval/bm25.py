@@ -11,7 +11,15 @@ from pathlib import Path
 import bm25s
 import numpy as np
 
-from confrag.artifacts import STALE_TMP_SECONDS, exclusive, fingerprint, honour_umask, make_temp_dir
+from confrag.artifacts import (
+    STALE_TMP_SECONDS,
+    exclusive,
+    fingerprint,
+    folder_problem,
+    honour_umask,
+    make_temp_dir,
+    write_folder_digest,
+)
 from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
 
@@ -75,6 +83,12 @@ class BM25Retriever:
         assert self.index_dir is not None
         if not self.index_dir.is_dir():
             return None
+        problem = folder_problem(self.index_dir)
+        if problem:
+            # Bit rot in the score matrix loads without a complaint and ranks passages by garbage.
+            log.warning("BM25 index %s: %s; rebuilding it.", self.index_dir, problem)
+            shutil.rmtree(self.index_dir, ignore_errors=True)
+            return None
         try:
             model = bm25s.BM25.load(self.index_dir, show_progress=False)
             num_docs = model.scores["num_docs"]
@@ -94,6 +108,7 @@ class BM25Retriever:
         tmp = make_temp_dir(self.index_dir.parent, ".tmp-")
         try:
             model.save(tmp, show_progress=False)
+            write_folder_digest(tmp)
             honour_umask(tmp)
             tmp.rename(self.index_dir)
         except OSError:

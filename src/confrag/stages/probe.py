@@ -23,7 +23,7 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
-from confrag.artifacts import exclusive, fingerprint
+from confrag.artifacts import exclusive, fingerprint, folder_problem
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
 from confrag.probe.ranking import SELECTION_METRIC, RankingSet
@@ -189,11 +189,14 @@ def ensure_probe(
     """The probe a later stage needs: read from the cache when trained before, else trained now."""
     datamodule = prepared_datamodule(recipe)
     directory = probe_cache_dir(cache_dir, datamodule, recipe)
-    if not (directory / "probe.json").is_file():
+    if folder_problem(directory):
         # One process trains it; another one asking at the same time waits, then reads it.
         with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}"):
-            if not (directory / "probe.json").is_file():
-                log.info("No cached probe at %s: training it", directory)
+            problem = folder_problem(directory)
+            if problem:
+                if (directory / "probe.json").is_file():  # a damaged one (or saved before digests)
+                    log.warning("Cached probe %s: %s; training it again.", directory, problem)
+                log.info("No whole cached probe at %s: training it", directory)
                 checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor=recipe.monitor, mode="max")
                 model, datamodule, metrics, best = fit_probe(
                     recipe,

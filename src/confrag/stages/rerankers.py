@@ -21,7 +21,7 @@ import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
 
-from confrag.artifacts import atomic_write_text, exclusive, fingerprint
+from confrag.artifacts import atomic_write_text, exclusive, fingerprint, folder_problem, write_folder_digest
 from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
 
@@ -88,9 +88,13 @@ def ensure_reranker(
         )
     # One process trains it; another one asking at the same time waits, then reads it.
     with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
-        if marker.is_file():
+        problem = folder_problem(directory) if marker.is_file() else "is not trained yet"
+        if not problem:
             log.info("Reranker %s: cached at %s", name, directory)
             return load_reranker(recipe, directory), json.loads(marker.read_text())
+        if directory.exists():
+            log.warning("Cached reranker %s: %s; training it again.", directory, problem)
+            marker.unlink(missing_ok=True)
         return _train(
             recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides
         )
@@ -133,6 +137,7 @@ def _train(
     if not recipe.fast_dev_run:
         model.export(directory)
         atomic_write_text(directory / "confrag_training.json", json.dumps(info, indent=2))
+        write_folder_digest(directory)  # again, now with the marker: what a later run reads back
         remove_checkpoints(trainer)
     return model, info
 
