@@ -21,7 +21,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from confrag.artifacts import ActivationStore
-from confrag.data.nq import load_nq_jsonl
+from confrag.data.nq import QUESTION_FORMAT_CHOICES, check_format_choice, load_nq_jsonl
 from confrag.data.splits import select_questions
 from confrag.llm.generation import GreedyOptions
 from confrag.llm.loading import LLMConfig, load_llm, model_num_layers
@@ -118,6 +118,7 @@ class NQConfidenceDataModule(LightningDataModule):
         words_per_passage: int = 100,
         extract_compile: bool = False,
         generation: dict[str, Any] | None = None,
+        questions_format: str = "auto",
     ) -> None:
         super().__init__()
         if uses_candidates(train_states) and (
@@ -133,7 +134,8 @@ class NQConfidenceDataModule(LightningDataModule):
         self.generation = GreedyOptions.from_mapping(generation, "data.generation")
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
-        self.nq_path, self.layer_spec, self.layers = nq_path, layer, layers
+        check_format_choice(questions_format, "data.questions_format", QUESTION_FORMAT_CHOICES)
+        self.nq_path, self.questions_format, self.layer_spec, self.layers = nq_path, questions_format, layer, layers
         self.num_questions, self.train_states = num_questions, train_states
         self.split_sizes, self.balance, self.seed = split_sizes, balance, seed
         self.max_new_tokens, self.gen_batch_size, self.extract_batch_size = (
@@ -156,7 +158,7 @@ class NQConfidenceDataModule(LightningDataModule):
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
         num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
         self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
-        all_rows = load_nq_jsonl(self.nq_path)
+        all_rows = load_nq_jsonl(self.nq_path, questions_format=self.questions_format)
         rows = select_questions(all_rows, self.num_questions, self.seed)
         candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         own = llm is None

@@ -85,7 +85,7 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
     probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
     retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
     questions = plan_questions(
-        load_nq_jsonl(probe_data.nq_path),
+        load_nq_jsonl(probe_data.nq_path, questions_format=probe_data.questions_format),
         probe_data.data.rows,
         recipe.preferences.num_questions,
         recipe.base.num_questions if recipe.base.train else 0,
