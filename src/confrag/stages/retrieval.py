@@ -32,6 +32,7 @@ from confrag.retrieval import (
 )
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CORPUS_FORMAT_CHOICES
+from confrag.retrieval.faiss_index import DENSE_INDEX_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class RetrievalSettings:
     questions_format: str = "auto"  # confrag | flashrag | auto (confrag.data.nq.QUESTION_FORMATS)
     corpus_format: str = "auto"  # confrag | flashrag | auto (confrag.retrieval.corpus.CORPUS_FORMATS)
     bi_encoder: bool = True  # build the dense index too (Table 1's bi-encoder row)
+    dense_index: str = "auto"  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
+    dense_index_path: str | None = None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
 
     def __post_init__(self) -> None:
         problems = []
@@ -64,6 +67,8 @@ class RetrievalSettings:
             )
         if self.corpus_format not in CORPUS_FORMAT_CHOICES:
             problems.append(f"retrieval.corpus_format={self.corpus_format!r} is not one of {CORPUS_FORMAT_CHOICES}")
+        if self.dense_index not in DENSE_INDEX_KINDS:
+            problems.append(f"retrieval.dense_index={self.dense_index!r} is not one of {DENSE_INDEX_KINDS}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -105,7 +110,9 @@ def build_retrieval(
         corpus = corpus_from_nq(rows_of_file, words_per_passage=words)
     bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
     dense = (
-        DenseRetriever(corpus, cache_dir=cache_dir) if (settings.retriever == "dense" or settings.bi_encoder) else None
+        DenseRetriever(corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path)
+        if (settings.retriever == "dense" or settings.bi_encoder)
+        else None
     )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
     return Retrieval(corpus, bm25, dense, settings)
