@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from confrag.data.nq import DataFormatError, QARow, load_nq_jsonl
+from confrag.data.nq import DataFormatError, QARow, load_nq_jsonl, rows_from_hf
 from confrag.retrieval.corpus import iter_documents, iter_passages, load_corpus_jsonl
 from confrag.stages.retrieval import RetrievalSettings, build_retrieval
 
@@ -62,6 +62,12 @@ def test_both_question_formats_read_the_same_rows(tmp_path: Path, suffix: str, r
     assert load_nq_jsonl(path) == EXPECTED_ROWS  # auto
     assert load_nq_jsonl(path, questions_format=fmt) == EXPECTED_ROWS
     assert load_nq_jsonl(path, limit=1, questions_format=fmt) == EXPECTED_ROWS[:1]
+
+
+def test_in_memory_records_in_either_format() -> None:
+    assert rows_from_hf(FLASHRAG_QUESTIONS) == rows_from_hf(iter(CONFRAG_QUESTIONS)) == EXPECTED_ROWS
+    with pytest.raises(DataFormatError, match=r"record 0 \(0-based\): this record is in none of the known formats"):
+        rows_from_hf([{"query": "q"}])
 
 
 def test_a_question_file_in_neither_format_names_both_and_the_line(tmp_path: Path) -> None:

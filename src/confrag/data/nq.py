@@ -170,7 +170,10 @@ def _row_from_mapping(row: Any, index: int, where: str, fmt: QuestionFormat = QU
 
 
 def detect_format(obj: Any, where: str, formats: Mapping[str, Any], key: str) -> Any:
-    """The first of `formats` whose `matches(obj)` holds; else a DataFormatError naming every format."""
+    """The first of `formats` whose `matches(obj)` holds; else a DataFormatError naming every format. A
+    record that is not an object gets the first format, whose parser then says what a record must be."""
+    if not isinstance(obj, Mapping):
+        return next(iter(formats.values()))
     for fmt in formats.values():
         if fmt.matches(obj):
             return fmt
@@ -308,12 +311,17 @@ def load_nq_jsonl(
     return collector.rows
 
 
-def rows_from_hf(records: Iterable[Mapping[str, Any]]) -> list[QARow]:
-    """Rows from in-memory dicts such as `datasets.load_dataset("nq_open")["validation"]`."""
+def rows_from_hf(records: Iterable[Mapping[str, Any]], questions_format: str = "auto") -> list[QARow]:
+    """Rows from in-memory dicts such as `datasets.load_dataset("nq_open")["validation"]` or a FlashRAG
+    split; `questions_format` as in `load_nq_jsonl` (`auto`: the first record's)."""
+    check_format_choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
+    fmt = None if questions_format == "auto" else QUESTION_FORMATS[questions_format]
     collector = _RowCollector()
     for index, record in enumerate(records):
         where = f"record {index} (0-based)"
-        collector.add(_row_from_mapping(record, index, where), where)
+        if fmt is None:
+            fmt = detect_format(record, where, QUESTION_FORMATS, "questions_format")
+        collector.add(_row_from_mapping(record, index, where, fmt), where)
     return collector.rows
 
 
