@@ -395,7 +395,9 @@ def test_corpus_file_is_validated_whole_without_building_anything(tmp_path: Path
     bad = write_lines(tmp_path / "bad.jsonl", good + ['{"id": "d9", "title": "t"}'])
     with pytest.raises(DataFormatError, match=r'bad\.jsonl, line 4: field "text" must be a non-empty string'):
         validate_corpus_jsonl(bad)
-    with pytest.raises(DataFormatError, match=r'each line must be \{"id": str, "title": str, "text": str\}'):
+    with pytest.raises(
+        DataFormatError, match=r'each line must be confrag \{"id": str, "title": str, "text": str\} or flashrag'
+    ):
         validate_corpus_jsonl(write_lines(tmp_path / "json.jsonl", good + ["{oops"]))
     with pytest.raises(DataFormatError, match="no documents"):
         validate_corpus_jsonl(write_lines(tmp_path / "blank.jsonl", ["", " "]))

@@ -1,4 +1,11 @@
-"""Where confrag keeps derived files (converted models, activation and generation caches)."""
+"""Where confrag finds its configs and keeps derived files (converted models, activation and generation caches).
+
+confrag runs either from a source checkout (pyproject.toml, conf/ and src/confrag/ in one folder: the
+project root) or from an installed package (a wheel), which carries the same configs as `confrag/conf`
+(pyproject.toml maps the package `confrag.conf` to the top-level conf/ folder). Installed, the project
+root is the current folder: logs and caches go there, and paths to data (`paths.nq_path`, `dataset.*`)
+are set on the command line or through their environment variables (docs/usage.md#installing-confrag).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,30 @@ import os
 from pathlib import Path
 
 
+def source_checkout() -> Path | None:
+    """The source checkout this module runs from (the folder holding pyproject.toml, conf/train.yaml and
+    src/confrag/), or None when it runs from an installed package. Only the checkout's own layout counts:
+    a pyproject.toml of another project above a virtual environment is not confrag's root."""
+    here = Path(__file__).resolve()
+    root = here.parents[2]
+    if (
+        (root / "pyproject.toml").is_file()
+        and (root / "conf" / "train.yaml").is_file()
+        and here.parent.parent == root / "src"
+    ):
+        return root
+    return None
+
+
 def project_root() -> Path:
-    """The directory holding pyproject.toml, found by walking up from this file (else the cwd)."""
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "pyproject.toml").is_file():
-            return parent
-    return Path.cwd()
+    """The source checkout, else (an installed package) the current folder."""
+    return source_checkout() or Path.cwd()
+
+
+def config_dir() -> Path:
+    """The Hydra configs: the checkout's conf/ folder, else the installed package's copy of it (confrag/conf)."""
+    root = source_checkout()
+    return root / "conf" if root is not None else Path(__file__).resolve().parent / "conf"
 
 
 def default_cache_dir() -> Path:

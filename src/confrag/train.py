@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from confrag import distributed
 from confrag.instantiators import output_dir
-from confrag.paths import project_root, register_resolvers
+from confrag.paths import config_dir, register_resolvers
 from confrag.run_info import save_run_info
 from confrag.tasks import cbdr, gates, probe, rerank
 
@@ -85,7 +85,7 @@ def main() -> None:
 
     register_resolvers()
 
-    @hydra.main(version_base="1.3", config_path=str(project_root() / "conf"), config_name="train")
+    @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
     def _main(cfg: DictConfig) -> float | None:
         return run_task(cfg)
 

@@ -1,10 +1,15 @@
-"""NQ-open questions with their answers and (optionally) passages.
+"""Question sets (NQ-open and any other QA set) with their answers and (optionally) passages.
 
-Two row shapes are accepted, so the same loader reads the shared gold file, DPR/"Lost in the Middle"
-style retrieval files and Hugging Face `nq_open`:
+Two formats, chosen by `questions_format` (`auto` detects it from the first record):
 
-    {"question": str, "answers": [str, ...], "ctxs": [{"title": str, "text": str}, ...]}
-    {"question": str, "answer": [str, ...]}                      # HF nq_open; no passages
+- `confrag`, the shared gold file's, DPR/"Lost in the Middle" retrieval files' and Hugging Face `nq_open`'s:
+      {"question": str, "answers": [str, ...], "ctxs": [{"title": str, "text": str}, ...]}
+      {"question": str, "answer": [str, ...]}                      # HF nq_open; no passages
+- `flashrag`, the one FlashRAG ships its 36 QA sets in (NQ, TriviaQA, PopQA, 2Wiki, HotpotQA, ...):
+      {"id": str, "question": str, "golden_answers": [str, ...]}
+
+Files are `.jsonl` / `.jsonl.gz` (errors name the line) or `.parquet` (read with Hugging Face `datasets`
+in streaming mode; errors name the 1-based row).
 
 An optional "id" field (str or int) becomes the row's qid; otherwise the qid is "nq-" and the row's
 0-based position among non-blank lines (or records), zero-padded. Extra fields are ignored.
@@ -28,6 +33,7 @@ from confrag.paths import project_root
 NQ_PATH_ENV = "CONFRAG_NQ_PATH"
 _PATH_HINT = f"set the path with the `paths.nq_path` config value or the `{NQ_PATH_ENV}` environment variable"
 _SUFFIXES = (".jsonl", ".jsonl.gz")
+_PARQUET_SUFFIX = ".parquet"
 # Bump when the serialization below changes, so caches keyed on old fingerprints are not reused.
 _FINGERPRINT_SCHEMA = "confrag.nq.rows.v1"
 
@@ -79,11 +85,45 @@ def _parse_question(row: Mapping[str, Any], where: str) -> str:
     return question
 
 
-def _parse_answers(row: Mapping[str, Any], where: str) -> tuple[str, ...]:
-    # "answers" is the DPR / shared-file name, "answer" the Hugging Face nq_open one.
-    field = "answers" if "answers" in row else "answer"
-    if field not in row:
-        raise DataFormatError(f'{where}: missing field "answers" (or "answer"): a non-empty list of strings')
+@dataclass(frozen=True)
+class QuestionFormat:
+    """One way of writing a question set: the field holding the answers, and whether rows carry passages."""
+
+    name: str
+    fields: str  # how the format is shown in errors
+    answer_fields: tuple[str, ...]  # the first one present is read
+    has_contexts: bool
+
+    def matches(self, row: Any) -> bool:
+        return isinstance(row, Mapping) and "question" in row and any(f in row for f in self.answer_fields)
+
+
+# "answers" is the DPR / shared-file name, "answer" the Hugging Face nq_open one.
+QUESTION_FORMATS = {
+    f.name: f
+    for f in (
+        QuestionFormat("confrag", '{"question", "answers", "ctxs"}', ("answers", "answer"), has_contexts=True),
+        QuestionFormat("flashrag", '{"id", "question", "golden_answers"}', ("golden_answers",), has_contexts=False),
+    )
+}
+QUESTION_FORMAT_CHOICES = ("auto", *QUESTION_FORMATS)
+
+
+def _formats_text(formats: Mapping[str, Any]) -> str:
+    return " or ".join(f"{f.name} {f.fields}" for f in formats.values())
+
+
+def check_format_choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
+    """Raise ValueError naming `key` and the allowed values unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} is not one of {choices}")
+
+
+def _parse_answers(row: Mapping[str, Any], where: str, fmt: QuestionFormat) -> tuple[str, ...]:
+    field = next((f for f in fmt.answer_fields if f in row), None)
+    if field is None:
+        names = " (or ".join(f'"{f}"' for f in fmt.answer_fields) + ")" * (len(fmt.answer_fields) - 1)
+        raise DataFormatError(f"{where}: missing field {names}: a non-empty list of strings")
     answers = row[field]
     if not isinstance(answers, list) or not answers:
         raise DataFormatError(f'{where}: field "{field}" must be a non-empty list of strings; got {answers!r}')
@@ -115,16 +155,31 @@ def _parse_contexts(row: Mapping[str, Any], where: str) -> tuple[Passage, ...]:
     return tuple(passages)
 
 
-def _row_from_mapping(row: Any, index: int, where: str) -> QARow:
+def _row_from_mapping(row: Any, index: int, where: str, fmt: QuestionFormat = QUESTION_FORMATS["confrag"]) -> QARow:
     if not isinstance(row, Mapping):
         raise DataFormatError(
-            f'{where}: each row must be a JSON object with "question" and "answers"; got {type(row).__name__}'
+            f'{where}: each row must be a JSON object with "question" and "{fmt.answer_fields[0]}"; '
+            f"got {type(row).__name__}"
         )
     return QARow(
         qid=_parse_qid(row, index, where),
         question=_parse_question(row, where),
-        answers=_parse_answers(row, where),
-        contexts=_parse_contexts(row, where),
+        answers=_parse_answers(row, where, fmt),
+        contexts=_parse_contexts(row, where) if fmt.has_contexts else (),
+    )
+
+
+def detect_format(obj: Any, where: str, formats: Mapping[str, Any], key: str) -> Any:
+    """The first of `formats` whose `matches(obj)` holds; else a DataFormatError naming every format. A
+    record that is not an object gets the first format, whose parser then says what a record must be."""
+    if not isinstance(obj, Mapping):
+        return next(iter(formats.values()))
+    for fmt in formats.values():
+        if fmt.matches(obj):
+            return fmt
+    raise DataFormatError(
+        f"{where}: this record is in none of the known formats: {_formats_text(formats)}; "
+        f"fix the file, or name its format with `{key}`"
     )
 
 
@@ -176,6 +231,40 @@ def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
         ) from exc
 
 
+def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
+    # Streaming: rows are read batch by batch from the file, nothing is copied into the datasets cache.
+    from datasets import load_dataset
+
+    try:
+        stream = load_dataset("parquet", data_files=str(path), split="train", streaming=True)
+        for index, record in enumerate(stream, start=1):
+            yield f"row {index}", record
+    except Exception as exc:  # pyarrow and datasets raise many types for a file that is not parquet
+        raise DataFormatError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from exc
+
+
+def read_records(path: Path, expected: str) -> Iterator[tuple[str, Any]]:
+    """(position, record) of every record of a `.jsonl` / `.jsonl.gz` file ("line N", blank lines skipped)
+    or of a `.parquet` file ("row N", 1-based, streamed by Hugging Face `datasets`). A line that is not
+    JSON raises DataFormatError naming the file, the line and `expected` (what each line must be)."""
+    if path.name.lower().endswith(_PARQUET_SUFFIX):
+        yield from _parquet_records(path)
+        return
+    # closing(): stopping early must still close the (possibly gzip) file now, not at garbage collection.
+    with contextlib.closing(_numbered_lines(path)) as lines:
+        for lineno, line in lines:
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataFormatError(
+                    f"{path}, line {lineno}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be "
+                    f"{expected}"
+                ) from exc
+            yield f"line {lineno}", obj
+
+
 def _check_limit(limit: int | None) -> None:
     if limit is None:
         return
@@ -183,43 +272,56 @@ def _check_limit(limit: int | None) -> None:
         raise ValueError(f"limit must be None or an integer >= 1; got {limit!r}")
 
 
-def load_nq_jsonl(path: str | os.PathLike[str], limit: int | None = None) -> list[QARow]:
-    """Rows of a `.jsonl` / `.jsonl.gz` NQ-open file, in file order; `limit` keeps the first N."""
+def load_nq_jsonl(
+    path: str | os.PathLike[str], limit: int | None = None, questions_format: str = "auto"
+) -> list[QARow]:
+    """Rows of a question file (`.jsonl`, `.jsonl.gz` or `.parquet`), in file order; `limit` keeps the first
+    N. `questions_format` is one of QUESTION_FORMAT_CHOICES; `auto` takes the format of the first record,
+    and every later record must be in it (errors name the format and where it was detected)."""
     _check_limit(limit)
+    check_format_choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataFormatError(f"NQ-open data file {path} {reason}; {_PATH_HINT}")
+        raise DataFormatError(f"question file {path} {reason}; {_PATH_HINT}")
+    if not path.name.lower().endswith((*_SUFFIXES, _PARQUET_SUFFIX)):
+        allowed = ", ".join((*_SUFFIXES, _PARQUET_SUFFIX))
+        raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {allowed}")
+    fmt = None if questions_format == "auto" else QUESTION_FORMATS[questions_format]
+    chosen = f"questions_format={questions_format}"
     collector = _RowCollector()
-    # closing(): stopping early at `limit` must still close the file now, not at garbage collection.
-    with contextlib.closing(_numbered_lines(path)) as lines:
-        for lineno, line in lines:
-            if limit is not None and len(collector.rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}, line {lineno}"
+    with contextlib.closing(read_records(path, "one JSON object")) as records:
+        for position, obj in records:
+            where = f"{path}, {position}"
+            if fmt is None:
+                fmt = detect_format(obj, where, QUESTION_FORMATS, "questions_format")
+                chosen = f"format {fmt.name} {fmt.fields}, detected at {position}"
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataFormatError(
-                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
-                ) from exc
-            collector.add(_row_from_mapping(obj, len(collector.rows), where), where)
+                row = _row_from_mapping(obj, len(collector.rows), where, fmt)
+            except DataFormatError as exc:
+                raise DataFormatError(f"{exc} ({chosen})") from None
+            collector.add(row, where)
+            if limit is not None and len(collector.rows) >= limit:
+                break  # before reading another record: what lies beyond the limit is never parsed
     if not collector.rows:
         raise DataFormatError(
-            f"NQ-open data file {path} is empty (no rows); each line must be one JSON object "
-            f'with "question" and "answers"; {_PATH_HINT}'
+            f"question file {path} is empty (no rows); each record must be {_formats_text(QUESTION_FORMATS)}; "
+            f"{_PATH_HINT}"
         )
     return collector.rows
 
 
-def rows_from_hf(records: Iterable[Mapping[str, Any]]) -> list[QARow]:
-    """Rows from in-memory dicts such as `datasets.load_dataset("nq_open")["validation"]`."""
+def rows_from_hf(records: Iterable[Mapping[str, Any]], questions_format: str = "auto") -> list[QARow]:
+    """Rows from in-memory dicts such as `datasets.load_dataset("nq_open")["validation"]` or a FlashRAG
+    split; `questions_format` as in `load_nq_jsonl` (`auto`: the first record's)."""
+    check_format_choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
+    fmt = None if questions_format == "auto" else QUESTION_FORMATS[questions_format]
     collector = _RowCollector()
     for index, record in enumerate(records):
         where = f"record {index} (0-based)"
-        collector.add(_row_from_mapping(record, index, where), where)
+        if fmt is None:
+            fmt = detect_format(record, where, QUESTION_FORMATS, "questions_format")
+        collector.add(_row_from_mapping(record, index, where, fmt), where)
     return collector.rows
 
 

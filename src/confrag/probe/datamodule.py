@@ -27,7 +27,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from confrag.artifacts import ActivationStore
-from confrag.data.nq import load_nq_jsonl
+from confrag.data.nq import QUESTION_FORMAT_CHOICES, check_format_choice, load_nq_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import fit_questions
@@ -144,6 +144,7 @@ class NQConfidenceDataModule(LightningDataModule):
         ranking_top_n: int | None = 20,
         ranking_test_questions: int = 0,
         truncate_questions: bool = False,
+        questions_format: str = "auto",
     ) -> None:
         super().__init__()
         for key, value, least in (
@@ -172,7 +173,8 @@ class NQConfidenceDataModule(LightningDataModule):
         self.generation = GreedyOptions.from_mapping(generation, "data.generation")
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
-        self.nq_path, self.layer_spec, self.layers = nq_path, layer, layers
+        check_format_choice(questions_format, "data.questions_format", QUESTION_FORMAT_CHOICES)
+        self.nq_path, self.questions_format, self.layer_spec, self.layers = nq_path, questions_format, layer, layers
         self.num_questions, self.train_states = num_questions, train_states
         self.split_sizes, self.balance, self.seed = split_sizes, balance, seed
         self.max_new_tokens, self.gen_batch_size, self.extract_batch_size = (
@@ -199,7 +201,7 @@ class NQConfidenceDataModule(LightningDataModule):
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
         num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
         self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
-        all_rows = load_nq_jsonl(self.nq_path)
+        all_rows = load_nq_jsonl(self.nq_path, questions_format=self.questions_format)
         rows = select_questions(all_rows, self.num_questions, self.seed)
         own = llm is None
         # Weights load at the first shard to compute (none when the cache is complete): a question longer

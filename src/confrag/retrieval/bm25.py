@@ -1,4 +1,10 @@
-"""Sparse retrieval with bm25s (the maintained, fast BM25; `rank_bm25` is slow and has scoring bugs)."""
+"""Sparse retrieval with bm25s (the maintained, fast BM25; `rank_bm25` is slow and has scoring bugs).
+
+The index is built from a stream of texts (`build_bm25`: only token ids are kept, never the texts), saved
+with a digest of every file, and loaded memory-mapped (`load_bm25`): a query touches only the postings of
+its words, so a corpus of Wikipedia's size is searched without reading its index into memory
+(benchmarks/corpus_scale.py, docs/usage.md#a-corpus-of-wikipedias-size).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,13 @@ import contextlib
 import logging
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import bm25s
 import numpy as np
+from bm25s.tokenization import Tokenizer
+from tqdm.auto import tqdm
 
 from confrag.artifacts import (
     STALE_TMP_SECONDS,
@@ -28,7 +37,8 @@ log = logging.getLogger(__name__)
 STOPWORDS = "en"
 # The scoring settings are bm25s' defaults (Lucene variant); they are part of the cache key.
 BM25_PARAMS = {"method": "lucene", "k1": 1.5, "b": 0.75}
-_INDEX_SCHEMA = "confrag.retrieval.bm25.v1"
+# v2: built from a token-id stream, saved with its folder digest, loaded memory-mapped.
+_INDEX_SCHEMA = "confrag.retrieval.bm25.v2"
 
 
 def _tokenize(texts: list[str]) -> list[list[str]]:
@@ -36,13 +46,57 @@ def _tokenize(texts: list[str]) -> list[list[str]]:
     return bm25s.tokenize(texts, stopwords=STOPWORDS, return_ids=False, show_progress=False)
 
 
+def build_bm25(texts: Iterable[str], progress: bool = False, total: int | None = None) -> bm25s.BM25:
+    """A BM25 index over `texts`, read once and in order: a generator streams a corpus of any size, and only
+    each text's token ids are kept (the texts themselves are never held). Tokens are those of `_tokenize`."""
+    tokenizer = Tokenizer(lower=True, stopwords=STOPWORDS, stemmer=None)
+    stream = tqdm(texts, total=total, desc="BM25 tokens", unit="psg", disable=not progress)
+    ids = list(tokenizer.streaming_tokenize(stream))
+    if not ids:
+        raise ValueError("cannot build a BM25 index over an empty corpus")
+    model = bm25s.BM25(**BM25_PARAMS)
+    model.index((ids, tokenizer.get_vocab_dict()), show_progress=progress)
+    return model
+
+
+def save_bm25(model: bm25s.BM25, index_dir: str | Path) -> Path:
+    """Write the index to `index_dir` whole or not at all (a temporary folder renamed into place), with the
+    xxh3 digest and size of each of its files (`confrag.digest.json`, as every folder result of the cache).
+    An existing `index_dir` is left as is."""
+    index_dir = Path(index_dir)
+    index_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(index_dir.parent, ".tmp-")
+    try:
+        model.save(tmp, show_progress=False)
+        write_folder_digest(tmp)
+        honour_umask(tmp)
+        tmp.rename(index_dir)
+    except OSError:
+        # Another process renamed the same index into place first: its content is identical.
+        if not index_dir.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return index_dir
+
+
+def load_bm25(index_dir: str | Path, mmap: bool = True, verified: bool = False) -> bm25s.BM25:
+    """The index saved by `save_bm25`, its files checked against their digest first (unless the caller
+    just did: `verified`); memory-mapped unless `mmap` is false. Raises ValueError naming what is wrong."""
+    index_dir = Path(index_dir)
+    problem = "" if verified else folder_problem(index_dir)
+    if problem:
+        raise ValueError(f"BM25 index {index_dir}: {problem}")
+    return bm25s.BM25.load(index_dir, mmap=mmap, show_progress=False)
+
+
 class BM25Retriever:
     """BM25 over title + text of every passage of `corpus`.
 
     With `cache_dir`, the index is stored under `<cache_dir>/retrieval/bm25/<key>/`, where the key
     hashes the corpus fingerprint, tokenizer and BM25 settings; it is written to a temporary directory
-    and renamed into place, so a killed build never leaves a partial index behind. Without
-    `cache_dir` the index lives in memory only."""
+    and renamed into place, so a killed build never leaves a partial index behind, and loaded
+    memory-mapped. Without `cache_dir` the index lives in memory only."""
 
     def __init__(self, corpus: Corpus, cache_dir: str | Path | None = None, progress: bool = False) -> None:
         if len(corpus) == 0:
@@ -72,12 +126,8 @@ class BM25Retriever:
                     self._save(self.model)
 
     def _build(self) -> bm25s.BM25:
-        tokens = bm25s.tokenize(
-            [document_text(p) for p in self.corpus.passages], stopwords=STOPWORDS, show_progress=self.progress
-        )
-        model = bm25s.BM25(**BM25_PARAMS)
-        model.index(tokens, show_progress=self.progress)
-        return model
+        texts = (document_text(p) for p in self.corpus.passages)
+        return build_bm25(texts, progress=self.progress, total=len(self.corpus))
 
     def _load(self) -> bm25s.BM25 | None:
         assert self.index_dir is not None
@@ -90,7 +140,7 @@ class BM25Retriever:
             shutil.rmtree(self.index_dir, ignore_errors=True)
             return None
         try:
-            model = bm25s.BM25.load(self.index_dir, show_progress=False)
+            model = load_bm25(self.index_dir, mmap=True, verified=True)
             num_docs = model.scores["num_docs"]
             if num_docs != len(self.corpus):
                 raise ValueError(f"holds {num_docs} passages, the corpus has {len(self.corpus)}")
@@ -105,18 +155,7 @@ class BM25Retriever:
         assert self.index_dir is not None
         self.index_dir.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale_tmp()
-        tmp = make_temp_dir(self.index_dir.parent, ".tmp-")
-        try:
-            model.save(tmp, show_progress=False)
-            write_folder_digest(tmp)
-            honour_umask(tmp)
-            tmp.rename(self.index_dir)
-        except OSError:
-            # Another process renamed the same index into place first: its content is identical.
-            if not self.index_dir.is_dir():
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_bm25(model, self.index_dir)
 
     def _remove_stale_tmp(self) -> None:
         # Left by a killed build. Only old ones go, so a build running now in another process keeps its own.

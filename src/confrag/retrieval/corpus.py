@@ -5,7 +5,10 @@ Two sources:
 - `corpus_from_nq(rows)`: the gold paragraphs of NQ-open rows, so every question's own evidence is in
   the pool and "was the gold document retrieved" can be measured. A paragraph shared by several
   questions is kept once; `Corpus.gold_source_of` maps each question to the document holding it.
-- `load_corpus_jsonl(path)`: a user corpus, one `{"id": str, "title": str, "text": str}` per line.
+- `load_corpus_jsonl(path)`: a user corpus in one of two formats (`corpus_format`; `auto` detects it from
+  the first record): `confrag`, one `{"id": str, "title": str, "text": str}` per record, or `flashrag`,
+  FlashRAG's `{"id": str, "contents": "title\ntext"}` (a title in double quotes, as wiki-18 writes it,
+  loses them). Files are `.jsonl` / `.jsonl.gz` or `.parquet`, read one record at a time (`iter_documents`).
 
 Splitting follows DPR (Karpukhin et al., 2020): whitespace words in consecutive chunks of
 `words_per_passage`; the title travels with every chunk. Unlike DPR, a short tail (< 20 words) is
@@ -18,19 +21,66 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from confrag.artifacts import fingerprint
-from confrag.data.nq import DataFormatError, QARow, _numbered_lines
+from confrag.data.nq import DataFormatError, QARow, check_format_choice, detect_format, read_records
 
 DEFAULT_WORDS_PER_PASSAGE = 100
 MIN_LAST_WORDS = 20
 # Bump when splitting or the passage serialization changes, so caches keyed on old corpora are not reused.
 _CORPUS_SCHEMA = "confrag.retrieval.corpus.v1"
 _CORPUS_FIELDS = '{"id": str, "title": str, "text": str}'
+_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
+def _confrag_document(obj: Mapping[str, Any], where: str) -> tuple[str, str]:
+    title = obj.get("title", "")
+    if not isinstance(title, str):
+        raise DataFormatError(f'{where}: field "title" must be a string (may be empty or absent); got {title!r}')
+    text = obj.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise DataFormatError(f'{where}: field "text" must be a non-empty string; got {text!r}')
+    return title, text
+
+
+def _flashrag_document(obj: Mapping[str, Any], where: str) -> tuple[str, str]:
+    contents = obj.get("contents")
+    if not isinstance(contents, str) or not contents.strip():
+        raise DataFormatError(f'{where}: field "contents" must be a non-empty string "title\\ntext"; got {contents!r}')
+    title, _, text = contents.partition("\n") if "\n" in contents else ("", "", contents)
+    title = title.strip()
+    if len(title) >= 2 and title[0] == title[-1] == '"':
+        title = title[1:-1]
+    if not text.strip():
+        raise DataFormatError(f'{where}: field "contents" has a title but no text after its first line')
+    return title, text
+
+
+@dataclass(frozen=True)
+class CorpusFormat:
+    """One way of writing a corpus: the field that tells it apart and how a record becomes (title, text)."""
+
+    name: str
+    fields: str  # how the format is shown in errors
+    key_field: str
+    parse: Callable[[Mapping[str, Any], str], tuple[str, str]]
+
+    def matches(self, obj: Any) -> bool:
+        return isinstance(obj, Mapping) and self.key_field in obj
+
+
+CORPUS_FORMATS = {
+    f.name: f
+    for f in (
+        CorpusFormat("confrag", _CORPUS_FIELDS, "text", _confrag_document),
+        CorpusFormat("flashrag", '{"id": str, "contents": "title\\ntext"}', "contents", _flashrag_document),
+    )
+}
+CORPUS_FORMAT_CHOICES = ("auto", *CORPUS_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -119,72 +169,83 @@ def corpus_from_nq(rows: Sequence[QARow], words_per_passage: int = DEFAULT_WORDS
     if not passages:
         raise DataFormatError(
             f'none of the {len(rows)} NQ rows has a non-empty gold paragraph ("ctxs"); a corpus needs '
-            "rows from a file with passages, such as the shared nq_open_gold.jsonl.gz, or use load_corpus_jsonl"
+            "rows from a file with passages, such as the shared nq_open_gold.jsonl.gz, or a corpus file "
+            "(`dataset.corpus_path` / `retrieval.corpus_path`, read by load_corpus_jsonl)"
         )
     return _make_corpus(passages, gold_source_of)
 
 
-def _parse_document(obj: Any, where: str) -> tuple[str, str, str]:
+def _parse_document(obj: Any, where: str, fmt: CorpusFormat) -> tuple[str, str, str]:
     if not isinstance(obj, Mapping):
-        raise DataFormatError(f"{where}: each line must be a JSON object {_CORPUS_FIELDS}; got {type(obj).__name__}")
+        raise DataFormatError(f"{where}: each line must be a JSON object {fmt.fields}; got {type(obj).__name__}")
     doc_id = obj.get("id")
     # bool is an int subclass, but True/False as an id is always a data bug.
     if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
         raise DataFormatError(f'{where}: field "id" must be a non-empty string (or an integer); got {doc_id!r}')
-    title = obj.get("title", "")
-    if not isinstance(title, str):
-        raise DataFormatError(f'{where}: field "title" must be a string (may be empty or absent); got {title!r}')
-    text = obj.get("text")
-    if not isinstance(text, str) or not text.strip():
-        raise DataFormatError(f'{where}: field "text" must be a non-empty string; got {text!r}')
+    title, text = fmt.parse(obj, where)
     return str(doc_id), title, text
 
 
-def _documents(path: str | os.PathLike[str]) -> Iterator[tuple[str, str, str]]:
-    """(id, title, text) of every document of a corpus file, checked line by line; blank lines skipped.
-    Raises DataFormatError naming the file and line of the first bad record, and both lines of a
-    duplicate id."""
+def iter_documents(path: str | os.PathLike[str], corpus_format: str = "auto") -> Iterator[tuple[str, str, str]]:
+    """(id, title, text) of every document of a corpus file, one record at a time (a corpus of any size is
+    never held whole), checked as it is read; blank lines skipped. `corpus_format` is one of
+    CORPUS_FORMAT_CHOICES (`auto`: the first record's). Raises DataFormatError naming the file and line
+    (or parquet row) of the first bad record, the format, and both places of the first repeated id."""
+    check_format_choice(corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
         raise DataFormatError(f"corpus file {path} {reason}; set it with the `retrieval.corpus_path` config value")
-    first_line_of: dict[str, int] = {}
+    if not path.name.lower().endswith(_SUFFIXES):
+        raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {', '.join(_SUFFIXES)}")
+    fmt = None if corpus_format == "auto" else CORPUS_FORMATS[corpus_format]
+    chosen = f"retrieval.corpus_format={corpus_format}"
+    first_seen: dict[str, str] = {}
+    expected = " or ".join(f"{f.name} {f.fields}" for f in CORPUS_FORMATS.values())
     # closing(): an error mid-file must close the (possibly gzip) handle now, not at garbage collection.
-    with contextlib.closing(_numbered_lines(path)) as lines:
-        for lineno, line in lines:
-            if not line.strip():
-                continue
-            where = f"{path}, line {lineno}"
+    with contextlib.closing(read_records(path, expected)) as records:
+        for position, obj in records:
+            where = f"{path}, {position}"
+            if fmt is None:
+                fmt = detect_format(obj, where, CORPUS_FORMATS, "retrieval.corpus_format")
+                chosen = f"format {fmt.name} {fmt.fields}, detected at {position}"
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
+                doc_id, title, text = _parse_document(obj, where, fmt)
+            except DataFormatError as exc:
+                raise DataFormatError(f"{exc} ({chosen})") from None
+            if doc_id in first_seen:
                 raise DataFormatError(
-                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be {_CORPUS_FIELDS}"
-                ) from exc
-            doc_id, title, text = _parse_document(obj, where)
-            if doc_id in first_line_of:
-                raise DataFormatError(
-                    f"{where}: duplicate id {doc_id!r} (first at line {first_line_of[doc_id]}); ids must be unique"
+                    f"{where}: duplicate id {doc_id!r} (first at {first_seen[doc_id]}); ids must be unique"
                 )
-            first_line_of[doc_id] = lineno
+            first_seen[doc_id] = position
             yield doc_id, title, text
-    if not first_line_of:
-        raise DataFormatError(f"{path}: no documents; each line must be {_CORPUS_FIELDS}")
+    if not first_seen:
+        raise DataFormatError(f"{path}: no documents; each record must be {expected}")
 
 
-def load_corpus_jsonl(path: str | os.PathLike[str], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE) -> Corpus:
-    """A corpus from a `.jsonl` / `.jsonl.gz` file of `{"id", "title", "text"}` objects, each split
-    into passages; blank lines are skipped. Raises DataFormatError naming the file and line of the
-    first bad record, and both lines of a duplicate id."""
+def iter_passages(
+    path: str | os.PathLike[str], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE, corpus_format: str = "auto"
+) -> Iterator[CorpusPassage]:
+    """The passages of a corpus file, streamed: documents are read and split one at a time."""
+    check_words_per_passage(words_per_passage)
+    for doc_id, title, text in iter_documents(path, corpus_format):
+        yield from split_passages(title, text, doc_id, words_per_passage)
+
+
+def load_corpus_jsonl(
+    path: str | os.PathLike[str], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE, corpus_format: str = "auto"
+) -> Corpus:
+    """A corpus from a `.jsonl` / `.jsonl.gz` / `.parquet` file in `corpus_format` (see the module
+    docstring), each document split into passages. Raises DataFormatError naming the file and line of the
+    first bad record, and both places of a duplicate id."""
     check_words_per_passage(words_per_passage)
     passages: list[CorpusPassage] = []
-    for doc_id, title, text in _documents(path):
+    for doc_id, title, text in iter_documents(path, corpus_format):
         passages.extend(split_passages(title, text, doc_id, words_per_passage))
     return _make_corpus(passages, {})
 
 
-def validate_corpus_jsonl(path: str | os.PathLike[str]) -> int:
-    """Parse and check a whole corpus file (`{"id", "title", "text"}` per line) without splitting it or
-    building any index: a bad file fails here, naming the file, line and allowed format, before any
-    expensive work. Returns the number of documents."""
-    return sum(1 for _ in _documents(path))
+def validate_corpus_jsonl(path: str | os.PathLike[str], corpus_format: str = "auto") -> int:
+    """Parse and check a whole corpus file without splitting it or building any index: a bad file fails
+    here, naming the file, line and format, before any expensive work. Returns the number of documents."""
+    return sum(1 for _ in iter_documents(path, corpus_format))

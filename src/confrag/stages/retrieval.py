@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.data.nq import QUESTION_FORMAT_CHOICES, QARow, load_nq_jsonl
 from confrag.retrieval import (
     BM25Retriever,
     Candidates,
@@ -31,6 +31,8 @@ from confrag.retrieval import (
     validate_corpus_jsonl,
 )
 from confrag.retrieval.candidates import without_duplicates
+from confrag.retrieval.corpus import CORPUS_FORMAT_CHOICES
+from confrag.retrieval.faiss_index import DENSE_INDEX_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,11 @@ class RetrievalSettings:
     words_per_passage: int = 100
     candidates_path: str | None = None
     corpus_path: str | None = None
+    questions_format: str = "auto"  # confrag | flashrag | auto (confrag.data.nq.QUESTION_FORMATS)
+    corpus_format: str = "auto"  # confrag | flashrag | auto (confrag.retrieval.corpus.CORPUS_FORMATS)
     bi_encoder: bool = True  # build the dense index too (Table 1's bi-encoder row)
+    dense_index: str = "auto"  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
+    dense_index_path: str | None = None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
 
     def __post_init__(self) -> None:
         problems = []
@@ -55,6 +61,14 @@ class RetrievalSettings:
             problems.append(f"retrieval.retriever={self.retriever!r} is not one of {RETRIEVERS}")
         if isinstance(self.top_n, bool) or not isinstance(self.top_n, int) or self.top_n < 2:
             problems.append(f"retrieval.top_n must be an integer >= 2 candidates per question (got {self.top_n!r})")
+        if self.questions_format not in QUESTION_FORMAT_CHOICES:
+            problems.append(
+                f"retrieval.questions_format={self.questions_format!r} is not one of {QUESTION_FORMAT_CHOICES}"
+            )
+        if self.corpus_format not in CORPUS_FORMAT_CHOICES:
+            problems.append(f"retrieval.corpus_format={self.corpus_format!r} is not one of {CORPUS_FORMAT_CHOICES}")
+        if self.dense_index not in DENSE_INDEX_KINDS:
+            problems.append(f"retrieval.dense_index={self.dense_index!r} is not one of {DENSE_INDEX_KINDS}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -62,7 +76,7 @@ class RetrievalSettings:
         """Parse a user corpus and a candidates file whole (naming file, line and format on a bad one)
         before anything expensive runs; nothing is built or kept."""
         if self.corpus_path:
-            validate_corpus_jsonl(self.corpus_path)
+            validate_corpus_jsonl(self.corpus_path, self.corpus_format)
         if self.candidates_path:
             validate_candidates_jsonl(self.candidates_path)
 
@@ -90,12 +104,15 @@ def build_retrieval(
     if rows is not None:
         corpus = corpus_from_nq(rows, words_per_passage=words)
     elif settings.corpus_path:
-        corpus = load_corpus_jsonl(settings.corpus_path, words_per_passage=words)
+        corpus = load_corpus_jsonl(settings.corpus_path, words_per_passage=words, corpus_format=settings.corpus_format)
     else:
-        corpus = corpus_from_nq(load_nq_jsonl(settings.nq_path), words_per_passage=words)
+        rows_of_file = load_nq_jsonl(settings.nq_path, questions_format=settings.questions_format)
+        corpus = corpus_from_nq(rows_of_file, words_per_passage=words)
     bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
     dense = (
-        DenseRetriever(corpus, cache_dir=cache_dir) if (settings.retriever == "dense" or settings.bi_encoder) else None
+        DenseRetriever(corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path)
+        if (settings.retriever == "dense" or settings.bi_encoder)
+        else None
     )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
     return Retrieval(corpus, bm25, dense, settings)
