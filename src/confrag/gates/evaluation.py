@@ -212,7 +212,7 @@ def gate_row(
 
 
 def _number(value: float, digits: int = 3) -> str:
-    return "—" if np.isnan(value) else f"{value:.{digits}f}"
+    return "—" if np.isnan(value) else f"{round(value, digits) + 0.0:.{digits}f}"  # + 0.0: no "-0.000"
 
 
 def gates_markdown(rows: Sequence[GateRow], metric: str) -> str:
