@@ -65,7 +65,20 @@ def training(sig: GateSignals, closed_book, rag, **fields) -> GateTrainingData:
 
 
 def test_registry_lists_every_gate_and_builds_it_by_name():
-    assert sorted(GATES) == ["always", "bridge", "cbdr", "ccsk", "ctrla", "dragin", "never", "skr_knn"]
+    assert sorted(GATES) == [
+        "always",
+        "bridge",
+        "cbdr",
+        "ccsk",
+        "ctrla",
+        "dragin",
+        "entropy",
+        "max_prob",
+        "never",
+        "p_true",
+        "perplexity",
+        "skr_knn",
+    ]
     for name, cls in GATES.items():
         gate = make_gate(name)
         assert isinstance(gate, cls) and gate.name == name
@@ -74,7 +87,9 @@ def test_registry_lists_every_gate_and_builds_it_by_name():
 
 def test_unknown_gate_name_lists_the_available_ones():
     with pytest.raises(
-        ValueError, match="unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, never, skr_knn"
+        ValueError,
+        match="unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, entropy, max_prob, never, "
+        "p_true, perplexity, skr_knn",
     ):
         make_gate("flare")
 
@@ -177,12 +192,16 @@ def test_rind_is_entropy_times_normalized_attention_times_content():
     np.testing.assert_allclose(rind_scores(tokens, entropy, attention), [1.0, 0.0, 0.0, 1.0, 0.0])
 
 
-def draft(rows):
+def draft(rows, logprob=None, max_prob=None):
+    """A draft of (tokens, entropies, attentions) rows; log-probabilities and max probabilities given per
+    row, or zeros and ones (what DRAGIN does not read)."""
     return DraftSignals(
         texts=["".join(t) for t, _, _ in rows],
         tokens=[t for t, _, _ in rows],
         entropy=[np.array(e, dtype=float) for _, e, _ in rows],
         attention=[np.array(a, dtype=float) for _, _, a in rows],
+        logprob=[np.array(v, dtype=float) for v in logprob or [np.zeros(len(t)) for t, _, _ in rows]],
+        max_prob=[np.array(v, dtype=float) for v in max_prob or [np.ones(len(t)) for t, _, _ in rows]],
     )
 
 
@@ -201,8 +220,10 @@ def test_dragin_retrieves_when_a_content_token_exceeds_the_threshold():
 
 
 def test_draft_signals_are_validated():
-    with pytest.raises(ValueError, match="draft row 0: 2 tokens, 1 entropies"):
+    with pytest.raises(ValueError, match="draft row 0: 2 tokens, 1 entropy, 2 attention"):
         draft([([" a", " b"], [1.0], [0.1, 0.2])])
+    with pytest.raises(ValueError, match="draft row 0: draft.logprob holds a NaN"):
+        draft([([" a"], [1.0], [0.1])], logprob=[[math.nan]])
 
 
 def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, templates):
@@ -216,8 +237,14 @@ def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, template
     model = tiny_llama.model
     model.set_attn_implementation("eager")
     try:
-        for prompt_ids, text, tokens, entropy, attention in zip(
-            encode_prompts(tiny_llama.tokenizer, prompts), out.texts, out.tokens, out.entropy, out.attention
+        for prompt_ids, text, tokens, entropy, attention, logprob, max_prob in zip(
+            encode_prompts(tiny_llama.tokenizer, prompts),
+            out.texts,
+            out.tokens,
+            out.entropy,
+            out.attention,
+            out.logprob,
+            out.max_prob,
         ):
             length = len(tokens)
             assert 1 <= length <= 6 and len(entropy) == len(attention) == length
@@ -231,6 +258,11 @@ def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, template
             logits = full.logits[0, start - 1 : start - 1 + length].float()
             expected_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).numpy()
             np.testing.assert_allclose(entropy, expected_entropy, rtol=1e-4)
+            # The greedy token's log-probability, and its distribution's highest probability (the same token).
+            log_probs = logits.log_softmax(-1)
+            np.testing.assert_allclose(logprob, log_probs[torch.arange(length), draft_ids].numpy(), rtol=1e-4)
+            np.testing.assert_allclose(max_prob, log_probs.exp().amax(-1).numpy(), rtol=1e-4)
+            np.testing.assert_allclose(np.exp(logprob), max_prob, rtol=1e-4)
             last_layer = full.attentions[-1][0][:, start : start + length, start : start + length]  # heads, query, key
             expected = np.array([last_layer[:, i:, i].amax(dim=1).mean().item() for i in range(length)])
             np.testing.assert_allclose(attention, expected, rtol=1e-4, atol=1e-7)

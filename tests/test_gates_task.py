@@ -32,6 +32,7 @@ def check_settings(cfg):
 
 TINY = ["+experiment=gates_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"]
 R, P, X = Decision.RETRIEVE, Decision.PARAMETRIC, Decision.REFUSE
+UNCERTAINTY = ["entropy", "max_prob", "perplexity", "p_true"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,17 @@ def rows_by(record, condition: str) -> dict[str, dict]:
 
 def test_every_configured_gate_on_clean_and_conflicting_contexts(tiny):
     check_gates_outputs(tiny.out, list(tiny.cfg.gates.names))
-    assert list(tiny.cfg.gates.names) == ["always", "never", "cbdr", "dragin", "ctrla", "skr_knn", "ccsk", "bridge"]
+    assert list(tiny.cfg.gates.names) == [
+        "always",
+        "never",
+        "cbdr",
+        "dragin",
+        "ctrla",
+        "skr_knn",
+        "ccsk",
+        "bridge",
+        *UNCERTAINTY,
+    ]
     n = len(tiny.record["questions"]["test"])
     for condition in CONDITIONS:
         assert all(r["n"] == n for r in rows_by(tiny.record, condition).values())
@@ -77,11 +88,36 @@ def test_bounds_refusals_and_costs(tiny):
                 assert r["answered_accuracy"] * answered == pytest.approx(r["accuracy"])
 
 
+def test_every_gate_is_scored_against_retrieval_helped_and_always_retrieve(tiny):
+    report = (tiny.out / "gates.md").read_text()
+    assert "| AUROC | PRR | LLM passes / q | Retriever calls / q | Wall s / q | McNemar vs always" in report
+    for condition in CONDITIONS:
+        rows = rows_by(tiny.record, condition)
+        helped = {r["helped"] for r in rows.values()}
+        assert len(helped) == 1  # the same labels for every gate
+        for gate, r in rows.items():
+            assert (math.isnan(r["auroc"]) and math.isnan(r["prr"])) == (helped in ({0}, {r["n"]}))
+            assert math.isnan(r["auroc"]) or 0 <= r["auroc"] <= 1
+            assert r["only_gate"] + r["only_always"] <= r["n"] and 0 < r["mcnemar_p"] <= 1
+            metrics = tiny.record["metrics"]
+            assert metrics[f"{condition}/{gate}/retriever_calls"] == r["retriever_calls"]
+        # Always-retrieve is its own McNemar pair and a constant score: chance by construction.
+        assert rows["always"]["only_gate"] == rows["always"]["only_always"] == 0
+        assert rows["always"]["mcnemar_p"] == 1.0
+        assert rows["always"]["retriever_calls"] == 1.0 and rows["never"]["retriever_calls"] == 0.0
+        assert rows["bridge"]["retriever_calls"] == 1.0  # it retrieves before deciding
+        for gate in (*UNCERTAINTY, "cbdr", "dragin", "skr_knn", "ctrla"):
+            assert rows[gate]["retriever_calls"] == pytest.approx(rows[gate]["retrieval_rate"])
+        for gate in UNCERTAINTY[:3]:  # the draft is the closed-book answer
+            assert rows[gate]["llm_passes"] == pytest.approx(1 + rows[gate]["retrieval_rate"])
+        assert rows["p_true"]["llm_passes"] == pytest.approx(2 + rows["p_true"]["retrieval_rate"])
+
+
 def test_conflicting_contexts_do_not_help_always_retrieve(tiny):
     clean, conflicting = rows_by(tiny.record, "clean"), rows_by(tiny.record, "conflicting")
     assert conflicting["always"]["accuracy"] <= clean["always"]["accuracy"]
     # Gates that decide before retrieving decide the same way whatever the contexts hold.
-    for gate in ("never", "cbdr", "dragin", "ctrla", "skr_knn", "ccsk"):
+    for gate in ("never", "cbdr", "dragin", "ctrla", "skr_knn", "ccsk", *UNCERTAINTY):
         assert tiny.record["decisions"]["clean"][gate] == tiny.record["decisions"]["conflicting"][gate]
 
 
@@ -91,13 +127,13 @@ def test_gates_are_fitted_on_the_training_split_only(tiny):
     fits = tiny.record["fits"]
     for gate in ("ctrla", "skr_knn", "ccsk", "bridge"):  # the gates that learn
         assert fits[gate]["split"] == "train" and set(fits[gate]["qids"]) == train
-    for gate in ("always", "never", "cbdr", "dragin"):
+    for gate in ("always", "never", "cbdr", "dragin", *UNCERTAINTY):
         assert fits[gate]["qids"] == []
 
 
 def test_threshold_curves_span_both_conditions(tiny):
     curves = tiny.record["curves"]
-    for gate in ("cbdr", "dragin", "ctrla", "skr_knn"):
+    for gate in ("cbdr", "dragin", "ctrla", "skr_knn", *UNCERTAINTY):
         for condition in CONDITIONS:
             points = [c for c in curves if c["gate"] == gate and c["contexts"] == condition]
             # One point per distinct threshold: a score that takes one value (skr_knn's vote when retrieval
@@ -115,7 +151,9 @@ def test_threshold_curves_span_both_conditions(tiny):
 def test_unknown_gate_name_lists_the_available_ones(tmp_path):
     cfg = compose_cfg([*TINY, "gates.names=[always,flare]"], tmp_path)
     with pytest.raises(
-        ValueError, match=r"unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, never, skr_knn"
+        ValueError,
+        match=r"unknown gate 'flare'.*always, bridge, cbdr, ccsk, ctrla, dragin, entropy, max_prob, never, "
+        "p_true, perplexity, skr_knn",
     ):
         check_settings(cfg)
 
@@ -212,6 +250,8 @@ def test_wall_time_model_charges_each_part_once():
     assert wall_time_per_question({"confidence"}, [P, R], t, 0.0) == pytest.approx(0.1 + (1.0 + 2.5) / 2)
     # DRAGIN: the draft is the closed-book answer, so a parametric decision costs nothing more.
     assert wall_time_per_question({"draft"}, [P, P], t, 0.4) == pytest.approx(1.2 + 0.2)
+    # P(True): the closed-book answer and the forward that judges it; parametric then costs nothing more.
+    assert wall_time_per_question({"p_true"}, [P, R], {**t, "p_true": 0.3}, 0.0) == pytest.approx(1.0 + 0.3 + 2.5 / 2)
     # BRIDGE: decides after retrieving; a refusal costs no answer.
     assert wall_time_per_question({"matching_scores", "question_embedding"}, [X, R], t, 0.0) == pytest.approx(
         3.0 + 1.0 + 0.5 + 0.2 + 0.01 + 2.0 / 2

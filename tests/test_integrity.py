@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -138,9 +139,10 @@ def test_a_damaged_cached_probe_is_retrained(tmp_path, monkeypatch):
     monkeypatch.setattr(
         probe_stage, "save_trained_probe", lambda model, dm, metrics, best, d: save_probe(model, d, IDENTITY, {})
     )
-    probe, _ = probe_stage.ensure_probe(None, tmp_path, tmp_path / "work")
+    recipe = SimpleNamespace(monitor=probe_stage.DEFAULT_MONITOR)  # what ensure_probe reads of it here
+    probe, _ = probe_stage.ensure_probe(recipe, tmp_path, tmp_path / "work")
     assert trained == [True] and folder_problem(directory) == ""
-    probe_stage.ensure_probe(None, tmp_path, tmp_path / "work")
+    probe_stage.ensure_probe(recipe, tmp_path, tmp_path / "work")
     assert trained == [True]  # whole now: read, not trained again
 
 

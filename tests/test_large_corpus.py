@@ -69,7 +69,7 @@ def test_bm25_index_saved_with_digests_loads_memory_mapped_and_refuses_a_changed
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=r"data\.csc\.index\.npy: missing, or its content differs"):
+    with pytest.raises(ValueError, match=r"data\.csc\.index\.npy: checksum mismatch"):
         load_bm25(index_dir)
 
 

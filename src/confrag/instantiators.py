@@ -7,6 +7,8 @@ else in the library takes typed arguments.
 from __future__ import annotations
 
 import dataclasses
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +55,18 @@ def settings_from(cls: type[T], node: Any, key: str) -> T:
     if unknown:
         raise ValueError(f"{key}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
     return cls(**values)
+
+
+def run_command(cfg: DictConfig) -> str:
+    """The command that reproduces this run: `python train.py` with the run's command-line overrides (Hydra's
+    record of them; the process arguments when the config was composed without Hydra's launcher)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        arguments = list(HydraConfig.get().overrides.task)
+    else:
+        arguments = sys.argv[1:]
+    return " ".join(["python train.py", *(shlex.quote(a) for a in arguments)])
 
 
 def config_yaml(cfg: DictConfig) -> str:

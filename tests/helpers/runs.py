@@ -59,6 +59,12 @@ def check_rerank_outputs(out: Path) -> None:
     ]
     assert all(0 <= r["MRR@5"] <= 100 for r in table)
     assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
+    # What others load: the model card beside the weights, NQ_Rerank as parquet with its card.
+    card = (out / "reranker" / "README.md").read_text()
+    assert card.startswith("---\nlicense: apache-2.0\nbase_model: ") and "python train.py" in card
+    assert "n = " in card and "| base + confidence FT (sign) |" in card
+    assert (out / "nq_rerank_dataset" / "data" / "train.parquet").is_file()
+    assert "configs:" in (out / "nq_rerank_dataset" / "README.md").read_text()
 
 
 def check_cbdr_outputs(out: Path) -> None:

@@ -14,6 +14,7 @@ from confrag.gates.base import (
     GateTrainingData,
     MissingSignalError,
     MissingTrainingDataError,
+    UnavailableSignalError,
     retrieval_helped,
 )
 from confrag.gates.bridge import BridgeGate
@@ -23,10 +24,24 @@ from confrag.gates.directions import ConfidenceDirection
 from confrag.gates.dragin import DraginGate
 from confrag.gates.simple import AlwaysGate, CBDRGate, NeverGate
 from confrag.gates.skr import SKRKnnGate
+from confrag.gates.uncertainty import EntropyGate, MaxProbGate, PerplexityGate, PTrueGate
 
 GATES: dict[str, type[Gate]] = {
     gate.name: gate
-    for gate in (AlwaysGate, NeverGate, CBDRGate, DraginGate, CtrlAGate, SKRKnnGate, CCSKGate, BridgeGate)
+    for gate in (
+        AlwaysGate,
+        NeverGate,
+        CBDRGate,
+        DraginGate,
+        CtrlAGate,
+        SKRKnnGate,
+        CCSKGate,
+        BridgeGate,
+        EntropyGate,
+        MaxProbGate,
+        PerplexityGate,
+        PTrueGate,
+    )
 }
 
 
@@ -48,13 +63,18 @@ __all__ = [
     "Decision",
     "DraftSignals",
     "DraginGate",
+    "EntropyGate",
     "Gate",
     "GateSignals",
     "GateTrainingData",
     "MissingSignalError",
+    "MaxProbGate",
     "MissingTrainingDataError",
     "NeverGate",
+    "PTrueGate",
+    "PerplexityGate",
     "SKRKnnGate",
+    "UnavailableSignalError",
     "make_gate",
     "retrieval_helped",
 ]

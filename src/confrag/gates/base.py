@@ -40,10 +40,18 @@ class MissingTrainingDataError(ValueError):
     """A gate that learns was asked to fit (or decide) without the training data it needs."""
 
 
+class UnavailableSignalError(ValueError):
+    """A gate reads a signal that the LLM (or the project) cannot give."""
+
+
 # Where each signal comes from: named in errors, so a missing one says which function produces it.
 SIGNAL_SOURCES = {
     "confidence": "the confidence probe's Conf(H(Q)) on the QA prompt (confrag.cbdr.question_confidences)",
     "draft": "confrag.gates.signals.draft_token_signals (one greedy closed-book generation)",
+    "p_true": (
+        "confrag.gates.signals.p_true_scores (one forward per question: the LLM asked whether its "
+        "closed-book answer is true)"
+    ),
     "hidden_states": "HiddenStateEngine.extract on the QA prompts at the gate's layers (with hidden_layers)",
     "question_embedding": "confrag.gates.signals.embed_texts(encoder, questions) with the MiniLM DenseRetriever",
     "responses": "the closed-book answers of the RAG pipeline's cached outcomes",
@@ -68,24 +76,32 @@ TRAINING_SOURCES = {
 
 @dataclass(frozen=True)
 class DraftSignals:
-    """A closed-book draft per question and, per generated token, what DRAGIN's RIND reads."""
+    """A closed-book draft per question and, per generated token, what DRAGIN's RIND and the uncertainty
+    baselines (mean token entropy, max token probability, perplexity) read."""
 
     texts: list[str]
     tokens: list[list[str]]  # each generated token decoded on its own
     entropy: list[np.ndarray]  # nats, entropy of the next-token distribution that produced each token
     attention: list[np.ndarray]  # per token: max attention it receives from later draft tokens
+    logprob: list[np.ndarray]  # per token: log-probability of the generated token (natural log)
+    max_prob: list[np.ndarray]  # per token: the highest probability of its next-token distribution
 
     def __post_init__(self) -> None:
         n = len(self.texts)
-        for name in ("tokens", "entropy", "attention"):
+        fields = ("tokens", "entropy", "attention", "logprob", "max_prob")
+        for name in fields:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"draft.{name} has {len(getattr(self, name))} rows, draft.texts has {n}")
-        for i, (tokens, entropy, attention) in enumerate(zip(self.tokens, self.entropy, self.attention)):
-            if not len(tokens) == len(entropy) == len(attention):
+        for i, row in enumerate(zip(*(getattr(self, name) for name in fields))):
+            if len({len(values) for values in row}) != 1:
                 raise ValueError(
-                    f"draft row {i}: {len(tokens)} tokens, {len(entropy)} entropies and "
-                    f"{len(attention)} attention values; they must be aligned"
+                    f"draft row {i}: "
+                    + ", ".join(f"{len(values)} {name}" for name, values in zip(fields, row))
+                    + "; they must be aligned per token"
                 )
+            for name, values in zip(fields[2:], row[2:]):
+                if not np.all(np.isfinite(values)):
+                    raise ValueError(f"draft row {i}: draft.{name} holds a NaN or inf")
 
 
 @dataclass
@@ -102,21 +118,30 @@ class GateSignals:
     responses: list[str] | None = None  # closed-book answers
     response_embedding: np.ndarray | None = None  # (n, d)
     matching_scores: np.ndarray | None = None  # (n, 4, 2): S1..S4 x (dense, sparse)
+    p_true: np.ndarray | None = None  # (n,) in [0, 1]: P("True") that the closed-book answer is true
 
     def __post_init__(self) -> None:
         n = len(self.qids)
         if len(self.questions) != n:
             raise ValueError(f"signals: {len(self.questions)} questions for {n} qids")
-        for name in ("confidence", "responses", "question_embedding", "response_embedding", "matching_scores"):
+        names = ("confidence", "responses", "question_embedding", "response_embedding", "matching_scores", "p_true")
+        for name in names:
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"signals.{name} has {len(value)} rows for {n} questions")
         if self.draft is not None and len(self.draft.texts) != n:
             raise ValueError(f"signals.draft has {len(self.draft.texts)} rows for {n} questions")
-        if self.confidence is not None:
-            self.confidence = np.asarray(self.confidence, dtype=np.float64)
-            if not np.all((self.confidence >= 0) & (self.confidence <= 1)):
-                raise ValueError("signals.confidence must hold probabilities in [0, 1]")
+        for name in ("confidence", "p_true"):
+            value = getattr(self, name)
+            if value is not None:
+                value = np.asarray(value, dtype=np.float64)
+                if not np.all((value >= 0) & (value <= 1)):  # NaN fails too
+                    bad = int(np.flatnonzero(~((value >= 0) & (value <= 1)))[0])
+                    raise ValueError(
+                        f"signals.{name} must hold probabilities in [0, 1]; question {bad} "
+                        f"({self.qids[bad]!r}) has {value[bad]!r}"
+                    )
+                setattr(self, name, value)
         if self.hidden_states is not None:
             self._check_hidden_states(n)
         if self.matching_scores is not None and np.asarray(self.matching_scores).shape[1:] != (4, 2):
@@ -136,6 +161,7 @@ class GateSignals:
         return len(self.qids)
 
     def require(self, names: Iterable[str], gate: str) -> None:
+        check_signal_names(names, gate)
         missing = sorted(name for name in names if getattr(self, name) is None)
         if missing:
             raise MissingSignalError(
@@ -196,6 +222,16 @@ class GateTrainingData:
             )
 
 
+def check_signal_names(names: Iterable[str], gate: str) -> None:
+    """A gate reading a signal the project has no way to compute is refused, the signal named."""
+    unknown = sorted(set(names) - set(SIGNAL_SOURCES))
+    if unknown:
+        raise UnavailableSignalError(
+            f"gate '{gate}' reads the signal(s) {', '.join(unknown)}, which no part of confrag computes; "
+            f"signals: {', '.join(sorted(SIGNAL_SOURCES))}"
+        )
+
+
 def retrieval_helped(closed_book_correct: np.ndarray, rag_correct: np.ndarray) -> np.ndarray:
     return np.asarray(rag_correct, dtype=bool) & ~np.asarray(closed_book_correct, dtype=bool)
 
@@ -233,6 +269,12 @@ class Gate(abc.ABC):
     decision_passes: ClassVar[int] = 0
     # ... and whether that call already is the closed-book answer (a parametric decision costs nothing more).
     decision_is_closed_book: ClassVar[bool] = False
+    # Whether the gate retrieves before it decides (BRIDGE matches the retrieved passages): then every
+    # question costs a retriever call, not only those it decides to retrieve for.
+    decision_retrieves: ClassVar[bool] = False
+    # Threshold gates: True when a score below the threshold retrieves, False when one above does; None
+    # for gates without a single threshold score (their retrieve score is the decision itself).
+    retrieves_below: ClassVar[bool | None] = None
 
     def __init__(self, **config: Any) -> None:
         self.config = config  # the constructor's values: the gate's identity
@@ -285,6 +327,34 @@ class Gate(abc.ABC):
     @abc.abstractmethod
     def _decide(self, signals: GateSignals) -> list[Decision]:
         """The gate's rule over precomputed signals, one decision per question."""
+
+    def threshold_scores(self, signals: GateSignals) -> np.ndarray:
+        """Per question, the number a threshold gate compares with its threshold (threshold gates override)."""
+        raise ValueError(
+            f"gate '{self.name}' has no single threshold score; curves are drawn for threshold gates "
+            f"(give explicit values for other parameters)"
+        )
+
+    def retrieve_scores(self, signals: GateSignals) -> np.ndarray:
+        """Per question, how strongly the gate leans to retrieving (higher: retrieve sooner), what its AUROC
+        and PRR are scored on: the threshold score oriented so, or 1 for a retrieve decision and 0 for any
+        other when the gate has no threshold score. A threshold gate's non-finite score (DRAGIN's empty
+        draft) is +-inf: always or never retrieved."""
+        if self.retrieves_below is None:
+            return np.array([Decision(d) is Decision.RETRIEVE for d in self.decide(signals)], dtype=np.float64)
+        self._ready(signals)
+        scores = np.asarray(self.threshold_scores(signals), dtype=np.float64)
+        if np.isnan(scores).any():
+            bad = int(np.flatnonzero(np.isnan(scores))[0])
+            raise ValueError(f"gate '{self.name}': NaN score for question {bad} ({signals.qids[bad]!r})")
+        return -scores if self.retrieves_below else scores
+
+    def retriever_calls(self, decisions: Sequence[Decision]) -> np.ndarray:
+        """Retriever calls per question (retrieval and reranking of its candidates)."""
+        return np.array(
+            [1 if self.decision_retrieves or Decision(d) is Decision.RETRIEVE else 0 for d in decisions],
+            dtype=np.int64,
+        )
 
     def llm_forward_passes(self, decisions: Sequence[Decision]) -> np.ndarray:
         """LLM calls per question for deciding and answering (a refusal answers without the LLM)."""

@@ -96,6 +96,7 @@ class BridgeGate(Gate):
     # reads; FI's answer is that closed-book answer (nothing more), FE/FA answer with a RAG prompt (+1).
     decision_passes = 2
     decision_is_closed_book = True
+    decision_retrieves = True  # the matching scores read the retrieved passages of every question
 
     def __init__(
         self,

@@ -1,9 +1,10 @@
-"""The LLM-bound gate signals, kept in the content-keyed cache: drafts (DRAGIN), internal passages
-(BRIDGE) and last-token hidden states (CtrlA). Each is a resumable `ShardedArtifact` keyed by the LLM,
-the prompts (or the prompt templates and questions) and the generation settings, so a rerun, another
-gate list or another threshold grid computes none of them again. Batch sizes are left out of the keys,
-as for the answer cache: they only move float rounding. `cache_dir=None` computes without the cache
-(what timing the parts needs)."""
+"""The LLM-bound gate signals, kept in the content-keyed cache: drafts (DRAGIN and the uncertainty
+gates), internal passages (BRIDGE), last-token hidden states (CtrlA) and P(True)'s verdict
+probabilities. Each is a resumable `ShardedArtifact` keyed by the LLM, the prompts (or the prompt
+templates and questions) and the generation settings, so a rerun, another gate list or another
+threshold grid computes none of them again. Batch sizes are left out of the keys, as for the answer
+cache: they only move float rounding. `cache_dir=None` computes without the cache (what timing the
+parts needs)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import numpy as np
 
 from confrag.artifacts import ShardedArtifact, fingerprint
 from confrag.gates.base import DraftSignals
-from confrag.gates.signals import INTERNAL_KNOWLEDGE_TEMPLATE, draft_token_signals, internal_passages
+from confrag.gates.signals import (
+    INTERNAL_KNOWLEDGE_TEMPLATE,
+    draft_token_signals,
+    internal_passages,
+    p_true_from_verdicts,
+    p_true_prompts,
+    verdict_probabilities,
+    verdict_token_ids,
+)
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
 from confrag.llm.loading import LoadedLLM
 
@@ -34,8 +43,17 @@ def cached_drafts(
     def compute(start: int, stop: int) -> list[dict]:
         draft = draft_token_signals(llm, prompts[start:stop], max_new_tokens=max_new_tokens, batch_size=batch_size)
         return [
-            {"text": t, "tokens": tok, "entropy": e.tolist(), "attention": a.tolist()}
-            for t, tok, e, a in zip(draft.texts, draft.tokens, draft.entropy, draft.attention)
+            {
+                "text": t,
+                "tokens": tok,
+                "entropy": e.tolist(),
+                "attention": a.tolist(),
+                "logprob": lp.tolist(),
+                "max_prob": mp.tolist(),
+            }
+            for t, tok, e, a, lp, mp in zip(
+                draft.texts, draft.tokens, draft.entropy, draft.attention, draft.logprob, draft.max_prob
+            )
         ]
 
     if cache_dir is None:
@@ -45,7 +63,7 @@ def cached_drafts(
             "llm": llm.identity,
             "prompts": fingerprint(list(prompts)),
             "max_new_tokens": max_new_tokens,
-            "generator": "draft_token_signals.v1",
+            "generator": "draft_token_signals.v2",  # v2: with each token's log-probability and max probability
         }
         artifact = ShardedArtifact(cache_dir, "gate_drafts", spec, len(prompts), SHARD, fmt="json")
         records = artifact.compute(compute, desc="drafts", progress=progress).records()
@@ -54,7 +72,38 @@ def cached_drafts(
         tokens=[list(r["tokens"]) for r in records],
         entropy=[np.asarray(r["entropy"], dtype=np.float64) for r in records],
         attention=[np.asarray(r["attention"], dtype=np.float64) for r in records],
+        logprob=[np.asarray(r["logprob"], dtype=np.float64) for r in records],
+        max_prob=[np.asarray(r["max_prob"], dtype=np.float64) for r in records],
     )
+
+
+def cached_p_true(
+    llm: LoadedLLM,
+    questions: Sequence[str],
+    answers: Sequence[str],
+    cache_dir: str | Path | None,
+    batch_size: int,
+    progress: bool = False,
+) -> np.ndarray:
+    """P(True) of each closed-book answer (`p_true_prompts`, `verdict_probabilities`); the cache keeps the
+    two verdicts' probabilities, P(True) is their ratio."""
+    verdict_token_ids(llm.tokenizer)  # refused before anything runs if the LLM cannot give P(True)
+    prompts = p_true_prompts(llm.tokenizer, questions, answers)
+
+    def compute(start: int, stop: int) -> list[list[float]]:  # per prompt: [p(True), p(False)]
+        return verdict_probabilities(llm, prompts[start:stop], batch_size=batch_size).tolist()
+
+    if cache_dir is None or not prompts:
+        records = compute(0, len(prompts))
+    else:
+        spec = {"llm": llm.identity, "prompts": fingerprint(list(prompts)), "generator": "verdict_probabilities.v1"}
+        artifact = ShardedArtifact(cache_dir, "gate_p_true", spec, len(prompts), 256, fmt="json")
+        records = artifact.compute(compute, desc="P(True)", progress=progress).records()
+    verdicts = np.asarray(records, dtype=np.float64).reshape(len(prompts), 2)
+    if not np.all(np.isfinite(verdicts)) or np.any(verdicts < 0):
+        bad = int(np.flatnonzero(~(np.isfinite(verdicts) & (verdicts >= 0)).all(axis=1))[0])
+        raise ValueError(f"P(True) cache: verdict probabilities of question {bad} are {verdicts[bad].tolist()}")
+    return p_true_from_verdicts(verdicts)
 
 
 def cached_internal_passages(

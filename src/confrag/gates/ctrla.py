@@ -79,8 +79,13 @@ class CtrlAGate(Gate):
             )
         self.direction = direction
 
+    retrieves_below = True
+
     def scores(self, signals: GateSignals) -> np.ndarray:
         return self.direction.project(signals.hidden_states, signals.hidden_layers)
+
+    def threshold_scores(self, signals: GateSignals) -> np.ndarray:
+        return np.asarray(self.scores(signals), dtype=np.float64)
 
     def _decide(self, signals: GateSignals) -> list[Decision]:
         return [Decision.RETRIEVE if s < self.threshold else Decision.PARAMETRIC for s in self.scores(signals)]

@@ -64,6 +64,12 @@ class DraginGate(Gate):
         draft = signals.draft
         return [rind_scores(t, e, a) for t, e, a in zip(draft.tokens, draft.entropy, draft.attention)]
 
+    retrieves_below = False
+
+    def threshold_scores(self, signals: GateSignals) -> np.ndarray:
+        # An empty draft always retrieves: no threshold moves it.
+        return np.array([s.max() if len(s) else np.inf for s in self.scores(signals)])
+
     def _decide(self, signals: GateSignals) -> list[Decision]:
         return [
             Decision.RETRIEVE if len(s) == 0 or s.max() > self.threshold else Decision.PARAMETRIC

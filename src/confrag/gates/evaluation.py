@@ -20,14 +20,12 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
+from scipy.stats import rankdata
+from sklearn.metrics import roc_auc_score
 
 from confrag.artifacts import atomic_save_png
 from confrag.gates.base import Decision, Gate, GateSignals
-from confrag.gates.ctrla import CtrlAGate
-from confrag.gates.dragin import DraginGate
-from confrag.gates.simple import CBDRGate
-from confrag.gates.skr import SKRKnnGate
-from confrag.rag.stats import accuracy_ci
+from confrag.rag.stats import accuracy_ci, mcnemar_exact
 
 # The measured parts (seconds per question) each signal costs before the gate can decide.
 SIGNAL_PARTS: dict[str, tuple[str, ...]] = {
@@ -39,6 +37,8 @@ SIGNAL_PARTS: dict[str, tuple[str, ...]] = {
     "response_embedding": ("closed_book", "embed_response"),
     # BRIDGE decides after retrieving: internal passage, closed-book answer (K_gen), retrieval, matching.
     "matching_scores": ("internal", "closed_book", "retrieve", "matching"),
+    # P(True) judges the closed-book answer: that answer, then one forward over it.
+    "p_true": ("closed_book", "p_true"),
 }
 # Parts that already produce the closed-book answer: a parametric decision then costs nothing more.
 CLOSED_BOOK_PARTS = frozenset({"closed_book", "draft"})
@@ -95,6 +95,54 @@ def rates(decisions: Sequence[Decision]) -> tuple[float, float]:
     )
 
 
+# --- how well a gate's retrieve score finds the questions retrieval helps --------------------------
+
+
+def _checked_scores(scores: np.ndarray, helped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    scores = np.asarray(scores, dtype=np.float64)
+    helped = np.asarray(helped, dtype=bool)
+    if scores.shape != helped.shape or scores.ndim != 1:
+        raise ValueError(f"{scores.shape} retrieve scores for {helped.shape} 'retrieval helped' labels")
+    if np.isnan(scores).any():
+        raise ValueError(f"retrieve score of question {int(np.flatnonzero(np.isnan(scores))[0])} is NaN")
+    return scores, helped
+
+
+def retrieve_auroc(scores: np.ndarray, helped: np.ndarray) -> float:
+    """AUROC of the retrieve score against "retrieval helped" (ties count one half; +-inf allowed: the
+    scores' ranks are what counts). NaN when every question has the same label (undefined)."""
+    scores, helped = _checked_scores(scores, helped)
+    if helped.all() or not helped.any():
+        return float("nan")
+    return float(roc_auc_score(helped, rankdata(scores)))
+
+
+def _rejection_area(order_key: np.ndarray, quality: np.ndarray) -> float:
+    """Mean, over keeping the k = n, n-1, ..., 1 lowest-key questions, of the kept questions' mean quality;
+    questions of equal key count at their group's mean quality (the expectation over tie orders)."""
+    order = np.argsort(order_key, kind="stable")
+    key, q = order_key[order], quality[order].astype(np.float64)
+    _, group, counts = np.unique(key, return_inverse=True, return_counts=True)
+    q = (np.bincount(group, weights=q) / counts)[group]
+    kept = np.cumsum(q) / np.arange(1, len(q) + 1)
+    return float(kept.mean())
+
+
+def retrieve_prr(scores: np.ndarray, helped: np.ndarray) -> float:
+    """Prediction-rejection ratio (Malinin et al.; AdaRAGUE's second score) of the retrieve score as an
+    uncertainty, with "retrieval did not help" as the quality: questions are handed to retrieval from the
+    highest score down, and the rejection curve is the share of the questions left closed-book that did
+    not need it. PRR = (area(score) - area(random)) / (area(oracle) - area(random)): 1 for a perfect
+    ordering, 0 for a random (or constant) one, negative when worse. NaN when the labels are all one."""
+    scores, helped = _checked_scores(scores, helped)
+    if helped.all() or not helped.any():
+        return float("nan")
+    quality = ~helped
+    random = float(quality.mean())
+    oracle = _rejection_area(helped.astype(np.float64), quality)
+    return (_rejection_area(scores, quality) - random) / (oracle - random)
+
+
 @dataclass(frozen=True)
 class GateRow:
     gate: str
@@ -108,6 +156,13 @@ class GateRow:
     answered_accuracy: float  # nan when every question was refused
     llm_passes: float  # mean per question
     wall_s: float  # per question
+    retriever_calls: float  # mean per question
+    auroc: float  # of the retrieve score against "retrieval helped"; nan when undefined
+    prr: float  # prediction-rejection ratio of the same; nan when undefined
+    helped: int  # test questions retrieval helped (wrong closed-book, right with the retrieved contexts)
+    only_gate: int  # McNemar against always-retrieve: questions the gate gets right and always-retrieve wrong
+    only_always: int  # ... and the other way round
+    mcnemar_p: float  # exact McNemar p-value (two-sided)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -122,8 +177,15 @@ def gate_row(
     wall_s: float,
     n_resamples: int,
     seed: int,
+    retriever_calls: np.ndarray,
+    retrieve_scores: np.ndarray,
+    helped: np.ndarray,
+    always_correct: np.ndarray,
 ) -> GateRow:
+    """One gate's row. `helped`: per question, retrieval helped (the same labels for every gate);
+    `always_correct`: the always-retrieve gate's outcomes on the same questions (McNemar's pair)."""
     correct = np.asarray(correct, dtype=bool)
+    mcnemar = mcnemar_exact(correct, always_correct)
     answered = np.array([Decision(d) is not Decision.REFUSE for d in decisions])
     accuracy = accuracy_ci(correct, n_resamples=n_resamples, seed=seed)
     retrieval_rate, refusal_rate = rates(decisions)
@@ -139,21 +201,34 @@ def gate_row(
         answered_accuracy=float(correct[answered].mean()) if answered.any() else float("nan"),
         llm_passes=float(np.mean(passes)),
         wall_s=float(wall_s),
+        retriever_calls=float(np.mean(retriever_calls)),
+        auroc=retrieve_auroc(retrieve_scores, helped),
+        prr=retrieve_prr(retrieve_scores, helped),
+        helped=int(np.sum(helped)),
+        only_gate=mcnemar.only_a,
+        only_always=mcnemar.only_b,
+        mcnemar_p=mcnemar.pvalue,
     )
+
+
+def _number(value: float, digits: int = 3) -> str:
+    return "—" if np.isnan(value) else f"{round(value, digits) + 0.0:.{digits}f}"  # + 0.0: no "-0.000"
 
 
 def gates_markdown(rows: Sequence[GateRow], metric: str) -> str:
     lines = [
         f"| Gate | n | Accuracy ({metric}, %) [95 % CI] | Retrieval rate (%) | Refusal rate (%) | "
-        "Accuracy on answered (%) | LLM passes / q | Wall s / q |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "Accuracy on answered (%) | AUROC | PRR | LLM passes / q | Retriever calls / q | Wall s / q | "
+        "McNemar vs always (gate only / always only, p) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         answered = "—" if np.isnan(r.answered_accuracy) else f"{100 * r.answered_accuracy:.1f}"
         lines.append(
             f"| {r.gate} | {r.n} | {100 * r.accuracy:.1f} [{100 * r.accuracy_low:.1f}, "
             f"{100 * r.accuracy_high:.1f}] | {100 * r.retrieval_rate:.1f} | {100 * r.refusal_rate:.1f} | "
-            f"{answered} | {r.llm_passes:.2f} | {r.wall_s:.3f} |"
+            f"{answered} | {_number(r.auroc)} | {_number(r.prr)} | {r.llm_passes:.2f} | {r.retriever_calls:.2f} | "
+            f"{r.wall_s:.3f} | {r.only_gate} / {r.only_always}, p = {r.mcnemar_p:.3g} |"
         )
     return "\n".join(lines)
 
@@ -163,16 +238,7 @@ def gates_markdown(rows: Sequence[GateRow], metric: str) -> str:
 
 def threshold_scores(gate: Gate, signals: GateSignals) -> np.ndarray:
     """Per question, the number a threshold gate compares with its threshold (to place a curve's grid)."""
-    if isinstance(gate, CBDRGate):
-        return np.asarray(signals.confidence, dtype=np.float64)
-    if isinstance(gate, DraginGate):  # an empty draft always retrieves: no threshold moves it
-        return np.array([s.max() if len(s) else np.inf for s in gate.scores(signals)])
-    if isinstance(gate, (CtrlAGate, SKRKnnGate)):
-        return np.asarray(gate.scores(signals), dtype=np.float64)
-    raise ValueError(
-        f"gate '{gate.name}' has no single threshold score; curves are drawn for cbdr, dragin, ctrla "
-        f"and skr_knn (give explicit values for other parameters)"
-    )
+    return gate.threshold_scores(signals)
 
 
 def quantile_grid(scores: np.ndarray, points: int) -> list[float]:

@@ -12,11 +12,17 @@ import numpy as np
 
 from confrag.cbdr import question_confidences
 from confrag.data.nq import Passage, QARow
-from confrag.gates.base import GateSignals
-from confrag.gates.cache import cached_drafts, cached_internal_passages, cached_states
+from confrag.gates.base import TRAINING_SOURCES, Gate, GateSignals, UnavailableSignalError, check_signal_names
+from confrag.gates.cache import cached_drafts, cached_internal_passages, cached_p_true, cached_states
 from confrag.gates.ctrla import CtrlAGate
 from confrag.gates.directions import ConfidenceDirection, direction_from_states
-from confrag.gates.signals import bridge_matching_scores, contrastive_prompts, embed_texts, external_knowledge
+from confrag.gates.signals import (
+    bridge_matching_scores,
+    contrastive_prompts,
+    embed_texts,
+    external_knowledge,
+    verdict_token_ids,
+)
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.retrieval import DenseRetriever, corpus_from_nq
@@ -81,6 +87,9 @@ class SignalMaker:
             self.llm, questions, self.cache_dir, self.internal_max_new_tokens, self.batch_size, self.progress
         )
 
+    def p_true(self, questions: Sequence[str], responses: Sequence[str]) -> np.ndarray:
+        return cached_p_true(self.llm, questions, responses, self.cache_dir, self.batch_size, self.progress)
+
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         return embed_texts(self.encoder, texts)
 
@@ -118,7 +127,29 @@ def question_signals(
         fields["responses"] = list(responses)
     if "response_embedding" in names:
         fields["response_embedding"] = maker.embed(responses)
+    if "p_true" in names:
+        fields["p_true"] = maker.p_true(questions, responses)
     return GateSignals(qids=[r.qid for r in rows], questions=questions, **fields)
+
+
+# What an LLM must offer for a signal that not every LLM gives; each check raises UnavailableSignalError
+# with the reason. Signals not listed here every causal LM of the project gives.
+LLM_SIGNAL_CHECKS = {"p_true": lambda llm: verdict_token_ids(llm.tokenizer)}
+
+
+def check_llm_signals(gates: dict[str, Gate], llm: LoadedLLM) -> None:
+    """Refuse, before anything runs, a gate that reads a signal this LLM (or confrag) cannot give."""
+    for name, gate in gates.items():
+        signals = gate.needs | (gate.training_needs - set(TRAINING_SOURCES))  # what it reads to decide or to fit
+        check_signal_names(signals, name)
+        for signal in sorted(signals):
+            if signal in LLM_SIGNAL_CHECKS:
+                try:
+                    LLM_SIGNAL_CHECKS[signal](llm)
+                except UnavailableSignalError as err:
+                    raise UnavailableSignalError(
+                        f"gate '{name}' reads the signal {signal}, which the LLM {llm.identity!r} cannot give: {err}"
+                    ) from err
 
 
 def with_matching(maker: SignalMaker, signals: GateSignals, contexts: Sequence[Sequence[Any]]) -> GateSignals:

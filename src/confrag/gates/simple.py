@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from confrag.cbdr.gate import check_beta, should_retrieve
 from confrag.gates.base import Decision, Gate, GateSignals
 
@@ -47,6 +49,11 @@ class CBDRGate(Gate):
         # The rule and its check are CBDR's own (confrag.cbdr), so this gate and the β sweep agree.
         self.beta = check_beta(beta, key="gate.beta")
         super().__init__(beta=beta)
+
+    retrieves_below = True
+
+    def threshold_scores(self, signals: GateSignals) -> np.ndarray:
+        return np.asarray(signals.confidence, dtype=np.float64)
 
     def _decide(self, signals: GateSignals) -> list[Decision]:
         retrieve = should_retrieve(signals.confidence, self.beta)

@@ -58,6 +58,11 @@ class SKRKnnGate(Gate):
         self._history = np.asarray(train.signals.question_embedding, dtype=np.float64)
         self._labels = train.retrieval_helped
 
+    retrieves_below = False
+
+    def threshold_scores(self, signals: GateSignals) -> np.ndarray:
+        return np.asarray(self.scores(signals), dtype=np.float64)
+
     def scores(self, signals: GateSignals) -> np.ndarray:
         """Fraction of the k nearest training questions for which retrieval helped."""
         fractions, _ = knn_vote(signals.question_embedding, self._history, self._labels, self.k)

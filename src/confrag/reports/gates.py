@@ -26,7 +26,17 @@ def gate_record(
     metrics = {
         f"{r.contexts}/{r.gate}/{key}": getattr(r, key)
         for r in results.rows
-        for key in ("accuracy", "retrieval_rate", "refusal_rate", "llm_passes", "wall_s")
+        for key in (
+            "accuracy",
+            "retrieval_rate",
+            "refusal_rate",
+            "llm_passes",
+            "retriever_calls",
+            "wall_s",
+            "auroc",
+            "prr",
+            "mcnemar_p",
+        )
     }
     return {
         "metrics": metrics,
@@ -81,7 +91,22 @@ def report_markdown(
         "",
         "Outcome per question: parametric → the closed-book answer, retrieve → the RAG answer (BRIDGE's FA: "
         "its internal passage and the contexts), refuse → a refusal (not correct). Accuracy on answered "
-        "excludes refusals. LLM passes: `gate.llm_forward_passes` (prompt prefill + greedy decode each).",
+        "excludes refusals. LLM passes: `gate.llm_forward_passes` (prompt prefill + greedy decode each; "
+        "P(True)'s extra forward counts as one); retriever calls: retrieval + reranking of a question's "
+        "candidates (BRIDGE retrieves for every question before it decides).",
+        "",
+        "Is the gate's retrieve decision well placed? Each gate's retrieve score (a threshold gate's own "
+        "score, oriented so that higher retrieves sooner; the decision itself, 1 or 0, for the others) is "
+        "scored against *retrieval helped* (wrong closed-book, right with the top-K retrieved contexts; the "
+        "same labels for every gate, "
+        + ", ".join(
+            f"{condition} {next((r.helped for r in results.rows if r.contexts == condition), 0)}"
+            for condition in CONDITIONS
+        )
+        + f" of {sets['test']}): AUROC (0.5 = chance) and PRR (prediction-rejection ratio: 1 = the oracle "
+        "order, 0 = random or constant, — when the labels are all one class). McNemar: an exact test of "
+        "the gate's per-question outcomes against always-retrieve's on the same questions (questions only "
+        "the gate gets right / only always-retrieve gets right, two-sided p).",
         "",
         f"Wall time per question: a cost model over measured parts. Each part was timed fresh (no cache) on "
         f"{min(settings.timing_questions, sets['test'])} test questions ({timing}); a gate pays the parts its "

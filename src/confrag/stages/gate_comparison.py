@@ -35,7 +35,15 @@ from confrag.cbdr.settings import AnswerSettings
 from confrag.data.conflicts import ConflictExample, build_conflicts
 from confrag.data.nq import QARow
 from confrag.data.splits import split_dev_test
-from confrag.gates import BridgeGate, CtrlAGate, Decision, Gate, GateSignals, GateTrainingData
+from confrag.gates import (
+    BridgeGate,
+    CtrlAGate,
+    Decision,
+    Gate,
+    GateSignals,
+    GateTrainingData,
+    retrieval_helped,
+)
 from confrag.gates.bridge import answer_contexts
 from confrag.gates.directions import ConfidenceDirection
 from confrag.gates.evaluation import (
@@ -51,6 +59,7 @@ from confrag.gates.evaluation import (
 from confrag.gates.settings import GateSettings
 from confrag.gates.signal_maker import (
     SignalMaker,
+    check_llm_signals,
     confidence_direction,
     ctrla_key,
     ctrla_layers,
@@ -179,6 +188,7 @@ def measure_parts(
         "ctrla_states": lambda: fresh.states(qa_prompts, layers),
         "draft": lambda: fresh.draft(questions),
         "internal": lambda: fresh.internal(questions),
+        "p_true": lambda: fresh.p_true(questions, responses),
         "embed_question": lambda: fresh.embed(questions),
         "embed_response": lambda: fresh.embed(responses),
         "matching": lambda: bridge_matching_scores(
@@ -241,6 +251,7 @@ def prepare_gate_evaluation(
     prompt), the signals the configured gates read, CtrlA's directions, and the timed parts."""
     if settings.reranker not in stage.scorers:
         raise ValueError(f"gates.reranker={settings.reranker!r} is not a Table 1 row; rows: {list(stage.scorers)}")
+    check_llm_signals(gates, llm)
     check_held_out(stage, rows)
     scorer, k = stage.scorers[settings.reranker], settings.top_k
     sets = question_sets(rows, dev_fraction, seed)
@@ -390,7 +401,7 @@ def run_gates(evaluation: GateEvaluation, settings: GateSettings, seed: int) -> 
             start = time.perf_counter()
             decided = gate.decide(signals)
             decide_seconds = time.perf_counter() - start
-            closed_book = correct_of(evaluation.test_outcomes[condition], settings.metric, settings.top_k)[0]
+            closed_book, rag = correct_of(evaluation.test_outcomes[condition], settings.metric, settings.top_k)
             correct = score_decisions(decided, closed_book, retrieval_correct(gate, evaluation, condition, settings))
             wall = wall_time_per_question(gate.needs, decided, evaluation.timings, decide_seconds)
             rows.append(
@@ -403,6 +414,11 @@ def run_gates(evaluation: GateEvaluation, settings: GateSettings, seed: int) -> 
                     wall,
                     settings.n_resamples,
                     seed,
+                    retriever_calls=gate.retriever_calls(decided),
+                    retrieve_scores=gate.retrieve_scores(signals),
+                    # The same labels and the same always-retrieve outcomes (top-K RAG answers) for every gate.
+                    helped=retrieval_helped(closed_book, rag),
+                    always_correct=rag,
                 )
             )
             decisions[condition][name] = [Decision(d).value for d in decided]

@@ -5,22 +5,27 @@ Every step reads the artifacts of the steps before it from the cache (see `confr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig
 
 from confrag.distributed import rank_info
-from confrag.instantiators import output_dir, task_loggers
+from confrag.instantiators import output_dir, run_command, settings_from, task_loggers
 from confrag.recipes import rerank_recipe
+from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_dataset, write_reranker_card
 from confrag.reports.rerank import write_rerank_report
-from confrag.stages.rerank import RerankRecipe, rerank_stage, table1
+from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 
 def check(cfg: DictConfig) -> RerankRecipe:
     """Every setting of the stage, before anything runs: a typo must not surface after an hour of probing."""
+    settings_from(HubSettings, cfg.get("hub"), "hub")
     return rerank_recipe(cfg)
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
     recipe = check(cfg)
+    hub = settings_from(HubSettings, cfg.get("hub"), "hub")
     out = output_dir(cfg)
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
@@ -33,5 +38,38 @@ def run(cfg: DictConfig) -> dict[str, float]:
         write_rerank_report(out, cfg.llm.name, stage.preferences.report, len(test_rows), rows, stage.training, loggers),
         flush=True,
     )
+    publish(cfg, recipe, stage, rows, len({r["qid"] for r in test_rows}), hub, out)
     main = next(r for r in rows if r["system"] == stage.main)
     return {f"test/{k}": v / 100 for k, v in main.items() if k != "system"}
+
+
+def publish(
+    cfg: DictConfig,
+    recipe: RerankRecipe,
+    stage: RerankStage,
+    rows: list[dict],
+    test_questions: int,
+    hub: HubSettings,
+    out: Path,
+) -> None:
+    """The reranker's model card, NQ_Rerank as a parquet dataset with its card, and (hub.push only) the upload."""
+    run = RerankRun(
+        llm=str(cfg.llm.name),
+        backbone=str(cfg.model.get("backbone") or "minilm"),
+        exported=stage.main,
+        rule=recipe.preferences.selection,
+        reference=recipe.preferences.reference,
+        top_k=recipe.preferences.top_k,
+        rows={split: len(split_rows) for split, split_rows in stage.preferences.splits.items()},
+        test_questions=test_questions,
+        table1=rows,
+        command=run_command(cfg),
+    )
+    write_reranker_card(out / "reranker", run)
+    write_dataset(stage.preferences.splits, out / "nq_rerank_dataset", run)
+    if hub.push:
+        for folder, repo, kind in (
+            (out / "reranker", hub.reranker_repo, "model"),
+            (out / "nq_rerank_dataset", hub.dataset_repo, "dataset"),
+        ):
+            print(f"Pushed {folder} to {kind} repo {repo}: {push_folder(folder, repo, kind, hub.private)}", flush=True)

