@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     for run, (first, mrr) in firsts.items():
         test = tests.get(run)
         compared = "reference" if test is None else f"{test.only_a} / {test.only_b}"
-        holm_p = "—" if test is None else f"{adjusted[run]:.4f}"
+        holm_p = "—" if test is None else (f"{adjusted[run]:.4f}" if adjusted[run] >= 1e-4 else "< 0.0001")
         name = f"{run.parent.name}/{run.name}"
         print(f"| {name} | {accuracy_ci(first).format(digits=1)} | {mrr:.3f} | {compared} | {holm_p} |")
 

@@ -319,8 +319,8 @@ def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):
     "override, message",
     [
         ("data.batch_size=0", "data.batch_size must be an integer >= 1"),
-        ("model.dropout=2.0", "0 <= dropout < 1"),
-        ("model.lr=-1", "lr > 0"),
+        ("model.dropout=2.0", r"model.dropout must be in \[0, 1\)"),
+        ("model.lr=-1", "model.lr must be > 0"),
         ("data.extract_batch_size=-2", "data.extract_batch_size must be an integer >= 1 or 'auto'"),
     ],
 )

@@ -64,7 +64,9 @@ def test_joblib_sweep_jobs_share_the_cache_and_compute_each_shard_once(tmp_path)
         for p in (cache / kind).glob("*/shard-*.*")
         if p.suffix in (".npy", ".json")
     )
-    assert len(shards) == 6  # answers and states of three prompt kinds, one shard each
+    # answers and states of three prompt kinds, and the states of the dev and test questions' candidates (the
+    # probe's checkpoint metric), one shard each
+    assert len(shards) == 8
     assert len(computed) == len(set(computed)) == len(shards), computed  # each computed once, by one job or the other
     assert sorted((kind, key) for kind, key, _ in computed) == sorted(
         (p.parent.parent.name, p.parent.name) for p in shards

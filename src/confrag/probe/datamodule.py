@@ -92,12 +92,15 @@ def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num
 
 
 def check_loader_settings(batch_size: Any, num_workers: Any, max_new_tokens: Any) -> None:
-    """`data.batch_size` >= 1, `data.num_workers` >= 0, `data.max_new_tokens` >= 1, each an integer."""
+    """`data.batch_size` >= 1 (or null: whole-split batches, for L-BFGS), `data.num_workers` >= 0,
+    `data.max_new_tokens` >= 1, each an integer."""
     for key, value, least in (
         ("data.batch_size", batch_size, 1),
         ("data.num_workers", num_workers, 0),
         ("data.max_new_tokens", max_new_tokens, 1),
     ):
+        if key == "data.batch_size" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
             raise ValueError(f"{key} must be an integer >= {least}; got {value!r}")
 
@@ -153,10 +156,6 @@ class NQConfidenceDataModule(LightningDataModule):
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ValueError(f"data.{key} must be null or an integer >= {least} (got {value!r})")
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"data.batch_size must be an integer >= 1, or null for full batches (got {batch_size!r})")
         self.question_splits = question_splits
         self.ranking_top_n, self.ranking_test_questions = ranking_top_n, int(ranking_test_questions or 0)
         self.ranking: dict[str, RankingSet] = {}
