@@ -353,6 +353,9 @@ def test_table2_has_cis_and_paired_tests_against_the_base_row():
     # One row compared per dataset and K: Holm leaves its p as it is; the difference is paired.
     assert ft["top1_p_holm"] == pytest.approx(0.125) and ft["top1_diff"].value == pytest.approx(0.4)
     assert ft["top1_diff"].low > 0 and ft["top1_mde"] is not None
+    assert len({tuple(r) for r in rows}) == 1  # the same keys in every row (W&B tables are columns)
+    base = next(r for r in rows if r["reranker"] == "bge-base" and r["dataset"] == "NQ")
+    assert base["top1_diff"] is None and base["top1_p_holm"] is None and base["top1_vs_base"] is None
     assert "NQ: n = 10" in table and "HotpotQA: n = 2" in table
     with pytest.raises(ValueError, match="eval.base_reranker='other' names no run"):
         table2_rows(runs, base_reranker="other")

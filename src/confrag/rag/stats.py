@@ -195,8 +195,9 @@ def table2_rows(
         for k in ks:
             mine = _correct_by_qid(outcomes, k, metric, where)
             row[f"top{k}"] = accuracy_ci(list(mine.values()), n_resamples=n_resamples, seed=seed)
+            # Every row holds every key (None where it is not compared): the tables logged from them are columns.
+            row.update({f"top{k}_vs_base": None, f"top{k}_diff": None, f"top{k}_mde": None, f"top{k}_p_holm": None})
             if base is None or reranker == base_reranker:
-                row[f"top{k}_vs_base"] = None
                 continue
             theirs = _correct_by_qid(base, k, metric, f"run ({llm}, {base_reranker}, {dataset})")
             if set(mine) != set(theirs):

@@ -412,7 +412,10 @@ def log_results(
                     "reranker": r["reranker"],
                     "dataset": r["dataset"],
                     "n": r["n"],
-                    **{k: r[k].value for k in r if k.startswith("top") and not k.endswith("_vs_base")},
+                    # Accuracies and paired differences by their value; Holm p and detectable differences as they are.
+                    **{
+                        k: getattr(r[k], "value", r[k]) for k in r if k.startswith("top") and not k.endswith("_vs_base")
+                    },
                 }
                 for r in rows2
             ],
