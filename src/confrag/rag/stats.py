@@ -61,7 +61,15 @@ def accuracy_ci(
     mean = float(values.mean())
     if values.size == 1:  # nothing to resample
         return Accuracy(mean, mean, mean, 1)
-    result = bootstrap(
+    low, high = _percentile_interval(values, confidence_level, n_resamples, seed)
+    return Accuracy(mean, low, high, int(values.size))
+
+
+def _percentile_interval(
+    values: np.ndarray, confidence_level: float, n_resamples: int, seed: int
+) -> tuple[float, float]:
+    """The seeded percentile-bootstrap interval of the mean of `values` (questions resampled)."""
+    interval = bootstrap(
         (values,),
         np.mean,
         confidence_level=confidence_level,
@@ -69,9 +77,8 @@ def accuracy_ci(
         method="percentile",
         rng=np.random.default_rng(seed),
         vectorized=True,
-    )
-    interval = result.confidence_interval
-    return Accuracy(mean, float(interval.low), float(interval.high), int(values.size))
+    ).confidence_interval
+    return float(interval.low), float(interval.high)
 
 
 def mcnemar_exact(a: Sequence[Any], b: Sequence[Any]) -> McNemar:
@@ -110,16 +117,8 @@ def paired_difference(
     mean = float(diff.mean())
     if a.size == 1 or np.all(diff == diff[0]):  # nothing varies under resampling
         return PairedDifference(mean, mean, mean, int(a.size))
-    interval = bootstrap(
-        (diff,),
-        np.mean,
-        confidence_level=confidence_level,
-        n_resamples=n_resamples,
-        method="percentile",
-        rng=np.random.default_rng(seed),
-        vectorized=True,
-    ).confidence_interval
-    return PairedDifference(mean, float(interval.low), float(interval.high), int(a.size))
+    low, high = _percentile_interval(diff, confidence_level, n_resamples, seed)
+    return PairedDifference(mean, low, high, int(a.size))
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
