@@ -163,6 +163,12 @@ def test_the_base_reranker_key_changes_with_its_questions(tmp_path):
         recipe, list(rows_a), trainer_settings=dict(settings)
     )
     assert reranker_cache_dir(recipe, rows_a) != reranker_cache_dir(recipe, rows_a, start_from=Path("abc"))
+    # A model override that changes a setting changes the key (a reranker trained at another lr is another one);
+    # one that restates the model node's value does not.
+    recipe.identity["model"].update(lr=6e-5, lora=None)
+    plain = reranker_cache_dir(recipe, rows_a)
+    assert reranker_cache_dir(recipe, rows_a, model_overrides={"lr": 3e-4}) != plain
+    assert reranker_cache_dir(recipe, rows_a, model_overrides={"lora": None, "lr": 6e-5}) == plain
 
 
 def test_base_settings_refuse_bad_values():

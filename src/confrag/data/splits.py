@@ -7,6 +7,7 @@ seen in training" is checked in one place (`check_disjoint`), not only trusted.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -111,8 +112,15 @@ class QuestionPlan:
     preference: list[QARow]  # NQ_Rerank and the aligned rerankers
     base: list[QARow]  # the base reranker's relevance training
     held_out: list[QARow]  # what is left: the evaluation questions are sampled from these
+    # Cross-fitting (`preferences.cross_fit` folds): `preference` is every question the probe and the base do not
+    # use, split into these folds; fold f's rerankers train on the other folds' rows and answer fold f's
+    # questions, so every one of them is an evaluation question of rerankers that never saw it. Empty: off.
+    folds: tuple[tuple[QARow, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.folds:
+            self._check_folds()
+            return
         check_disjoint(
             self.held_out,
             {
@@ -128,6 +136,61 @@ class QuestionPlan:
             "the preference questions",
         )
         check_disjoint(self.base, {"the probe's questions": self.probe}, "the base reranker's questions")
+
+    def _check_folds(self) -> None:
+        if self.held_out:
+            raise ValueError("a cross-fitted question plan holds out nothing beside its folds")
+        if sorted(r.qid for fold in self.folds for r in fold) != sorted(r.qid for r in self.preference):
+            raise ValueError("the cross-fitting folds must partition the preference questions")
+        for f, fold in enumerate(self.folds):
+            check_disjoint(
+                fold,
+                {
+                    "the probe's questions": self.probe,
+                    "the base reranker's questions": self.base,
+                    f"the training folds of fold {f}": self.training_questions(f),
+                },
+                f"the questions of fold {f}",
+            )
+        check_disjoint(self.base, {"the probe's questions": self.probe}, "the base reranker's questions")
+
+    def training_questions(self, fold: int) -> list[QARow]:
+        """The preference questions fold `fold`'s rerankers train on: every other fold's."""
+        return [r for f, rows in enumerate(self.folds) if f != fold for r in rows]
+
+    def fold_of(self, row: QARow) -> int | None:
+        """The fold whose rerankers answer `row` (by normalized question text), None outside every fold."""
+        return self._fold_by_key.get(question_key(row))
+
+    def fold_of_question(self, question: str) -> int | None:
+        """`fold_of` for a question's text (what a reranker's `score` receives)."""
+        return self._fold_by_key.get(normalize_answer(question))
+
+    @functools.cached_property
+    def _fold_by_key(self) -> dict[str, int]:
+        return {question_key(r): f for f, rows in enumerate(self.folds) for r in rows}
+
+    @property
+    def evaluation_pool(self) -> list[QARow]:
+        """The questions the evaluation samples: the held-out ones, or with cross-fitting every fold's."""
+        return list(self.preference) if self.folds else list(self.held_out)
+
+
+def cross_fit_plan(plan: QuestionPlan, folds: int, seed: int) -> QuestionPlan:
+    """`plan` cross-fitted: the preference and held-out questions together (file order kept within each fold),
+    split at random into `folds` folds of nearly equal size. The probe's and the base reranker's questions stay
+    as `plan_questions` drew them, so the base reranker is the one the plain runs train."""
+    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+        raise ValueError(f"preferences.cross_fit must be 0 (off) or an integer >= 2 folds (got {folds!r})")
+    order = {r.qid: i for i, r in enumerate([*plan.preference, *plan.held_out])}
+    pool = sorted([*plan.preference, *plan.held_out], key=lambda r: order[r.qid])
+    if len(pool) < 2 * folds:
+        raise ValueError(
+            f"preferences.cross_fit={folds} folds need at least {2 * folds} questions; {len(pool)} are left"
+        )
+    assignment = np.random.default_rng(seed).permutation(len(pool)) % folds
+    split = tuple(tuple(r for r, a in zip(pool, assignment) if a == f) for f in range(folds))
+    return QuestionPlan(plan.probe, pool, plan.base, [], split)
 
 
 def plan_questions(

@@ -275,6 +275,18 @@ def retrieval_line(stats: dict[str, Any]) -> str:
     )
 
 
+def evaluation_pool_line(stage: RerankStage) -> str:
+    """Which questions the evaluation drew from, and why none of them trained what answers it."""
+    folds = stage.questions.folds
+    if not folds:
+        return "no stage trained on (not the probe's, not the preference questions, not the base reranker's)"
+    return (
+        f"cross-fitted over {len(folds)} folds of the {len(stage.questions.preference)} questions neither the probe "
+        f"nor the base reranker uses (folds of {', '.join(str(len(f)) for f in folds)}): each question is answered "
+        "by aligned rerankers trained on the other folds' preference rows only"
+    )
+
+
 def report_markdown(
     run: RunContext,
     stage: RerankStage,
@@ -290,7 +302,7 @@ def report_markdown(
 ) -> str:
     chosen, ev = results.chosen, record["eval"]
     chain = chain_markdown(stage, rows2, record.get("diagnostics", {}), settings.ks)
-    n_pref = len(stage.preferences.splits["test"])
+    n_pref = len(stage.table1_rows)
     capped = {
         f"{d} / {n}": {k: c for k, c in caps.items() if c}
         for d, by in ev["capped"].items()
@@ -306,10 +318,9 @@ def report_markdown(
         f"{record['seconds']['answers']:.0f} s); answers generated {record['answers']['generated']}, read from "
         f"the cache {record['answers']['reused']}.",
         "",
-        f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions no stage trained on (not the "
-        f"probe's, not the preference questions, not the base reranker's): dev {len(ev['dev'])} (choosing β), "
-        f"test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by {run.retriever} over the NQ paragraphs; "
-        f"{retrieval_line(ev['retrieval'][NQ])}.",
+        f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions {evaluation_pool_line(stage)}: "
+        f"dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by "
+        f"{run.retriever} over the NQ paragraphs; {retrieval_line(ev['retrieval'][NQ])}.",
         *(
             [
                 f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "
@@ -323,7 +334,8 @@ def report_markdown(
         "",
         stage_line(stage),
         "",
-        "## Table 1 — reranking on the NQ_Rerank test split",
+        "## Table 1 — reranking on the NQ_Rerank test split"
+        + (" (cross-fitted: every question, each by its fold's rerankers)" if stage.questions.folds else ""),
         "",
         f"Labels of rule {stage.preferences.report.get('selection', 'sign')}; base reranker: "
         f"{base_line(stage.training.get('base', {}))}.",

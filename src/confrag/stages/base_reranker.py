@@ -124,9 +124,10 @@ def ensure_base_reranker(
             )
         raise ValueError(f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); {hint}")
     trainer_settings = {"max_epochs": settings.max_epochs}
-    directory = reranker_cache_dir(recipe, train_rows, trainer_settings=trainer_settings)
+    overrides = {"lora": None}  # the base is a full fine-tuning whatever model.lora the aligned rerankers use
+    directory = reranker_cache_dir(recipe, train_rows, trainer_settings=trainer_settings, model_overrides=overrides)
     cached = (directory / "confrag_training.json").is_file()
-    module, info = ensure_reranker(recipe, train_rows, "base", [], trainer_settings=trainer_settings, lora=None)
+    module, info = ensure_reranker(recipe, train_rows, "base", [], trainer_settings=trainer_settings, **overrides)
     info = {
         **info,
         "trained": True,

@@ -60,22 +60,30 @@ def evaluation_rows(
 ) -> list[QARow]:
     """A seeded sample of the NQ questions no stage trained on; with `nq_path` (`eval.nq_path`), of that
     file's questions instead, each checked by normalized text against every training pool."""
-    pool = load_nq_jsonl(nq_path) if nq_path else stage.questions.held_out
+    pool = load_nq_jsonl(nq_path) if nq_path else stage.questions.evaluation_pool
     rows = select_questions(pool, num_questions, seed)
     check_held_out(stage, rows)
     return rows
 
 
 def check_held_out(stage: RerankStage, rows: Sequence[QARow]) -> None:
-    """No evaluation question was used by the probe, the preference rows or the base reranker."""
-    check_disjoint(
-        rows,
-        {
-            "the probe's questions": stage.probe_data.data.rows,
-            "the preference questions": stage.questions.preference,
-            "the base reranker's questions": stage.questions.base,
-        },
-    )
+    """No evaluation question was used by the probe, the base reranker, or the preference rows of the rerankers
+    that answer it: with cross-fitting, a question of fold f against the other folds' questions (those fold f's
+    rerankers trained on); a question outside every fold against all preference questions."""
+    plan = stage.questions
+    fixed = {"the probe's questions": stage.probe_data.data.rows, "the base reranker's questions": plan.base}
+    by_fold: dict[int | None, list[QARow]] = {}
+    for row in rows:
+        by_fold.setdefault(plan.fold_of(row) if plan.folds else None, []).append(row)
+    for fold, fold_rows in by_fold.items():
+        if fold is None:
+            check_disjoint(fold_rows, {**fixed, "the preference questions": plan.preference})
+        else:
+            check_disjoint(
+                fold_rows,
+                {**fixed, f"the questions fold {fold}'s rerankers trained on": plan.training_questions(fold)},
+                f"the evaluation questions of fold {fold}",
+            )
 
 
 def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[str, Scorer]:

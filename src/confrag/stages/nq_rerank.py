@@ -39,6 +39,7 @@ from confrag.qa_metrics import has_answer
 from confrag.rag import AnswerStore
 from confrag.retrieval import Candidates
 from confrag.stages.retrieval import Retrieval, question_candidates
+from confrag.stages.teachers import TEACHERS
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class PreferenceSettings:
     selection: str = "sign"  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
     compare: tuple[str, ...] = ()  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
     test_fraction: float = 0.2  # questions held out for Table 1
+    # k >= 2: cross-fitting (confrag.stages.cross_fit): every question no probe and no base uses, in k folds;
+    # fold f's aligned rerankers train on the other folds and answer fold f. 0: off (one split, test_fraction).
+    cross_fit: int = 0
+    # Alignment that keeps what the base knows (confrag.stages.rerank.TEACHERS): the teacher scores the rows carry
+    # for model.distill_weight > 0: inc (the probe's Inc, the paper's rows) | base (the base reranker's own scores,
+    # so the KL term holds the aligned reranker near the base's ranking while InfoNCE moves it).
+    teacher: str = "inc"
+    mix_relevance: bool = False  # also train on the relevance rows of the same questions (answer in passage)
     relevance_baseline: bool = True  # also fine-tune on relevance labels (answer in passage): the control row
     extract_batch_size: int = 16
     # Greedy answers under each candidate (the utility rule): keep equal to rag.* so the answers are shared.
@@ -77,6 +86,13 @@ class PreferenceSettings:
                 check_batch_size(getattr(self, key), f"preferences.{key}")
             except ValueError as err:
                 problems.append(str(err))
+        folds = self.cross_fit
+        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 0 or folds == 1:
+            problems.append(f"preferences.cross_fit must be 0 (off) or an integer >= 2 folds (got {self.cross_fit!r})")
+        if self.teacher not in TEACHERS:
+            problems.append(f"preferences.teacher={self.teacher!r} is not one of {tuple(TEACHERS)}")
+        if not isinstance(self.mix_relevance, bool):
+            problems.append(f"preferences.mix_relevance must be true or false (got {self.mix_relevance!r})")
         if not 0 < float(self.test_fraction) < 1:
             problems.append(f"preferences.test_fraction must be in (0, 1) (got {self.test_fraction})")
         if problems:

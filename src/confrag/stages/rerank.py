@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import Logger
 from tqdm.auto import tqdm
 
 from confrag.data.nq import load_nq_jsonl
-from confrag.data.splits import QuestionPlan, plan_questions
+from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions
 from confrag.llm.prompts import PromptTemplates
 from confrag.preferences import relevance_rows
 from confrag.probe.datamodule import NQConfidenceDataModule
@@ -30,10 +30,12 @@ from confrag.reranker.metrics import ranking_table
 from confrag.reranker.module import RerankerModule
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
+from confrag.stages.cross_fit import FoldedReranker
 from confrag.stages.nq_rerank import PreferenceSettings, PreferenceStage, build_nq_rerank
 from confrag.stages.probe import ProbeRecipe, ensure_probe
 from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device
 from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retrieval
+from confrag.stages.teachers import TEACHERS
 
 KS = (1, 3, 5)
 BM25, BI_ENCODER = "BM25", "bi-encoder (MiniLM cosine)"
@@ -47,6 +49,7 @@ def confidence_ft(rule: str) -> str:
 
 
 Scorer = Callable[[str, list[str]], np.ndarray]  # (query, passages) -> one score per passage
+Reranker = RerankerModule | FoldedReranker  # what a cross-encoder row scores with
 
 
 @dataclass
@@ -75,10 +78,17 @@ class RerankStage:
     questions: QuestionPlan  # who uses which question; the evaluation samples `questions.held_out`
     preferences: PreferenceStage
     base: BaseReranker
-    rerankers: dict[str, RerankerModule]  # Table 1's cross-encoder rows: the base first, the aligned ones last
+    rerankers: dict[str, Reranker]  # Table 1's cross-encoder rows: the base first, the aligned ones last
     scorers: dict[str, Scorer]  # every Table 1 row as (query, passages) -> scores
     training: dict[str, Any]
     main: str  # the row of the selection rule's reranker
+
+    @property
+    def table1_rows(self) -> list[dict]:
+        """Table 1's rows: NQ_Rerank's test split; cross-fitted, every row (each scored out of its fold)."""
+        if self.questions.folds:
+            return [r for split in self.preferences.splits.values() for r in split]
+        return self.preferences.splits["test"]
 
 
 def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
@@ -93,6 +103,8 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
         probe_data.nq_path,
         base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None,
     )
+    if recipe.preferences.cross_fit:
+        questions = cross_fit_plan(questions, recipe.preferences.cross_fit, recipe.seed)
     stage = build_nq_rerank(
         recipe.preferences,
         recipe.llm,
@@ -114,34 +126,26 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
             "retrieval.top_n, or try another preferences.reference / preferences.selection"
         )
     base = ensure_base_reranker(recipe.base, recipe.reranker, retrieval, questions.base)
-    rerankers: dict[str, RerankerModule] = {BASE: base.module}
+    rerankers: dict[str, Reranker] = {BASE: base.module}
     training: dict[str, Any] = {"base": base.info}
-    for rule in recipe.preferences.rules:
-        rows = stage.splits_by_rule[rule]["train"]
-        if not rows:  # a compared rule that keeps no row: reported, not trained
-            training[rule] = {"train_rows": 0}
-            continue
-        rerankers[confidence_ft(rule)], training[rule] = ensure_reranker(
-            recipe.reranker,
-            rows,
-            f"confidence_{rule}",
-            loggers if rule == recipe.preferences.selection else [],
-            run_config,
-            start_from=base.directory,
-        )
-    if recipe.preferences.relevance_baseline:
-        # The control: the same base, the same questions, as many steps, labels from answer containment.
-        relevance = relevance_rows(stage.candidates, {r["qid"] for r in train_rows}, recipe.preferences.top_k)
-        steps = int(training[recipe.preferences.selection]["steps"])
-        rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(
-            recipe.reranker,
-            relevance,
-            "relevance",
-            [],
-            run_config,
-            start_from=base.directory,
-            trainer_settings={"max_steps": max(steps, 1), "max_epochs": -1},
-        )
+    if questions.folds:
+        by_fold = [
+            aligned_rerankers(
+                recipe, stage, {r.qid for r in questions.training_questions(f)}, base, f"_fold{f}", [], run_config
+            )
+            for f in range(len(questions.folds))
+        ]
+        for name in by_fold[0][0]:
+            rerankers[name] = FoldedReranker([fold[0][name] for fold in by_fold], questions.fold_of_question)
+        training.update({f"fold{f}": fold[1] for f, fold in enumerate(by_fold)})
+    else:
+        # Every question outside NQ_Rerank's test split (each rule keeps its own subset of them).
+        test_qids = {r["qid"] for splits in stage.splits_by_rule.values() for r in splits["test"]}
+        train_qids = {c.qid for c in stage.candidates} - test_qids
+        aligned, info = aligned_rerankers(recipe, stage, train_qids, base, "", loggers, run_config)
+        rerankers.update(aligned)
+        training.update(info)
+    if RELEVANCE_FT in rerankers:  # the control right after the base, the aligned rows last
         rerankers = {
             k: rerankers[k] for k in [BASE, RELEVANCE_FT, *(r for r in rerankers if r not in (BASE, RELEVANCE_FT))]
         }
@@ -161,9 +165,56 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
     )
 
 
-def table1_systems(
-    retrieval: Retrieval, rerankers: dict[str, RerankerModule], eval_batch_size: int
-) -> dict[str, Scorer]:
+def aligned_rerankers(
+    recipe: RerankRecipe,
+    stage: PreferenceStage,
+    train_qids: set[str],
+    base: BaseReranker,
+    suffix: str,
+    loggers: list[Logger],
+    run_config: dict | None,
+) -> tuple[dict[str, RerankerModule], dict[str, Any]]:
+    """The base fine-tuned on each rule's rows of the questions `train_qids` (the cache keeps each by its rows),
+    and the relevance control on the same questions for as many steps as the selection rule's."""
+    rerankers: dict[str, RerankerModule] = {}
+    training: dict[str, Any] = {}
+    settings = recipe.preferences
+    teacher = TEACHERS[settings.teacher]
+    for rule in settings.rules:
+        rows = [r for split in stage.splits_by_rule[rule].values() for r in split if r["qid"] in train_qids]
+        if not rows:  # a compared rule that keeps no row: reported, not trained
+            training[rule] = {"train_rows": 0}
+            continue
+        if settings.mix_relevance:  # the same questions' relevance rows beside the rule's
+            rows = rows + relevance_rows(stage.candidates, {r["qid"] for r in rows}, settings.top_k)
+        rows = teacher(rows, base.module, recipe.reranker.eval_batch_size)
+        rerankers[confidence_ft(rule)], training[rule] = ensure_reranker(
+            recipe.reranker,
+            rows,
+            f"confidence_{rule}{suffix}",
+            loggers if rule == recipe.preferences.selection else [],
+            run_config,
+            start_from=base.directory,
+        )
+    if recipe.preferences.relevance_baseline:
+        # The control: the same base, the same questions, as many steps, labels from answer containment.
+        # On the questions the selection rule kept rows for: the control sees what the aligned reranker saw.
+        kept = {r["qid"] for split in stage.splits_by_rule[recipe.preferences.selection].values() for r in split}
+        relevance = relevance_rows(stage.candidates, train_qids & kept, recipe.preferences.top_k)
+        steps = int(training[recipe.preferences.selection].get("steps", 0))
+        rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(
+            recipe.reranker,
+            relevance,
+            f"relevance{suffix}",
+            [],
+            run_config,
+            start_from=base.directory,
+            trainer_settings={"max_steps": max(steps, 1), "max_epochs": -1},
+        )
+    return rerankers, training
+
+
+def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_batch_size: int) -> dict[str, Scorer]:
     """The rows of Table 1 as scoring functions (query, passages) → scores: BM25 and the bi-encoder over the
     retrieval corpus (the passages must be in it), then each cross-encoder."""
     index_of = {document_text(p): i for i, p in enumerate(retrieval.corpus.passages)}

@@ -48,14 +48,21 @@ def reranker_cache_dir(
     train_rows: list[dict],
     start_from: Path | None = None,
     trainer_settings: dict[str, Any] | None = None,
+    model_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Where a reranker fine-tuned on exactly these rows with these settings (from `start_from`, an exported
-    reranker, instead of the `model` backbone; with `trainer_settings` over the trainer's) is kept."""
+    reranker, instead of the `model` backbone; with `trainer_settings` over the trainer's and `model_overrides`
+    over the `model` node's) is kept."""
     key = {"rows": fingerprint(train_rows), **recipe.identity}
     if start_from is not None:  # a cached reranker's folder name is its own key
         key["start_from"] = Path(start_from).name
     if trainer_settings:
         key["trainer_settings"] = trainer_settings
+    # Only the overrides that change a setting: `lora=None` over a `model.lora: null` trains the same model.
+    model = recipe.identity.get("model", {})
+    changed = {k: v for k, v in (model_overrides or {}).items() if k not in model or model[k] != v}
+    if changed:
+        key["model_overrides"] = changed
     return recipe.cache_dir / "rerankers" / fingerprint(key)
 
 
@@ -80,7 +87,7 @@ def ensure_reranker(
     before, else trained now and exported there. The global RNG is seeded right before training, so a
     reranker depends on its key only, not on what else this process trained before it (a resumed run
     trains what is missing exactly as an uninterrupted one)."""
-    directory = reranker_cache_dir(recipe, train_rows, start_from, trainer_settings)
+    directory = reranker_cache_dir(recipe, train_rows, start_from, trainer_settings, model_overrides)
     marker = directory / "confrag_training.json"
     if recipe.fast_dev_run:
         return _train(

@@ -53,7 +53,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     timer = StageTimer()  # wall seconds and peak GPU memory of the two heavy parts (metrics.json "stages")
     with timer.stage("stage"):
         stage = rerank_stage(recipe, out, loggers, run_config)
-        rows1 = table1(stage.scorers, stage.preferences.splits["test"], cfg.seed)
+        rows1 = table1(stage.scorers, stage.table1_rows, cfg.seed)
     with timer.stage("answers"):
         evaluation = evaluate(
             stage,
@@ -77,6 +77,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     plots = report.write_plots(out, cfg.llm.name, results)
     record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
     record["stages"] = timer.stages
+    record["training"] = stage.training  # every fine-tuning's rows, steps and seconds (per fold when cross-fitted)
+    record["folds"] = [[r.qid for r in fold] for fold in stage.questions.folds]
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))
     run = report.RunContext(
         cfg.llm.name,

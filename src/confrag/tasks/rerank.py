@@ -32,7 +32,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
         return {}
     stage.rerankers[stage.main].export(out / "reranker")
-    test_rows = stage.preferences.splits["test"]
+    test_rows = stage.table1_rows
     rows = table1(stage.scorers, test_rows, cfg.seed)
     print(
         write_rerank_report(out, cfg.llm.name, stage.preferences.report, len(test_rows), rows, stage.training, loggers),
