@@ -84,13 +84,14 @@ def test_each_pair_is_scored_by_its_questions_fold():
 
 @pytest.fixture(scope="module")
 def cross_fitted(tmp_path_factory):
-    """The tiny cbdr run, cross-fitted in 2 folds, over a 110-question NQ file (38 questions in the folds)."""
+    """The tiny cbdr run, cross-fitted in 2 folds, over a 90-question NQ file (26 questions in the folds), each
+    fold's rerankers keeping their best dev Top-1 weights."""
     root = tmp_path_factory.mktemp("cross_fit")
     source = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "nq_open_gold.jsonl.gz"
     if not source.is_file():
         pytest.skip("the shared NQ data is not beside the project")
     with gzip.open(source, "rt", encoding="utf-8") as f:
-        lines = [next(f) for _ in range(110)]
+        lines = [next(f) for _ in range(90)]
     small = root / "nq_small.jsonl"
     small.write_text("".join(lines), encoding="utf-8")
     cfg = compose_cfg(
@@ -100,6 +101,8 @@ def cross_fitted(tmp_path_factory):
             "logger=csv",
             f"dataset.questions_path={small}",
             "preferences.cross_fit=2",
+            "preferences.select_on=dev_top1",  # weights chosen on the training folds' dev questions
+            "preferences.dev_fraction=0.3",
             "eval.num_questions=null",
             "eval.hotpotqa_path=null",
             "cbdr.gate_check_questions=0",
@@ -116,7 +119,7 @@ def cross_fitted(tmp_path_factory):
 def test_every_pool_question_is_evaluated_by_rerankers_that_never_saw_it(cross_fitted):
     cfg, out, record = cross_fitted
     evaluated = set(record["eval"]["dev"]) | set(record["eval"]["test"])
-    assert len(evaluated) == 110 - cfg.probe.data.num_questions - cfg.base_reranker.num_questions
+    assert len(evaluated) == 90 - cfg.probe.data.num_questions - cfg.base_reranker.num_questions
     training = record["training"]
     assert {"fold0", "fold1"} <= set(training) and training["fold0"]["sign"]["train_rows"] > 0
     folds = [set(f) for f in record["folds"]]
@@ -174,3 +177,59 @@ def test_the_base_teacher_writes_the_base_rerankers_scores_into_the_rows():
     ]
     assert rows[0]["pos_scores"] == [0.1]  # the input rows are left as they were
     assert TEACHERS["inc"](rows, Lengths(), 8) is rows  # the paper's rows: unchanged, so their cache keys too
+
+
+# --- weights chosen by dev Top-1 answers (preferences.select_on=dev_top1) -------------------------------------------
+
+
+def test_dev_top1_is_the_share_of_questions_answered_right_under_their_top_candidate():
+    from confrag.reranker.selection import dev_set
+
+    dev = dev_set(["q1", "q2"], [["a", "bb", "c"], ["dd", "e"]], [[False, True, False], [False, True]])
+    by_length = lambda qs, ps: np.array([len(p) for p in ps], dtype=float)  # noqa: E731
+    assert dev.accuracy(by_length) == 0.5  # q1 picks "bb" (right), q2 picks "dd" (wrong)
+    assert dev.accuracy(lambda qs, ps: -by_length(qs, ps)) == 0.5  # q1 picks "a" (wrong), q2 "e" (right)
+    with pytest.raises(ValueError, match="2 passages for 1 answers"):
+        dev_set(["q"], [["a", "b"]], [[True]])
+    with pytest.raises(ValueError, match="dev set .* is empty"):
+        dev_set([], [], [])
+
+
+def test_the_selection_keeps_the_best_weights_the_bases_included():
+    from types import SimpleNamespace
+
+    from confrag.reranker.selection import DevTop1Selection, dev_set
+
+    class Module:  # one weight w: scores are w * passage length, so w > 0 picks the long passage
+        def __init__(self):
+            self.w = 1.0
+
+        def score(self, queries, passages, batch_size=32):
+            return np.array([self.w * len(p) for p in passages], dtype=float)
+
+        def state_dict(self):
+            return {"w": self.w}
+
+        def load_state_dict(self, state):
+            self.w = state["w"]
+
+    dev = dev_set(["q"], [["long passage", "x"]], [[True, False]])  # the long one is right
+    module, trainer = Module(), SimpleNamespace(global_step=0, estimated_stepping_batches=4)
+    selection = DevTop1Selection(dev, evaluations=2)
+    selection.on_train_start(trainer, module)  # the base: right
+    for step in (1, 2, 3, 4):  # training turns the weight around: wrong from step 1 on
+        trainer.global_step, module.w = step, -1.0
+        selection.on_train_batch_end(trainer, module, None, None, step - 1)
+    selection.on_train_end(trainer, module)
+    assert selection.history == [(0, 1.0), (2, 0.0), (4, 0.0)]
+    assert module.w == 1.0 and selection.chosen["selected_step"] == 0  # the base's weights are kept
+
+
+def test_each_folds_rerankers_keep_their_best_dev_top1_weights(cross_fitted):
+    _, _, record = cross_fitted
+    for fold in ("fold0", "fold1"):
+        for name in ("sign", "relevance"):
+            info = record["training"][fold][name]
+            assert info["dev_questions"] >= 1 and info["dev_history"][0][0] == 0  # the base was a candidate
+            assert info["dev_top1"] == max(acc for _, acc in info["dev_history"])
+            assert info["selected_step"] in [step for step, _ in info["dev_history"]]

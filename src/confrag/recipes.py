@@ -75,8 +75,10 @@ def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     return RerankerRecipe(
         make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
         make_datamodule=lambda **kw: instantiate(cfg.data, _convert_="all")(**kw),
-        make_trainer=lambda **kw: instantiate(
-            cfg.trainer, callbacks=instantiate_list(cfg.get("callbacks")), **{**rank_devices(cfg.trainer), **kw}
+        make_trainer=lambda extra_callbacks=(), **kw: instantiate(
+            cfg.trainer,
+            callbacks=[*instantiate_list(cfg.get("callbacks")), *extra_callbacks],
+            **{**rank_devices(cfg.trainer), **kw},
         ),
         identity={
             "model": OmegaConf.to_container(cfg.model, resolve=True),

@@ -41,6 +41,8 @@ from confrag.retrieval import Candidates
 from confrag.stages.retrieval import Retrieval, question_candidates
 from confrag.stages.teachers import TEACHERS
 
+SELECT_ON = ("last", "dev_top1")
+
 
 @dataclass(frozen=True)
 class PreferenceSettings:
@@ -60,6 +62,11 @@ class PreferenceSettings:
     # so the KL term holds the aligned reranker near the base's ranking while InfoNCE moves it).
     teacher: str = "inc"
     mix_relevance: bool = False  # also train on the relevance rows of the same questions (answer in passage)
+    # The weights an aligned reranker keeps: last (the paper: after its epoch) | dev_top1 (the best Top-1 answers on
+    # dev_fraction of its training questions, held out of its rows, the base's weights included; needs the LLM's
+    # answer under every candidate, as the utility rule does: confrag.reranker.selection).
+    select_on: str = "last"
+    dev_fraction: float = 0.2
     relevance_baseline: bool = True  # also fine-tune on relevance labels (answer in passage): the control row
     extract_batch_size: int = 16
     # Greedy answers under each candidate (the utility rule): keep equal to rag.* so the answers are shared.
@@ -91,12 +98,21 @@ class PreferenceSettings:
             problems.append(f"preferences.cross_fit must be 0 (off) or an integer >= 2 folds (got {self.cross_fit!r})")
         if self.teacher not in TEACHERS:
             problems.append(f"preferences.teacher={self.teacher!r} is not one of {tuple(TEACHERS)}")
+        if self.select_on not in SELECT_ON:
+            problems.append(f"preferences.select_on={self.select_on!r} is not one of {SELECT_ON}")
+        if not 0 < float(self.dev_fraction) < 1:
+            problems.append(f"preferences.dev_fraction must be in (0, 1) (got {self.dev_fraction})")
         if not isinstance(self.mix_relevance, bool):
             problems.append(f"preferences.mix_relevance must be true or false (got {self.mix_relevance!r})")
         if not 0 < float(self.test_fraction) < 1:
             problems.append(f"preferences.test_fraction must be in (0, 1) (got {self.test_fraction})")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def needs_answers(self) -> bool:
+        """Whether the LLM's answer under every candidate is needed (the utility rule, dev Top-1 selection)."""
+        return "utility" in self.rules or self.select_on == "dev_top1"
 
     @property
     def rules(self) -> tuple[str, ...]:
@@ -150,7 +166,7 @@ def build_nq_rerank(
             f"preferences.top_k={settings.top_k} is larger than any question's candidate list "
             f"(at most {max(len(c.passages) for c in candidates)}); lower it or raise retrieval.top_n"
         )
-    needs_utility = "utility" in settings.rules
+    needs_utility = settings.needs_answers
     llm = load_llm(llm_config)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=settings.extract_batch_size, progress=progress)
     try:

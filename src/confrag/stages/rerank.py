@@ -28,6 +28,7 @@ from confrag.probe.module import SavedProbe
 from confrag.reranker.data import candidate_lists
 from confrag.reranker.metrics import ranking_table
 from confrag.reranker.module import RerankerModule
+from confrag.reranker.selection import DevTop1, dev_set
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
 from confrag.stages.cross_fit import FoldedReranker
@@ -180,6 +181,9 @@ def aligned_rerankers(
     training: dict[str, Any] = {}
     settings = recipe.preferences
     teacher = TEACHERS[settings.teacher]
+    dev = None
+    if settings.select_on == "dev_top1":  # dev questions leave the rows and choose the weights
+        train_qids, dev = dev_top1_split(stage, train_qids, settings.dev_fraction, recipe.seed)
     for rule in settings.rules:
         rows = [r for split in stage.splits_by_rule[rule].values() for r in split if r["qid"] in train_qids]
         if not rows:  # a compared rule that keeps no row: reported, not trained
@@ -195,6 +199,7 @@ def aligned_rerankers(
             loggers if rule == recipe.preferences.selection else [],
             run_config,
             start_from=base.directory,
+            dev=dev,
         )
     if recipe.preferences.relevance_baseline:
         # The control: the same base, the same questions, as many steps, labels from answer containment.
@@ -210,8 +215,33 @@ def aligned_rerankers(
             run_config,
             start_from=base.directory,
             trainer_settings={"max_steps": max(steps, 1), "max_epochs": -1},
+            dev=dev,
         )
     return rerankers, training
+
+
+def dev_top1_split(
+    stage: PreferenceStage, train_qids: set[str], dev_fraction: float, seed: int
+) -> tuple[set[str], DevTop1]:
+    """A seeded `dev_fraction` of `train_qids` as the dev questions whose Top-1 answers choose the weights (their
+    candidates and the LLM's answer under each), and the rest, which train."""
+    if stage.utility is None:
+        raise ValueError("preferences.select_on=dev_top1 needs the LLM's answer under every candidate")
+    ordered = sorted(train_qids)
+    n_dev = round(len(ordered) * dev_fraction)
+    if not 0 < n_dev < len(ordered):
+        raise ValueError(
+            f"preferences.dev_fraction={dev_fraction} of {len(ordered)} training questions leaves no dev or no "
+            "training question"
+        )
+    dev_qids = set(np.random.default_rng(seed).permutation(ordered)[:n_dev].tolist())
+    chosen = [(c, u) for c, u in zip(stage.candidates, stage.utility) if c.qid in dev_qids]
+    dev = dev_set(
+        [c.question for c, _ in chosen],
+        [[document_text(p) for p in c.passages] for c, _ in chosen],
+        [u.tolist() for _, u in chosen],
+    )
+    return train_qids - dev_qids, dev
 
 
 def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_batch_size: int) -> dict[str, Scorer]:

@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import Logger
 from confrag.artifacts import atomic_write_text, exclusive, fingerprint, folder_problem, write_folder_digest
 from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
+from confrag.reranker.selection import DevTop1, DevTop1Selection
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class RerankerRecipe:
 
     make_model: Callable[..., RerankerModule]  # keyword overrides of the `model` node (backbone, lora, ...)
     make_datamodule: Callable[..., PreferenceDataModule]  # keyword arguments train, tokenizer, kind
-    make_trainer: Callable[..., Trainer]  # keyword arguments logger, default_root_dir; fresh callbacks each call
+    # keyword arguments logger, default_root_dir, extra_callbacks (beside the config's); fresh callbacks each call
+    make_trainer: Callable[..., Trainer]
     identity: dict[str, Any]  # model, batch and trainer settings, seed: with the rows, the cache key
     cache_dir: Path
     output_dir: Path  # each training writes its checkpoints under <output_dir>/<name>
@@ -80,18 +82,21 @@ def ensure_reranker(
     *,
     start_from: Path | None = None,
     trainer_settings: dict[str, Any] | None = None,
+    dev: DevTop1 | None = None,
     **model_overrides: Any,
 ) -> tuple[RerankerModule, dict[str, Any]]:
     """A cross-encoder fine-tuned with group InfoNCE on `train_rows` (from the `model` backbone, or from the
     exported reranker `start_from`): loaded from the cache when the same rows and settings trained one
     before, else trained now and exported there. The global RNG is seeded right before training, so a
     reranker depends on its key only, not on what else this process trained before it (a resumed run
-    trains what is missing exactly as an uninterrupted one)."""
-    directory = reranker_cache_dir(recipe, train_rows, start_from, trainer_settings, model_overrides)
+    trains what is missing exactly as an uninterrupted one). With `dev`, the weights kept are those of the
+    best dev Top-1 over training, the base's included (`confrag.reranker.selection`)."""
+    key_settings = {**(trainer_settings or {}), **({"select_on_dev_top1": dev.key()} if dev is not None else {})}
+    directory = reranker_cache_dir(recipe, train_rows, start_from, key_settings or None, model_overrides)
     marker = directory / "confrag_training.json"
     if recipe.fast_dev_run:
         return _train(
-            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides
+            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides, dev
         )
     # One process trains it; another one asking at the same time waits, then reads it.
     with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
@@ -103,7 +108,7 @@ def ensure_reranker(
             log.warning("Cached reranker %s: %s; training it again.", directory, problem)
             marker.unlink(missing_ok=True)
         return _train(
-            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides
+            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides, dev
         )
 
 
@@ -117,6 +122,7 @@ def _train(
     start_from: Path | None,
     trainer_settings: dict[str, Any] | None,
     model_overrides: dict[str, Any],
+    dev: DevTop1 | None = None,
 ) -> tuple[RerankerModule, dict[str, Any]]:
     start = time.perf_counter()
     L.seed_everything(int(recipe.identity.get("seed", 0)), workers=True, verbose=False)
@@ -126,8 +132,12 @@ def _train(
     model.run_config = run_config
     datamodule = recipe.make_datamodule(train=train_rows, tokenizer=model.hparams.backbone, kind=model.hparams.kind)
     datamodule.setup("fit")
+    selection = DevTop1Selection(dev, batch_size=recipe.eval_batch_size) if dev is not None else None
     trainer = recipe.make_trainer(
-        logger=loggers or False, default_root_dir=str(recipe.output_dir / name), **(trainer_settings or {})
+        logger=loggers or False,
+        default_root_dir=str(recipe.output_dir / name),
+        extra_callbacks=[selection] if selection else [],
+        **(trainer_settings or {}),
     )
     trainer.fit(model, datamodule=datamodule)
     info = {
@@ -139,6 +149,7 @@ def _train(
         "train_seconds": time.perf_counter() - start,
         "start_from": None if start_from is None else Path(start_from).name,
         "trainer_settings": trainer_settings or {},
+        **(selection.chosen if selection else {}),
     }
     info["score_spread"] = check_not_collapsed(model, train_rows, name)
     if not recipe.fast_dev_run:
