@@ -174,6 +174,8 @@ def test_the_base_reranker_key_changes_with_its_questions(tmp_path):
 def test_base_settings_refuse_bad_values():
     with pytest.raises(ValueError, match=r"base_reranker\.negatives must be an integer >= 1"):
         BaseRerankerSettings(negatives=0)
+    with pytest.raises(ValueError, match=r"base_reranker\.lr must be a number > 0 or null"):
+        BaseRerankerSettings(lr=-1e-4)
 
 
 # --- the question plan ---------------------------------------------------------------------------

@@ -40,12 +40,19 @@ class BaseRerankerSettings:
     negatives: int = 7  # BM25 hard negatives per row (no answer, not from the gold paragraph)
     negatives_top_n: int = 30  # how deep in BM25's ranking they are drawn from
     max_epochs: int = 1
+    # The base's learning rate; None = model.lr (the aligned rerankers' too). A fresh scoring head on a bi-encoder
+    # learns to rank in few steps only at a larger rate than fine-tuning needs (the demo's base: docs/results.md).
+    lr: float | None = None
 
     def __post_init__(self) -> None:
         for key, minimum in (("negatives", 1), ("negatives_top_n", 2), ("max_epochs", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"base_reranker.{key} must be an integer >= {minimum} (got {value!r})")
+        if self.lr is not None and (
+            isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0
+        ):
+            raise ValueError(f"base_reranker.lr must be a number > 0 or null (got {self.lr!r})")
         if self.num_questions is not None and (isinstance(self.num_questions, bool) or self.num_questions < 2):
             raise ValueError(
                 f"base_reranker.num_questions must be an integer >= 2 or null (got {self.num_questions!r})"
@@ -124,7 +131,9 @@ def ensure_base_reranker(
             )
         raise ValueError(f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); {hint}")
     trainer_settings = {"max_epochs": settings.max_epochs}
-    overrides = {"lora": None}  # the base is a full fine-tuning whatever model.lora the aligned rerankers use
+    overrides: dict[str, Any] = {"lora": None}  # the base is a full fine-tuning whatever model.lora the others use
+    if settings.lr is not None:
+        overrides["lr"] = float(settings.lr)
     directory = reranker_cache_dir(recipe, train_rows, trainer_settings=trainer_settings, model_overrides=overrides)
     cached = (directory / "confrag_training.json").is_file()
     module, info = ensure_reranker(recipe, train_rows, "base", [], trainer_settings=trainer_settings, **overrides)

@@ -1,0 +1,96 @@
+"""How many steps, at which learning rate, a base reranker needs to rank: own paragraph first on held-out questions.
+
+The embedded MiniLM is a bi-encoder; the base reranker puts a fresh scoring head on it and trains it on relevance
+rows (gold paragraph vs BM25 hard negatives without an answer), as `confrag.stages.base_reranker` does. Each
+setting given trains one base on `n` questions (seeded, disjoint from the 150 evaluated) and prints, as one JSON
+line, its steps, training seconds and the share of evaluated questions whose own paragraph it ranks first among
+their top-8 BM25 candidates, beside BM25's own share. The rerankers are cached under `--cache`.
+
+    python experiments/base_reranker_settings.py lr=6e-5 lr=3e-4 lr=3e-4,neg=3,n=240 lr=3e-4,epochs=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from confrag.data.nq import load_nq_jsonl
+from confrag.paths import register_resolvers
+from confrag.recipes import rerank_recipe
+from confrag.retrieval import document_text
+from confrag.stages.base_reranker import relevance_training_rows
+from confrag.stages.rerankers import ensure_reranker
+from confrag.stages.retrieval import build_retrieval, question_candidates
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"lr": float, "n": int, "neg": int, "epochs": int}
+
+
+def setting(text: str) -> dict:
+    pairs = dict(part.split("=", 1) for part in text.split(","))
+    unknown = set(pairs) - set(KEYS)
+    if unknown:
+        raise SystemExit(f"{text!r}: unknown key(s) {sorted(unknown)}; allowed: {sorted(KEYS)}")
+    return {k: KEYS[k](v) for k, v in pairs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "settings", nargs="+", type=setting, help="lr=..,n=..,neg=..,epochs=.. (n 120, neg 7, epochs 1)"
+    )
+    parser.add_argument("--cache", default=str(ROOT / ".cache" / "base_reranker_settings"))
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["+experiment=cbdr_smollm2"])
+    with open_dict(cfg):
+        cfg.paths.cache_dir = args.cache
+        cfg.paths.output_dir = str(Path(args.cache) / "runs")
+    recipe = rerank_recipe(cfg)
+    retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
+    rows = load_nq_jsonl(cfg.probe.data.nq_path)
+    order = np.random.default_rng(args.seed).permutation(len(rows))
+    evaluated, _ = question_candidates(retrieval, [rows[i] for i in order[:150]], top_n=8)
+    evaluated = [c for c in evaluated if any(c.from_gold)]  # the own paragraph among the candidates
+    bm25 = float(np.mean([c.from_gold[0] for c in evaluated]))
+    for s in args.settings:
+        n, negatives, epochs = s.get("n", 120), s.get("neg", 7), s.get("epochs", 1)
+        questions = [rows[i] for i in order[150 : 150 + n]]
+        candidates, _ = question_candidates(retrieval, questions, top_n=30)
+        train, _ = relevance_training_rows(questions, candidates, negatives, int(recipe.retrieval.words_per_passage))
+        overrides = {"lora": None, **({"lr": s["lr"]} if "lr" in s else {})}
+        start = time.perf_counter()
+        module, info = ensure_reranker(
+            recipe.reranker, train, "base", [], trainer_settings={"max_epochs": epochs}, **overrides
+        )
+        first = []
+        for c in evaluated:
+            scores = module.score([c.question] * len(c.passages), [document_text(p) for p in c.passages])
+            first.append(bool(c.from_gold[int(np.argmax(scores))]))
+        print(
+            json.dumps(
+                {
+                    **s,
+                    "steps": info["steps"],
+                    "train_seconds": round(time.perf_counter() - start),
+                    "own_first": round(float(np.mean(first)), 3),
+                    "bm25_own_first": round(bm25, 3),
+                    "n_evaluated": len(evaluated),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
