@@ -13,7 +13,7 @@ from confrag.preferences import (
     dataset_report,
     gold_placement,
     save_rows,
-    select_preferences,
+    select_by_sign,
     split_by_question,
 )
 from confrag.retrieval.candidates import Candidates, make_candidates
@@ -22,12 +22,12 @@ from confrag.retrieval.corpus import CorpusPassage
 
 def test_selection_takes_top_k_positive_and_most_negative():
     inc = np.array([0.10, -0.30, 0.50, 0.0, -0.05, 0.20, -0.40])
-    pos, neg = select_preferences(inc, top_k=2)
+    pos, neg = select_by_sign(inc, top_k=2)
     assert pos == [2, 5] and neg == [6, 1]  # largest gains first; largest losses first; 0 is neither
-    pos, neg = select_preferences(inc, top_k=5)
+    pos, neg = select_by_sign(inc, top_k=5)
     assert pos == [2, 5, 0] and neg == [6, 1, 4]
     with pytest.raises(ValueError, match="preferences.top_k"):
-        select_preferences(inc, top_k=0)
+        select_by_sign(inc, top_k=0)
 
 
 def candidate_set(qid: str, n: int, gold_at: int | None) -> Candidates:
@@ -107,3 +107,21 @@ def test_split_is_by_question_and_seeded(tmp_path):
     from datasets import load_from_disk
 
     assert load_from_disk(str(tmp_path / "test_arrow")).num_rows == len(splits["test"])
+
+
+def test_a_label_rule_is_one_table_entry(monkeypatch):
+    from confrag import preferences
+    from confrag.preferences import RULES, LabelRule
+
+    assert all(rule.id == key for key, rule in RULES.items()) and [r for r in RULES if RULES[r].needs_answers] == [
+        "utility"
+    ]
+    # A toy rule: the first candidate positive, the last negative. Registered, build_rows uses it as it is.
+    toy = LabelRule("ends", "first pos, last neg", lambda inc, conf, correct, k: ([0], [len(conf) - 1]))
+    monkeypatch.setitem(preferences.RULES, "ends", toy)
+    sets = [candidate_set("q1", 3, gold_at=0)]
+    shifts = shifts_for(sets, [0.5], [0.5], [[0.1, 0.2, 0.3]])
+    rows, drops = build_rows(sets, shifts, "qa", 2, "ends")
+    assert [(r["pos"], r["neg"]) for r in rows] == [(["title q1-0\ntext q1-0"], ["title q1-2\ntext q1-2"])]
+    with pytest.raises(ValueError, match=r"preferences.selection='nope' is not one of"):
+        build_rows(sets, shifts, "qa", 2, "nope")

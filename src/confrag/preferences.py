@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,6 @@ from confrag.retrieval.corpus import document_text
 log = logging.getLogger(__name__)
 
 REFERENCES = ("qa", "rag_empty")
-SELECTIONS = ("sign", "rank", "utility")
 RERANK_INSTRUCTION = "Given a question, retrieve Wikipedia passages that answer the question."
 
 
@@ -126,7 +125,7 @@ def confidence_shifts(
     return ConfidenceShifts(reference, [conf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
 
-def select_preferences(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
+def select_by_sign(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
     """Indices of the top-K contexts with Inc > 0 (largest first) and with Inc < 0 (smallest first).
     Ties keep the retrieval order."""
     if top_k < 1:
@@ -155,11 +154,39 @@ def select_by_utility(correct: Sequence[bool], top_k: int) -> tuple[list[int], l
     return ([i for i, ok in enumerate(correct) if ok][:top_k], [i for i, ok in enumerate(correct) if not ok][:top_k])
 
 
+@dataclass(frozen=True)
+class LabelRule:
+    """A rule turning one question's candidates into (pos, neg) indices; `needs_answers`: it reads the LLM's
+    answer under every candidate (the answers are generated only when a rule, or `select_on`, needs them)."""
+
+    id: str
+    description: str
+    pick: Callable[[np.ndarray, np.ndarray, Sequence[bool] | None, int], tuple[list[int], list[int]]]
+    needs_answers: bool = False
+
+
+# The label rules by id (`preferences.selection`, `preferences.compare`); a new rule is one entry.
+RULES: dict[str, LabelRule] = {
+    rule.id: rule
+    for rule in (
+        LabelRule("sign", "the paper: Inc > 0 pos, Inc < 0 neg", lambda inc, conf, correct, k: select_by_sign(inc, k)),
+        LabelRule("rank", "the K highest / lowest Conf(Q + C)", lambda inc, conf, correct, k: select_by_rank(conf, k)),
+        LabelRule(
+            "utility",
+            "the LLM's actual answer under each candidate",
+            lambda inc, conf, correct, k: select_by_utility(correct, k),
+            needs_answers=True,
+        ),
+    )
+}
+SELECTIONS = tuple(RULES)
+
+
 def check_selection(selection: str, utility: Sequence[np.ndarray] | None = None) -> str:
-    if selection not in SELECTIONS:
+    if selection not in RULES:
         raise ValueError(f"preferences.selection={selection!r} is not one of {SELECTIONS}")
-    if selection == "utility" and utility is None:
-        raise ValueError("preferences.selection=utility needs the LLM's answer under every candidate (utility)")
+    if RULES[selection].needs_answers and utility is None:
+        raise ValueError(f"preferences.selection={selection} needs the LLM's answer under every candidate (utility)")
     return selection
 
 
@@ -167,11 +194,9 @@ def select(
     selection: str, inc: np.ndarray, conf: np.ndarray, correct: Sequence[bool] | None, top_k: int
 ) -> tuple[list[int], list[int]]:
     """One question's (pos, neg) indices under a rule (see the module docstring)."""
-    if selection == "sign":
-        return select_preferences(inc, top_k)
-    if selection == "rank":
-        return select_by_rank(conf, top_k)
-    return select_by_utility(correct, top_k)
+    if selection not in RULES:
+        raise ValueError(f"preferences.selection={selection!r} is not one of {SELECTIONS}")
+    return RULES[selection].pick(inc, conf, correct, top_k)
 
 
 def build_rows(
@@ -262,7 +287,7 @@ def dataset_report(
             "kept": len(build_rows(candidate_sets, shifts, ref, top_k)[0]),
         }
     for rule in SELECTIONS:
-        if rule == "utility" and utility is None:
+        if RULES[rule].needs_answers and utility is None:
             continue
         report["by_selection"][rule] = {
             "gold": gold_placement(candidate_sets, shifts, reference, top_k, rule, utility),

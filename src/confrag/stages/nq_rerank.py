@@ -27,7 +27,7 @@ from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.preferences import (
     REFERENCES,
-    SELECTIONS,
+    RULES,
     build_rows,
     confidence_shifts,
     dataset_report,
@@ -82,8 +82,8 @@ class PreferenceSettings:
         for key, rule in [("preferences.selection", self.selection)] + [
             ("preferences.compare", r) for r in self.compare
         ]:
-            if rule not in SELECTIONS:
-                problems.append(f"{key}: {rule!r} is not one of {SELECTIONS}")
+            if rule not in RULES:
+                problems.append(f"{key}: {rule!r} is not one of {tuple(RULES)}")
         for key in ("top_k", "max_new_tokens", "answer_chunk_size"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -112,7 +112,7 @@ class PreferenceSettings:
     @property
     def needs_answers(self) -> bool:
         """Whether the LLM's answer under every candidate is needed (the utility rule, dev Top-1 selection)."""
-        return "utility" in self.rules or self.select_on == "dev_top1"
+        return any(RULES[rule].needs_answers for rule in self.rules) or self.select_on == "dev_top1"
 
     @property
     def rules(self) -> tuple[str, ...]:
