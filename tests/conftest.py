@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _gate_registries_restored():
+    """A test that defines a gate class or registers a signal leaves the registries as it found them (only
+    when the gates are imported at all: most tests never do)."""
+    tables = []
+    if "confrag.gates.registry" in sys.modules:
+        registry, base = sys.modules["confrag.gates.registry"], sys.modules["confrag.gates.base"]
+        tables = [(table, dict(table)) for table in (base.GATES, registry.SIGNALS, registry.PARTS)]
+    yield
+    for table, content in tables:
+        table.clear()
+        table.update(content)
 
 
 @pytest.fixture(scope="session")
