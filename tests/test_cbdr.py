@@ -33,7 +33,7 @@ from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
 
-from conftest import TINY_SHAPE
+from helpers.models import TINY_SHAPE
 
 MAX_NEW = 10
 
