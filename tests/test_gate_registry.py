@@ -172,3 +172,13 @@ def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, ti
     assert [c.value for c in mine] == [2.0, 10.0]  # the quantiles of its scores 2, 10, 2
     assert [c.retrieval_rate for c in mine] == pytest.approx([1 / 3, 0.0])
     assert [c.accuracy for c in mine] == pytest.approx([1.0, 2 / 3])
+
+
+def test_a_signal_name_is_taken_once_and_cannot_shadow_the_signals_own_fields():
+    with pytest.raises(ValueError, match="signal 'confidence' is already registered"):
+        register_signal(Signal("confidence", "another confidence", lambda inputs: {}))
+    with pytest.raises(ValueError, match="signal name 'qids' must be"):
+        register_signal(Signal("qids", "question ids", lambda inputs: {}))
+    with pytest.raises(ValueError, match="costs the part 'nowhere', which is not registered"):
+        register_signal(Signal("lost", "a signal without its part", lambda inputs: {}, parts=("nowhere",)))
+    assert "lost" not in SIGNALS

@@ -111,8 +111,7 @@ class GateSignals:
         self._values: dict[str, Any] = {}
         for name, value in values.items():
             if value is not None:
-                check = SIGNALS[name].check
-                self._values[name] = check(value, self) if check is not None else value
+                self._values[name] = SIGNALS[name].checked(value, self)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when ordinary lookup fails: a registered signal this object does not hold is None.

@@ -60,9 +60,26 @@ class Signal:
     def __post_init__(self) -> None:
         object.__setattr__(self, "cost", tuple(p if isinstance(p, str) else p.name for p in self.parts))
 
+    def checked(self, value: Any, signals: Any) -> Any:
+        """`value` as `signals` (a `GateSignals`) holds it: through `check`, or one row per question."""
+        return (self.check or one_row_each(self.name))(value, signals)
+
+
+def one_row_each(name: str) -> Callable[[Any, Any], Any]:
+    """The default check: one row per question."""
+
+    def check(value: Any, signals: Any) -> Any:
+        if len(value) != len(signals):
+            raise ValueError(f"signals.{name} has {len(value)} rows for {len(signals)} questions")
+        return value
+
+    return check
+
 
 SIGNALS: dict[str, Signal] = {}
 PARTS: dict[str, Part] = {}
+# What `GateSignals` already names itself: a signal of one of these names could not be read back.
+RESERVED_NAMES = frozenset({"qids", "questions", "hidden_layers", "values", "with_values", "require"})
 
 
 def register_part(part: Part) -> Part:
@@ -75,6 +92,11 @@ def register_part(part: Part) -> Part:
 
 def register_signal(signal: Signal) -> Signal:
     """Add a signal (and the new parts it defines). A name already taken by another entry is refused."""
+    if not signal.name.isidentifier() or signal.name.startswith("_") or signal.name in RESERVED_NAMES:
+        raise ValueError(
+            f"signal name {signal.name!r} must be a Python identifier, not private and not one of "
+            f"{', '.join(sorted(RESERVED_NAMES))}"
+        )
     if signal.name in SIGNALS and SIGNALS[signal.name] != signal:
         raise ValueError(f"signal {signal.name!r} is already registered ({SIGNALS[signal.name].description})")
     for part in signal.parts:

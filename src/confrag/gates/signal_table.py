@@ -11,16 +11,7 @@ from typing import Any
 import numpy as np
 
 from confrag.gates.p_true import verdict_token_ids
-from confrag.gates.registry import Part, Signal, register_signal
-
-
-def one_row_each(name: str) -> Any:
-    def check(value: Any, signals: Any) -> Any:
-        if len(value) != len(signals):
-            raise ValueError(f"signals.{name} has {len(value)} rows for {len(signals)} questions")
-        return value
-
-    return check
+from confrag.gates.registry import Part, Signal, one_row_each, register_signal
 
 
 def probabilities(name: str) -> Any:
@@ -103,7 +94,6 @@ register_signal(
         "confrag.gates.signals.embed_texts(encoder, questions) with the MiniLM DenseRetriever",
         lambda inputs: {"question_embedding": inputs.maker.embed(inputs.questions)},
         parts=(Part("embed_question", lambda run: run.fresh.embed(run.questions)),),
-        check=one_row_each("question_embedding"),
     )
 )
 register_signal(
@@ -112,7 +102,6 @@ register_signal(
         "the closed-book answers of the RAG pipeline's cached outcomes",
         lambda inputs: {"responses": list(inputs.responses)},
         parts=("closed_book",),
-        check=one_row_each("responses"),
     )
 )
 register_signal(
@@ -122,7 +111,6 @@ register_signal(
         lambda inputs: {"response_embedding": inputs.maker.embed(inputs.responses)},
         parts=("closed_book", Part("embed_response", lambda run: run.fresh.embed(run.responses))),
         requires=("responses",),
-        check=one_row_each("response_embedding"),
     )
 )
 register_signal(
