@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,9 @@ from confrag.data.nq import default_nq_path, load_nq_jsonl
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 
+from helpers.models import tiny_llm_config
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_SHAPE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
-)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,14 +27,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _gate_registries_restored():
+    """A test that defines a gate class or registers a signal leaves the registries as it found them (only
+    when the gates are imported at all: most tests never do)."""
+    tables = []
+    if "confrag.gates.registry" in sys.modules:
+        registry, base = sys.modules["confrag.gates.registry"], sys.modules["confrag.gates.base"]
+        tables = [(table, dict(table)) for table in (base.GATES, registry.SIGNALS, registry.PARTS)]
+    yield
+    for table, content in tables:
+        table.clear()
+        table.update(content)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP threads
+    contending with other work slow many small forwards down several-fold. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
-    return load_llm(dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", **TINY_SHAPE)))
+    return load_llm(tiny_llm_config("llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
-    return load_llm(dict(name="tiny_qwen2", source="tiny", tiny=dict(arch="qwen2", **TINY_SHAPE)))
+    return load_llm(tiny_llm_config("qwen2"))
 
 
 @pytest.fixture(scope="session")

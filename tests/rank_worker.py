@@ -24,15 +24,10 @@ from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore
 
+from helpers.models import TINY_SHAPE
+
 NUM_ROWS, SHARD_SIZE, RAG_ROWS, CHUNK = 16, 4, 12, 4
-TINY = dict(
-    arch="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+TINY = dict(arch="llama", **TINY_SHAPE)
 
 
 def counting(stage: str, fn, counter: str):

@@ -120,3 +120,56 @@ def test_ruff_check_passes():
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
+
+
+def _gate_class_names() -> set[str]:
+    """Every class defined in confrag.gates that derives, directly or not, from `Gate` (and `Gate` itself)."""
+    bases: dict[str, set[str]] = {}
+    for name in MODULES:
+        if name == "confrag.gates" or name.startswith("confrag.gates."):
+            for node in ast.walk(ast.parse(module_path(name).read_text())):
+                if isinstance(node, ast.ClassDef):
+                    bases[node.name] = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+    gates, grew = {"Gate"}, True
+    while grew:
+        found = {cls for cls, parents in bases.items() if parents & gates}
+        grew = not found <= gates
+        gates |= found
+    return gates
+
+
+def test_no_type_switch_on_gate_classes_outside_the_gates_package():
+    """What a comparison does for a particular gate is asked of the gate (a method or class attribute), so a
+    new gate touches its own module, not the stages: no isinstance / issubclass on a gate class elsewhere."""
+    gates = _gate_class_names()
+    assert {"CtrlAGate", "BridgeGate", "UncertaintyGate", "PTrueGate"} <= gates
+    offenders = []
+    for name in MODULES:
+        if name == "confrag.gates" or name.startswith("confrag.gates."):
+            continue
+        for node in ast.walk(ast.parse(module_path(name).read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass"):
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                named = {k.id if isinstance(k, ast.Name) else getattr(k, "attr", "") for k in kinds}
+                if named & gates:
+                    offenders.append(f"{name}:{node.lineno} {sorted(named & gates)}")
+    assert not offenders, offenders
+
+
+# Modules that still read JSON lines themselves; each should move onto confrag.data.jsonl.read_jsonl.
+JSONL_READERS_LEFT = {"confrag.reranker.data"}
+
+
+def test_one_jsonl_reader():
+    """JSON lines are read by `confrag.data.jsonl.read_jsonl` only (line-numbered DataFormatError): no other
+    module calls json.loads inside a loop."""
+    readers = set()
+    for name in MODULES:
+        for loop in ast.walk(ast.parse(module_path(name).read_text())):
+            if isinstance(loop, (ast.For, ast.While)):
+                for node in ast.walk(loop):
+                    func = getattr(node, "func", None)
+                    if isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and func.attr == "loads":
+                        if getattr(func.value, "id", None) == "json":
+                            readers.add(name)
+    assert readers == {"confrag.data.jsonl", *JSONL_READERS_LEFT}

@@ -33,19 +33,12 @@ from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
 
-from conftest import TINY_SHAPE
+from helpers.models import TINY_SHAPE
 
 MAX_NEW = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP threads
-    contending with other work slow these many small forwards down several-fold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 # The conftest tiny models, with weights initialised at std 0.02, greedily emit "\n" forever, which would make

@@ -18,7 +18,7 @@ from confrag.gates.evaluation import quantile_grid, score_decisions, wall_time_p
 from confrag.gates.settings import gate_from_config
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
-from confrag.stages.gate_comparison import CONDITIONS, conflicting_candidates
+from confrag.stages.gate_questions import CONDITIONS, conflicting_candidates
 from confrag.tasks import gates as gates_task
 from confrag.train import run_task
 

@@ -32,13 +32,7 @@ FAST = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Many small forwards: one intra-op thread is faster on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 def mixed_prompts(llm, templates, rows):

@@ -29,7 +29,7 @@ from confrag.stages.rerank import confidence_ft
 from confrag.stages.rerankers import load_reranker
 from confrag.train import run_task
 
-from conftest import TINY_SHAPE
+from helpers.models import TINY_SHAPE
 from helpers.runs import check_gates_outputs, compose_cfg
 
 pytestmark = pytest.mark.gpu

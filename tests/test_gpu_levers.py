@@ -26,7 +26,7 @@ from confrag.llm.loading import load_llm
 from confrag.llm.prompts import encode_prompts
 from test_gpu_scale import benchmark_module
 
-from conftest import TINY_SHAPE
+from helpers.models import TINY_SHAPE
 
 pytestmark = pytest.mark.gpu
 

@@ -26,19 +26,10 @@ from confrag.llm.loading import LLMNotAvailableError
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule
 
+from helpers.models import tiny_llm_config
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(
-    name="tiny_llama",
-    source="tiny",
-    tiny=dict(
-        arch="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-)
+TINY = tiny_llm_config("llama")
 
 
 def datamodule(tmp_path, nq_path, **overrides) -> NQConfidenceDataModule:

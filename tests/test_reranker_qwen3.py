@@ -24,29 +24,10 @@ from confrag.reranker.qwen3 import (
     encode_yes_no_pairs,
 )
 
+from helpers.data import TOPICS as ALL_TOPICS
+
 KIND = "qwen3_yes_no"
-TOPICS = [
-    (
-        "who wrote the play hamlet",
-        "Hamlet is a tragedy written by William Shakespeare.",
-        "William Shakespeare wrote Hamlet around 1600.",
-    ),
-    (
-        "what is the capital of france",
-        "Paris is the capital and largest city of France.",
-        "The French government sits in Paris, the capital.",
-    ),
-    (
-        "how many legs does a spider have",
-        "Spiders are arachnids with eight legs.",
-        "Every spider walks on eight jointed legs.",
-    ),
-    (
-        "which planet is known as the red planet",
-        "Mars is called the Red Planet because of iron oxide dust.",
-        "The reddish colour of Mars comes from rusty soil.",
-    ),
-]
+TOPICS = [ALL_TOPICS[i] for i in (1, 2, 3, 5)]  # four of the shared topics
 # Pairs of different lengths, so that a batch holds padding.
 QUERIES = ["who wrote hamlet", "what is the capital of france, and why did it become the capital", "q"]
 PASSAGES = ["Shakespeare.", "Paris is the capital of France; the kings settled there in the middle ages.", "x y"]

@@ -16,7 +16,6 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from confrag.gates import (
-    GATES,
     AlwaysGate,
     BridgeGate,
     CBDRGate,
@@ -30,18 +29,14 @@ from confrag.gates import (
     PerplexityGate,
     PTrueGate,
     UnavailableSignalError,
-    make_gate,
 )
 from confrag.gates.cache import cached_drafts, cached_p_true
+from confrag.gates.drafts import draft_token_signals
 from confrag.gates.evaluation import GateRow, gate_row, gates_markdown, retrieve_auroc, retrieve_prr
+from confrag.gates.p_true import p_true_from_verdicts, p_true_prompts, verdict_probabilities, verdict_token_ids
 from confrag.gates.signal_maker import check_llm_signals
-from confrag.gates.signals import (
-    draft_token_signals,
-    p_true_from_verdicts,
-    p_true_prompts,
-    verdict_probabilities,
-    verdict_token_ids,
-)
+
+from helpers.gates import SHIPPED_GATES, make_gate
 
 R, P, X = Decision.RETRIEVE, Decision.PARAMETRIC, Decision.REFUSE
 NEG = -1e4  # a logit whose probability underflows to 0 (and 0 * log p stays 0, unlike -inf)
@@ -294,4 +289,4 @@ def test_a_gate_reading_a_signal_nothing_computes_is_refused_by_name(tiny_llama)
         check_llm_signals({"mine": LogitLensGate()}, tiny_llama)
     with pytest.raises(UnavailableSignalError, match="gate 'logit_lens' reads the signal.*logit_lens"):
         LogitLensGate().decide(signals(2))
-    check_llm_signals({name: cls() for name, cls in GATES.items()}, tiny_llama)  # every shipped gate can run
+    check_llm_signals({name: make_gate(name) for name in SHIPPED_GATES}, tiny_llama)  # every shipped gate can run

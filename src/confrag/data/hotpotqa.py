@@ -33,7 +33,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from confrag.data.nq import DataFormatError, Passage, QARow, _check_limit, _numbered_lines, _RowCollector
+from confrag.data.jsonl import DataFormatError, read_jsonl
+from confrag.data.nq import Passage, QARow, _check_limit, _RowCollector
 
 HOTPOTQA_PATH_KEY = "eval.hotpotqa_path"
 _SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
@@ -167,19 +168,11 @@ def _load_json_list(path: Path, limit: int | None) -> list[QARow]:
 
 def _load_jsonl(path: Path, limit: int | None) -> list[QARow]:
     collector = _RowCollector()
-    with contextlib.closing(_numbered_lines(path)) as lines:
-        for lineno, line in lines:
+    with contextlib.closing(read_jsonl(path, "one JSON object")) as lines:
+        for lineno, record in lines:
             if limit is not None and len(collector.rows) >= limit:
                 break
-            if not line.strip():
-                continue
             where = f"{path}, line {lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataFormatError(
-                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object"
-                ) from exc
             collector.add(hotpotqa_row(record, where), where)
     return collector.rows
 

@@ -18,28 +18,22 @@ An optional "id" field (str or int) becomes the row's qid; otherwise the qid is 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
 import json
 import os
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from confrag.data.jsonl import JSONL_SUFFIXES, DataFormatError, read_jsonl
 from confrag.paths import project_root
 
 NQ_PATH_ENV = "CONFRAG_NQ_PATH"
 _PATH_HINT = f"set the path with the `paths.nq_path` config value or the `{NQ_PATH_ENV}` environment variable"
-_SUFFIXES = (".jsonl", ".jsonl.gz")
 _PARQUET_SUFFIX = ".parquet"
 # Bump when the serialization below changes, so caches keyed on old fingerprints are not reused.
 _FINGERPRINT_SCHEMA = "confrag.nq.rows.v1"
-
-
-class DataFormatError(ValueError):
-    """A data file or record does not have the expected shape; the message says where and why."""
 
 
 @dataclass(frozen=True)
@@ -200,37 +194,6 @@ class _RowCollector:
         self.rows.append(row)
 
 
-def _open_binary(path: Path) -> IO[bytes]:
-    name = path.name.lower()
-    if name.endswith(".jsonl.gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".jsonl"):
-        return open(path, "rb")
-    raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {', '.join(_SUFFIXES)}")
-
-
-def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, decoded line) for every line; decoding per line keeps the line number."""
-    lineno = 0
-    try:
-        with _open_binary(path) as handle:
-            for lineno, raw in enumerate(handle, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    message = f"{path}, line {lineno}: not valid UTF-8 ({exc.reason}); files must be UTF-8"
-                    raise DataFormatError(message) from exc
-                if lineno == 1:
-                    # Editors on Windows may prepend a byte-order mark, which json.loads rejects.
-                    line = line.removeprefix("\ufeff")
-                yield lineno, line
-    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-        raise DataFormatError(
-            f"{path}: not a complete gzip file (after line {lineno}): {exc}; "
-            ".jsonl.gz files must be gzip-compressed JSON lines"
-        ) from exc
-
-
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     # Streaming: rows are read batch by batch from the file, nothing is copied into the datasets cache.
     from datasets import load_dataset
@@ -250,18 +213,8 @@ def read_records(path: Path, expected: str) -> Iterator[tuple[str, Any]]:
     if path.name.lower().endswith(_PARQUET_SUFFIX):
         yield from _parquet_records(path)
         return
-    # closing(): stopping early must still close the (possibly gzip) file now, not at garbage collection.
-    with contextlib.closing(_numbered_lines(path)) as lines:
-        for lineno, line in lines:
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataFormatError(
-                    f"{path}, line {lineno}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be "
-                    f"{expected}"
-                ) from exc
+    with contextlib.closing(read_jsonl(path, expected)) as lines:
+        for lineno, obj in lines:
             yield f"line {lineno}", obj
 
 
@@ -284,8 +237,8 @@ def load_nq_jsonl(
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
         raise DataFormatError(f"question file {path} {reason}; {_PATH_HINT}")
-    if not path.name.lower().endswith((*_SUFFIXES, _PARQUET_SUFFIX)):
-        allowed = ", ".join((*_SUFFIXES, _PARQUET_SUFFIX))
+    if not path.name.lower().endswith((*JSONL_SUFFIXES, _PARQUET_SUFFIX)):
+        allowed = ", ".join((*JSONL_SUFFIXES, _PARQUET_SUFFIX))
         raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {allowed}")
     fmt = None if questions_format == "auto" else QUESTION_FORMATS[questions_format]
     chosen = f"questions_format={questions_format}"

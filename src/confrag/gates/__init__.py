@@ -1,12 +1,13 @@
 """Retrieval gates under one interface: decide per question to answer from parametric knowledge,
-retrieve, or refuse. `make_gate(name, **config)` builds one by name; each is also a Hydra node
-(`conf/gate/<name>.yaml`, `_target_` = the class)."""
+retrieve, or refuse. Each gate class registers itself in `GATES` under its id (`Gate.name`) and is built
+from its Hydra node (`conf/gate/<name>.yaml`, `_target_` = the class) by
+`confrag.gates.settings.gate_from_config`; the signals gates read are entries of `registry.SIGNALS`."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from confrag.gates import signal_table  # noqa: F401  (registers the built-in signals)
 from confrag.gates.base import (
+    GATES,
     Decision,
     DraftSignals,
     Gate,
@@ -14,7 +15,6 @@ from confrag.gates.base import (
     GateTrainingData,
     MissingSignalError,
     MissingTrainingDataError,
-    UnavailableSignalError,
     retrieval_helped,
 )
 from confrag.gates.bridge import BridgeGate
@@ -22,35 +22,10 @@ from confrag.gates.ccsk import CCSKGate
 from confrag.gates.ctrla import CtrlAGate
 from confrag.gates.directions import ConfidenceDirection
 from confrag.gates.dragin import DraginGate
+from confrag.gates.registry import PARTS, SIGNALS, Part, Signal, UnavailableSignalError, register_signal
 from confrag.gates.simple import AlwaysGate, CBDRGate, NeverGate
 from confrag.gates.skr import SKRKnnGate
 from confrag.gates.uncertainty import EntropyGate, MaxProbGate, PerplexityGate, PTrueGate
-
-GATES: dict[str, type[Gate]] = {
-    gate.name: gate
-    for gate in (
-        AlwaysGate,
-        NeverGate,
-        CBDRGate,
-        DraginGate,
-        CtrlAGate,
-        SKRKnnGate,
-        CCSKGate,
-        BridgeGate,
-        EntropyGate,
-        MaxProbGate,
-        PerplexityGate,
-        PTrueGate,
-    )
-}
-
-
-def make_gate(name: str, **config: Any) -> Gate:
-    """The gate called `name`, built from its config values (the keys of `conf/gate/<name>.yaml`)."""
-    if name not in GATES:
-        raise ValueError(f"unknown gate {name!r}; available gates: {', '.join(sorted(GATES))}")
-    return GATES[name](**config)
-
 
 __all__ = [
     "GATES",
@@ -75,6 +50,10 @@ __all__ = [
     "PerplexityGate",
     "SKRKnnGate",
     "UnavailableSignalError",
-    "make_gate",
+    "PARTS",
+    "Part",
+    "SIGNALS",
+    "Signal",
+    "register_signal",
     "retrieval_helped",
 ]

@@ -4,7 +4,7 @@ A gate looks at per-question signals that were computed beforehand (the probe's 
 book draft with its token entropies and attention, hidden states, embeddings, matching scores) and
 decides, per question, to answer from parametric knowledge, to retrieve, or (BRIDGE only) to refuse.
 `decide` is a pure function of those arrays, so each decision rule is testable on hand-made numbers;
-computing the signals is the job of `confrag.gates.signals`.
+computing them is the job of the signal registry (`confrag.gates.registry`, `signal_table`).
 
 Gates that learn (SKR-kNN, CCSK, BRIDGE's allocator, CtrlA's direction) learn in `fit` from a
 `GateTrainingData` of the *training split only*: the cached per-question outcomes of the RAG pipeline
@@ -14,6 +14,7 @@ Gates that learn (SKR-kNN, CCSK, BRIDGE's allocator, CtrlA's direction) learn in
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import numpy as np
 
 from confrag.artifacts import fingerprint
 from confrag.gates.directions import ConfidenceDirection
+from confrag.gates.registry import SIGNALS, check_signal_names
 
 
 class Decision(str, Enum):
@@ -40,26 +42,7 @@ class MissingTrainingDataError(ValueError):
     """A gate that learns was asked to fit (or decide) without the training data it needs."""
 
 
-class UnavailableSignalError(ValueError):
-    """A gate reads a signal that the LLM (or the project) cannot give."""
-
-
-# Where each signal comes from: named in errors, so a missing one says which function produces it.
-SIGNAL_SOURCES = {
-    "confidence": "the confidence probe's Conf(H(Q)) on the QA prompt (confrag.cbdr.question_confidences)",
-    "draft": "confrag.gates.signals.draft_token_signals (one greedy closed-book generation)",
-    "p_true": (
-        "confrag.gates.signals.p_true_scores (one forward per question: the LLM asked whether its "
-        "closed-book answer is true)"
-    ),
-    "hidden_states": "HiddenStateEngine.extract on the QA prompts at the gate's layers (with hidden_layers)",
-    "question_embedding": "confrag.gates.signals.embed_texts(encoder, questions) with the MiniLM DenseRetriever",
-    "responses": "the closed-book answers of the RAG pipeline's cached outcomes",
-    "response_embedding": "confrag.gates.signals.embed_texts(encoder, responses)",
-    "matching_scores": "confrag.gates.signals.bridge_matching_scores (internal vs retrieved knowledge)",
-}
-
-# Where each piece of training data comes from.
+# Where each piece of training data comes from (the signals a gate trains on: `registry.SIGNALS`).
 TRAINING_SOURCES = {
     "outcomes": (
         "closed_book_correct and rag_correct of the training split: the RAG pipeline's cached "
@@ -68,10 +51,14 @@ TRAINING_SOURCES = {
     "answers": "the gold answers of the training questions (their NQ rows)",
     "answer_embedding": "confrag.gates.signals.embed_texts(encoder, first gold answer of each training question)",
     "confidence_direction": (
-        "confrag.gates.signals.contrastive_direction on contrastive prompts built from the "
-        "training questions (confrag.gates.signals.contrastive_prompts)"
+        "CtrlAGate.training_extras: the contrastive direction (as confrag.gates.signals.contrastive_direction) "
+        "of paired prompts built from the training questions (confrag.gates.ctrla.contrastive_prompts)"
     ),
 }
+
+
+def _sources() -> dict[str, str]:
+    return {**{name: signal.description for name, signal in SIGNALS.items()}, **TRAINING_SOURCES}
 
 
 @dataclass(frozen=True)
@@ -104,58 +91,42 @@ class DraftSignals:
                     raise ValueError(f"draft row {i}: draft.{name} holds a NaN or inf")
 
 
-@dataclass
 class GateSignals:
-    """Per-question signals, aligned with `qids`. Only the ones a gate `needs` must be present."""
+    """Per-question signals, aligned with `qids`: any signal of the registry (`registry.SIGNALS`) by name,
+    as a keyword (`GateSignals(qids, questions, confidence=...)`) and read back as an attribute
+    (`signals.confidence`, None when absent). Only the ones a gate `needs` must be present; each value is
+    checked by its entry. `hidden_layers` names the layer of each slice of `hidden_states`."""
 
-    qids: list[str]
-    questions: list[str]
-    confidence: np.ndarray | None = None  # (n,) in [0, 1]
-    draft: DraftSignals | None = None
-    hidden_states: np.ndarray | None = None  # (len(hidden_layers), n, d), HF hidden_states indexing
-    hidden_layers: tuple[int, ...] | None = None
-    question_embedding: np.ndarray | None = None  # (n, d)
-    responses: list[str] | None = None  # closed-book answers
-    response_embedding: np.ndarray | None = None  # (n, d)
-    matching_scores: np.ndarray | None = None  # (n, 4, 2): S1..S4 x (dense, sparse)
-    p_true: np.ndarray | None = None  # (n,) in [0, 1]: P("True") that the closed-book answer is true
-
-    def __post_init__(self) -> None:
-        n = len(self.qids)
-        if len(self.questions) != n:
-            raise ValueError(f"signals: {len(self.questions)} questions for {n} qids")
-        names = ("confidence", "responses", "question_embedding", "response_embedding", "matching_scores", "p_true")
-        for name in names:
-            value = getattr(self, name)
-            if value is not None and len(value) != n:
-                raise ValueError(f"signals.{name} has {len(value)} rows for {n} questions")
-        if self.draft is not None and len(self.draft.texts) != n:
-            raise ValueError(f"signals.draft has {len(self.draft.texts)} rows for {n} questions")
-        for name in ("confidence", "p_true"):
-            value = getattr(self, name)
+    def __init__(
+        self,
+        qids: Sequence[str],
+        questions: Sequence[str],
+        hidden_layers: tuple[int, ...] | None = None,
+        **values: Any,
+    ) -> None:
+        self.qids, self.questions, self.hidden_layers = list(qids), list(questions), hidden_layers
+        if len(self.questions) != len(self.qids):
+            raise ValueError(f"signals: {len(self.questions)} questions for {len(self.qids)} qids")
+        check_signal_names(values, "signals")
+        self._values: dict[str, Any] = {}
+        for name, value in values.items():
             if value is not None:
-                value = np.asarray(value, dtype=np.float64)
-                if not np.all((value >= 0) & (value <= 1)):  # NaN fails too
-                    bad = int(np.flatnonzero(~((value >= 0) & (value <= 1)))[0])
-                    raise ValueError(
-                        f"signals.{name} must hold probabilities in [0, 1]; question {bad} "
-                        f"({self.qids[bad]!r}) has {value[bad]!r}"
-                    )
-                setattr(self, name, value)
-        if self.hidden_states is not None:
-            self._check_hidden_states(n)
-        if self.matching_scores is not None and np.asarray(self.matching_scores).shape[1:] != (4, 2):
-            raise ValueError(
-                f"signals.matching_scores must have shape (n, 4, 2) (S1..S4 x dense, sparse); "
-                f"got {np.asarray(self.matching_scores).shape}"
-            )
+                self._values[name] = SIGNALS[name].checked(value, self)
 
-    def _check_hidden_states(self, n: int) -> None:
-        states = np.asarray(self.hidden_states)
-        if states.ndim != 3 or states.shape[1] != n:
-            raise ValueError(f"signals.hidden_states must have shape (layers, {n}, hidden); got {states.shape}")
-        if self.hidden_layers is None or len(self.hidden_layers) != states.shape[0]:
-            raise ValueError("signals.hidden_layers must name the layer of each slice of signals.hidden_states")
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when ordinary lookup fails: a registered signal this object does not hold is None.
+        if name in SIGNALS:
+            return self.__dict__.get("_values", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The signals held, by name."""
+        return dict(self._values)
+
+    def with_values(self, **values: Any) -> GateSignals:
+        """A copy holding `values` too (replacing those of the same name)."""
+        return GateSignals(self.qids, self.questions, self.hidden_layers, **{**self._values, **values})
 
     def __len__(self) -> int:
         return len(self.qids)
@@ -166,7 +137,7 @@ class GateSignals:
         if missing:
             raise MissingSignalError(
                 f"gate '{gate}' needs the signal(s) {', '.join(missing)}; compute them with: "
-                + "; ".join(f"{name}: {SIGNAL_SOURCES[name]}" for name in missing)
+                + "; ".join(f"{name}: {SIGNALS[name].description}" for name in missing)
             )
 
 
@@ -209,27 +180,17 @@ class GateTrainingData:
         for name in names:
             if name == "outcomes":
                 absent = self.closed_book_correct is None or self.rag_correct is None
-            elif name in SIGNAL_SOURCES:
+            elif name in SIGNALS:
                 absent = getattr(self.signals, name) is None
             else:
                 absent = getattr(self, name) is None
             if absent:
                 missing.append(name)
         if missing:
-            sources = {**SIGNAL_SOURCES, **TRAINING_SOURCES}
+            sources = _sources()
             raise MissingTrainingDataError(
                 f"gate '{gate}' cannot be trained without " + "; ".join(f"{m} ({sources[m]})" for m in missing)
             )
-
-
-def check_signal_names(names: Iterable[str], gate: str) -> None:
-    """A gate reading a signal the project has no way to compute is refused, the signal named."""
-    unknown = sorted(set(names) - set(SIGNAL_SOURCES))
-    if unknown:
-        raise UnavailableSignalError(
-            f"gate '{gate}' reads the signal(s) {', '.join(unknown)}, which no part of confrag computes; "
-            f"signals: {', '.join(sorted(SIGNAL_SOURCES))}"
-        )
 
 
 def retrieval_helped(closed_book_correct: np.ndarray, rag_correct: np.ndarray) -> np.ndarray:
@@ -256,11 +217,19 @@ def check_choice(key: str, value: Any, allowed: Sequence[str]) -> str:
     return value
 
 
+# Every gate class, by its `name` (a short stable id): filled as each concrete subclass is defined, so a
+# gate is registered by its own module; a run builds gates from their `_target_` configs
+# (`gates.settings.gate_from_config`), which import that module.
+GATES: dict[str, type[Gate]] = {}
+
+
 class Gate(abc.ABC):
     """Decides per question: parametric answer, retrieval, or refusal.
 
     Subclasses set `name`, `needs` (the signals `decide` reads), `training_needs` (what `fit` reads;
-    empty for gates that do not learn), their LLM cost, and implement `_decide` (and `_fit`)."""
+    empty for gates that do not learn), their LLM cost, and implement `_decide` (and `_fit`). What a
+    comparison must do for a particular gate is asked of the gate (`threshold_scores`, `state_layers`,
+    `extras_key` / `training_extras`, `retrieve_contexts`, `curve_refusal`), never decided by its type."""
 
     name: ClassVar[str] = "gate"
     needs: ClassVar[frozenset[str]] = frozenset()
@@ -275,6 +244,20 @@ class Gate(abc.ABC):
     # Threshold gates: True when a score below the threshold retrieves, False when one above does; None
     # for gates without a single threshold score (their retrieve score is the decision itself).
     retrieves_below: ClassVar[bool | None] = None
+    # Why no threshold curve can be drawn for this gate from cached answers (None: it can).
+    curve_refusal: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__ or inspect.isabstract(cls):
+            return  # an intermediate class (UncertaintyGate) or a variant keeping its parent's id
+        known = GATES.get(cls.name)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(
+                f"gate id {cls.name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                f"{known.__module__}.{known.__qualname__}"
+            )
+        GATES[cls.name] = cls
 
     def __init__(self, **config: Any) -> None:
         self.config = config  # the constructor's values: the gate's identity
@@ -291,7 +274,7 @@ class Gate(abc.ABC):
         if not self.training_needs:
             return self
         if train is None:
-            sources = {**SIGNAL_SOURCES, **TRAINING_SOURCES}
+            sources = _sources()
             raise MissingTrainingDataError(
                 f"gate '{self.name}' needs training data and got none: "
                 + "; ".join(f"{m} ({sources[m]})" for m in sorted(self.training_needs))
@@ -334,6 +317,28 @@ class Gate(abc.ABC):
             f"gate '{self.name}' has no single threshold score; curves are drawn for threshold gates "
             f"(give explicit values for other parameters)"
         )
+
+    def state_layers(self, default_layer: int) -> tuple[int, ...]:
+        """The layers of the `hidden_states` signal this gate reads (none unless it reads them);
+        `default_layer` is the LLM's Layer/2."""
+        return ()
+
+    def extras_key(self, default_layer: int) -> Any:
+        """What `training_extras` computes, as a hashable key (gates with equal keys share one computation),
+        or None when the gate needs nothing beyond the signals and outcomes."""
+        return None
+
+    def training_extras(self, maker: Any, rows: Sequence[Any]) -> dict[str, Any]:
+        """Training data the gate computes with the LLM from the training questions `rows` (fields of
+        `GateTrainingData`, e.g. CtrlA's `confidence_direction`), through the comparison's signal maker
+        (`confrag.gates.signal_maker.SignalMaker`: cached states, drafts, embeddings)."""
+        return {}
+
+    def retrieve_contexts(self, signals: GateSignals, contexts: Sequence[Any], maker: Any) -> dict[int, list[Any]]:
+        """Per question index, the contexts a RETRIEVE decision answers with when they are not the top-K
+        retrieved ones (BRIDGE's FA strategy puts its internal passage first); those answers are generated
+        (through the answer cache) rather than read from the run's top-K outcomes. Empty by default."""
+        return {}
 
     def retrieve_scores(self, signals: GateSignals) -> np.ndarray:
         """Per question, how strongly the gate leans to retrieving (higher: retrieve sooner), what its AUROC

@@ -32,6 +32,7 @@ training questions (ICL); `allocator: none` is the paper's "w/o Allocator" ablat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from sklearn.linear_model import LogisticRegression
@@ -97,6 +98,9 @@ class BridgeGate(Gate):
     decision_passes = 2
     decision_is_closed_book = True
     decision_retrieves = True  # the matching scores read the retrieved passages of every question
+    curve_refusal = (
+        "BRIDGE's FA answers are new generations for every new decision, so its curve cannot come from cached answers"
+    )
 
     def __init__(
         self,
@@ -174,3 +178,12 @@ class BridgeGate(Gate):
 
     def _decide(self, signals: GateSignals) -> list[Decision]:
         return [STRATEGY_DECISION[s] for s in self.strategies(signals)]
+
+    def retrieve_contexts(self, signals: GateSignals, contexts: Sequence[Any], maker: Any) -> dict[int, list[Any]]:
+        """FA answers over the internal passage K_int and the retrieved contexts (`answer_contexts`); FE's
+        retrieve answer is the plain top-K one."""
+        full = [i for i, s in enumerate(self.strategies(signals)) if s == "FA"]
+        if not full:
+            return {}
+        internal = maker.internal(signals.questions)
+        return {i: answer_contexts("FA", internal[i], contexts[i]) for i in full}

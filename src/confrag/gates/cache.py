@@ -15,15 +15,9 @@ import numpy as np
 
 from confrag.artifacts import ShardedArtifact, fingerprint
 from confrag.gates.base import DraftSignals
-from confrag.gates.signals import (
-    INTERNAL_KNOWLEDGE_TEMPLATE,
-    draft_token_signals,
-    internal_passages,
-    p_true_from_verdicts,
-    p_true_prompts,
-    verdict_probabilities,
-    verdict_token_ids,
-)
+from confrag.gates.drafts import draft_token_signals
+from confrag.gates.p_true import p_true_from_verdicts, p_true_prompts, verdict_probabilities, verdict_token_ids
+from confrag.gates.signals import INTERNAL_KNOWLEDGE_TEMPLATE, internal_passages
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
 from confrag.llm.loading import LoadedLLM
 

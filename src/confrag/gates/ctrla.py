@@ -15,11 +15,13 @@ before answering, on the QA prompt's last token (the state the CBDR probe reads)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
-from confrag.gates.directions import ConfidenceDirection
+from confrag.gates.directions import ConfidenceDirection, direction_from_states
 
 # CtrlA follows representation engineering: the same content under opposite personas.
 CONFIDENT_TEMPLATE = (
@@ -36,6 +38,25 @@ def check_template(key: str, template: str) -> str:
     return template
 
 
+def contrastive_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[str],
+    confident_template: str = CONFIDENT_TEMPLATE,
+    unconfident_template: str = UNCONFIDENT_TEMPLATE,
+) -> tuple[list[str], list[str]]:
+    """Paired chat prompts (confident, unconfident) per question, through the model's chat template."""
+    check_template("gate.confident_template", confident_template)
+    check_template("gate.unconfident_template", unconfident_template)
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template; set llm.chat_template")
+
+    def render(template: str, question: str) -> str:
+        messages = [{"role": "user", "content": template.format(question=question)}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return [render(confident_template, q) for q in questions], [render(unconfident_template, q) for q in questions]
+
+
 class CtrlAGate(Gate):
     name = "ctrla"
     needs = frozenset({"hidden_states"})
@@ -50,7 +71,7 @@ class CtrlAGate(Gate):
         confident_template: str = CONFIDENT_TEMPLATE,
         unconfident_template: str = UNCONFIDENT_TEMPLATE,
     ) -> None:
-        # The templates are what the direction is computed from (signals.contrastive_prompts): part of
+        # The templates are what the direction is computed from (contrastive_prompts): part of
         # the gate's identity even though decide() only reads the finished direction.
         check_number("gate.threshold", threshold)
         check_template("gate.confident_template", confident_template)
@@ -78,6 +99,24 @@ class CtrlAGate(Gate):
                 f"{list(direction.layers)}; recompute it at gate.layers"
             )
         self.direction = direction
+
+    def state_layers(self, default_layer: int) -> tuple[int, ...]:
+        """The gate's layers, or `default_layer` (Layer/2, the state the CBDR probe reads) when it leaves them
+        to the direction."""
+        return tuple(sorted(self.layers)) if self.layers else (default_layer,)
+
+    def extras_key(self, default_layer: int) -> tuple:
+        return self.state_layers(default_layer), self.confident_template, self.unconfident_template
+
+    def training_extras(self, maker: Any, rows: Sequence[Any]) -> dict[str, Any]:
+        """The confidence direction from the training questions' paired prompts (their states through
+        `maker.states`, cached)."""
+        confident, unconfident = contrastive_prompts(
+            maker.llm.tokenizer, [r.question for r in rows], self.confident_template, self.unconfident_template
+        )
+        confident_states, layers = maker.states(confident, self.state_layers(maker.llm.mid_layer))
+        unconfident_states, _ = maker.states(unconfident, layers)
+        return {"confidence_direction": direction_from_states(confident_states, unconfident_states, layers)}
 
     retrieves_below = True
 

@@ -24,29 +24,15 @@ from scipy.stats import rankdata
 from sklearn.metrics import roc_auc_score
 
 from confrag.artifacts import atomic_save_png
-from confrag.gates.base import Decision, Gate, GateSignals
+from confrag.gates.base import Decision
+from confrag.gates.registry import gives_closed_book, signal_parts
 from confrag.rag.stats import accuracy_ci, mcnemar_exact
-
-# The measured parts (seconds per question) each signal costs before the gate can decide.
-SIGNAL_PARTS: dict[str, tuple[str, ...]] = {
-    "confidence": ("qa_states",),
-    "draft": ("draft",),
-    "hidden_states": ("ctrla_states",),
-    "question_embedding": ("embed_question",),
-    "responses": ("closed_book",),
-    "response_embedding": ("closed_book", "embed_response"),
-    # BRIDGE decides after retrieving: internal passage, closed-book answer (K_gen), retrieval, matching.
-    "matching_scores": ("internal", "closed_book", "retrieve", "matching"),
-    # P(True) judges the closed-book answer: that answer, then one forward over it.
-    "p_true": ("closed_book", "p_true"),
-}
-# Parts that already produce the closed-book answer: a parametric decision then costs nothing more.
-CLOSED_BOOK_PARTS = frozenset({"closed_book", "draft"})
 
 
 def decision_parts(needs: frozenset[str] | set[str]) -> list[str]:
-    """The measured parts a gate reading `needs` pays for every question, in a stable order."""
-    return sorted({part for name in needs for part in SIGNAL_PARTS[name]})
+    """The measured parts a gate reading `needs` pays for every question, in a stable order (each signal's
+    cost in the signal registry)."""
+    return signal_parts(needs)
 
 
 def wall_time_per_question(
@@ -61,7 +47,7 @@ def wall_time_per_question(
     if missing:
         raise ValueError(f"no timing for {missing}; measured: {sorted(timings)}")
     deciding = sum(timings[p] for p in parts) + decide_seconds / len(decisions)
-    parametric = 0.0 if CLOSED_BOOK_PARTS & set(parts) else timings["closed_book"]
+    parametric = 0.0 if gives_closed_book(parts) else timings["closed_book"]
     retrieve = timings["rag_answer"] + (0.0 if "retrieve" in parts else timings["retrieve"])
     cost = {Decision.PARAMETRIC: parametric, Decision.RETRIEVE: retrieve, Decision.REFUSE: 0.0}
     return deciding + float(np.mean([cost[Decision(d)] for d in decisions]))
@@ -234,11 +220,6 @@ def gates_markdown(rows: Sequence[GateRow], metric: str) -> str:
 
 
 # --- threshold curves ------------------------------------------------------------------------------
-
-
-def threshold_scores(gate: Gate, signals: GateSignals) -> np.ndarray:
-    """Per question, the number a threshold gate compares with its threshold (to place a curve's grid)."""
-    return gate.threshold_scores(signals)
 
 
 def quantile_grid(scores: np.ndarray, points: int) -> list[float]:

@@ -10,7 +10,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from confrag.gates import GATES, BridgeGate, Gate
+from confrag.gates import GATES, Gate
 from confrag.rag.stats import BINARY_METRICS
 
 
@@ -103,11 +103,9 @@ def gate_settings(
     for name, spec in (OmegaConf.to_container(curve_section, resolve=True) if curve_section else {}).items():
         if name not in gates:  # a curve of a gate that is not run this time
             continue
-        if isinstance(gates[name], BridgeGate):
-            raise ValueError(
-                "gates.curves.bridge: BRIDGE's FA answers are new generations for every new decision, so "
-                "its curve cannot come from cached answers; curves are for cbdr, dragin, ctrla, skr_knn"
-            )
+        if gates[name].curve_refusal is not None:
+            curved = sorted(n for n, g in gates.items() if g.retrieves_below is not None and g.curve_refusal is None)
+            raise ValueError(f"gates.curves.{name}: {gates[name].curve_refusal}; curves are for {', '.join(curved)}")
         param = spec.get("param")
         if param not in configs[name] or param == "_target_":
             raise ValueError(

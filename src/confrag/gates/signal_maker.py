@@ -1,5 +1,6 @@
 """Computing the gates' signals with the LLM: Conf(H(Q)), drafts, hidden states, internal passages,
-embeddings, BRIDGE's matching scores; the LLM-bound ones through the cache (`gates.cache`)."""
+embeddings, BRIDGE's matching scores; the LLM-bound ones through the cache (`gates.cache`). Which ones
+a set of gates needs, and how each is produced, is the signal registry's (`gates.registry.SIGNALS`)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,10 @@ import numpy as np
 
 from confrag.cbdr import question_confidences
 from confrag.data.nq import Passage, QARow
-from confrag.gates.base import TRAINING_SOURCES, Gate, GateSignals, UnavailableSignalError, check_signal_names
+from confrag.gates.base import TRAINING_SOURCES, Gate, GateSignals
 from confrag.gates.cache import cached_drafts, cached_internal_passages, cached_p_true, cached_states
-from confrag.gates.ctrla import CtrlAGate
-from confrag.gates.directions import ConfidenceDirection, direction_from_states
-from confrag.gates.signals import (
-    bridge_matching_scores,
-    contrastive_prompts,
-    embed_texts,
-    external_knowledge,
-    verdict_token_ids,
-)
+from confrag.gates.registry import SIGNALS, UnavailableSignalError, check_signal_names, with_required
+from confrag.gates.signals import bridge_matching_scores, embed_texts, external_knowledge
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.retrieval import DenseRetriever, corpus_from_nq
@@ -100,41 +94,46 @@ class SignalMaker:
         return bridge_matching_scores(self.encoder, self.internal(questions), responses, external, rest)
 
 
-def ctrla_layers(gate: CtrlAGate, llm: LoadedLLM) -> tuple[int, ...]:
-    """The gate's layers, or Layer/2 (the state the CBDR probe reads) when it leaves them to the direction."""
-    return tuple(sorted(gate.layers)) if gate.layers else (llm.mid_layer,)
+@dataclass(frozen=True)
+class SignalInputs:
+    """What a signal's producer (`registry.Signal.produce`) reads: the maker, the questions, their
+    closed-book answers, the hidden-state layers the gates read and, for per-context signals, the contexts."""
 
-
-def ctrla_key(gate: CtrlAGate, llm: LoadedLLM) -> tuple:
-    return ctrla_layers(gate, llm), gate.confident_template, gate.unconfident_template
+    maker: SignalMaker
+    rows: Sequence[QARow]
+    questions: list[str]
+    responses: Sequence[str]
+    layers: Sequence[int] = ()
+    contexts: Sequence[Sequence[Any]] | None = None
 
 
 def question_signals(
     maker: SignalMaker, rows: Sequence[QARow], names: set[str], responses: Sequence[str], layers: Sequence[int] = ()
 ) -> GateSignals:
-    """The signals in `names` that do not depend on the contexts (BRIDGE's matching scores do: `with_matching`)."""
-    questions = [r.question for r in rows]
+    """The signals in `names` (and those they require) that do not depend on the contexts, in the
+    registry's order; names that are not signals (training data such as `outcomes`) are skipped.
+    Per-context signals (BRIDGE's matching scores) are added by `context_signals`."""
+    wanted = with_required(names)
+    inputs = SignalInputs(maker, rows, [r.question for r in rows], responses, layers)
     fields: dict[str, Any] = {}
-    if "confidence" in names:
-        fields["confidence"] = maker.confidence(questions)
-    if "draft" in names:
-        fields["draft"] = maker.draft(questions)
-    if "hidden_states" in names:
-        fields["hidden_states"], fields["hidden_layers"] = maker.states(maker.qa_prompts(questions), layers)
-    if "question_embedding" in names:
-        fields["question_embedding"] = maker.embed(questions)
-    if names & {"responses", "response_embedding", "matching_scores"}:
-        fields["responses"] = list(responses)
-    if "response_embedding" in names:
-        fields["response_embedding"] = maker.embed(responses)
-    if "p_true" in names:
-        fields["p_true"] = maker.p_true(questions, responses)
-    return GateSignals(qids=[r.qid for r in rows], questions=questions, **fields)
+    for name, signal in SIGNALS.items():
+        if name in wanted and not signal.per_context:
+            fields.update(signal.produce(inputs))
+    return GateSignals(qids=[r.qid for r in rows], questions=inputs.questions, **fields)
 
 
-# What an LLM must offer for a signal that not every LLM gives; each check raises UnavailableSignalError
-# with the reason. Signals not listed here every causal LM of the project gives.
-LLM_SIGNAL_CHECKS = {"p_true": lambda llm: verdict_token_ids(llm.tokenizer)}
+def context_signals(
+    maker: SignalMaker, signals: GateSignals, names: set[str], contexts: Sequence[Sequence[Any]]
+) -> GateSignals:
+    """`signals` with the per-context signals in `names` computed over `contexts` (one list per question)."""
+    wanted = [name for name, signal in SIGNALS.items() if signal.per_context and name in names]
+    if not wanted:
+        return signals
+    inputs = SignalInputs(maker, [], signals.questions, signals.responses, contexts=contexts)
+    fields: dict[str, Any] = {}
+    for name in wanted:
+        fields.update(SIGNALS[name].produce(inputs))
+    return signals.with_values(**fields)
 
 
 def check_llm_signals(gates: dict[str, Gate], llm: LoadedLLM) -> None:
@@ -143,25 +142,10 @@ def check_llm_signals(gates: dict[str, Gate], llm: LoadedLLM) -> None:
         signals = gate.needs | (gate.training_needs - set(TRAINING_SOURCES))  # what it reads to decide or to fit
         check_signal_names(signals, name)
         for signal in sorted(signals):
-            if signal in LLM_SIGNAL_CHECKS:
+            if SIGNALS[signal].llm_check is not None:
                 try:
-                    LLM_SIGNAL_CHECKS[signal](llm)
+                    SIGNALS[signal].llm_check(llm)
                 except UnavailableSignalError as err:
                     raise UnavailableSignalError(
                         f"gate '{name}' reads the signal {signal}, which the LLM {llm.identity!r} cannot give: {err}"
                     ) from err
-
-
-def with_matching(maker: SignalMaker, signals: GateSignals, contexts: Sequence[Sequence[Any]]) -> GateSignals:
-    return dataclasses.replace(signals, matching_scores=maker.matching(signals.questions, signals.responses, contexts))
-
-
-def confidence_direction(maker: SignalMaker, gate: CtrlAGate, rows: Sequence[QARow]) -> ConfidenceDirection:
-    """CtrlA's direction from the training questions' paired prompts (states cached)."""
-    confident, unconfident = contrastive_prompts(
-        maker.llm.tokenizer, [r.question for r in rows], gate.confident_template, gate.unconfident_template
-    )
-    layers = ctrla_layers(gate, maker.llm)
-    confident_states, layers = maker.states(confident, layers)
-    unconfident_states, _ = maker.states(unconfident, layers)
-    return direction_from_states(confident_states, unconfident_states, layers)

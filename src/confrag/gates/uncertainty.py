@@ -13,7 +13,7 @@ comparison runs anyway:
   true (Kadavath et al., 2022); P(True) = p("True") / (p("True") + p("False")) of the next token, each
   summed over its surface forms' first tokens; retrieve when below. One extra forward per question.
 
-The draft is DRAGIN's (`signals.draft_token_signals`, cached): one greedy closed-book generation that is
+The draft is DRAGIN's (`drafts.draft_token_signals`, cached): one greedy closed-book generation that is
 also the closed-book answer, so a parametric decision costs nothing more. An empty draft has nothing to
 judge and nothing to answer with, so the draft gates retrieve (its score is +-inf, on the retrieve side).
 """

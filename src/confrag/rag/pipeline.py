@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from confrag.artifacts import atomic_write_text
-from confrag.data.nq import DataFormatError, QARow, _numbered_lines
+from confrag.data.jsonl import DataFormatError, read_jsonl
+from confrag.data.nq import QARow
 from confrag.rag.answers import AnswerStore, ScoredAnswer, score_answer
 from confrag.retrieval.candidates import Candidates, match_candidates
 from confrag.retrieval.corpus import document_text
@@ -188,11 +189,9 @@ def load_outcomes_jsonl(path: str | os.PathLike[str]) -> list[QuestionOutcome]:
     if not path.is_file():
         raise DataFormatError(f"outcomes file {path} not found")
     out = []
-    for lineno, line in _numbered_lines(path):
-        if not line.strip():
-            continue
+    for lineno, record in read_jsonl(path, "an outcome record (QuestionOutcome.to_dict)"):
         try:
-            out.append(QuestionOutcome.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            out.append(QuestionOutcome.from_dict(record))
+        except (KeyError, TypeError, ValueError) as exc:
             raise DataFormatError(f"{path}, line {lineno}: not an outcome record ({exc})") from exc
     return out

