@@ -153,7 +153,7 @@ def test_rows_load_from_jsonl_and_datasets_folder(tmp_path):
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "train_arrow"))
     assert load_rows(tmp_path / "train_arrow", "data.train") == rows
     path.write_text(json.dumps(rows[0]) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"data.train \(.*train.jsonl\) line 2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"data.train: .*train.jsonl, line 2: malformed JSON"):
         load_rows(path, "data.train")
     with pytest.raises(FileNotFoundError, match="data.test="):
         load_rows(tmp_path / "missing.jsonl", "data.test")

