@@ -147,6 +147,7 @@ class NQConfidenceDataModule(LightningDataModule):
         ranking_top_n: int | None = 20,
         ranking_test_questions: int = 0,
         truncate_questions: bool = False,
+        truncate_passages: bool = False,
         questions_format: str = "auto",
     ) -> None:
         super().__init__()
@@ -183,6 +184,7 @@ class NQConfidenceDataModule(LightningDataModule):
         )
         self.batch_size, self.num_workers, self.cache_dir, self.progress = batch_size, num_workers, cache_dir, progress
         self.truncate_questions = bool(truncate_questions)
+        self.truncate_passages = bool(truncate_passages)
         self.data: ConfidenceData | None = None
         self.layer: int | None = None
         self.llm_identity: dict[str, Any] | None = None
@@ -236,6 +238,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 candidates=candidates,
                 extract_compile=self.extract_compile,
                 generation=self.generation,
+                truncate_passages=self.truncate_passages,
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)
