@@ -31,7 +31,7 @@ from confrag.artifacts import ActivationStore, ShardedArtifact, compute_shards, 
 from confrag.data.nq import QARow, rows_fingerprint
 from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
-from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
+from confrag.llm.hidden_states import HiddenStateEngine, extraction_key, validate_layers
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.qa_metrics import exact_match, has_answer
@@ -278,6 +278,8 @@ def build_confidence_data(
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
+    # The batch composition changes the states' last bits: a non-default batch size keys its own states.
+    numerics = extraction_key(extract_batch_size)
     # Built at the first shard to compute: with a DeferredLLM, a complete cache never loads the weights.
     engine = functools.cache(
         lambda: HiddenStateEngine(
@@ -305,7 +307,7 @@ def build_confidence_data(
         activations = ShardedArtifact(
             cache_dir,
             "activations",
-            {**kind_spec, "layers": layer_list, "store": "float32"},
+            {**kind_spec, "layers": layer_list, "store": "float32", **numerics},
             len(rows),
             shard_size,
             fmt="npy",
@@ -349,7 +351,8 @@ def build_confidence_data(
             fmt="json",
         )
         activations = ShardedArtifact(
-            cache_dir, "activations", {**pair_spec, "layers": layer_list, "store": "float32"}, len(prompts), shard_size,
+            cache_dir, "activations", {**pair_spec, "layers": layer_list, "store": "float32", **numerics}, len(prompts),
+            shard_size,
             fmt="npy",
         )  # fmt: skip
         jobs.append(

@@ -32,7 +32,7 @@ from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import fit_questions
 from confrag.llm.generation import GreedyOptions
-from confrag.llm.hidden_states import HiddenStateEngine
+from confrag.llm.hidden_states import HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import (
@@ -290,6 +290,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 cache_dir=self.cache_dir,
                 layers=data.layers,  # every extracted layer: a layer sweep extracts the candidates once
                 progress=self.progress,
+                extraction=extraction_key(self.extract_batch_size),
             )
             parts[name] = (found, states)
         test = [parts["test"], *([parts["test_extra"]] if "test_extra" in parts else [])]

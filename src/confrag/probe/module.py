@@ -301,7 +301,12 @@ def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str
     never sees half a save. Two processes saving to one directory take turns."""
     directory = Path(directory)
     network = ProbeNetwork.from_module(module, activations)
-    meta = {"hparams": dict(module.hparams), "activations": activations, **extra}
+    meta = {
+        "hparams": dict(module.hparams),
+        "class_weights": module.class_weights.tolist(),  # the loss weights it trained with (not needed to score)
+        "activations": activations,
+        **extra,
+    }
     with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory}"):
         tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
         try:
