@@ -61,7 +61,7 @@ def test_a_batch_size_other_than_the_default_keys_its_own_states(tmp_path, tiny_
     """Batches pad to their longest prompt and sum in other shapes: the batch size moves the last bits. Before,
     states extracted with batch 8 were filed under the key of batch 16's (and the reverse)."""
     assert extraction_key() == {} and extraction_key(16, "auto", CPU_THREADS) == {}  # the defaults: keys as before
-    assert extraction_key(8) == {"extract_batch_size": 8}
+    assert extraction_key(8) == {"extract_batch_size": 8} and extraction_key(threads=4) == {"extract_threads": 4}
     cache = str(tmp_path / "cache")
     rows = nq_rows[:32]
     default = build_confidence_data(tiny_llama, templates, rows, max_new_tokens=2, cache_dir=cache, **SETTINGS)

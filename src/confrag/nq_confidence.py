@@ -31,7 +31,7 @@ from confrag.artifacts import ActivationStore, ShardedArtifact, compute_shards, 
 from confrag.data.nq import QARow, rows_fingerprint
 from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
-from confrag.llm.hidden_states import HiddenStateEngine, extraction_key, validate_layers
+from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, validate_layers
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.qa_metrics import exact_match, has_answer
@@ -262,6 +262,7 @@ def build_confidence_data(
     extract_compile: bool = False,
     generation: GreedyOptions | None = None,
     truncate_passages: bool = False,
+    extract_threads: int | None = CPU_THREADS,
 ) -> ConfidenceData:
     """NQ_Confidence for `rows`; `candidates[i]` (passages with .title and .text) are question i's retrieved
     contexts, needed by the `+candidates` options (one prompt kind per rank)."""
@@ -279,11 +280,16 @@ def build_confidence_data(
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
     # The batch composition changes the states' last bits: a non-default batch size keys its own states.
-    numerics = extraction_key(extract_batch_size)
+    numerics = extraction_key(extract_batch_size, threads=extract_threads)
     # Built at the first shard to compute: with a DeferredLLM, a complete cache never loads the weights.
     engine = functools.cache(
         lambda: HiddenStateEngine(
-            llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress, compile=extract_compile
+            llm.model,
+            llm.tokenizer,
+            batch_size=extract_batch_size,
+            progress=progress,
+            compile=extract_compile,
+            threads=extract_threads,
         )
     )
 

@@ -67,7 +67,8 @@ def extraction_key(
     if max_batch_tokens != AUTO:
         found["extract_batch_tokens"] = max_batch_tokens
     if threads != CPU_THREADS:
-        found["extract_threads"] = threads
+        # None runs on the process's own count: the count this process has is what the bytes depend on.
+        found["extract_threads"] = torch.get_num_threads() if threads is None else threads
     return found
 
 
