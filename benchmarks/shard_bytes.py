@@ -40,7 +40,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--llm", default="smollm2_135m")
     args = parser.parse_args()
-    llm = load_llm(OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "llm" / f"{args.llm}.yaml")))
+    cfg = OmegaConf.load(ROOT / "conf" / "llm" / f"{args.llm}.yaml")
+    cfg.cache_dir = None  # the default cache (CONFRAG_CACHE or <repo>/.cache), not the unresolved ${paths.model_dir}
+    llm = load_llm(OmegaConf.to_container(cfg))
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "prompts" / "paper.yaml")))
     rows = load_nq_jsonl(default_nq_path(), limit=args.prompts)
     prompts = [templates.qa_prompt(llm.tokenizer, row.question) for row in rows]
