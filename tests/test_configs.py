@@ -25,6 +25,7 @@ from helpers.runs import (
     check_rerank_outputs,
     compose_cfg,
 )
+from helpers.wandb_records import logged_artifacts
 
 RUNNABLE_HERE = [name for name in EXPERIMENTS if "tiny" in name]
 
@@ -126,15 +127,15 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     if cfg.task_name == "gates":
         check_gates_outputs(out, list(cfg.gates.names))
         return
-    assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "probe.safetensors").is_file()
+    assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "model.safetensors").is_file()
     info = json.loads((out / "run_info.json").read_text())
     assert info["argv"] and "commit" in info
     assert OmegaConf.load(out / "config_resolved.yaml").llm.name == cfg.llm.name
     meta = json.loads((out / "probe" / "probe.json").read_text())
     assert meta["activations"]["layer"] == 2 and meta["activations"]["llm"]["name"] == cfg.llm.name
     saved = load_probe(out / "probe")  # the exported probe loads and scores raw hidden states
-    assert saved.module.hparams.hidden_dims == [512, 64, 32]
-    confidence = saved.confidence(np.zeros((3, saved.module.hparams.input_dim), dtype=np.float32))
+    assert saved.meta["hparams"]["hidden_dims"] == [512, 64, 32]
+    confidence = saved.confidence(np.zeros((3, saved.input_dim), dtype=np.float32))
     assert confidence.shape == (3,) and ((0 <= confidence) & (confidence <= 1)).all()
 
 
@@ -167,7 +168,7 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**__import__("os").environ, "WANDB_SILENT": "true"},
+        env={**__import__("os").environ, "WANDB_SILENT": "true", "WANDB_DATA_DIR": str(tmp_path / "wandb_data")},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     activation_dirs = list((cache / "activations").iterdir())
@@ -182,6 +183,10 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     assert sorted(layers) == [1, 2, 3]
     wandb_runs = [run for job in jobs for run in (job / "wandb").glob("offline-run-*")]
     assert len(wandb_runs) == 3
+    # Each job's exported probe is an artifact of its W&B run (lineage), its files and digest included.
+    for job in jobs:
+        assert [a[:2] for a in logged_artifacts(job / "wandb")] == [("probe-tiny_llama", "model")]
+        assert "confrag.digest.json" in logged_artifacts(job / "wandb")[0][2]
 
 
 def test_probe_layer_out_of_range_lists_the_valid_range(tmp_path):

@@ -214,7 +214,7 @@ def test_probe_task_trains_on_the_gpu(tmp_path, devices):
     print({key: round(value, 4) for key, value in sorted(metrics.items())})
     assert 0.0 <= metrics["test/acc"] <= 1.0 and "test/auroc" in metrics
     assert {"val/auroc", "test/auroc", "train/loss"} <= set(csv_columns(out))
-    assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "probe" / "probe.safetensors").is_file()
+    assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "probe" / "model.safetensors").is_file()
 
 
 def test_rerank_task_trains_and_scores_on_the_gpu(tmp_path, devices):

@@ -122,9 +122,13 @@ def test_hub_push_is_off_by_default_and_needs_both_repo_ids(tmp_path):
     cfg = compose_cfg(["+experiment=reranker_tiny_llama"], tmp_path)
     assert settings_from(HubSettings, cfg.hub, "hub") == HubSettings(push=False)
     with pytest.raises(ValueError, match="hub.push is true: hub.reranker_repo must be a repo id"):
-        HubSettings(push=True, dataset_repo="me/rows")
+        HubSettings(push=True, dataset_repo="me/rows").require("reranker_repo", "dataset_repo")
     with pytest.raises(ValueError, match="hub.push is true: hub.dataset_repo must be a repo id.*'rows'"):
-        HubSettings(push=True, reranker_repo="me/reranker", dataset_repo="rows")
+        HubSettings(push=True, reranker_repo="me/reranker", dataset_repo="rows").require(
+            "reranker_repo", "dataset_repo"
+        )
+    with pytest.raises(ValueError, match="hub.push is true: hub.reranker_repo must be a repo id"):
+        rerank_task.check(compose_cfg(["+experiment=reranker_tiny_llama", "hub.push=true"], tmp_path))
     with pytest.raises(ValueError, match="hub.push must be true or false"):
         HubSettings(push="yes")
     with pytest.raises(ValueError, match=r"hub: unknown key\(s\) \['repo'\]"):
@@ -150,7 +154,8 @@ def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeyp
     assert load_dataset(str(out / "nq_rerank_dataset"))["train"].num_rows == 2
     # Asked to push: each folder goes to its own repo (recorded here, never uploaded).
     monkeypatch.setattr(rerank_task, "push_folder", lambda *args: pushed.append(args) or "url")
-    rerank_task.publish(cfg, recipe, stage, TABLE1, 1, HubSettings(True, "me/reranker", "me/rows", True), out)
+    hub = HubSettings(push=True, reranker_repo="me/reranker", dataset_repo="me/rows", private=True)
+    rerank_task.publish(cfg, recipe, stage, TABLE1, 1, hub, out)
     assert pushed == [
         (out / "reranker", "me/reranker", "model", True),
         (out / "nq_rerank_dataset", "me/rows", "dataset", True),

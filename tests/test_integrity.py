@@ -111,8 +111,8 @@ def saved_probe(directory: Path) -> ProbeModule:
 
 def test_a_damaged_probe_is_refused(tmp_path):
     saved_probe(tmp_path / "weights")
-    flip(tmp_path / "weights" / "probe.safetensors", 256)
-    with pytest.raises(ArtifactDamagedError, match=r"probe .*weights: probe.safetensors: checksum mismatch"):
+    flip(tmp_path / "weights" / "model.safetensors", 256)
+    with pytest.raises(ArtifactDamagedError, match=r"probe .*weights: model.safetensors: checksum mismatch"):
         load_probe(tmp_path / "weights")
     saved_probe(tmp_path / "meta")
     meta = tmp_path / "meta" / "probe.json"
@@ -124,7 +124,7 @@ def test_a_damaged_probe_is_refused(tmp_path):
 def test_a_damaged_cached_probe_is_retrained(tmp_path, monkeypatch):
     directory = tmp_path / "probes" / "key"
     saved_probe(directory)
-    flip(directory / "probe.safetensors", 256)
+    flip(directory / "model.safetensors", 256)
     trained = []
 
     def fit(recipe, callbacks, loggers, datamodule=None, **settings):

@@ -93,8 +93,8 @@ def test_saved_probe_keeps_its_recipe_and_weights(tmp_path):
     probe.set_class_weights([0, 0, 0, 1])
     save_probe(probe, tmp_path, {"llm": {}, "prompts": "p", "layer": 0, "key": "k"}, {})
     saved = load_probe(tmp_path)
-    assert saved.module.hparams.optimizer == "lbfgs" and saved.module.hparams.class_weight == "balanced"
-    assert torch.equal(saved.module.class_weights, probe.class_weights)
+    assert saved.meta["hparams"]["optimizer"] == "lbfgs" and saved.meta["hparams"]["class_weight"] == "balanced"
+    assert torch.equal(torch.tensor(saved.meta["class_weights"]), probe.class_weights)
     x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
     assert np.allclose(saved.confidence(x), probe.confidence(x))
 

@@ -37,6 +37,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -187,6 +188,20 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 def atomic_save_npy(path: Path, array: np.ndarray) -> None:
     atomic_write_bytes(path, npy_bytes(array))
+
+
+def replace_folder(built: Path | str, directory: Path | str) -> None:
+    """Put the finished folder `built` (made beside `directory` by `make_temp_dir`) in `directory`'s place:
+    an existing one is first renamed aside, then removed, so a reader finds the old folder or the new one,
+    never a mix. Callers hold a lock on `directory` (two renames into one place would collide)."""
+    built, directory = Path(built), Path(directory)
+    old = None
+    if directory.exists():
+        old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
+        os.replace(directory, old)
+    os.replace(built, directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # --- locks -----------------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ import numpy as np
 
 from confrag.artifacts import ActivationStore, ShardedArtifact, compute_shards, fingerprint
 from confrag.data.nq import QARow, rows_fingerprint
+from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
-from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
+from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, validate_layers
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.qa_metrics import exact_match, has_answer
@@ -157,20 +158,55 @@ def build_prompts(
     tok = llm.tokenizer
     if kind == "qa":
         return [templates.qa_prompt(tok, row.question) for row in rows]
+    return [templates.rag_prompt(tok, question, list(ps)) for question, ps in rag_items(rows, kind, seed, candidates)]
+
+
+def rag_items(
+    rows: Sequence[QARow], kind: str, seed: int, candidates: Sequence[Sequence[Any]] | None = None
+) -> list[tuple[str, list[Any]]]:
+    """(question, passages) of each row's prompt of a RAG kind: its gold paragraph, another row's, or its
+    retrieved candidate of one rank."""
     if kind.startswith(CANDIDATE_KIND):
         j = int(kind[len(CANDIDATE_KIND) :])
         if candidates is None or len(candidates) != len(rows) or any(len(c) <= j for c in candidates):
             raise ValueError(f"prompt kind {kind!r} needs at least {j + 1} retrieved candidates for every question")
-        return [templates.rag_prompt(tok, row.question, [c[j]]) for row, c in zip(rows, candidates)]
+        return [(row.question, [c[j]]) for row, c in zip(rows, candidates)]
     missing = [row.qid for row in rows if not row.contexts]
     if missing:
         raise ValueError(f"prompt kind {kind!r} needs a gold paragraph; rows without one: {missing[:5]}")
     if kind == "rag_gold":
-        return [templates.rag_prompt(tok, row.question, row.contexts[:1]) for row in rows]
+        return [(row.question, list(row.contexts[:1])) for row in rows]
     if kind == "rag_other":
         partner = partner_indices(len(rows), seed)
-        return [templates.rag_prompt(tok, row.question, rows[j].contexts[:1]) for row, j in zip(rows, partner)]
+        return [(row.question, list(rows[j].contexts[:1])) for row, j in zip(rows, partner)]
     raise ValueError(f"unknown prompt kind {kind!r}; known: {KINDS}")
+
+
+def fitted_prompts(
+    llm: LoadedLLM,
+    templates: PromptTemplates,
+    items: Sequence[tuple[str, Sequence[Any]]],
+    labels: Sequence[str],
+    max_new_tokens: int,
+    truncate: bool,
+    spec: dict[str, Any],
+) -> list[str]:
+    """The RAG prompts of `items`, checked against the LLM's context (refused by row, or cut with
+    `data.truncate_passages`); when some were cut, `spec` records the cut prompts (the states are theirs)."""
+    prompts, cut = fit_rag_prompts(
+        items,
+        labels,
+        templates,
+        llm.tokenizer,
+        llm.context,
+        max_new_tokens,
+        truncate,
+        where=f"NQ_Confidence [{spec['kind']}]",
+        option="data.truncate_passages",
+    )
+    if cut:  # absent when nothing was cut: the keys of prompts that fit are those they always had
+        spec["cut_to_fit"] = fingerprint([[i, prompts[i]] for i in cut])
+    return prompts
 
 
 def stratified_question_splits(labels: np.ndarray, seed: int, sizes: dict[str, int] = PAPER_SPLIT_SIZES) -> list[str]:
@@ -225,6 +261,8 @@ def build_confidence_data(
     candidates: Sequence[Sequence[Any]] | None = None,
     extract_compile: bool = False,
     generation: GreedyOptions | None = None,
+    truncate_passages: bool = False,
+    extract_threads: int | None = CPU_THREADS,
 ) -> ConfidenceData:
     """NQ_Confidence for `rows`; `candidates[i]` (passages with .title and .text) are question i's retrieved
     contexts, needed by the `+candidates` options (one prompt kind per rank)."""
@@ -241,10 +279,17 @@ def build_confidence_data(
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
+    # The batch composition changes the states' last bits: a non-default batch size keys its own states.
+    numerics = extraction_key(extract_batch_size, threads=extract_threads)
     # Built at the first shard to compute: with a DeferredLLM, a complete cache never loads the weights.
     engine = functools.cache(
         lambda: HiddenStateEngine(
-            llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress, compile=extract_compile
+            llm.model,
+            llm.tokenizer,
+            batch_size=extract_batch_size,
+            progress=progress,
+            compile=extract_compile,
+            threads=extract_threads,
         )
     )
 
@@ -252,18 +297,23 @@ def build_confidence_data(
     # filling the cache together (torchrun ranks, parallel jobs) never wait while some shard is free.
     jobs, artifacts = [], {}
     for kind in kinds:
-        prompts = build_prompts(llm, templates, rows, kind, seed, candidates)
         kind_spec = {**base_spec, "kind": kind, "partner_seed": seed if kind == "rag_other" else None}
         if kind.startswith(CANDIDATE_KIND):  # the contexts are part of what the states are states of
             j = int(kind[len(CANDIDATE_KIND) :])
             kind_spec["contexts"] = fingerprint([[c[j].title, c[j].text] for c in candidates])
+        if kind == "qa":  # questions were fitted by the caller (fit_questions)
+            prompts = build_prompts(llm, templates, rows, kind, seed, candidates)
+        else:
+            labels = [f"{row.qid} [{kind}]" for row in rows]
+            items = rag_items(rows, kind, seed, candidates)
+            prompts = fitted_prompts(llm, templates, items, labels, max_new_tokens, truncate_passages, kind_spec)
         generations = ShardedArtifact(
             cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens}, len(rows), shard_size, fmt="json"
         )
         activations = ShardedArtifact(
             cache_dir,
             "activations",
-            {**kind_spec, "layers": layer_list, "store": "float32"},
+            {**kind_spec, "layers": layer_list, "store": "float32", **numerics},
             len(rows),
             shard_size,
             fmt="npy",
@@ -290,14 +340,14 @@ def build_confidence_data(
     owners = {kind: np.arange(len(rows)) for kind in kinds}  # the question row of each item of a kind
     if pairs_only(train_states):
         pair_question = np.array([i for i, c in enumerate(candidates) for _ in c], dtype=np.int64)
-        prompts = [
-            templates.rag_prompt(llm.tokenizer, rows[i].question, [p]) for i, c in enumerate(candidates) for p in c
-        ]
         pair_spec = {
             **base_spec,
             "kind": PAIRS_KIND,
             "contexts": fingerprint([[int(i), p.title, p.text] for i, c in enumerate(candidates) for p in c]),
         }
+        items = [(rows[i].question, [p]) for i, c in enumerate(candidates) for p in c]
+        labels = [f"{rows[i].qid} [candidate {r}]" for i, c in enumerate(candidates) for r in range(len(c))]
+        prompts = fitted_prompts(llm, templates, items, labels, max_new_tokens, truncate_passages, pair_spec)
         generations = ShardedArtifact(
             cache_dir,
             "generations",
@@ -307,7 +357,8 @@ def build_confidence_data(
             fmt="json",
         )
         activations = ShardedArtifact(
-            cache_dir, "activations", {**pair_spec, "layers": layer_list, "store": "float32"}, len(prompts), shard_size,
+            cache_dir, "activations", {**pair_spec, "layers": layer_list, "store": "float32", **numerics}, len(prompts),
+            shard_size,
             fmt="npy",
         )  # fmt: skip
         jobs.append(

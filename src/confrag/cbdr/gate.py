@@ -74,7 +74,7 @@ def check_probe(llm: LoadedLLM, templates: PromptTemplates, probe: SavedProbe, l
     probe.check(llm.identity, templates.identity(llm.tokenizer), probe.layer if layer is None else layer)
     if not 0 <= probe.layer <= llm.num_layers:
         raise ValueError(f"probe layer {probe.layer} is outside 0..{llm.num_layers} of {llm.identity['name']}")
-    width, hidden = int(probe.module.hparams.input_dim), int(llm.model.config.hidden_size)
+    width, hidden = probe.input_dim, int(llm.model.config.hidden_size)
     if width != hidden:
         raise ValueError(f"probe input_dim {width} differs from the hidden size {hidden} of {llm.identity['name']}")
 

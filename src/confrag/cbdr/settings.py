@@ -43,6 +43,7 @@ class AnswerSettings:
     chunk_size: int = 64  # prompts per answer-cache chunk (the unit of resumption)
     extract_batch_size: int = 16  # prompts per batch of hidden states (Conf(H(Q)))
     generation: Any = None  # the `rag.generation` node: how the greedy answers are generated (GreedyOptions)
+    truncate_passages: bool = False  # a RAG prompt longer than the context: refused (false) or its passages cut
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "top_k", check_ks(as_list(self.top_k)))
@@ -50,6 +51,8 @@ class AnswerSettings:
             positive_int(getattr(self, key), f"rag.{key}")
         for key in ("batch_size", "extract_batch_size"):  # or "auto": from free device memory
             check_batch_size(getattr(self, key), f"rag.{key}")
+        if not isinstance(self.truncate_passages, bool):
+            raise ValueError(f"rag.truncate_passages must be true or false; got {self.truncate_passages!r}")
         if not isinstance(self.generation, GreedyOptions):
             object.__setattr__(self, "generation", GreedyOptions.from_mapping(self.generation, "rag.generation"))
 
@@ -64,6 +67,7 @@ class AnswerSettings:
             chunk_size=self.chunk_size,
             progress=progress,
             generation=self.generation,
+            truncate_passages=self.truncate_passages,
         )
 
 

@@ -1,10 +1,12 @@
-"""Prompts that fit the model: question lengths checked against the LLM's context before it loads.
+"""Prompts that fit the model: question and passage lengths checked against the LLM's context before it loads.
 
 A question longer than the context used to pass every check and fail after the model loaded (asking
 the allocator for tens of GB, naming neither the row nor the limit). Here every QA prompt is tokenized
 with the model's own tokenizer and chat template (exact lengths, not an estimate) and compared with the
 context length less the tokens to generate; a row that does not fit is refused by qid, or, when the
-user turns truncation on, its question is cut to fit, with a count.
+user turns truncation on, its question is cut to fit, with a count. RAG prompts (question + passages) are
+checked the same way, whole (`fit_rag_prompts`): a row whose passages do not fit is refused by name, or
+with the user's `truncate_passages` its passages are cut to fit.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -85,3 +88,80 @@ def _cut(question: str, templates: PromptTemplates, tokenizer: PreTrainedTokeniz
             return text
         keep -= max(1, length - budget)
     return ""
+
+
+def fit_rag_prompts(
+    items: Sequence[tuple[str, Sequence[Any]]],
+    labels: Sequence[str],
+    templates: PromptTemplates,
+    tokenizer: PreTrainedTokenizerBase,
+    context: int,
+    max_new_tokens: int,
+    truncate: bool = False,
+    where: str = "rag",
+    option: str = "rag.truncate_passages",
+) -> tuple[list[str], list[int]]:
+    """The RAG prompts of (question, passages) items (passages: objects with .title / .text), each tokenized
+    with the model's tokenizer and chat template and checked against `context` less `max_new_tokens`. An item
+    that does not fit is refused (PromptTooLongError naming its label, its length, its passages' characters
+    and the limit), or with `truncate` its passages are cut on tokens from the last one backwards until it
+    fits, with a warning counting the items cut. Returns the prompts and the indices of the cut items."""
+    budget = context - max_new_tokens
+    prompts = [templates.rag_prompt(tokenizer, question, list(passages)) for question, passages in items]
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)] if prompts else []
+    too_long = [i for i, n in enumerate(lengths) if n > budget]
+    if not too_long:
+        return prompts, []
+    if truncate:
+        fitted = {i: _cut_passages(*items[i], templates, tokenizer, budget) for i in too_long}
+        if all(prompt is not None for prompt in fitted.values()):
+            for i, prompt in fitted.items():
+                prompts[i] = prompt
+            log.warning(
+                "%s: cut the passages of %d prompt(s) to fit the model's context of %d tokens (%s=true), e.g. %s",
+                where,
+                len(too_long),
+                context,
+                option,
+                labels[too_long[0]],
+            )
+            return prompts, too_long
+        too_long = [i for i in too_long if fitted[i] is None]  # not even without passages: the question is too long
+    named = ", ".join(
+        f"{labels[i]!r} ({lengths[i]} tokens; passages of {sum(len(p.text) for p in items[i][1])} characters)"
+        for i in too_long[:SHOWN]
+    )
+    advice = (
+        "their questions alone do not fit: shorten them (data.truncate_questions cuts questions)"
+        if truncate
+        else f"shorten or remove these passages, or set {option}=true to cut them to fit"
+    )
+    raise PromptTooLongError(
+        f"{where}: {len(too_long)} RAG prompt(s) (question + passages) do not fit the model's context of {context} "
+        f"tokens less max_new_tokens={max_new_tokens} (a prompt may hold {budget} tokens): {named}"
+        f"{', ...' if len(too_long) > SHOWN else ''}; {advice}"
+    )
+
+
+def _cut_passages(
+    question: str, passages: Sequence[Any], templates: PromptTemplates, tokenizer: PreTrainedTokenizerBase, budget: int
+) -> str | None:
+    """The RAG prompt with the passages' texts cut on tokens, the last passage first, to fit `budget`; None
+    when even empty passages do not fit."""
+    passages = list(passages)
+
+    def length(ps: Sequence[Any]) -> int:
+        return len(encode_prompts(tokenizer, [templates.rag_prompt(tokenizer, question, list(ps))])[0])
+
+    for j in reversed(range(len(passages))):
+        ids = tokenizer(passages[j].text, add_special_tokens=False)["input_ids"]
+        keep = len(ids)
+        while keep > 0:
+            # Decoding and re-encoding may merge tokens differently: measured again, shortened until it fits.
+            trial = [*passages[:j], dataclasses.replace(passages[j], text=tokenizer.decode(ids[:keep]))]
+            found = length([*trial, *passages[j + 1 :]])
+            if found <= budget:
+                return templates.rag_prompt(tokenizer, question, [*trial, *passages[j + 1 :]])
+            keep -= max(1, found - budget)
+        passages[j] = dataclasses.replace(passages[j], text="")
+    return templates.rag_prompt(tokenizer, question, passages) if length(passages) <= budget else None

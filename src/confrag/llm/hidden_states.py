@@ -17,6 +17,12 @@ layer i, and `num_hidden_layers` is the final-norm output. The engine
 
 The result equals the per-prompt full forward with `output_hidden_states=True` up to float rounding
 (tests check ≤ 1e-5 relative error in fp32).
+
+On the CPU the engine runs with a fixed number of intra-op threads (`threads`, default `CPU_THREADS` = 1),
+whatever the process was given: torch splits a product's reductions over its threads, so the same prompts
+summed on 1 and on 2 threads differ in the last bits, and jobs of a joblib multirun (which runs its
+workers with fewer threads than a lone process) wrote other bytes under the same cache key
+(docs/reliability.md#one-answer-however-many-workers-what-a-shards-bytes-depend-on).
 """
 
 from __future__ import annotations
@@ -39,6 +45,46 @@ from confrag.llm.prompts import encode_prompts
 log = logging.getLogger(__name__)
 
 PADDING_SIDES = ("left", "right")
+# Intra-op threads of a CPU extraction: fixed, so that a shard's bytes do not depend on the thread count of
+# the process that computed it (measured: 1 vs 2 threads changes up to 7.6e-6 in 24 of 64 SmolLM2 states).
+CPU_THREADS = 1
+
+
+# The engine's batch settings every cache key of states assumes unless it says otherwise (`extraction_key`).
+DEFAULT_BATCH_SIZE = 16
+
+
+def extraction_key(
+    batch_size: int | str = DEFAULT_BATCH_SIZE, max_batch_tokens: int | str = AUTO, threads: int | None = CPU_THREADS
+) -> dict[str, object]:
+    """What a cached state's bytes depend on beyond its prompts and model, for its artifact's key: the batch
+    composition (prompts are padded to their batch's longest and summed in other shapes: batch 8 vs 16 moves
+    28 of 64 SmolLM2 states by up to 3.1e-5) and the CPU thread count. Empty for the defaults, so the keys
+    of states extracted with them are the keys they always had; a setting that differs is recorded."""
+    found: dict[str, object] = {}
+    if batch_size != DEFAULT_BATCH_SIZE:
+        found["extract_batch_size"] = batch_size
+    if max_batch_tokens != AUTO:
+        found["extract_batch_tokens"] = max_batch_tokens
+    if threads != CPU_THREADS:
+        # None runs on the process's own count: the count this process has is what the bytes depend on.
+        found["extract_threads"] = torch.get_num_threads() if threads is None else threads
+    return found
+
+
+@contextlib.contextmanager
+def fixed_threads(device: torch.device, threads: int | None) -> Iterator[None]:
+    """Within the block, torch's intra-op thread count is `threads` when computing on the CPU (restored after);
+    on a GPU, or with `threads=None`, nothing changes."""
+    if threads is None or device.type != "cpu" or torch.get_num_threads() == threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def validate_layers(layers: Sequence[int], num_layers: int) -> list[int]:
@@ -68,7 +114,7 @@ class HiddenStateEngine:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        batch_size: int | str = 16,
+        batch_size: int | str = DEFAULT_BATCH_SIZE,
         max_batch_tokens: int | str = AUTO,
         padding_tolerance: float = 0.1,
         padding_side: str = "right",
@@ -77,6 +123,7 @@ class HiddenStateEngine:
         last_token_tail: bool = True,
         progress: bool = True,
         compile: bool = False,
+        threads: int | None = CPU_THREADS,
     ) -> None:
         if padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side={padding_side!r} is not one of {PADDING_SIDES}")
@@ -95,12 +142,20 @@ class HiddenStateEngine:
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be true or false; got {compile!r}")
         self.compile = compile
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be an integer >= 1 or None (the process's own count); got {threads!r}")
+        self.threads = threads  # CPU intra-op threads during extraction (None: whatever the process has)
         self._compiled: dict[int, object] = {}  # module id -> its compiled call
         self._compile_failed = self._told_cpu = False
         self.base = model.base_model
         self.decoder_layers = list(self.base.layers)  # the whole stack; `_truncated` shortens base.layers
         self.num_layers = int(model.config.num_hidden_layers)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @property
+    def key(self) -> dict[str, object]:
+        """`extraction_key` of this engine's settings (for the artifacts it fills)."""
+        return extraction_key(self.batch_size, self.max_batch_tokens, self.threads)
 
     @property
     def device(self) -> torch.device:
@@ -132,6 +187,11 @@ class HiddenStateEngine:
             return out
         rows, tokens = self.batch_limits(depth, max(len(seq) for seq in ids))
         batches = self.length_batches([len(seq) - prefix_len for seq in ids], rows, tokens)
+        with fixed_threads(self.device, self.threads):
+            self._extract_batches(ids, layers, batches, prefix_len, depth, tail, out, desc)
+        return out
+
+    def _extract_batches(self, ids, layers, batches, prefix_len, depth, tail, out, desc) -> None:
         with _truncated(self.base, min(depth, self.num_layers)):
             prefix_cache = self._prefix_cache(ids[0][:prefix_len]) if prefix_len else None
         with _truncated(self.base, depth - 1 if tail else depth), self._compiled_blocks(depth) as compiled:
@@ -152,7 +212,6 @@ class HiddenStateEngine:
                     _eager(compiled)
                     states = self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail)
                 out[:, batch, :] = states
-        return out
 
     @contextlib.contextmanager
     def _compiled_blocks(self, depth: int) -> Iterator[list]:

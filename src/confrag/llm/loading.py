@@ -94,6 +94,11 @@ class LoadedLLM:
         return self.num_layers // 2
 
     @property
+    def context(self) -> int:
+        """The context length prompts are checked against (`max_position_embeddings`, as DeferredLLM's)."""
+        return int(self.model.config.max_position_embeddings)
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

@@ -32,7 +32,7 @@ from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import fit_questions
 from confrag.llm.generation import GreedyOptions
-from confrag.llm.hidden_states import HiddenStateEngine
+from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.nq_confidence import (
@@ -142,11 +142,13 @@ class NQConfidenceDataModule(LightningDataModule):
         candidates_top_n: int = 5,
         words_per_passage: int = 100,
         extract_compile: bool = False,
+        extract_threads: int | None = CPU_THREADS,
         generation: dict[str, Any] | None = None,
         question_splits: dict[str, int] | None = None,
         ranking_top_n: int | None = 20,
         ranking_test_questions: int = 0,
         truncate_questions: bool = False,
+        truncate_passages: bool = False,
         questions_format: str = "auto",
     ) -> None:
         super().__init__()
@@ -169,6 +171,11 @@ class NQConfidenceDataModule(LightningDataModule):
         self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
         # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
         self.extract_compile = extract_compile
+        if extract_threads is not None and (
+            isinstance(extract_threads, bool) or not isinstance(extract_threads, int) or extract_threads < 1
+        ):
+            raise ValueError(f"data.extract_threads must be an integer >= 1 or null; got {extract_threads!r}")
+        self.extract_threads = extract_threads
         self.generation = GreedyOptions.from_mapping(generation, "data.generation")
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
@@ -183,6 +190,7 @@ class NQConfidenceDataModule(LightningDataModule):
         )
         self.batch_size, self.num_workers, self.cache_dir, self.progress = batch_size, num_workers, cache_dir, progress
         self.truncate_questions = bool(truncate_questions)
+        self.truncate_passages = bool(truncate_passages)
         self.data: ConfidenceData | None = None
         self.layer: int | None = None
         self.llm_identity: dict[str, Any] | None = None
@@ -235,7 +243,9 @@ class NQConfidenceDataModule(LightningDataModule):
                 progress=self.progress,
                 candidates=candidates,
                 extract_compile=self.extract_compile,
+                extract_threads=self.extract_threads,
                 generation=self.generation,
+                truncate_passages=self.truncate_passages,
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)
@@ -272,7 +282,11 @@ class NQConfidenceDataModule(LightningDataModule):
         # Built at the first shard to compute: a complete cache loads no weights.
         engine = functools.cache(
             lambda: HiddenStateEngine(
-                llm.model, llm.tokenizer, batch_size=self.extract_batch_size, progress=self.progress
+                llm.model,
+                llm.tokenizer,
+                batch_size=self.extract_batch_size,
+                progress=self.progress,
+                threads=self.extract_threads,
             )
         )
         parts = {}
@@ -287,6 +301,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 cache_dir=self.cache_dir,
                 layers=data.layers,  # every extracted layer: a layer sweep extracts the candidates once
                 progress=self.progress,
+                extraction=extraction_key(self.extract_batch_size, threads=self.extract_threads),
             )
             parts[name] = (found, states)
         test = [parts["test"], *([parts["test_extra"]] if "test_extra" in parts else [])]

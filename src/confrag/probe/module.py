@@ -7,8 +7,10 @@ Inputs are standardized with the training split's mean and std, kept as buffers 
 regression, the same optimum as scikit-learn's (tested). `class_weight="balanced"` weighs the loss by
 inverse class frequency, so that every training state is kept instead of down-sampling the majority.
 
-A saved probe carries the identity of the activations it was trained on (model, prompt template,
-layer); `load_probe(...).check(...)` refuses another one.
+A saved probe is a `PyTorchModelHubMixin` folder (`confrag.probe.network.ProbeNetwork`: config.json with the
+layer, the LLM identity and the input standardization; model.safetensors) plus the run record probe.json;
+it carries the identity of the activations it was trained on (model, prompt template, layer), and
+`load_probe(...).check(...)` refuses another one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import inspect
 import json
 import logging
 import math
+import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,19 +28,21 @@ from typing import Any
 import numpy as np
 import torch
 from lightning import LightningModule
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from torch import nn
 from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
 from confrag.artifacts import (
-    atomic_write_bytes,
-    atomic_write_text,
     exclusive,
+    honour_umask,
+    make_temp_dir,
+    replace_folder,
     require_whole_folder,
     write_folder_digest,
 )
 from confrag.finite import require_finite
+from confrag.probe.network import CONFIG, ProbeNetwork, mlp
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +90,7 @@ class ProbeModule(LightningModule):
             class_weight=class_weight,
         )
         self.save_hyperparameters()
-        dims = [input_dim, *hidden_dims]
-        blocks: list[nn.Module] = []
-        for d_in, d_out in zip(dims[:-1], dims[1:]):
-            blocks += [nn.Linear(d_in, d_out), nn.ReLU(), nn.Dropout(dropout)]
-        self.net = nn.Sequential(*blocks, nn.Linear(dims[-1], 2))
+        self.net = mlp(input_dim, hidden_dims, dropout)
         self.register_buffer("mean", torch.zeros(input_dim))
         self.register_buffer("std", torch.ones(input_dim))
         # Per-class loss weights (1, 1 unless class_weight="balanced" and set_class_weights saw the labels).
@@ -102,6 +103,10 @@ class ProbeModule(LightningModule):
         # Examples and positives seen per split (synced across DDP ranks like the metrics): AUROC needs both classes.
         self.val_counts = MetricCollection({"examples": SumMetric(), "positives": SumMetric()})
         self.test_counts = self.val_counts.clone()
+
+    @property
+    def input_dim(self) -> int:
+        return int(self.hparams.input_dim)
 
     def set_standardization(self, mean: np.ndarray | torch.Tensor, std: np.ndarray | torch.Tensor) -> None:
         self.mean.copy_(torch.as_tensor(mean, dtype=torch.float32))
@@ -256,15 +261,21 @@ def check_probe_settings(**settings: Any) -> None:
 
 
 class SavedProbe:
-    """A trained probe plus the identity of the activations it expects."""
+    """A trained probe (a `ProbeNetwork` when read from disk; a `ProbeModule` works too) plus the identity of
+    the activations it expects and its run record (`probe.json`: training settings, metrics, data summary)."""
 
-    def __init__(self, module: ProbeModule, meta: dict[str, Any]) -> None:
+    def __init__(self, module: nn.Module, meta: dict[str, Any], directory: Path | None = None) -> None:
         self.module = module.eval()
         self.meta = meta
+        self.directory = directory  # the folder it was read from (None when made in memory)
 
     @property
     def layer(self) -> int:
         return int(self.meta["activations"]["layer"])
+
+    @property
+    def input_dim(self) -> int:
+        return int(self.module.input_dim)
 
     def check(self, llm_identity: dict[str, Any], prompts_identity: str, layer: int) -> None:
         expected = self.meta["activations"]
@@ -280,40 +291,57 @@ class SavedProbe:
         return self.module.confidence(hidden_states)
 
 
-PROBE_FILES = ("probe.safetensors", "probe.json")
+RECORD = "probe.json"  # the run record beside the Hub files (cache_verify recognises a probe folder by it)
+LEGACY_WEIGHTS = "probe.safetensors"  # the format before PyTorchModelHubMixin: weights + probe.json
 
 
 def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str, Any], extra: dict[str, Any]) -> Path:
-    """Weights and metadata, each written atomically; two processes saving to one directory take turns,
-    so the weights and the metadata found there always come from the same save."""
+    """The probe as a `PyTorchModelHubMixin` folder (`config.json`, `model.safetensors`, README.md) plus its run
+    record `probe.json`, with the folder digest; built beside `directory` and renamed into place, so a reader
+    never sees half a save. Two processes saving to one directory take turns."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-    meta = {"hparams": dict(module.hparams), "activations": activations, **extra}
-    with exclusive(directory / ".probe.lock", f"the probe in {directory}"):
-        atomic_write_bytes(directory / "probe.safetensors", save(tensors))
-        atomic_write_text(directory / "probe.json", json.dumps(meta, indent=2, default=str))
-        # Last: a save interrupted before this line leaves a digest that does not match, never a trusted mix.
-        write_folder_digest(directory, PROBE_FILES)
+    network = ProbeNetwork.from_module(module, activations)
+    meta = {
+        "hparams": dict(module.hparams),
+        "class_weights": module.class_weights.tolist(),  # the loss weights it trained with (not needed to score)
+        "activations": activations,
+        **extra,
+    }
+    with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory}"):
+        tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
+        try:
+            network.save_pretrained(tmp)
+            (tmp / RECORD).write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+            write_folder_digest(tmp)  # again: now with the run record
+            honour_umask(tmp)
+            replace_folder(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return directory
 
 
 def load_probe(directory: Path | str) -> SavedProbe:
-    """The probe saved in `directory`, its weights and JSON checked against the digest `save_probe` took:
-    ArtifactDamagedError when they differ or the digest is missing (a cached probe is then retrained)."""
+    """The probe saved in `directory`, every file checked against the folder digest `save_probe` took:
+    ArtifactDamagedError when one differs or the digest is missing (a cached probe is then retrained, a
+    user's own export refused). A folder in the format before the Hub mixin (`probe.safetensors` +
+    `probe.json`, with its digest) is still read."""
     directory = Path(directory)
-    for name in PROBE_FILES:
+    legacy = not (directory / CONFIG).is_file() and (directory / LEGACY_WEIGHTS).is_file()
+    for name in (LEGACY_WEIGHTS if legacy else CONFIG, RECORD):
         if not (directory / name).is_file():
             raise FileNotFoundError(
                 f"{directory / name} not found: train a probe first (python train.py +experiment=probe_*)"
             )
     require_whole_folder(directory, "probe")
-    meta = json.loads((directory / "probe.json").read_text())
+    meta = json.loads((directory / RECORD).read_text())
+    if not legacy:
+        return SavedProbe(ProbeNetwork.from_pretrained(directory), meta, directory)
     hparams = meta["hparams"]
     module = ProbeModule(
         **{k: hparams[k] for k in ("input_dim", "hidden_dims", "dropout", "lr", "weight_decay", "layer")},
         # Settings added later: probes saved before them were trained as the defaults say.
         **{k: hparams[k] for k in ("optimizer", "l2", "class_weight") if k in hparams},
     )
-    module.load_state_dict(load_file(str(directory / "probe.safetensors")))
-    return SavedProbe(module, meta)
+    module.load_state_dict(load_file(str(directory / LEGACY_WEIGHTS)))
+    return SavedProbe(ProbeNetwork.from_module(module, meta["activations"]), meta, directory)

@@ -65,11 +65,13 @@ def candidate_states(
     layers: Sequence[int] | None = None,
     shard_size: int = 256,
     progress: bool = True,
+    extraction: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layer-`layer` state of the RAG prompt holding each candidate alone, every question's candidates
     in order (one sharded, resumable artifact), and the bounds of each question's rows. `layers`: the layers
     extracted into the artifact (default: `layer` alone), so that a layer sweep extracts once. `engine` may be
-    a factory, called only when a shard must be computed (then no weights load when the cache is complete)."""
+    a factory, called only when a shard must be computed (then no weights load when the cache is complete);
+    with a factory, `extraction` is its settings' `extraction_key` (the engine's own is used otherwise)."""
     make_engine = engine if not isinstance(engine, HiddenStateEngine) else (lambda: engine)
     layers = [int(layer)] if layers is None else [int(x) for x in layers]
     if layer not in layers:
@@ -88,7 +90,7 @@ def candidate_states(
         layers,
         len(pairs),
         shard_size,
-        {"contexts": contexts_key},
+        {"contexts": contexts_key, **(engine.key if isinstance(engine, HiddenStateEngine) else extraction or {})},
     )
     artifact.compute(
         lambda a, b: make_engine().extract(prompts[a:b], layers, desc="states [candidates]"),

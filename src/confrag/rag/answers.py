@@ -33,6 +33,7 @@ from typing import Any
 
 from confrag.artifacts import CacheMismatchError, ShardedArtifact, compute_shards, fingerprint
 from confrag.llm.batching import check_batch_size
+from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -89,7 +90,11 @@ class AnswerStore:
         chunk_size: int = 64,
         progress: bool = True,
         generation: GreedyOptions | None = None,
+        truncate_passages: bool = False,
     ) -> None:
+        if not isinstance(truncate_passages, bool):
+            raise ValueError(f"rag.truncate_passages must be true or false; got {truncate_passages!r}")
+        self.truncate_passages = truncate_passages
         for key, value in (("max_new_tokens", max_new_tokens), ("chunk_size", chunk_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rag.{key} must be an integer >= 1; got {value!r}")
@@ -126,8 +131,32 @@ class AnswerStore:
         return self.templates.rag_prompt(self.llm.tokenizer, question, contexts)
 
     def answer(self, items: Sequence[tuple[str, Sequence[Any]]]) -> list[str]:
-        """Answers to (question, contexts) items, in order."""
-        return self.answer_prompts([self.prompt(question, contexts) for question, contexts in items])
+        """Answers to (question, contexts) items, in order. A RAG prompt to generate is first checked against
+        the LLM's context (less max_new_tokens): refused naming the question, or, with `truncate_passages`
+        (`rag.truncate_passages`), its passages cut to fit (the cut prompt is the one answered and cached)."""
+        prompts = [self.prompt(question, contexts) for question, contexts in items]
+        self._refresh()
+        # Only prompts to generate are measured: a cached answer was generated from a prompt that fitted.
+        todo = [
+            i
+            for i, (p, (_, contexts)) in enumerate(zip(prompts, items))
+            if contexts and prompt_hash(p) not in self._known
+        ]
+        if todo:
+            fitted, _ = fit_rag_prompts(
+                [items[i] for i in todo],
+                [f"question {items[i][0][:80]!r} with {len(items[i][1])} passage(s)" for i in todo],
+                self.templates,
+                self.llm.tokenizer,
+                self.llm.context,
+                self.max_new_tokens,
+                self.truncate_passages,
+                where="RAG answers",
+                option="rag.truncate_passages",
+            )
+            for i, prompt in zip(todo, fitted):
+                prompts[i] = prompt
+        return self.answer_prompts(prompts)
 
     # --- cache ------------------------------------------------------------------------------------
     def _chunk(self, spec: dict[str, Any], size: int) -> ShardedArtifact:

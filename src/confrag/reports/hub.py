@@ -1,8 +1,9 @@
-"""What the rerank task publishes for others to load: the exported reranker's model card (README.md with
+"""What the tasks publish for others to load: the exported reranker's model card (README.md with
 YAML front matter, read by the Hugging Face Hub and `huggingface_hub.ModelCard`), NQ_Rerank as a
 `datasets` dataset (one parquet file per split and a dataset card whose `configs` name them, so
-`datasets.load_dataset(folder)` reads it), and the upload of both folders, which runs only when the
-config asks for it (`hub.push: true`, off by default)."""
+`datasets.load_dataset(folder)` reads it), and the upload of these folders and of the exported probe
+(a `PyTorchModelHubMixin` folder, `confrag.probe.network`), which runs only when the config asks for it
+(`hub.push: true`, off by default)."""
 
 from __future__ import annotations
 
@@ -195,21 +196,27 @@ def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: 
 
 @dataclass(frozen=True)
 class HubSettings:
-    """The `hub` node: upload the exported reranker and the NQ_Rerank dataset, only when `push` is true."""
+    """The `hub` node: upload what a task exports (the rerank task: the reranker and the NQ_Rerank dataset; the
+    probe task: the probe), only when `push` is true; each task names the repo ids it needs (`require`)."""
 
     push: bool = False
     reranker_repo: str | None = None
     dataset_repo: str | None = None
+    probe_repo: str | None = None
     private: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.push, bool):
             raise ValueError(f"hub.push must be true or false; got {self.push!r}")
+
+    def require(self, *keys: str) -> HubSettings:
+        """With push on, each of `keys` must be a repo id '<owner>/<name>' (refused naming the key)."""
         if self.push:
-            for key in ("reranker_repo", "dataset_repo"):
+            for key in keys:
                 value = getattr(self, key)
                 if not isinstance(value, str) or value.count("/") != 1 or not all(value.split("/")):
                     raise ValueError(f"hub.push is true: hub.{key} must be a repo id '<owner>/<name>'; got {value!r}")
+        return self
 
 
 def push_folder(directory: str | Path, repo_id: str, repo_type: str, private: bool) -> str:

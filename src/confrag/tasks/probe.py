@@ -7,10 +7,12 @@ import logging
 from omegaconf import DictConfig
 
 from confrag.distributed import rank_info
-from confrag.instantiators import instantiate_list, output_dir, plain
+from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.probe.layer_scan import layer_scan
 from confrag.recipes import probe_recipe
+from confrag.reports.hub import HubSettings, push_folder
 from confrag.reports.probe import write_probe_report
+from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.probe import ProbeRecipe, fit_probe, probe_cache_dir, save_trained_probe
 
 log = logging.getLogger(__name__)
@@ -18,8 +20,13 @@ log = logging.getLogger(__name__)
 
 def check(cfg: DictConfig) -> ProbeRecipe:
     """The probe's data settings against the model's config (layer range), before anything runs."""
+    hub_settings(cfg)
     checkpoint = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
     return probe_recipe(cfg, cfg.seed, monitor=checkpoint.get("monitor"))
+
+
+def hub_settings(cfg: DictConfig) -> HubSettings:
+    return settings_from(HubSettings, cfg.get("hub"), "hub").require("probe_repo")
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
@@ -36,5 +43,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         save_trained_probe(model, datamodule, metrics, best, probe_cache_dir(cfg.paths.cache_dir, datamodule, recipe))
     except OSError as err:
         log.warning("The probe could not be kept in the cache (%s); the run's copy is in %s", err, out / "probe")
+    log_exports(loggers, {"probe": out / "probe"}, str(cfg.llm.name), {"layer": datamodule.layer})
+    hub = hub_settings(cfg)
+    if hub.push:  # the whole folder: its digest and run record travel with it
+        url = push_folder(out / "probe", hub.probe_repo, "model", hub.private)
+        print(f"Pushed {out / 'probe'} to model repo {hub.probe_repo}: {url}", flush=True)
     print(summary, flush=True)
     return metrics

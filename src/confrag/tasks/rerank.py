@@ -14,18 +14,23 @@ from confrag.instantiators import output_dir, run_command, settings_from, task_l
 from confrag.recipes import rerank_recipe
 from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_dataset, write_reranker_card
 from confrag.reports.rerank import write_rerank_report
+from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 
 def check(cfg: DictConfig) -> RerankRecipe:
     """Every setting of the stage, before anything runs: a typo must not surface after an hour of probing."""
-    settings_from(HubSettings, cfg.get("hub"), "hub")
+    hub_settings(cfg)
     return rerank_recipe(cfg)
+
+
+def hub_settings(cfg: DictConfig) -> HubSettings:
+    return settings_from(HubSettings, cfg.get("hub"), "hub").require("reranker_repo", "dataset_repo")
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
     recipe = check(cfg)
-    hub = settings_from(HubSettings, cfg.get("hub"), "hub")
+    hub = hub_settings(cfg)
     out = output_dir(cfg)
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
@@ -39,6 +44,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
         flush=True,
     )
     publish(cfg, recipe, stage, rows, len({r["qid"] for r in test_rows}), hub, out)
+    # The probe whose confidence labelled the rows (the cached one this run used) beside the run's exports.
+    exports = {"reranker": out / "reranker", "nq_rerank": out / "nq_rerank_dataset"}
+    if stage.probe.directory is not None:
+        exports["probe"] = stage.probe.directory
+    log_exports(loggers, exports, str(cfg.llm.name), {"rule": recipe.preferences.selection})
     main = next(r for r in rows if r["system"] == stage.main)
     return {f"test/{k}": v / 100 for k, v in main.items() if k != "system"}
 

@@ -1,0 +1,48 @@
+"""The records of an offline W&B run file (`run-*.wandb`), read without a network or a W&B server: the file
+is a LevelDB-style log (a 7-byte header `:W&B` + magic + version, then 32 KiB blocks of chunks, each
+with a 4-byte checksum, 2-byte length and 1-byte type: full, first, middle or last) of `Record` protobufs."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from wandb.proto import wandb_internal_pb2
+
+BLOCK = 32768
+HEADER = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def run_records(path: Path | str) -> list[wandb_internal_pb2.Record]:
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    records, pending, pos = [], b"", HEADER
+    while pos + HEADER <= len(data):
+        room = BLOCK - pos % BLOCK
+        if room < HEADER:  # the tail of a block too short for a chunk header is padding
+            pos += room
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
+        pos += HEADER + length
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (FULL, FIRST) else pending + chunk
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def logged_artifacts(run_dir: Path | str) -> list[tuple[str, str, list[str]]]:
+    """(name, type, file paths) of every artifact an offline run under `run_dir` logged."""
+    found = []
+    for path in sorted(Path(run_dir).rglob("run-*.wandb")):
+        for record in run_records(path):
+            if record.WhichOneof("record_type") == "artifact":
+                artifact = record.artifact
+                found.append((artifact.name, artifact.type, sorted(e.path for e in artifact.manifest.contents)))
+    return found

@@ -1,0 +1,77 @@
+"""One answer, however many workers: an activation shard's bytes do not depend on the thread count of the
+process that computed it (a joblib multirun's workers run with fewer threads than a lone process, and wrote
+other bytes under the same key), and what they still depend on (the batch composition) is in the key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, fixed_threads
+from confrag.nq_confidence import build_confidence_data
+
+SETTINGS = dict(layers=[2], train_states="qa", split_sizes={"train": 2, "dev": 1, "test": 1}, progress=False)
+
+
+@pytest.fixture
+def process_threads():
+    """Sets the process's intra-op thread count for a test; restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def shard_bytes(data) -> dict[str, bytes]:
+    artifact = data.stores["qa"].artifact
+    return {
+        f"{artifact.key}/{artifact.shard_path(i).name}": artifact.shard_path(i).read_bytes()
+        for i in range(artifact.num_shards)
+    }
+
+
+def test_activation_shards_do_not_depend_on_the_process_thread_count(
+    tmp_path, tiny_llama, templates, nq_rows, process_threads
+):
+    """Before, this tiny model's states at 1 and 2 threads differed in 12 of 32 rows (up to 1.1e-8)."""
+    found = {}
+    for threads in (1, 2):
+        process_threads(threads)
+        data = build_confidence_data(
+            tiny_llama, templates, nq_rows[:32], max_new_tokens=2, cache_dir=str(tmp_path / f"t{threads}"), **SETTINGS
+        )
+        found[threads] = shard_bytes(data)
+        assert torch.get_num_threads() == threads  # the engine's fixed count is given back after extraction
+    assert list(found[1]) == list(found[2])  # the same key
+    assert found[1] == found[2]  # and the same bytes
+
+
+def test_the_engine_fixes_its_cpu_thread_count_and_restores_the_process_one(tiny_llama, process_threads):
+    process_threads(2)
+    with fixed_threads(torch.device("cpu"), CPU_THREADS):
+        assert torch.get_num_threads() == CPU_THREADS
+    assert torch.get_num_threads() == 2
+    with fixed_threads(torch.device("cpu"), None):  # None: the process's own count
+        assert torch.get_num_threads() == 2
+    with pytest.raises(ValueError, match=r"threads must be an integer >= 1 or None"):
+        HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, threads=0)
+
+
+def test_a_batch_size_other_than_the_default_keys_its_own_states(tmp_path, tiny_llama, templates, nq_rows):
+    """Batches pad to their longest prompt and sum in other shapes: the batch size moves the last bits. Before,
+    states extracted with batch 8 were filed under the key of batch 16's (and the reverse)."""
+    assert extraction_key() == {} and extraction_key(16, "auto", CPU_THREADS) == {}  # the defaults: keys as before
+    assert extraction_key(8) == {"extract_batch_size": 8} and extraction_key(threads=4) == {"extract_threads": 4}
+    cache = str(tmp_path / "cache")
+    rows = nq_rows[:32]
+    default = build_confidence_data(tiny_llama, templates, rows, max_new_tokens=2, cache_dir=cache, **SETTINGS)
+    other = build_confidence_data(
+        tiny_llama, templates, rows, max_new_tokens=2, cache_dir=cache, extract_batch_size=8, **SETTINGS
+    )
+    assert default.stores["qa"].key != other.stores["qa"].key
+    assert "extract_batch_size" not in default.stores["qa"].artifact.spec
+    # Each key holds what its own settings compute.
+    prompts = [templates.qa_prompt(tiny_llama.tokenizer, r.question) for r in rows]
+    for data, batch in ((default, 16), (other, 8)):
+        engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, batch_size=batch, progress=False)
+        assert np.array_equal(np.asarray(data.stores["qa"].artifact.shards()[0]), engine.extract(prompts, [2]))
