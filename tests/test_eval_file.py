@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from confrag.cbdr.settings import EvalSettings
+from confrag.data.splits import QuestionPlan
 from confrag.stages.evaluation import evaluation_rows
 
 
@@ -23,7 +24,7 @@ def stage_of(nq_rows):
     probe, preference, base, rest = nq_rows[:10], nq_rows[10:20], nq_rows[20:30], nq_rows[30:]
     return SimpleNamespace(
         probe_data=SimpleNamespace(data=SimpleNamespace(rows=probe)),
-        questions=SimpleNamespace(preference=preference, base=base, held_out=rest),
+        questions=QuestionPlan(probe, preference, base, rest),
     )
 
 
