@@ -42,7 +42,7 @@ from confrag.artifacts import (
     write_folder_digest,
 )
 from confrag.finite import require_finite
-from confrag.probe.network import CONFIG, ProbeNetwork, mlp
+from confrag.probe.network import CONFIG, ProbeNetwork, mlp, probe_confidence
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +132,7 @@ class ProbeModule(LightningModule):
     @torch.no_grad()
     def confidence(self, hidden_states: np.ndarray | torch.Tensor) -> np.ndarray:
         """P(correct) = softmax(E(H))[1] for a (n, d) or (d,) array of hidden states."""
-        was_training = self.training
-        self.eval()
-        hidden = torch.as_tensor(np.asarray(hidden_states, dtype=np.float32)).to(self.mean.device)
-        probs = torch.softmax(self(hidden.reshape(-1, hidden.shape[-1])), dim=-1)[:, 1]
-        self.train(was_training)
-        probs = probs.cpu().numpy()
-        require_finite(probs, stage="probe confidence", artifact=f"the probe's output (layer {self.hparams.layer})")
-        return probs
+        return probe_confidence(self, hidden_states, self.hparams.layer)
 
     def _step(self, batch, stage: str):
         hidden, labels = batch

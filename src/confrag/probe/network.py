@@ -109,14 +109,7 @@ class ProbeNetwork(
     @torch.no_grad()
     def confidence(self, hidden_states: np.ndarray | torch.Tensor) -> np.ndarray:
         """P(correct) = softmax(E(H))[1] for a (n, d) or (d,) array of hidden states."""
-        was_training = self.training
-        self.eval()
-        hidden = torch.as_tensor(np.asarray(hidden_states, dtype=np.float32)).to(self.mean.device)
-        probs = torch.softmax(self(hidden.reshape(-1, hidden.shape[-1])), dim=-1)[:, 1]
-        self.train(was_training)
-        probs = probs.cpu().numpy()
-        require_finite(probs, stage="probe confidence", artifact=f"the probe's output (layer {self.layer})")
-        return probs
+        return probe_confidence(self, hidden_states, self.layer)
 
     def hub_config(self) -> dict[str, Any]:
         """What `config.json` holds: every `__init__` argument (the mixin would silently drop one it cannot
@@ -199,3 +192,17 @@ class ProbeNetwork(
         kwargs.setdefault("strict", True)  # the mixin's default (False) would leave a missing weight random
         with contextlib.redirect_stdout(io.StringIO()):  # the mixin prints "Loading weights from local directory"
             return super().from_pretrained(source, **kwargs)
+
+
+@torch.no_grad()
+def probe_confidence(probe: nn.Module, hidden_states: np.ndarray | torch.Tensor, layer: int | None) -> np.ndarray:
+    """P(correct) = softmax(probe(H))[1] for a (n, d) or (d,) array of hidden states, in eval mode (the probe's
+    mode is restored), checked finite. Shared by the training module and the exported network."""
+    was_training = probe.training
+    probe.eval()
+    hidden = torch.as_tensor(np.asarray(hidden_states, dtype=np.float32)).to(probe.mean.device)
+    probs = torch.softmax(probe(hidden.reshape(-1, hidden.shape[-1])), dim=-1)[:, 1]
+    probe.train(was_training)
+    probs = probs.cpu().numpy()
+    require_finite(probs, stage="probe confidence", artifact=f"the probe's output (layer {layer})")
+    return probs

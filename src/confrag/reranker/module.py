@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from confrag.artifacts import exclusive, honour_umask, make_temp_dir, write_folder_digest
+from confrag.artifacts import exclusive, honour_umask, make_temp_dir, replace_folder, write_folder_digest
 from confrag.finite import require_finite
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
@@ -325,13 +324,7 @@ class RerankerModule(LightningModule):
                 self.tokenizer.save_pretrained(str(tmp))
                 write_folder_digest(tmp)  # checked where the export is read (`resolve_backbone`)
                 honour_umask(tmp)
-                old = None
-                if directory.exists():
-                    old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
-                    os.replace(directory, old)
-                os.replace(tmp, directory)
-                if old is not None:
-                    shutil.rmtree(old, ignore_errors=True)
+                replace_folder(tmp, directory)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
