@@ -37,8 +37,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from confrag.artifacts import ActivationStore, ShardedArtifact, folder_problem
-from confrag.finite import nonfinite_rows
+from confrag.infra.activation_store import ActivationStore
+from confrag.infra.digests import folder_problem
+from confrag.infra.finite import nonfinite_rows
+from confrag.infra.sharded import ShardedArtifact
 
 LAYERS, DIM, SHARD = 31, 576, 256
 

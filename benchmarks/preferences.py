@@ -5,7 +5,7 @@ paragraphs, layer 15 = Layer/2) go through both paths side by side in one run:
 
 - naive: for every QA, empty-context RAG and candidate RAG prompt, one full forward with
   `output_hidden_states=True`, then the probe on the layer's last-token state;
-- engine: `confrag.preferences.confidence_shifts` into a fresh cache (length-grouped batches, only the
+- engine: `confrag.reranker.preferences.confidence_shifts` into a fresh cache (length-grouped batches, only the
   layers needed, the shared prompt prefix computed once).
 
 Rows are built from both and compared (same positives and negatives, scores within 1e-5). The probe is
@@ -31,8 +31,8 @@ from confrag.data.nq import default_nq_path, load_nq_jsonl
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates, encode_prompts
-from confrag.preferences import ConfidenceShifts, build_rows, confidence_shifts
 from confrag.probe.module import ProbeModule, SavedProbe
+from confrag.reranker.preferences import ConfidenceShifts, build_rows, confidence_shifts
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 
 ROOT = Path(__file__).resolve().parents[1]

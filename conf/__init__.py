@@ -1,2 +1,2 @@
 """confrag's Hydra configs. This folder is shipped as the package `confrag.conf` (pyproject.toml's
-package-dir), so that an installed confrag finds them (confrag.paths.config_dir); Hydra reads only the YAML."""
+package-dir), so that an installed confrag finds them (confrag.infra.paths.config_dir); Hydra reads only the YAML."""

@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from confrag.data.nq import load_nq_jsonl
-from confrag.paths import register_resolvers
+from confrag.infra.paths import register_resolvers
 from confrag.recipes import rerank_recipe
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import relevance_training_rows

@@ -19,7 +19,7 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from confrag.paths import register_resolvers
+from confrag.infra.paths import register_resolvers
 from confrag.probe.module import load_probe
 from confrag.probe.ranking import gold_rank
 from confrag.rag.stats import accuracy_ci, holm, mcnemar_exact

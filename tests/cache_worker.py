@@ -33,7 +33,7 @@ def values(start: int, stop: int) -> np.ndarray:
 
 
 def artifact(cache: str, key: str):
-    from confrag.artifacts import ShardedArtifact
+    from confrag.infra.sharded import ShardedArtifact
 
     return ShardedArtifact(cache, "activations", {"test": "concurrency", "key": key}, NUM_ITEMS, shard_size=SHARD_SIZE)
 

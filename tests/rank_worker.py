@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-import confrag.nq_confidence as nq_confidence
+import confrag.probe.nq_confidence as nq_confidence
 import confrag.rag.answers as answers
 from confrag.data.nq import load_nq_jsonl
-from confrag.distributed import rank_info
+from confrag.infra.distributed import rank_info
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore

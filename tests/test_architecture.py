@@ -25,8 +25,8 @@ CONFIG_MODULES = {
     "confrag.train",
     "confrag.instantiators",
     "confrag.recipes",
-    "confrag.paths",
-    "confrag.run_info",
+    "confrag.infra.paths",
+    "confrag.infra.run_info",
     "confrag.gates.settings",
 }
 

@@ -16,16 +16,11 @@ import time
 import numpy as np
 import pytest
 
-from confrag.artifacts import (
-    STALE_TMP_SECONDS,
-    ActivationStore,
-    CacheMismatchError,
-    ShardedArtifact,
-    digest_record,
-    fingerprint,
-    npy_bytes,
-)
-from confrag.finite import NonFiniteError
+from confrag.infra.activation_store import ActivationStore
+from confrag.infra.atomic import npy_bytes
+from confrag.infra.digests import digest_record, fingerprint
+from confrag.infra.finite import NonFiniteError
+from confrag.infra.sharded import STALE_TMP_SECONDS, CacheMismatchError, ShardedArtifact
 
 SPEC = {
     "llm": {"name": "tiny", "ref": "tiny:llama@abc"},
@@ -364,7 +359,7 @@ def test_bit_flips_in_shard_data_are_detected_and_the_shard_recomputed(tmp_path,
     assert np.load(path).shape == (2, 3, DIM)  # still a well-formed array of the right shape: only the digest can tell
 
     reopened = npy_artifact(tmp_path)
-    with caplog.at_level("WARNING", logger="confrag.artifacts"):
+    with caplog.at_level("WARNING", logger="confrag.infra.sharded"):
         assert reopened.pending() == [2]
     assert "shard-00002.npy" in caplog.text and "checksum mismatch" in caplog.text
     counter = Counter()
@@ -471,13 +466,13 @@ def test_nan_in_a_shard_with_a_matching_digest_is_damage(tmp_path, caplog):
 
 
 def test_a_handle_verifies_each_shard_once(tmp_path, monkeypatch):
-    import confrag.artifacts as artifacts
+    import confrag.infra.sharded as sharded
 
     npy_artifact(tmp_path).compute(Counter(), progress=False)
     reopened = npy_artifact(tmp_path)
     hashed = []
-    original = artifacts.file_digest
-    monkeypatch.setattr(artifacts, "file_digest", lambda path: hashed.append(path.name) or original(path))
+    original = sharded.file_digest
+    monkeypatch.setattr(sharded, "file_digest", lambda path: hashed.append(path.name) or original(path))
     reopened.compute(must_not_run, progress=False)
     reopened.shards()
     ActivationStore(reopened, LAYERS).take(0, range(10))
@@ -499,7 +494,7 @@ def umask(request):
 
 
 def test_written_files_honour_the_umask(tmp_path, umask):
-    from confrag.artifacts import atomic_save_npy, atomic_save_png, atomic_write_text
+    from confrag.infra.atomic import atomic_save_npy, atomic_save_png, atomic_write_text
 
     mode = lambda path: path.stat().st_mode & 0o777  # noqa: E731
     atomic_write_text(tmp_path / "metrics.json", "{}")
@@ -523,7 +518,7 @@ def test_written_files_honour_the_umask(tmp_path, umask):
     assert {path.name: mode(path) for path in files} == {path.name: 0o666 & ~umask for path in files}  # before: 0600
     assert mode(artifact.digest_path(0)) == mode(artifact.lock_path(0)) == 0o666 & ~umask
     assert mode(artifact.dir) == 0o777 & ~umask
-    from confrag.artifacts import make_temp_dir
+    from confrag.infra.atomic import make_temp_dir
 
     assert mode(make_temp_dir(tmp_path, ".tmp-export-")) == 0o777 & ~umask
 
@@ -531,7 +526,7 @@ def test_written_files_honour_the_umask(tmp_path, umask):
 def test_exclusive_is_reentrant_and_excludes_other_threads(tmp_path):
     import threading
 
-    from confrag.artifacts import exclusive
+    from confrag.infra.locks import exclusive
 
     lock = tmp_path / ".thing.lock"
     order = []

@@ -1,4 +1,4 @@
-"""`python -m confrag.cache_verify verify [CACHE_DIR]`: reports damaged artifacts (exit 1), incomplete ones and
+"""`python -m confrag.infra.cache_verify verify [CACHE_DIR]`: reports damaged artifacts (exit 1), incomplete ones and
 shards without digests (exit 0), and writes nothing."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from confrag.artifacts import ShardedArtifact
-from confrag.cache_verify import main, verify_cache
+from confrag.infra.cache_verify import main, verify_cache
+from confrag.infra.sharded import ShardedArtifact
 
 
 def states(start: int, stop: int) -> np.ndarray:
@@ -120,11 +120,14 @@ def test_a_manifest_that_does_not_match_its_directory_is_damage(cache, capsys):
 
 def test_command_line(cache, tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "confrag.cache_verify", "verify", str(cache)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "confrag.infra.cache_verify", "verify", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert ok.returncode == 0 and "3 whole" in ok.stdout, ok.stderr
     missing = subprocess.run(
-        [sys.executable, "-m", "confrag.cache_verify", "verify", str(tmp_path / "nowhere")],
+        [sys.executable, "-m", "confrag.infra.cache_verify", "verify", str(tmp_path / "nowhere")],
         capture_output=True,
         text=True,
         timeout=60,

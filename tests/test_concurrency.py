@@ -114,7 +114,7 @@ def test_lock_of_a_killed_worker_is_taken_over(children, tmp_path):
     computed = finish(waiter)["computed"]
     assert sorted(computed) == list(range(NUM_SHARDS))  # shards 1..n first, then the dead owner's shard 0
     assert computed[-1] == 0
-    from confrag.artifacts import ShardedArtifact
+    from confrag.infra.sharded import ShardedArtifact
 
     handle = ShardedArtifact(
         cache, "activations", {"test": "concurrency", "key": "k"}, NUM_ITEMS, shard_size=SHARD_SIZE

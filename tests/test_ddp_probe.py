@@ -16,7 +16,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from confrag.distributed import launch_stamp
+from confrag.infra.distributed import launch_stamp
 from confrag.probe.datamodule import unrepeated_sampler
 from confrag.train import run_task
 

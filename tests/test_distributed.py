@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from confrag.distributed import RankInfo, rank_device, rank_info, spread, warn_if_more_ranks_than_shards
+from confrag.infra.distributed import RankInfo, rank_device, rank_info, spread, warn_if_more_ranks_than_shards
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_spread_starts_each_rank_at_its_share():
 
 
 def test_more_ranks_than_shards_is_warned(caplog):
-    with caplog.at_level(logging.WARNING, logger="confrag.distributed"):
+    with caplog.at_level(logging.WARNING, logger="confrag.infra.distributed"):
         assert warn_if_more_ranks_than_shards(3, "activations abc", RankInfo(0, 4, 0, "torchrun"))
         assert not warn_if_more_ranks_than_shards(4, "activations abc", RankInfo(0, 4, 0, "torchrun"))
     assert "3 shard(s) for 4 ranks: 1 rank(s) have nothing to compute" in caplog.text

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from confrag.cbdr.settings import EvalSettings
 from confrag.data.splits import QuestionPlan
+from confrag.rag.settings import EvalSettings
 from confrag.stages.evaluation import evaluation_rows
 
 

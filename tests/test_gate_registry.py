@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from confrag.cbdr.settings import AnswerSettings
 from confrag.data.nq import Passage, QARow
 from confrag.gates import GATES, SIGNALS, Decision, Gate, GateSignals, Part, Signal, register_signal
 from confrag.gates.base import check_number
@@ -21,6 +20,7 @@ from confrag.gates.settings import gate_settings
 from confrag.gates.signal_maker import SignalMaker, check_llm_signals, question_signals
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
+from confrag.rag.settings import AnswerSettings
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 from confrag.stages.gate_comparison import GateEvaluation

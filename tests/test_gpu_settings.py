@@ -7,11 +7,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from confrag.cbdr.settings import AnswerSettings, EvalSettings, cbdr_settings
+from confrag.cbdr.settings import cbdr_settings
+from confrag.infra.timing import StageTimer
 from confrag.instantiators import plain, settings_from
 from confrag.llm.generation import GreedyOptions
+from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.stages.nq_rerank import PreferenceSettings
-from confrag.timing import StageTimer
 
 from helpers.runs import compose_cfg
 

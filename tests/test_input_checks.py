@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import confrag.llm.loading as loading_module
 import confrag.probe.datamodule as datamodule_module
-from confrag.artifacts import CacheReadOnlyError
 from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
 from confrag.data.splits import select_questions
+from confrag.infra.atomic import CacheReadOnlyError
 from confrag.llm.context import PromptTooLongError, fit_questions
 from confrag.llm.loading import LLMNotAvailableError
 from confrag.probe.datamodule import NQConfidenceDataModule
@@ -344,7 +344,8 @@ def test_reranker_settings_are_refused_by_the_tasks_check(override, message, tmp
 
 def test_a_read_only_cache_missing_a_shard_is_refused_before_the_llm_loads(tmp_path, monkeypatch):
     """It used to load the LLM, then fail with a raw `OSError: Read-only file system: ...lock`."""
-    import confrag.artifacts as artifacts
+    import confrag.infra.locks as locks
+    import confrag.infra.sharded as sharded
 
     path = nq_file(tmp_path / "nq.jsonl", load_nq_jsonl(default_nq_path(), limit=6))
     datamodule(tmp_path, path, layers=[2]).build()  # fills the cache
@@ -353,6 +354,7 @@ def test_a_read_only_cache_missing_a_shard_is_refused_before_the_llm_loads(tmp_p
     shard = sorted((tmp_path / "cache" / "activations").glob("*/shard-00000.npy"))[0]
     shard.unlink()
     cache = str(tmp_path / "cache")
-    monkeypatch.setattr(artifacts, "_writable", lambda d: not str(d).startswith(cache))  # as a read-only mount
+    for module in (locks, sharded):  # as a read-only mount
+        monkeypatch.setattr(module, "writable", lambda d: not str(d).startswith(cache))
     with pytest.raises(CacheReadOnlyError, match=rf"{shard} \(1 shard\(s\) of activations .* cannot be written"):
         datamodule(tmp_path, path, layers=[2]).build()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from confrag.data.nq import default_nq_path
-from confrag.paths import default_cache_dir
+from confrag.infra.paths import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "rank_worker.py"

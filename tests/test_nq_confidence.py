@@ -9,9 +9,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import confrag.nq_confidence as nqc
+import confrag.probe.nq_confidence as nqc
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.nq_confidence import (
+from confrag.probe.nq_confidence import (
     KINDS,
     PAPER_SPLIT_SIZES,
     Example,
@@ -283,7 +283,7 @@ def test_build_confidence_data_rejects_bad_settings(tiny_llama, templates, rows,
 def test_candidates_option_trains_on_every_candidate_labelled_by_its_answer(tiny_llama, templates, rows, tmp_path):
     """`candidates`: one state per (question, candidate) pair, lists of different lengths, each labelled by the
     LLM's own answer under that candidate; no QA or gold-paragraph state; splits by question."""
-    from confrag.nq_confidence import PAIRS_KIND
+    from confrag.probe.nq_confidence import PAIRS_KIND
 
     lists = [[row.contexts[0], rows[(i + 1) % len(rows)].contexts[0]][: 1 + i % 2] for i, row in enumerate(rows)]
     data = build(tiny_llama, templates, rows, tmp_path, train_states="candidates", candidates=lists, balance=False)

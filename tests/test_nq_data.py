@@ -19,7 +19,7 @@ from confrag.data import (
     rows_fingerprint,
     rows_from_hf,
 )
-from confrag.paths import project_root
+from confrag.infra.paths import project_root
 
 NOBEL = {
     "question": "who got the first nobel prize in physics",

@@ -17,7 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from setuptools import find_packages
 
 from confrag.data.nq import default_nq_path
-from confrag.paths import config_dir, project_root, source_checkout
+from confrag.infra.paths import config_dir, project_root, source_checkout
 
 from helpers.runs import MODEL_DIR, ROOT
 
@@ -67,7 +67,7 @@ def test_the_wheel_carries_every_config_and_its_layout_composes_an_experiment(tm
     expected = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
     assert expected <= shipped
     # The unpacked wheel as an installed package: no pyproject.toml beside it, so its own copy of the configs.
-    code = "import confrag.paths as p; print(p.config_dir()); print(p.project_root())"
+    code = "import confrag.infra.paths as p; print(p.config_dir()); print(p.project_root())"
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     work = tmp_path / "elsewhere"
     work.mkdir()

@@ -30,7 +30,7 @@ def expected(root) -> dict[str, int]:
 
 
 def test_preference_rows_and_their_arrow_folders(tmp_path, umask):
-    from confrag.preferences import save_rows
+    from confrag.reranker.preferences import save_rows
 
     rows = [
         {
@@ -80,7 +80,7 @@ def test_reranker_export(tmp_path, umask):
 
 
 def test_activation_cache(tmp_path, umask):
-    from confrag.artifacts import ShardedArtifact
+    from confrag.infra.sharded import ShardedArtifact
 
     artifact = ShardedArtifact(tmp_path, "activations", {"x": 1}, 5, shard_size=2)
     artifact.compute(lambda a, b: np.zeros((1, b - a, 3), dtype=np.float32), progress=False)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from confrag.preferences import (
+from confrag.reranker.preferences import (
     ConfidenceShifts,
     build_rows,
     dataset_report,
@@ -110,8 +110,8 @@ def test_split_is_by_question_and_seeded(tmp_path):
 
 
 def test_a_label_rule_is_one_table_entry(monkeypatch):
-    from confrag import preferences
-    from confrag.preferences import RULES, LabelRule
+    from confrag.reranker import preferences
+    from confrag.reranker.preferences import RULES, LabelRule
 
     assert all(rule.id == key for key, rule in RULES.items()) and [r for r in RULES if RULES[r].needs_answers] == [
         "utility"

@@ -14,7 +14,8 @@ from huggingface_hub import ModelCard
 from lightning.pytorch.loggers import WandbLogger
 from safetensors.torch import save
 
-from confrag.artifacts import FOLDER_DIGEST, ArtifactDamagedError, atomic_write_bytes, write_folder_digest
+from confrag.infra.atomic import atomic_write_bytes
+from confrag.infra.digests import FOLDER_DIGEST, ArtifactDamagedError, write_folder_digest
 from confrag.probe.module import ProbeModule, load_probe, save_probe
 from confrag.probe.network import ProbeNetwork
 from confrag.reports.hub import HubSettings, write_dataset

@@ -64,7 +64,7 @@ def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path
 
 
 def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, tiny_llama, templates):
-    from confrag.nq_confidence import build_confidence_data
+    from confrag.probe.nq_confidence import build_confidence_data
 
     rows = load_nq_jsonl(default_nq_path(), limit=8)
     settings = dict(layers=[1], train_states="qa+rag", split_sizes={"train": 2, "dev": 1, "test": 1}, progress=False)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.preferences import build_rows, confidence_shifts, relevance_rows
 from confrag.probe.module import ProbeModule, SavedProbe
+from confrag.reranker.preferences import build_rows, confidence_shifts, relevance_rows
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage

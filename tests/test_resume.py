@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from confrag.data.nq import default_nq_path
-from confrag.paths import default_cache_dir
+from confrag.infra.paths import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_ITEMS, SHARD_SIZE, LAYERS, HIDDEN = 40, 4, [0, 2, 4], 64
@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
 
     from omegaconf import OmegaConf
 
-    from confrag.artifacts import ShardedArtifact
+    from confrag.infra.sharded import ShardedArtifact
     from confrag.data.nq import load_nq_jsonl
     from confrag.llm.hidden_states import HiddenStateEngine
     from confrag.llm.loading import load_llm

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from confrag.artifacts import ShardedArtifact
 from confrag.data import DataFormatError, Passage, QARow, default_nq_path, load_nq_jsonl
+from confrag.infra.sharded import ShardedArtifact
 from confrag.retrieval import (
     BM25Retriever,
     Candidates,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, fixed_threads
-from confrag.nq_confidence import build_confidence_data
+from confrag.probe.nq_confidence import build_confidence_data
 
 SETTINGS = dict(layers=[2], train_states="qa", split_sizes={"train": 2, "dev": 1, "test": 1}, progress=False)
 

@@ -9,10 +9,10 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from confrag.cbdr.settings import AnswerSettings, EvalSettings, positive_int
-from confrag.distributed import rank_trainer_devices
+from confrag.infra.distributed import rank_trainer_devices
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
+from confrag.rag.settings import AnswerSettings, EvalSettings, positive_int
 from confrag.reranker.data import check_group_size
 from confrag.reranker.module import check_settings as check_reranker_settings
 from confrag.stages.base_reranker import BaseRerankerSettings

@@ -13,10 +13,10 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from confrag import distributed
+from confrag.infra import distributed
+from confrag.infra.paths import config_dir, register_resolvers
+from confrag.infra.run_info import save_run_info
 from confrag.instantiators import output_dir
-from confrag.paths import config_dir, register_resolvers
-from confrag.run_info import save_run_info
 from confrag.tasks import cbdr, gates, probe, rerank
 
 TASKS: dict[str, ModuleType] = {"probe": probe, "rerank": rerank, "cbdr": cbdr, "gates": gates}

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
-import confrag.paths  # noqa: F401  (registers the confrag_root resolver)
+import confrag.infra.paths  # noqa: F401  (registers the confrag_root resolver)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from confrag.artifacts import ShardedArtifact, fingerprint
 from confrag.cbdr.gate import check_probe
+from confrag.infra.digests import fingerprint
+from confrag.infra.sharded import ShardedArtifact
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates

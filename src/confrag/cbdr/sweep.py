@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from confrag.artifacts import atomic_save_png
 from confrag.cbdr.gate import check_beta, should_retrieve
+from confrag.infra.atomic import atomic_save_png
 from confrag.rag.pipeline import DEFAULT_KS, QuestionOutcome
 
 METRICS = ("has_answer", "em", "f1")

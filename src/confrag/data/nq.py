@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from confrag.data.jsonl import JSONL_SUFFIXES, DataFormatError, read_jsonl
-from confrag.paths import project_root
+from confrag.infra.paths import project_root
 
 NQ_PATH_ENV = "CONFRAG_NQ_PATH"
 _PATH_HINT = f"set the path with the `paths.nq_path` config value or the `{NQ_PATH_ENV}` environment variable"

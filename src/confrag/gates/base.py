@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from confrag.artifacts import fingerprint
 from confrag.gates.directions import ConfidenceDirection
 from confrag.gates.registry import SIGNALS, check_signal_names
+from confrag.infra.digests import fingerprint
 
 
 class Decision(str, Enum):

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from confrag.artifacts import ShardedArtifact, fingerprint
 from confrag.gates.base import DraftSignals
 from confrag.gates.drafts import draft_token_signals
 from confrag.gates.p_true import p_true_from_verdicts, p_true_prompts, verdict_probabilities, verdict_token_ids
 from confrag.gates.signals import INTERNAL_KNOWLEDGE_TEMPLATE, internal_passages
+from confrag.infra.digests import fingerprint
+from confrag.infra.sharded import ShardedArtifact
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
 from confrag.llm.loading import LoadedLLM
 

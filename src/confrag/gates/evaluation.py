@@ -23,9 +23,9 @@ from matplotlib.figure import Figure
 from scipy.stats import rankdata
 from sklearn.metrics import roc_auc_score
 
-from confrag.artifacts import atomic_save_png
 from confrag.gates.base import Decision
 from confrag.gates.registry import gives_closed_book, signal_parts
+from confrag.infra.atomic import atomic_save_png
 from confrag.rag.stats import accuracy_ci, mcnemar_exact
 
 

@@ -1,7 +1,7 @@
 """Check a whole cache: every sharded artifact's manifest, every shard against its digest, shape, length and
 finiteness, and every single result (converted model, probe, reranker, BM25 index) against its folder digest.
 
-    python -m confrag.cache_verify verify [--adopt] [CACHE_DIR]     (installed as: confrag-cache verify ...)
+    python -m confrag.infra.cache_verify verify [--adopt] [CACHE_DIR]     (installed as: confrag-cache verify ...)
 
 CACHE_DIR defaults to the cache the runs use ($CONFRAG_CACHE, else <project>/.cache). Nothing is
 written or deleted: a damaged shard or result is reported (a run recomputes or rebuilds it when it next
@@ -21,15 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from confrag.artifacts import (
-    FOLDER_DIGEST,
-    CacheMismatchError,
-    ShardedArtifact,
-    folder_problem,
-    has_folder_digest,
-    write_folder_digest,
-)
-from confrag.paths import default_cache_dir
+from confrag.infra.digests import FOLDER_DIGEST, folder_problem, has_folder_digest, write_folder_digest
+from confrag.infra.paths import default_cache_dir
+from confrag.infra.sharded import CacheMismatchError, ShardedArtifact
 
 
 @dataclass
@@ -160,7 +154,7 @@ def report(checks: Sequence[ArtifactCheck], root: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m confrag.cache_verify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m confrag.infra.cache_verify", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     verify = commands.add_parser("verify", help="check every artifact of a cache; exit 1 if any is damaged")
     verify.add_argument(

@@ -17,12 +17,12 @@ def source_checkout() -> Path | None:
     """The source checkout this module runs from (the folder holding pyproject.toml, conf/train.yaml and
     src/confrag/), or None when it runs from an installed package. Only the checkout's own layout counts:
     a pyproject.toml of another project above a virtual environment is not confrag's root."""
-    here = Path(__file__).resolve()
-    root = here.parents[2]
+    here = Path(__file__).resolve()  # <root>/src/confrag/infra/paths.py
+    root = here.parents[3]
     if (
         (root / "pyproject.toml").is_file()
         and (root / "conf" / "train.yaml").is_file()
-        and here.parent.parent == root / "src"
+        and here.parents[2] == root / "src"
     ):
         return root
     return None
@@ -36,7 +36,7 @@ def project_root() -> Path:
 def config_dir() -> Path:
     """The Hydra configs: the checkout's conf/ folder, else the installed package's copy of it (confrag/conf)."""
     root = source_checkout()
-    return root / "conf" if root is not None else Path(__file__).resolve().parent / "conf"
+    return root / "conf" if root is not None else Path(__file__).resolve().parents[1] / "conf"
 
 
 def default_cache_dir() -> Path:
@@ -50,12 +50,12 @@ def register_resolvers() -> None:
     Python runs; `${confrag_run_stamp:...}` and `${confrag_rank_suffix:}` (conf/hydra/default.yaml)."""
     from omegaconf import OmegaConf
 
-    from confrag.distributed import launch_stamp, rank_suffix
+    from confrag.infra.distributed import launch_stamp, rank_suffix
 
     if not OmegaConf.has_resolver("confrag_root"):
         OmegaConf.register_new_resolver("confrag_root", lambda: str(project_root()))
     # `${confrag_run_stamp:%Y-%m-%d_%H-%M-%S_%f}`: like Hydra's `now`, but one value for every rank of a
-    # torchrun launch, so that they share one run folder (confrag.distributed.launch_stamp). Cached: the
+    # torchrun launch, so that they share one run folder (confrag.infra.distributed.launch_stamp). Cached: the
     # folder is resolved several times and must not move.
     if not OmegaConf.has_resolver("confrag_run_stamp"):
         OmegaConf.register_new_resolver("confrag_run_stamp", launch_stamp, use_cache=True)

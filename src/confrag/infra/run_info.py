@@ -9,8 +9,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from confrag.artifacts import atomic_write_text
-from confrag.paths import project_root
+from confrag.infra.atomic import atomic_write_text
+from confrag.infra.paths import project_root
 
 
 def _git(*args: str) -> str | None:

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from confrag.artifacts import exclusive, folder_problem, honour_umask, make_temp_dir, write_folder_digest
-from confrag.distributed import rank_device
+from confrag.infra.atomic import honour_umask, make_temp_dir
+from confrag.infra.digests import folder_problem, write_folder_digest
+from confrag.infra.distributed import rank_device
+from confrag.infra.locks import exclusive
+from confrag.infra.paths import default_cache_dir
 from confrag.llm.shapes import PUBLISHED_SHAPES, DecoderCost, dtype_bytes, random_decoder, shape_config
-from confrag.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 

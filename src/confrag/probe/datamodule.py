@@ -26,16 +26,16 @@ from lightning import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from confrag.artifacts import ActivationStore
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, check_format_choice, load_nq_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
+from confrag.infra.activation_store import ActivationStore
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import fit_questions
 from confrag.llm.generation import GreedyOptions
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
-from confrag.nq_confidence import (
+from confrag.probe.nq_confidence import (
     ConfidenceData,
     Example,
     activation_identity,

@@ -15,7 +15,7 @@ from sklearn.model_selection import StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from confrag.nq_confidence import ConfidenceData
+from confrag.probe.nq_confidence import ConfidenceData
 
 
 def layer_scan(data: ConfidenceData, kinds: Sequence[str] | None = None, folds: int = 5, seed: int = 0) -> list[dict]:

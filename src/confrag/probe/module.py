@@ -33,15 +33,10 @@ from torch import nn
 from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
-from confrag.artifacts import (
-    exclusive,
-    honour_umask,
-    make_temp_dir,
-    replace_folder,
-    require_whole_folder,
-    write_folder_digest,
-)
-from confrag.finite import require_finite
+from confrag.infra.atomic import honour_umask, make_temp_dir, replace_folder
+from confrag.infra.digests import require_whole_folder, write_folder_digest
+from confrag.infra.finite import require_finite
+from confrag.infra.locks import exclusive
 from confrag.probe.network import CONFIG, ProbeNetwork, mlp, probe_confidence
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,8 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData, PyTorchModelHubMixin
 from torch import nn
 
-from confrag.artifacts import FOLDER_DIGEST, ArtifactDamagedError, folder_problem, write_folder_digest
-from confrag.finite import require_finite
+from confrag.infra.digests import FOLDER_DIGEST, ArtifactDamagedError, folder_problem, write_folder_digest
+from confrag.infra.finite import require_finite
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

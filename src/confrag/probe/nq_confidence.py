@@ -27,8 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from confrag.artifacts import ActivationStore, ShardedArtifact, compute_shards, fingerprint
 from confrag.data.nq import QARow, rows_fingerprint
+from confrag.infra.activation_store import ActivationStore
+from confrag.infra.digests import fingerprint
+from confrag.infra.locks import compute_shards
+from confrag.infra.sharded import ShardedArtifact
 from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, validate_layers

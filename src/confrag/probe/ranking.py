@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from confrag.artifacts import ActivationStore, ShardedArtifact, fingerprint
+from confrag.infra.activation_store import ActivationStore
+from confrag.infra.digests import fingerprint
+from confrag.infra.sharded import ShardedArtifact
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates

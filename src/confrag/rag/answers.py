@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from confrag.artifacts import CacheMismatchError, ShardedArtifact, compute_shards, fingerprint
+from confrag.infra.digests import fingerprint
+from confrag.infra.locks import compute_shards
+from confrag.infra.sharded import CacheMismatchError, ShardedArtifact
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from confrag.artifacts import atomic_write_text
 from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.data.nq import QARow
+from confrag.infra.atomic import atomic_write_text
 from confrag.rag.answers import AnswerStore, ScoredAnswer, score_answer
 from confrag.retrieval.candidates import Candidates, match_candidates
 from confrag.retrieval.corpus import document_text

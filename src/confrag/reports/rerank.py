@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch.loggers import Logger
 
-from confrag.artifacts import atomic_write_text
+from confrag.infra.atomic import atomic_write_text
 from confrag.reports.tables import log_rows, markdown_table, wandb_loggers
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from confrag.artifacts import has_folder_digest, require_whole_folder
+from confrag.infra.digests import has_folder_digest, require_whole_folder
 from confrag.retrieval.minilm import minilm_dir as find_minilm
 
 

@@ -1,6 +1,6 @@
 """Preference rows for reranker training, grouped the way FlagEmbedding samples them.
 
-A row (FlagEmbedding's reranker format, as written by `confrag.preferences`):
+A row (FlagEmbedding's reranker format, as written by `confrag.reranker.preferences`):
 
     {"query": str, "pos": [str, ...], "neg": [str, ...],
      "pos_scores": [float, ...], "neg_scores": [float, ...], "prompt": str}
@@ -30,8 +30,8 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from confrag.artifacts import ArtifactDamagedError, covered_problem
 from confrag.data.jsonl import DataFormatError, read_jsonl
+from confrag.infra.digests import ArtifactDamagedError, covered_problem
 from confrag.reranker.backbone import resolve_backbone
 from confrag.reranker.qwen3 import encode_yes_no_pairs
 from confrag.reranker.tokenization import (

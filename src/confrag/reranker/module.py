@@ -24,8 +24,10 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from confrag.artifacts import exclusive, honour_umask, make_temp_dir, replace_folder, write_folder_digest
-from confrag.finite import require_finite
+from confrag.infra.atomic import honour_umask, make_temp_dir, replace_folder
+from confrag.infra.digests import write_folder_digest
+from confrag.infra.finite import require_finite
+from confrag.infra.locks import exclusive
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
 from confrag.reranker.data import pair_encoder

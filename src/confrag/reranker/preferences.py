@@ -32,15 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from confrag.artifacts import (
-    ActivationStore,
-    atomic_write_text,
-    fingerprint,
-    honour_umask,
-    make_temp_dir,
-    write_folder_digest,
-)
-from confrag.finite import require_finite
+from confrag.infra.activation_store import ActivationStore
+from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.digests import fingerprint, write_folder_digest
+from confrag.infra.finite import require_finite
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates

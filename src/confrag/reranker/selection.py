@@ -18,7 +18,7 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 
-from confrag.artifacts import fingerprint
+from confrag.infra.digests import fingerprint
 
 log = logging.getLogger(__name__)
 

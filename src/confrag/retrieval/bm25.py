@@ -20,15 +20,10 @@ import numpy as np
 from bm25s.tokenization import Tokenizer
 from tqdm.auto import tqdm
 
-from confrag.artifacts import (
-    STALE_TMP_SECONDS,
-    exclusive,
-    fingerprint,
-    folder_problem,
-    honour_umask,
-    make_temp_dir,
-    write_folder_digest,
-)
+from confrag.infra.atomic import honour_umask, make_temp_dir
+from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
+from confrag.infra.locks import exclusive
+from confrag.infra.sharded import STALE_TMP_SECONDS
 from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
 

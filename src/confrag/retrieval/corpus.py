@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confrag.artifacts import fingerprint
 from confrag.data.nq import DataFormatError, QARow, check_format_choice, detect_format, read_records
+from confrag.infra.digests import fingerprint
 
 DEFAULT_WORDS_PER_PASSAGE = 100
 MIN_LAST_WORDS = 20

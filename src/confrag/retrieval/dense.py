@@ -22,7 +22,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer
 
-from confrag.artifacts import ShardedArtifact, fingerprint
+from confrag.infra.digests import fingerprint
+from confrag.infra.sharded import ShardedArtifact
 from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.faiss_index import FaissIndex, FaissKey, choose_index_kind
 from confrag.retrieval.minilm import minilm_dir

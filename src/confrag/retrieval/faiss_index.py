@@ -23,7 +23,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from confrag.artifacts import atomic_write_text, file_digest, honour_umask, make_temp_dir
+from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.digests import file_digest
 from confrag.retrieval.ranking import Hits, check_top_n
 
 EXACT_MAX_PASSAGES = 100_000

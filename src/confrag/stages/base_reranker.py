@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from confrag.data.nq import QARow
-from confrag.preferences import RERANK_INSTRUCTION
 from confrag.qa_metrics import has_answer
 from confrag.reranker.module import RerankerModule
+from confrag.reranker.preferences import RERANK_INSTRUCTION
 from confrag.retrieval import Candidates, CorpusPassage, document_text, split_passages
 from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, reranker_cache_dir
 from confrag.stages.retrieval import Retrieval, question_candidates

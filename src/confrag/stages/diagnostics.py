@@ -23,9 +23,9 @@ from sklearn.metrics import roc_auc_score
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
-from confrag.preferences import confidence_shifts
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
+from confrag.reranker.preferences import confidence_shifts
 from confrag.retrieval import Candidates, document_text
 from confrag.stages.nq_rerank import candidate_utility
 

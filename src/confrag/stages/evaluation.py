@@ -29,13 +29,14 @@ from typing import Any
 
 from confrag.cbdr import ConfidenceGate, SweepData, question_confidences
 from confrag.cbdr.gate import gate_check
-from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings
+from confrag.cbdr.settings import CBDRSettings
 from confrag.data.hotpotqa import load_hotpotqa
 from confrag.data.nq import QARow, load_nq_jsonl
 from confrag.data.splits import check_disjoint, select_questions, split_dev_test
 from confrag.llm.loading import LoadedLLM, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, RagRun, run_rag, save_outcomes_jsonl
+from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.retrieval import Candidates
 from confrag.stages.diagnostics import candidate_diagnostics
 from confrag.stages.rerank import RerankStage, Scorer, table1_systems

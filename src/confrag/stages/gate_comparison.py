@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from confrag.cbdr.settings import AnswerSettings
 from confrag.data.nq import QARow
 from confrag.gates import Gate, GateSignals
 from confrag.gates.evaluation import decision_parts
@@ -34,6 +33,7 @@ from confrag.gates.signal_maker import SignalMaker, check_llm_signals, context_s
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, run_rag
+from confrag.rag.settings import AnswerSettings
 from confrag.stages.evaluation import check_held_out
 from confrag.stages.gate_questions import (
     CLEAN,

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confrag.cbdr.settings import AnswerSettings
 from confrag.data.nq import QARow
 from confrag.gates.registry import PARTS
 from confrag.gates.signal_maker import SignalMaker
 from confrag.llm.generation import generate_greedy
+from confrag.rag.settings import AnswerSettings
 from confrag.retrieval import Candidates
 from confrag.stages.gate_questions import reranked
 from confrag.stages.rerank import Scorer

@@ -19,13 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from confrag.artifacts import atomic_write_text, fingerprint
 from confrag.data.nq import QARow
+from confrag.infra.atomic import atomic_write_text
+from confrag.infra.digests import fingerprint
 from confrag.llm.batching import check_batch_size
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
-from confrag.preferences import (
+from confrag.probe.module import SavedProbe
+from confrag.qa_metrics import has_answer
+from confrag.rag import AnswerStore
+from confrag.reranker.preferences import (
     REFERENCES,
     RULES,
     build_rows,
@@ -34,9 +38,6 @@ from confrag.preferences import (
     save_rows,
     split_by_question,
 )
-from confrag.probe.module import SavedProbe
-from confrag.qa_metrics import has_answer
-from confrag.rag import AnswerStore
 from confrag.retrieval import Candidates
 from confrag.stages.retrieval import Retrieval, question_candidates
 from confrag.stages.teachers import TEACHERS

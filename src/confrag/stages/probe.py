@@ -23,7 +23,8 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
-from confrag.artifacts import exclusive, fingerprint, folder_problem
+from confrag.infra.digests import fingerprint, folder_problem
+from confrag.infra.locks import exclusive
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
 from confrag.probe.ranking import SELECTION_METRIC, RankingSet

@@ -22,12 +22,12 @@ from tqdm.auto import tqdm
 from confrag.data.nq import load_nq_jsonl
 from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions
 from confrag.llm.prompts import PromptTemplates
-from confrag.preferences import relevance_rows
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import SavedProbe
 from confrag.reranker.data import candidate_lists
 from confrag.reranker.metrics import ranking_table
 from confrag.reranker.module import RerankerModule
+from confrag.reranker.preferences import relevance_rows
 from confrag.reranker.selection import DevTop1, dev_set
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker

@@ -21,7 +21,9 @@ import torch
 from lightning import Trainer
 from lightning.pytorch.loggers import Logger
 
-from confrag.artifacts import atomic_write_text, exclusive, fingerprint, folder_problem, write_folder_digest
+from confrag.infra.atomic import atomic_write_text
+from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
+from confrag.infra.locks import exclusive
 from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.selection import DevTop1, DevTop1Selection

@@ -14,18 +14,19 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from confrag.artifacts import atomic_write_text
 from confrag.cbdr import ConfidenceGate
 from confrag.cbdr.analysis import cbdr_results
-from confrag.cbdr.settings import AnswerSettings, CBDRSettings, EvalSettings, cbdr_settings
-from confrag.distributed import rank_info
+from confrag.cbdr.settings import CBDRSettings, cbdr_settings
+from confrag.infra.atomic import atomic_write_text
+from confrag.infra.distributed import rank_info
+from confrag.infra.timing import StageTimer
 from confrag.instantiators import config_yaml, output_dir, plain, task_loggers
 from confrag.llm.loading import load_llm
+from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.stages.evaluation import confidence_gate, evaluate
 from confrag.stages.rerank import RerankRecipe, rerank_stage, table1
-from confrag.timing import StageTimer
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from confrag.artifacts import atomic_write_text
-from confrag.cbdr.settings import AnswerSettings, EvalSettings
-from confrag.distributed import rank_info
 from confrag.gates.evaluation import plot_gates
 from confrag.gates.settings import GateSettings, gate_settings
+from confrag.infra.atomic import atomic_write_text
+from confrag.infra.distributed import rank_info
 from confrag.instantiators import config_yaml, output_dir, task_loggers
 from confrag.llm.loading import load_llm
+from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
 from confrag.stages.evaluation import evaluation_rows

@@ -6,7 +6,7 @@ import logging
 
 from omegaconf import DictConfig
 
-from confrag.distributed import rank_info
+from confrag.infra.distributed import rank_info
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.probe.layer_scan import layer_scan
 from confrag.recipes import probe_recipe

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from confrag.distributed import rank_info
+from confrag.infra.distributed import rank_info
 from confrag.instantiators import output_dir, run_command, settings_from, task_loggers
 from confrag.recipes import rerank_recipe
 from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_dataset, write_reranker_card

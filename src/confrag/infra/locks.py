@@ -1,0 +1,137 @@
+"""Locks and claims in a shared cache: `exclusive` for "compute it if it is missing" on a single result,
+and `compute_shards`, which claims the missing shards of sharded artifacts one lock at a time.
+
+Several processes (jobs of a multirun, ranks of a torchrun launch, SLURM jobs) may fill one artifact
+together: `compute_shards` claims a shard by taking its lock (`<shard>.lock`, a `filelock` flock) without
+waiting, checks again that it is still missing, computes and writes it, and releases it. When only
+shards held by others remain it waits for them; a lock whose owner died is released by the kernel,
+and the next process to try takes the shard over. Every process returns the complete artifact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+from tqdm.auto import tqdm
+
+from confrag.infra import distributed
+from confrag.infra.atomic import CacheReadOnlyError, read_only_message, writable
+
+log = logging.getLogger(__name__)
+
+LOCK_SUFFIX = ".lock"
+WAIT_POLL_SECONDS = 0.5  # how often a process waiting for other processes' shards looks again
+WAIT_LOG_SECONDS = 60.0  # how often it says it is still waiting
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path | str, what: str) -> Iterator[None]:
+    """Hold the file lock `lock_path` (waiting for it, with a log line saying so) while the block runs:
+    for "compute it if it is missing" on a single-file or single-directory result that several
+    processes may want at once. The lock is a flock: the kernel releases it when its owner dies. It is
+    reentrant within a thread: a block already holding `lock_path` may enter it again (an export inside
+    a "train it if missing" block that holds the same lock) instead of waiting for itself."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path), is_singleton=True)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("Waiting for %s: another process holds %s", what, lock_path)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def try_claim(lock_path: Path | str) -> FileLock | None:
+    """The file lock `lock_path`, taken without waiting, or None when another process holds it."""
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return None
+    return lock
+
+
+def compute_shards(
+    jobs: Sequence[tuple[Any, Callable[[int, int], Any]]],  # (ShardedArtifact, fn): confrag.infra.sharded imports this
+    desc: str = "shards",
+    progress: bool = True,
+    poll_seconds: float = WAIT_POLL_SECONDS,
+) -> None:
+    """Compute the missing shards of several artifacts (each with its own `fn(start, stop)`), claiming
+    shards across all of them: a process never waits for a shard another one holds while some shard of
+    any of the artifacts is still free (many small artifacts, such as answer chunks, split between
+    processes as well as the shards of one big one). Returns when every shard of every artifact exists."""
+    todo = [(artifact, fn, index) for artifact, fn in jobs for index in artifact.pending()]
+    if not todo:
+        return
+    # Before any shard is computed (and before a deferred LLM loads for it): named, not a raw OSError on a lock.
+    for artifact, _, index in todo:
+        if not writable(artifact.dir):
+            missing = [a.shard_path(i).name for a, _, i in todo if a is artifact]
+            raise CacheReadOnlyError(
+                read_only_message(
+                    f"{artifact.shard_path(index)} ({len(missing)} shard(s) of {artifact.kind} {artifact.key})",
+                    artifact.dir,
+                )
+            )
+    for artifact, _ in jobs:
+        missing = sum(a is artifact for a, _, _ in todo)
+        if missing:
+            log.info("%s %s: %d of %d shards to compute", artifact.kind, artifact.key, missing, artifact.num_shards)
+    rank = distributed.rank_info()
+    distributed.warn_if_more_ranks_than_shards(len(todo), desc, rank)
+    waiting_since = last_said = None
+    with tqdm(total=len(todo), desc=desc, unit="shard", disable=not progress) as bar:
+        while todo:
+            computed_now = False
+            for artifact, fn, index in distributed.spread(todo, rank):
+                lock = artifact._try_claim(index)
+                if lock is None:  # another process is computing it
+                    continue
+                try:
+                    if artifact._readable(index):  # finished by another process since the last look
+                        continue
+                    started = time.monotonic()
+                    artifact.write(index, fn(*artifact.shard_range(index)))
+                    artifact.computed.append(index)
+                    # One line per shard, naming the process: who computed what in a shared cache.
+                    log.info(
+                        "%s %s: computed shard %d (items [%d, %d)) in %.1f s [pid %d]",
+                        artifact.kind,
+                        artifact.key,
+                        index,
+                        *artifact.shard_range(index),
+                        time.monotonic() - started,
+                        os.getpid(),
+                    )
+                    computed_now = True
+                finally:
+                    lock.release()
+            todo = [(artifact, fn, index) for artifact, fn, index in todo if not artifact._readable(index)]
+            bar.n = bar.total - len(todo)
+            bar.refresh()
+            if todo and not computed_now:
+                now = time.monotonic()
+                waiting_since = waiting_since or now
+                if last_said is None or now - last_said >= WAIT_LOG_SECONDS:
+                    names = ", ".join(f"{a.kind}/{a.key}/{a.shard_path(i).name}" for a, _, i in todo[:3])
+                    log.info(
+                        "waiting for %d shard(s) that other processes are computing (%s%s); waited %.0f s so far",
+                        len(todo),
+                        names,
+                        ", ..." if len(todo) > 3 else "",
+                        now - waiting_since,
+                    )
+                    last_said = now
+                time.sleep(poll_seconds)
