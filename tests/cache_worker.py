@@ -6,7 +6,7 @@ Modes
   appends a line to COUNTER and takes DELAY seconds. Prints {"computed": [...]} when done.
 - hold CACHE COUNTER MARKER KEY: like fill, but the computation of shard 0 creates MARKER and never
   ends: the process holds shard 0's lock until it is killed.
-- convert MODELS COUNTER GO: `llm.loading._convert_gguf` into MODELS with the transformers loaders
+- convert MODELS COUNTER GO: `llm.pretrained.convert_gguf` into MODELS with the transformers loaders
   replaced by a slow fake that counts conversions in COUNTER.
 """
 
@@ -100,12 +100,12 @@ class _FakeConverted:
 
 
 def convert(models: str, counter: str, go: str) -> None:
-    from confrag.llm import loading
+    from confrag.llm import pretrained
 
     _FakeConverted.counter = counter
-    loading.AutoTokenizer = loading.AutoModelForCausalLM = _FakeConverted
+    pretrained.AutoTokenizer = pretrained.AutoModelForCausalLM = _FakeConverted
     wait_for(go)
-    loading._convert_gguf(Path(models) / "model.gguf", Path(models) / "model-0123")
+    pretrained.convert_gguf(Path(models) / "model.gguf", Path(models) / "model-0123")
     print(json.dumps({"converted": True}), flush=True)
 
 

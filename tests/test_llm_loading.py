@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from confrag.llm.loading import LLMConfig, LLMNotAvailableError, gguf_location, load_llm
+from confrag.llm.config import LLMConfig, LLMNotAvailableError
+from confrag.llm.loading import load_llm
+from confrag.llm.pretrained import gguf_location
 from confrag.llm.prompts import PromptTemplates
 
 from helpers.models import tiny_llm_config

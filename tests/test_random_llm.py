@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import confrag.llm.loading as loading
+import confrag.llm.random_weights as random_weights
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.loading import LLMNotAvailableError, load_llm
@@ -63,7 +63,7 @@ def test_the_seed_fixes_the_weights_and_the_identity_names_them():
 
 
 def test_too_large_for_the_memory_is_refused_before_building(monkeypatch):
-    monkeypatch.setattr(loading, "available_memory", lambda device: (4 << 30, "available host memory"))
+    monkeypatch.setattr(random_weights, "available_memory", lambda device: (4 << 30, "available host memory"))
     with pytest.raises(MemoryError) as info:
         load_llm(random_cfg(dtype="float32"))
     message = str(info.value)

@@ -10,7 +10,8 @@ import torch
 from lightning import Trainer
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from confrag.llm.loading import LLMConfig, _tiny_tokenizer
+from confrag.llm.config import LLMConfig
+from confrag.llm.random_weights import tiny_tokenizer
 from confrag.reranker.data import GroupDataset, PreferenceDataModule, encode_pairs
 from confrag.reranker.loss import group_infonce
 from confrag.reranker.module import RerankerModule
@@ -45,7 +46,7 @@ def toy_rows() -> list[dict]:
 def tiny_qwen3(tmp_path_factory):
     """A 2-layer random Qwen3 causal LM with the tiny models' tokenizer (SmolLM2's byte-level BPE, which like
     Qwen's has <|im_start|> / <|im_end|> and "yes" / "no" as single tokens), saved as a model folder."""
-    tokenizer = _tiny_tokenizer(LLMConfig(name="tiny_qwen3", source="tiny"))
+    tokenizer = tiny_tokenizer(LLMConfig(name="tiny_qwen3", source="tiny"))
     for word in ("yes", "no", "<|im_start|>", "<|im_end|>"):
         assert tokenizer.tokenize(word) == [word], word
     config = Qwen3Config(
