@@ -19,7 +19,7 @@ from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
 from confrag.rag import QuestionOutcome, load_outcomes_jsonl
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import RagAnswer
-from confrag.reports.cbdr import gold_in_contexts, secondary_markdown
+from confrag.reports.cbdr_answers import gold_in_contexts, secondary_markdown
 from confrag.stages.evaluation import chosen_scorers, confidence_gate, slug
 from confrag.tasks import cbdr as cbdr_task
 from confrag.train import run_task

@@ -1,5 +1,6 @@
-"""The cbdr task's report: Table 2, Table 3, the β curves, the chosen β, the flips and the live gate check
-(report.md), every number in metrics.json, the tables and plots on W&B."""
+"""The cbdr task's report: Table 3, the β curves, the chosen β, the flips and the live gate check around the
+sections of `reports.cbdr_setup`, `reports.cbdr_answers` (Table 2) and `reports.cbdr_chain` (report.md),
+every number in metrics.json, the tables and plots on W&B."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ from lightning.pytorch.loggers import Logger
 from confrag.cbdr import flips_markdown, plot_beta_curve
 from confrag.cbdr.analysis import CBDRResults
 from confrag.cbdr.settings import CBDRSettings
-from confrag.probe.module import metric_text
-from confrag.rag import QuestionOutcome, accuracy_ci, table2_markdown, table2_rows
+from confrag.reports.cbdr_chain import chain_markdown
+from confrag.reports.cbdr_setup import base_line, evaluation_pool_line, retrieval_line, stage_line
 from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
 from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
 from confrag.stages.rerank import RerankStage
 
 CURVE_RANGE = (0.90, 1.00)  # the papers' Figure 8
-Outcomes = dict[str, dict[str, list[QuestionOutcome]]]  # dataset -> reranker -> outcomes
 
 
 @dataclass(frozen=True)
@@ -34,77 +34,6 @@ class RunContext:
     top_n: int
     config_yaml: str
     gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
-
-
-def table2(
-    llm_name: str,
-    runs: Outcomes,
-    settings: CBDRSettings,
-    n_resamples: int,
-    seed: int,
-    gold_of: dict[str, dict[str, str | None]] | None = None,
-) -> tuple[list[dict], str]:
-    """Table 2's rows (and Markdown); with `gold_of` (dataset -> qid -> source id of the question's own
-    paragraph) each row also says how often that paragraph is among the Top-K contexts."""
-    keyed = {
-        (llm_name, reranker, dataset): outcomes
-        for dataset, by_reranker in runs.items()
-        for reranker, outcomes in by_reranker.items()
-    }
-    rows = table2_rows(keyed, settings.base, settings.ks, settings.eval_metric, n_resamples, seed)
-    for row in rows:
-        sources = (gold_of or {}).get(row["dataset"])
-        if sources:
-            outcomes = runs[row["dataset"]][row["reranker"]]
-            row.update({f"gold_top{k}": gold_in_contexts(outcomes, k, sources) for k in settings.ks})
-    return rows, table2_markdown(rows, settings.base, settings.ks)
-
-
-def closed_book_line(runs: Outcomes, metric: str, n_resamples: int, seed: int) -> str:
-    """The LLM alone (QA prompt) on the same questions: the floor retrieval has to beat."""
-    parts = []
-    for dataset, by_reranker in runs.items():
-        outcomes = next(iter(by_reranker.values()))
-        acc = accuracy_ci([getattr(o.closed_book, metric) for o in outcomes], n_resamples=n_resamples, seed=seed)
-        parts.append(f"{dataset} {acc.format()}")
-    return f"Closed-book (QA prompt, no retrieval) {metric}: " + ", ".join(parts) + "."
-
-
-def gold_in_contexts(
-    outcomes: Sequence[QuestionOutcome], k: int, gold_of: dict[str, str | None] | None = None
-) -> float:
-    """Share of questions whose own paragraph is among their Top-k contexts: a context id `<source>#<n>` whose
-    source is the question's gold document (`gold_of`, qid -> source id; without it, the question's qid)."""
-
-    def own(o: QuestionOutcome) -> bool:
-        source = gold_of.get(o.qid) if gold_of is not None else o.qid
-        return source is not None and any(c.rsplit("#", 1)[0] == source for c in o.rag[k].contexts)
-
-    return float(np.mean([own(o) for o in outcomes])) if outcomes else 0.0
-
-
-def secondary_markdown(
-    runs: Outcomes, ks: Sequence[int], gold_known: bool = False, gold_of: dict[str, dict[str, str | None]] | None = None
-) -> str:
-    """has_answer beside exact match and token F1 (means, %), per dataset, reranker and K; with `gold_known`
-    (passages cut from the questions' own paragraphs, ids `<qid>#<n>`) also how often the question's own
-    paragraph is among the K contexts."""
-    header = [f"Top-{k} has_answer / EM / F1" for k in ks] + ([f"gold ¶ in Top-{k}" for k in ks] if gold_known else [])
-    lines = ["| Dataset | Reranker | " + " | ".join(header) + " |", "|" + " --- |" * (2 + len(header))]
-    for dataset, by_reranker in runs.items():
-        for reranker, outcomes in by_reranker.items():
-            cells = [
-                " / ".join(
-                    f"{100 * np.mean([float(getattr(o.rag[k], m)) for o in outcomes]):.1f}"
-                    for m in ("has_answer", "em", "f1")
-                )
-                for k in ks
-            ]
-            if gold_known:
-                sources = (gold_of or {}).get(dataset)
-                cells += [f"{100 * gold_in_contexts(outcomes, k, sources):.1f}" for k in ks]
-            lines.append(f"| {dataset} | {reranker} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def run_record(
@@ -186,105 +115,8 @@ def write_plots(out: Path, llm_name: str, results: CBDRResults) -> dict[str, Pat
     return plots
 
 
-def base_line(info: dict[str, Any]) -> str:
-    if not info.get("trained"):
-        return "the backbone as it is"
-    return (
-        f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
-        f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s"
-    )
-
-
-def stage_line(stage: RerankStage) -> str:
-    """What the cached stage was built from: the probe's data and test scores, NQ_Rerank's size."""
-    meta, report = stage.probe.meta, stage.preferences.report
-    data, metrics = meta.get("nq_confidence", {}), meta.get("metrics", {})
-    scores = ", ".join(
-        f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in ("test/acc", "test/auroc") if k in metrics
-    )
-    return (
-        f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
-        f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
-        f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
-        f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
-        f"(rule {report.get('selection', 'sign')}, reference {report['reference']})."
-    )
-
-
-def pct(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:.1f} %"
-
-
-def chain_markdown(
-    stage: RerankStage, rows2: list[dict], diagnostics: dict[str, dict[str, Any]], ks: Sequence[int], dataset: str = NQ
-) -> str:
-    """Every link from probe to answer on one dataset's test questions, one line each: the probe on retrieved
-    contexts, the labels each rule builds from it, the rankers trained on them, the answers they lead to."""
-    by_name = {r["reranker"]: r for r in rows2 if r["dataset"] == dataset}
-    k1 = ks[0]
-
-    def answer_cells(name: str) -> str:
-        row = by_name.get(name)
-        if row is None:
-            return "not in Table 2"
-        gold = f"own ¶ first {pct(row.get(f'gold_top{k1}'))}, " if f"gold_top{k1}" in row else ""
-        test = row.get(f"top{k1}_vs_base")
-        return f"{gold}Top-{k1} {row[f'top{k1}'].format()}" + (
-            "" if test is None else f" (p vs base {test.pvalue:.3f})"
-        )
-
-    d = diagnostics.get(dataset, {})
-    report = stage.preferences.report
-    lines = [f"| link | measured as | {dataset} test |", "| --- | --- | --- |"]
-    if d:
-        auroc = d["probe_auroc_on_candidates"]
-        lines.append(
-            f"| probe on retrieved contexts | AUROC of Conf(Q + C) against the LLM's answer under C "
-            f"({d['candidates']} candidates; {pct(d['correct_share'])} of them make it right) | "
-            f"{'undefined (one class)' if auroc is None else f'{auroc:.3f}'} |"
-        )
-        lines.append(
-            f"| probe as reranker | own ¶ ranked first by Conf(Q + C) (chance {pct(d['chance_gold_first'])}, "
-            f"mean rank {d['probe_gold_mean_rank'] or float('nan'):.1f}); answers | "
-            f"{pct(d['probe_gold_first'])}; {answer_cells('probe as reranker')} |"
-        )
-    for rule, r in report.get("by_selection", {}).items():
-        lines.append(
-            f"| labels: rule {rule} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
-            f"{pct(r['gold']['gold_in_pos_rate'])} / {pct(r['gold']['gold_in_neg_rate'])}, {r['kept']} |"
-        )
-    for name in [n for n in by_name if n not in ("probe as reranker", "utility oracle (upper bound)")]:
-        lines.append(f"| ranker: {name} | answers | {answer_cells(name)} |")
-    if d:
-        lines.append(
-            f"| utility oracle (upper bound) | answers ({pct(d['questions_with_a_correct_candidate'])} of "
-            f"questions have a candidate that makes the LLM right) | "
-            f"{answer_cells('utility oracle (upper bound)')} |"
-        )
-    return "\n".join(lines)
-
-
 def conf_summary(values: Sequence[float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values)
-
-
-def retrieval_line(stats: dict[str, Any]) -> str:
-    return (
-        f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
-        f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
-    )
-
-
-def evaluation_pool_line(stage: RerankStage) -> str:
-    """Which questions the evaluation drew from, and why none of them trained what answers it."""
-    folds = stage.questions.folds
-    if not folds:
-        return "no stage trained on (not the probe's, not the preference questions, not the base reranker's)"
-    return (
-        f"cross-fitted over {len(folds)} folds of the {len(stage.questions.preference)} questions neither the probe "
-        f"nor the base reranker uses (folds of {', '.join(str(len(f)) for f in folds)}): each question is answered "
-        "by aligned rerankers trained on the other folds' preference rows only"
-    )
 
 
 def report_markdown(

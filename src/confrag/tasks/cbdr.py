@@ -25,6 +25,7 @@ from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
+from confrag.reports import cbdr_answers
 from confrag.stages.evaluation import confidence_gate, evaluate
 from confrag.stages.rerank import RerankRecipe, rerank_stage, table1
 
@@ -73,7 +74,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
         return {}
     tables, n_resamples = evaluation.tables(), checked.evaluation.n_resamples
-    rows2, table2_md = report.table2(cfg.llm.name, tables, settings, n_resamples, cfg.seed, evaluation.gold_sources())
+    rows2, table2_md = cbdr_answers.table2(
+        cfg.llm.name, tables, settings, n_resamples, cfg.seed, evaluation.gold_sources()
+    )
     results = cbdr_results(settings, *evaluation.sweep_data(settings))
     plots = report.write_plots(out, cfg.llm.name, results)
     record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
@@ -90,8 +93,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         gold_known=not (recipe.retrieval.corpus_path or recipe.retrieval.candidates_path),
     )
     secondary = [
-        report.closed_book_line(tables, settings.eval_metric, n_resamples, cfg.seed),
-        report.secondary_markdown(tables, settings.ks, run.gold_known, evaluation.gold_sources()),
+        cbdr_answers.closed_book_line(tables, settings.eval_metric, n_resamples, cfg.seed),
+        cbdr_answers.secondary_markdown(tables, settings.ks, run.gold_known, evaluation.gold_sources()),
     ]
     atomic_write_text(
         out / "report.md",

@@ -1,0 +1,63 @@
+"""The cbdr report's "From probe to answer": every link from the probe to the answers on one dataset's test
+questions, one line each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from confrag.stages.evaluation import NQ
+from confrag.stages.rerank import RerankStage
+
+
+def pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f} %"
+
+
+def chain_markdown(
+    stage: RerankStage, rows2: list[dict], diagnostics: dict[str, dict[str, Any]], ks: Sequence[int], dataset: str = NQ
+) -> str:
+    """Every link from probe to answer on one dataset's test questions, one line each: the probe on retrieved
+    contexts, the labels each rule builds from it, the rankers trained on them, the answers they lead to."""
+    by_name = {r["reranker"]: r for r in rows2 if r["dataset"] == dataset}
+    k1 = ks[0]
+
+    def answer_cells(name: str) -> str:
+        row = by_name.get(name)
+        if row is None:
+            return "not in Table 2"
+        gold = f"own ¶ first {pct(row.get(f'gold_top{k1}'))}, " if f"gold_top{k1}" in row else ""
+        test = row.get(f"top{k1}_vs_base")
+        return f"{gold}Top-{k1} {row[f'top{k1}'].format()}" + (
+            "" if test is None else f" (p vs base {test.pvalue:.3f})"
+        )
+
+    d = diagnostics.get(dataset, {})
+    report = stage.preferences.report
+    lines = [f"| link | measured as | {dataset} test |", "| --- | --- | --- |"]
+    if d:
+        auroc = d["probe_auroc_on_candidates"]
+        lines.append(
+            f"| probe on retrieved contexts | AUROC of Conf(Q + C) against the LLM's answer under C "
+            f"({d['candidates']} candidates; {pct(d['correct_share'])} of them make it right) | "
+            f"{'undefined (one class)' if auroc is None else f'{auroc:.3f}'} |"
+        )
+        lines.append(
+            f"| probe as reranker | own ¶ ranked first by Conf(Q + C) (chance {pct(d['chance_gold_first'])}, "
+            f"mean rank {d['probe_gold_mean_rank'] or float('nan'):.1f}); answers | "
+            f"{pct(d['probe_gold_first'])}; {answer_cells('probe as reranker')} |"
+        )
+    for rule, r in report.get("by_selection", {}).items():
+        lines.append(
+            f"| labels: rule {rule} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
+            f"{pct(r['gold']['gold_in_pos_rate'])} / {pct(r['gold']['gold_in_neg_rate'])}, {r['kept']} |"
+        )
+    for name in [n for n in by_name if n not in ("probe as reranker", "utility oracle (upper bound)")]:
+        lines.append(f"| ranker: {name} | answers | {answer_cells(name)} |")
+    if d:
+        lines.append(
+            f"| utility oracle (upper bound) | answers ({pct(d['questions_with_a_correct_candidate'])} of "
+            f"questions have a candidate that makes the LLM right) | "
+            f"{answer_cells('utility oracle (upper bound)')} |"
+        )
+    return "\n".join(lines)

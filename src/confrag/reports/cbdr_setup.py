@@ -1,0 +1,53 @@
+"""The cbdr report's opening lines: what the cached stage was built from, the base reranker, the evaluation
+questions and their candidates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from confrag.probe.module import metric_text
+from confrag.stages.rerank import RerankStage
+
+
+def base_line(info: dict[str, Any]) -> str:
+    if not info.get("trained"):
+        return "the backbone as it is"
+    return (
+        f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
+        f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s"
+    )
+
+
+def stage_line(stage: RerankStage) -> str:
+    """What the cached stage was built from: the probe's data and test scores, NQ_Rerank's size."""
+    meta, report = stage.probe.meta, stage.preferences.report
+    data, metrics = meta.get("nq_confidence", {}), meta.get("metrics", {})
+    scores = ", ".join(
+        f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in ("test/acc", "test/auroc") if k in metrics
+    )
+    return (
+        f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
+        f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
+        f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
+        f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
+        f"(rule {report.get('selection', 'sign')}, reference {report['reference']})."
+    )
+
+
+def retrieval_line(stats: dict[str, Any]) -> str:
+    return (
+        f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
+        f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
+    )
+
+
+def evaluation_pool_line(stage: RerankStage) -> str:
+    """Which questions the evaluation drew from, and why none of them trained what answers it."""
+    folds = stage.questions.folds
+    if not folds:
+        return "no stage trained on (not the probe's, not the preference questions, not the base reranker's)"
+    return (
+        f"cross-fitted over {len(folds)} folds of the {len(stage.questions.preference)} questions neither the probe "
+        f"nor the base reranker uses (folds of {', '.join(str(len(f)) for f in folds)}): each question is answered "
+        "by aligned rerankers trained on the other folds' preference rows only"
+    )
