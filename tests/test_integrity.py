@@ -23,8 +23,8 @@ from confrag.infra.cache_verify import main as cache_verify
 from confrag.infra.digests import FOLDER_DIGEST, ArtifactDamagedError, folder_problem, write_folder_digest
 from confrag.infra.finite import NonFiniteError, require_finite
 from confrag.probe.module import ProbeModule, load_probe, save_probe
-from confrag.reranker.data import load_rows
 from confrag.reranker.preferences import save_rows
+from confrag.reranker.rows import load_rows
 from confrag.retrieval.bm25 import BM25Retriever
 from confrag.retrieval.corpus import Corpus, CorpusPassage, passages_fingerprint
 

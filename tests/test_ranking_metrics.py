@@ -7,7 +7,6 @@ import pytest
 import torch
 from torchmetrics.retrieval import RetrievalMRR, RetrievalPrecision, RetrievalRecall
 
-from confrag.reranker.data import candidate_lists
 from confrag.reranker.metrics import (
     RankingMetrics,
     mrr_at_k,
@@ -17,6 +16,7 @@ from confrag.reranker.metrics import (
     ranking_table,
     recall_at_k,
 )
+from confrag.reranker.rows import candidate_lists
 
 
 def test_one_query_by_hand():

@@ -9,17 +9,12 @@ import pytest
 import torch
 from lightning import Callback, Trainer
 
-from confrag.reranker.data import (
-    GroupDataset,
-    PreferenceDataModule,
-    candidate_lists,
-    encode_pairs,
-    load_rows,
-    validate_rows,
-)
+from confrag.reranker.data import GroupDataset, PreferenceDataModule
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import ranking_metrics
 from confrag.reranker.module import RerankerModule, minilm_dir
+from confrag.reranker.rows import candidate_lists, load_rows, validate_rows
+from confrag.reranker.tokenization import encode_pairs
 
 from helpers.data import TOPICS
 

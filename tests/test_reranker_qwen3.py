@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from confrag.llm.config import LLMConfig
 from confrag.llm.random_weights import tiny_tokenizer
-from confrag.reranker.data import GroupDataset, PreferenceDataModule, encode_pairs
+from confrag.reranker.data import GroupDataset, PreferenceDataModule
 from confrag.reranker.loss import group_infonce
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.qwen3 import (
@@ -24,6 +24,7 @@ from confrag.reranker.qwen3 import (
     answer_token_ids,
     encode_yes_no_pairs,
 )
+from confrag.reranker.tokenization import encode_pairs
 
 from helpers.data import TOPICS as ALL_TOPICS
 

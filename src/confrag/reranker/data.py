@@ -21,8 +21,7 @@ metrics break score ties by candidate order, and positives first would reward a 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,134 +29,10 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from confrag.data.jsonl import DataFormatError, read_jsonl
-from confrag.infra.digests import ArtifactDamagedError, covered_problem
 from confrag.reranker.backbone import resolve_backbone
-from confrag.reranker.qwen3 import encode_yes_no_pairs
-from confrag.reranker.tokenization import (
-    CROSS_ENCODER,
-    KINDS,
-    QWEN3_YES_NO,
-    EncodedPairs,
-    encode_pairs,
-)
-
-RowSource = Sequence[dict] | str | Path
-
-
-# --- rows ----------------------------------------------------------------------------------------
-
-
-def _passage_list(row: dict, field: str, label: str) -> list[str]:
-    value = row.get(field)
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"{label}: field {field!r} must be a non-empty list of passages (got {_short(value)})")
-    for j, passage in enumerate(value):
-        if not isinstance(passage, str) or not passage.strip():
-            raise ValueError(f"{label}: field {field!r} item {j} must be a non-empty string (got {_short(passage)})")
-    seen: dict[str, int] = {}
-    for j, passage in enumerate(value):
-        if passage in seen:
-            raise ValueError(
-                f"{label}: field {field!r} holds the same passage twice (items {seen[passage]} and {j}): "
-                f"{_short(passage)}"
-            )
-        seen[passage] = j
-    return list(value)
-
-
-def _score_list(row: dict, field: str, passages: list[str], passage_field: str, label: str) -> None:
-    scores = row[field]
-    if not isinstance(scores, (list, tuple)) or len(scores) != len(passages):
-        size = len(scores) if isinstance(scores, (list, tuple)) else _short(scores)
-        raise ValueError(
-            f"{label}: field {field!r} has {size} values for {len(passages)} passages in {passage_field!r}"
-        )
-    for j, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            raise ValueError(f"{label}: field {field!r} item {j} must be a finite number (got {score!r})")
-
-
-def validate_row(row: Any, label: str) -> dict:
-    """Raise ValueError naming `label` and the field when the row is not a usable preference row."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{label}: a preference row must be an object with query/pos/neg (got {type(row).__name__})")
-    query = row.get("query")
-    if not isinstance(query, str) or not query.strip():
-        raise ValueError(f"{label}: field 'query' must be a non-empty string (got {_short(query)})")
-    pos = _passage_list(row, "pos", label)
-    neg = _passage_list(row, "neg", label)
-    both = set(pos) & set(neg)
-    if both:
-        raise ValueError(f"{label}: passage in both 'pos' and 'neg': {_short(next(iter(both)))}")
-    has = [f for f in ("pos_scores", "neg_scores") if row.get(f) is not None]
-    if len(has) == 1:
-        missing = ({"pos_scores", "neg_scores"} - set(has)).pop()
-        raise ValueError(f"{label}: has {has[0]!r} but no {missing!r}; teacher scores come in pairs")
-    if has:
-        _score_list(row, "pos_scores", pos, "pos", label)
-        _score_list(row, "neg_scores", neg, "neg", label)
-    if row.get("prompt") is not None and not isinstance(row["prompt"], str):
-        raise ValueError(f"{label}: field 'prompt' must be a string (got {_short(row['prompt'])})")
-    return row
-
-
-def validate_rows(rows: Iterable[Any], where: str) -> list[dict]:
-    """All rows checked (see `validate_row`); errors read `<where> row <i>: ...` with 0-based i."""
-    checked = [validate_row(row, f"{where} row {i}") for i, row in enumerate(rows)]
-    if not checked:
-        raise ValueError(f"{where}: no preference rows")
-    return checked
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def load_rows(source: RowSource, where: str) -> list[dict]:
-    """Rows from a list, a JSONL file (.jsonl / .jsonl.gz) or a `datasets` folder saved with save_to_disk."""
-    if isinstance(source, (str, Path)):
-        path = Path(source).expanduser()
-        problem = covered_problem(path) if path.exists() else None
-        if problem:  # rows `save_rows` wrote, changed since: refused (a user's own file has no digest)
-            raise ArtifactDamagedError(f"{where}={str(source)!r}: {problem}")
-        if path.is_dir():
-            from datasets import load_from_disk
-
-            return validate_rows(load_from_disk(str(path)).to_list(), f"{where} ({path})")
-        if path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz")):
-            return _load_jsonl(path, where)
-        raise FileNotFoundError(
-            f"{where}={str(source)!r}: expected a .jsonl / .jsonl.gz file or a `datasets` "
-            f"folder (save_to_disk), or a list of rows"
-        )
-    return validate_rows(source, where)
-
-
-def _load_jsonl(path: Path, where: str) -> list[dict]:
-    expected = "a preference row {query, pos, neg[, pos_scores, neg_scores, prompt]}"
-    try:
-        rows = [validate_row(row, f"{where} ({path}) line {n}") for n, row in read_jsonl(path, expected)]
-    except DataFormatError as err:  # the file's reader names the file and line; the key comes first
-        raise DataFormatError(f"{where}: {err}") from err
-    if not rows:
-        raise ValueError(f"{where} ({path}): no preference rows")
-    return rows
-
-
-def candidate_lists(rows: Sequence[dict], seed: int = 0) -> list[dict]:
-    """Per query: {"query", "passages" (pos + neg, shuffled with a seed), "labels" (1 = pos)}."""
-    out = []
-    for i, row in enumerate(rows):
-        passages = list(row["pos"]) + list(row["neg"])
-        labels = [1] * len(row["pos"]) + [0] * len(row["neg"])
-        order = np.random.default_rng([seed, i]).permutation(len(passages))
-        out.append(
-            {"query": row["query"], "passages": [passages[j] for j in order], "labels": [labels[j] for j in order]}
-        )
-    return out
-
+from confrag.reranker.collate import CandidateCollator, GroupCollator, PairCollator, pair_encoder, truncation_stats
+from confrag.reranker.rows import RowSource, candidate_lists, load_rows, validate_rows
+from confrag.reranker.tokenization import CROSS_ENCODER
 
 # --- datasets ------------------------------------------------------------------------------------
 
@@ -218,82 +93,6 @@ class CandidateDataset(Dataset):
         return self.items[index]
 
 
-# --- tokenization by backbone kind ----------------------------------------------------------------
-
-# One lookup: the cross-encoder tokenization, or Qwen3-Reranker's yes/no prompt.
-PAIR_ENCODERS: dict[str, Callable[..., EncodedPairs]] = {CROSS_ENCODER: encode_pairs, QWEN3_YES_NO: encode_yes_no_pairs}
-
-
-def pair_encoder(kind: str) -> Callable[..., EncodedPairs]:
-    """The tokenization of a backbone kind (`model.kind`)."""
-    if kind not in PAIR_ENCODERS:
-        raise ValueError(f"model.kind must be one of {', '.join(KINDS)} (got {kind!r})")
-    return PAIR_ENCODERS[kind]
-
-
-class _PairCollator:
-    """Shared tokenization; counts the pairs it has seen and how many were truncated (in this process:
-    with DataLoader workers each worker counts its own batches)."""
-
-    def __init__(
-        self, tokenizer, query_max_len: int, passage_max_len: int, encode: Callable[..., EncodedPairs] = encode_pairs
-    ) -> None:
-        self.tokenizer, self.query_max_len, self.passage_max_len = tokenizer, query_max_len, passage_max_len
-        self.encode = encode
-        self.pairs = self.truncated_pairs = self.truncated_queries = 0
-
-    def _encode(self, queries: list[str], passages: list[str]) -> dict[str, Any]:
-        encoded = self.encode(self.tokenizer, queries, passages, self.query_max_len, self.passage_max_len)
-        self.pairs += len(queries)
-        self.truncated_pairs += encoded.truncated_pairs
-        self.truncated_queries += encoded.truncated_queries
-        return {"features": encoded.features}
-
-
-class GroupCollator(_PairCollator):
-    """Train batch: features of B·G pairs (group-major), "group_size", optional "teacher_scores" (B, G)."""
-
-    def __call__(self, items: list[dict]) -> dict[str, Any]:
-        queries = [item["query"] for item in items for _ in item["passages"]]
-        batch = self._encode(queries, [p for item in items for p in item["passages"]])
-        batch["group_size"] = len(items[0]["passages"])
-        if all(item["teacher_scores"] is not None for item in items):
-            batch["teacher_scores"] = torch.tensor([item["teacher_scores"] for item in items], dtype=torch.float32)
-        return batch
-
-
-class CandidateCollator(_PairCollator):
-    """Eval batch: features of every candidate of every query, "group_sizes", "labels" per query."""
-
-    def __call__(self, items: list[dict]) -> dict[str, Any]:
-        queries = [item["query"] for item in items for _ in item["passages"]]
-        batch = self._encode(queries, [p for item in items for p in item["passages"]])
-        batch["group_sizes"] = [len(item["passages"]) for item in items]
-        batch["labels"] = [list(item["labels"]) for item in items]
-        return batch
-
-
-def truncation_stats(
-    rows: Sequence[dict],
-    tokenizer,
-    query_max_len: int,
-    passage_max_len: int,
-    encode: Callable[..., EncodedPairs] = encode_pairs,
-) -> dict[str, int]:
-    """How many distinct (query, passage) pairs of the rows exceed the budget: a property of the data,
-    independent of sampling and workers."""
-    queries = [r["query"] for r in rows for _ in (*r["pos"], *r["neg"])]
-    passages = [p for r in rows for p in (*r["pos"], *r["neg"])]
-    truncated = cut = 0
-    for start in range(0, len(queries), 256):
-        encoded = encode(
-            tokenizer, queries[start : start + 256], passages[start : start + 256], query_max_len, passage_max_len
-        )
-        truncated += encoded.truncated_pairs
-        cut += encoded.truncated_queries
-    return {"pairs": len(queries), "truncated_pairs": truncated, "truncated_queries": cut}
-
-
 # --- Lightning -----------------------------------------------------------------------------------
 
 
@@ -342,7 +141,7 @@ class PreferenceDataModule(LightningDataModule):
         self.rows: dict[str, list[dict]] = {}
         self.truncation: dict[str, dict[str, int]] = {}
         self._tokenizer = None
-        self._collators: dict[str, _PairCollator] = {}
+        self._collators: dict[str, PairCollator] = {}
 
     @property
     def tokenizer(self):
@@ -371,7 +170,7 @@ class PreferenceDataModule(LightningDataModule):
             raise ValueError(f"data.{split} is not set: give a row list, a JSONL file or a `datasets` folder")
         return self.rows[split]
 
-    def _collator(self, split: str, cls: type[_PairCollator]) -> _PairCollator:
+    def _collator(self, split: str, cls: type[PairCollator]) -> PairCollator:
         if split not in self._collators:
             self._collators[split] = cls(self.tokenizer, self.query_max_len, self.passage_max_len, self.encode)
         return self._collators[split]

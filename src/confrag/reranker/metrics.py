@@ -16,7 +16,7 @@ agree number for number:
   (`"skip"`). With every query skipped the average is 0.0, as in torchmetrics.
 - Ties in scores keep the original candidate order (a stable sort). Whoever builds candidate lists
   must therefore not put positives first, or a constant scorer would look perfect: see
-  `confrag.reranker.data.candidate_lists`, which shuffles them with a seed. (torchmetrics sorts with
+  `confrag.reranker.rows.candidate_lists`, which shuffles them with a seed. (torchmetrics sorts with
   `torch.topk`, whose tie order is unspecified, so the two agree only on tie-free scores.)
 - Only the order of a query's scores matters. torchmetrics 1.9 also treats a prediction <= 0 as "not
   retrieved" (a relevant item scored -0.3 never counts), which is wrong for raw reranker logits; the

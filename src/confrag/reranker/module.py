@@ -30,7 +30,7 @@ from confrag.infra.finite import require_finite
 from confrag.infra.locks import exclusive
 from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
-from confrag.reranker.data import pair_encoder
+from confrag.reranker.collate import pair_encoder
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import RankingMetrics
 from confrag.reranker.tokenization import CROSS_ENCODER, QWEN3_YES_NO

@@ -24,10 +24,10 @@ from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import SavedProbe
-from confrag.reranker.data import candidate_lists
 from confrag.reranker.metrics import ranking_table
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.preferences import relevance_rows
+from confrag.reranker.rows import candidate_lists
 from confrag.reranker.selection import DevTop1, dev_set
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
