@@ -11,17 +11,9 @@ import pytest
 
 import confrag.probe.nq_confidence as nqc
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.probe.nq_confidence import (
-    KINDS,
-    PAPER_SPLIT_SIZES,
-    Example,
-    balanced_examples,
-    build_confidence_data,
-    build_prompts,
-    partner_indices,
-    resolve_layers,
-    stratified_question_splits,
-)
+from confrag.probe.confidence_splits import PAPER_SPLIT_SIZES, balanced_examples, stratified_question_splits
+from confrag.probe.nq_confidence import build_confidence_data, build_prompts, partner_indices, resolve_layers
+from confrag.probe.prompt_kinds import KINDS, Example
 from confrag.qa_metrics import exact_match, has_answer
 
 # --- resolve_layers --------------------------------------------------------------------------------
@@ -283,7 +275,7 @@ def test_build_confidence_data_rejects_bad_settings(tiny_llama, templates, rows,
 def test_candidates_option_trains_on_every_candidate_labelled_by_its_answer(tiny_llama, templates, rows, tmp_path):
     """`candidates`: one state per (question, candidate) pair, lists of different lengths, each labelled by the
     LLM's own answer under that candidate; no QA or gold-paragraph state; splits by question."""
-    from confrag.probe.nq_confidence import PAIRS_KIND
+    from confrag.probe.prompt_kinds import PAIRS_KIND
 
     lists = [[row.contexts[0], rows[(i + 1) % len(rows)].contexts[0]][: 1 + i % 2] for i, row in enumerate(rows)]
     data = build(tiny_llama, templates, rows, tmp_path, train_states="candidates", candidates=lists, balance=False)

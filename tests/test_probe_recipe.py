@@ -10,8 +10,8 @@ from lightning import Trainer
 from sklearn.linear_model import LogisticRegression
 from torch.utils.data import DataLoader, TensorDataset
 
+from confrag.probe.confidence_splits import check_splits, stratified_question_splits
 from confrag.probe.module import ProbeModule, check_probe_settings, load_probe, save_probe
-from confrag.probe.nq_confidence import check_splits, stratified_question_splits
 from confrag.probe.ranking import RankingSet, gold_rank, ranking_metrics
 from confrag.retrieval.candidates import Candidates, make_candidates
 from confrag.retrieval.corpus import CorpusPassage

@@ -35,14 +35,8 @@ from confrag.llm.generation import GreedyOptions
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
-from confrag.probe.nq_confidence import (
-    ConfidenceData,
-    Example,
-    activation_identity,
-    build_confidence_data,
-    resolve_layers,
-    uses_candidates,
-)
+from confrag.probe.nq_confidence import ConfidenceData, activation_identity, build_confidence_data, resolve_layers
+from confrag.probe.prompt_kinds import Example, uses_candidates
 from confrag.probe.ranking import RankingSet, candidate_states
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 from confrag.retrieval.candidates import without_duplicates

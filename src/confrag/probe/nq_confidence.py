@@ -37,60 +37,25 @@ from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, validate_layers
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
+from confrag.probe.confidence_splits import (
+    PAPER_SPLIT_SIZES,
+    SPLITS,
+    balanced_examples,
+    check_splits,
+    stratified_question_splits,
+)
+from confrag.probe.prompt_kinds import (
+    CANDIDATE_KIND,
+    KINDS,
+    PAIRS_KIND,
+    Example,
+    kinds_of,
+    pairs_only,
+    uses_candidates,
+)
 from confrag.qa_metrics import exact_match, has_answer
 
 log = logging.getLogger(__name__)
-
-KINDS = ("qa", "rag_gold", "rag_other")
-CANDIDATE_KIND = "rag_cand"
-# One state per (question, retrieved candidate) pair, every candidate of every question (`candidates`).
-PAIRS_KIND = "rag_pairs"
-TRAIN_STATES = {
-    "qa": ("qa",),
-    "qa+rag": ("qa", "rag_gold", "rag_other"),
-    "qa+candidates": ("qa",),
-    "qa+rag+candidates": ("qa", "rag_gold", "rag_other"),
-    # The post-retrieval probe as the reference trains it: candidate states only, each labelled by the LLM's
-    # answer under that candidate, the question's whole candidate list (duplicates removed), no fixed ranks.
-    "candidates": (),
-}
-
-
-def uses_candidates(train_states: str) -> bool:
-    return train_states.endswith("candidates")
-
-
-def pairs_only(train_states: str) -> bool:
-    """Whether the option trains on the flat (question, candidate) pairs alone (`candidates`)."""
-    return train_states == "candidates"
-
-
-def kinds_of(train_states: str, num_candidates: int) -> tuple[str, ...]:
-    """The prompt kinds of a `train_states` option; `+candidates` adds one kind per retrieved candidate."""
-    if train_states not in TRAIN_STATES:
-        raise ValueError(f"data.train_states={train_states!r} is not one of {tuple(TRAIN_STATES)}")
-    extra = tuple(f"{CANDIDATE_KIND}{j}" for j in range(num_candidates)) if uses_candidates(train_states) else ()
-    return TRAIN_STATES[train_states] + extra
-
-
-def kind_order(kind: str) -> tuple[int, int]:
-    """Sort key of a prompt kind: the fixed kinds first, then the candidates by rank."""
-    if kind == PAIRS_KIND:
-        return len(KINDS) + 1, 0
-    if kind.startswith(CANDIDATE_KIND):
-        return len(KINDS), int(kind[len(CANDIDATE_KIND) :])
-    return KINDS.index(kind), 0
-
-
-PAPER_SPLIT_SIZES = {"train": 1000, "dev": 300, "test": 500}
-SPLITS = tuple(PAPER_SPLIT_SIZES)
-
-
-@dataclass(frozen=True)
-class Example:
-    kind: str
-    index: int  # row in the kind's activation store: the question's row in `ConfidenceData.rows`, or the pair's
-    label: int
 
 
 @dataclass
@@ -210,38 +175,6 @@ def fitted_prompts(
     if cut:  # absent when nothing was cut: the keys of prompts that fit are those they always had
         spec["cut_to_fit"] = fingerprint([[i, prompts[i]] for i in cut])
     return prompts
-
-
-def stratified_question_splits(labels: np.ndarray, seed: int, sizes: dict[str, int] = PAPER_SPLIT_SIZES) -> list[str]:
-    """Assign every question to a split, per class in the proportions of `sizes`."""
-    rng = np.random.default_rng(seed)
-    labels = np.asarray(labels)
-    total = sum(sizes.values())
-    split_of = [""] * len(labels)
-    for cls in (0, 1):
-        members = rng.permutation(np.flatnonzero(labels == cls))
-        bounds = np.cumsum([round(len(members) * sizes[s] / total) for s in SPLITS[:-1]])
-        for split, chunk in zip(SPLITS, np.split(members, bounds)):
-            for index in chunk:
-                split_of[int(index)] = split
-    return split_of
-
-
-def check_splits(sizes: dict[str, int], key: str) -> dict[str, int]:
-    """Positive sizes for exactly train, dev and test (`key` names the setting in the error)."""
-    sizes = dict(sizes)
-    if set(sizes) != set(SPLITS) or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes.values()):
-        raise ValueError(f"{key} must give positive integer sizes for exactly {SPLITS}; got {sizes}")
-    return sizes
-
-
-def balanced_examples(candidates: list[Example], cap: int, seed: int) -> list[Example]:
-    """Equal numbers of positives and negatives (the smaller class, at most `cap` each), seeded."""
-    rng = np.random.default_rng(seed)
-    by_class = [[e for e in candidates if e.label == cls] for cls in (0, 1)]
-    count = min(cap, *(len(group) for group in by_class))
-    chosen = [group[i] for group in by_class for i in sorted(rng.choice(len(group), count, replace=False))]
-    return sorted(chosen, key=lambda e: (kind_order(e.kind), e.index))
 
 
 def build_confidence_data(
