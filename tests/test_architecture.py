@@ -101,6 +101,39 @@ def test_hydra_and_omegaconf_stay_at_the_config_boundary():
     assert readers - CONFIG_MODULES - {m for m in MODULES if m.startswith("confrag.tasks")} == set()
 
 
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    """A module past 400 lines mixes concerns: split it along its seams, one concept per module."""
+    long = {
+        str(path.relative_to(SRC)): n
+        for path in (SRC / "confrag").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"over {MAX_MODULE_LINES} lines: {long}"
+
+
+# The package root holds the entry point and the config boundary only; everything else lives in a package.
+ROOT_MODULES = {"confrag", "confrag.train", "confrag.instantiators", "confrag.recipes"}
+
+
+def test_the_package_root_holds_only_the_entry_point_and_the_config_boundary():
+    root = {name for name in MODULES if name.count(".") <= 1 and module_path(name).parent == SRC / "confrag"}
+    assert root == ROOT_MODULES, "infrastructure goes in confrag/infra/, domain modules in the package they serve"
+
+
+def test_infrastructure_imports_nothing_but_infrastructure():
+    """confrag.infra (files, digests, locks, shards, ranks, paths, timing, run records) knows no domain: any
+    library package may use it, and it never reaches into them."""
+    offenders = {
+        name: sorted(m for m in imports_of(name) if not m.startswith("confrag.infra"))
+        for name in MODULES
+        if name.startswith("confrag.infra")
+    }
+    assert not {k: v for k, v in offenders.items() if v}
+
+
 def test_task_modules_are_thin():
     for path in (SRC / "confrag" / "tasks").glob("*.py"):
         assert len(path.read_text().splitlines()) <= 150, f"{path.name}: move stages, reports and settings out"

@@ -6,7 +6,7 @@ import pytest
 
 from confrag.data.conflicts import answer_kind, build_conflicts, substitute_answers
 from confrag.data.nq import Passage, QARow
-from confrag.qa_metrics import has_answer
+from confrag.data.qa_metrics import has_answer
 
 
 def row(qid, question, answers, title, text):

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import confrag.probe.nq_confidence as nqc
+from confrag.data.qa_metrics import exact_match, has_answer
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.probe.confidence_splits import PAPER_SPLIT_SIZES, balanced_examples, stratified_question_splits
 from confrag.probe.nq_confidence import build_confidence_data, build_prompts, partner_indices, resolve_layers
 from confrag.probe.prompt_kinds import KINDS, Example
-from confrag.qa_metrics import exact_match, has_answer
 
 # --- resolve_layers --------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from confrag.qa_metrics import exact_match, has_answer, normalize_answer, token_f1
+from confrag.data.qa_metrics import exact_match, has_answer, normalize_answer, token_f1
 
 
 @pytest.mark.parametrize(
@@ -103,7 +103,7 @@ def test_non_string_answer_rejected_with_index() -> None:
 
 
 def test_has_answer_dpr_splits_what_squad_normalization_glues():
-    from confrag.qa_metrics import dpr_tokens, has_answer_dpr
+    from confrag.data.qa_metrics import dpr_tokens, has_answer_dpr
 
     assert dpr_tokens("Eminem's 1914–1918 Café") == ["eminem", "'", "s", "1914", "–", "1918", "cafe\u0301"]
     # The SQuAD normalization makes "eminems" and "19141918"; DPR's tokens keep the answer whole.
@@ -120,7 +120,7 @@ def test_has_answer_dpr_finds_every_gold_paragraphs_answer_in_the_shared_sample(
     """The counts the module docstring states: DPR's rule finds the answer in every gold paragraph of the
     shared NQ sample, the normalized-substring rule in 2,134 of 2,155."""
     from confrag.data.nq import default_nq_path, load_nq_jsonl
-    from confrag.qa_metrics import has_answer_dpr
+    from confrag.data.qa_metrics import has_answer_dpr
 
     path = default_nq_path()
     if not path.is_file():

@@ -11,8 +11,8 @@ import pytest
 from scipy.stats import binomtest
 
 import confrag.rag.answers as answers_module
+from confrag.data.qa_metrics import exact_match, has_answer, token_f1
 from confrag.llm.generation import generate_greedy
-from confrag.qa_metrics import exact_match, has_answer, token_f1
 from confrag.rag import (
     AnswerStore,
     QuestionOutcome,

@@ -29,12 +29,12 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from confrag.data.qa_metrics import exact_match, has_answer, token_f1
 from confrag.llm.batching import check_batch_size
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates, encode_prompts
 from confrag.probe.module import SavedProbe
-from confrag.qa_metrics import exact_match, has_answer, token_f1
 from confrag.rag.pipeline import Reranker, rank_contexts
 
 log = logging.getLogger(__name__)

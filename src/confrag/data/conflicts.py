@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from confrag.data.nq import Passage, QARow
-from confrag.qa_metrics import has_answer, normalize_answer
+from confrag.data.qa_metrics import has_answer, normalize_answer
 
 KINDS = ("year", "date", "number", "name", "other")
 _MONTHS = (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from confrag.data.nq import QARow
-from confrag.qa_metrics import normalize_answer
+from confrag.data.qa_metrics import normalize_answer
 
 log = logging.getLogger(__name__)
 

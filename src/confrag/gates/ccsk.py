@@ -35,9 +35,9 @@ import torch
 from sklearn.model_selection import KFold, train_test_split
 from torch import nn
 
+from confrag.data.qa_metrics import token_f1
 from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
 from confrag.gates.skr import knn_vote, unit_rows
-from confrag.qa_metrics import token_f1
 
 _WORD = re.compile(r"\w+")
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from confrag.data.nq import QARow, rows_fingerprint
+from confrag.data.qa_metrics import exact_match, has_answer
 from confrag.infra.activation_store import ActivationStore
 from confrag.infra.digests import fingerprint
 from confrag.infra.locks import compute_shards
@@ -53,7 +54,6 @@ from confrag.probe.prompt_kinds import (
     pairs_only,
     uses_candidates,
 )
-from confrag.qa_metrics import exact_match, has_answer
 
 log = logging.getLogger(__name__)
 

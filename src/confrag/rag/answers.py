@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from confrag.data.qa_metrics import exact_match, has_answer, has_answer_dpr, token_f1
 from confrag.infra.digests import fingerprint
 from confrag.infra.locks import compute_shards
 from confrag.infra.sharded import CacheMismatchError, ShardedArtifact
@@ -39,7 +40,6 @@ from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
-from confrag.qa_metrics import exact_match, has_answer, has_answer_dpr, token_f1
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.data.nq import QARow
+from confrag.data.qa_metrics import has_answer, normalize_answer
 from confrag.infra.atomic import atomic_write_bytes
-from confrag.qa_metrics import has_answer, normalize_answer
 from confrag.retrieval.corpus import Corpus, CorpusPassage, document_text
 from confrag.retrieval.ranking import Hits, check_top_n
 

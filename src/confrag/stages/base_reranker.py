@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from confrag.data.nq import QARow
-from confrag.qa_metrics import has_answer
+from confrag.data.qa_metrics import has_answer
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.preferences import RERANK_INSTRUCTION
 from confrag.retrieval import Candidates, CorpusPassage, document_text, split_passages

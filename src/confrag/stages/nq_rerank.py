@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from confrag.data.nq import QARow
+from confrag.data.qa_metrics import has_answer
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.digests import fingerprint
 from confrag.llm.batching import check_batch_size
@@ -27,7 +28,6 @@ from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
-from confrag.qa_metrics import has_answer
 from confrag.rag import AnswerStore
 from confrag.reranker.preferences import (
     REFERENCES,
