@@ -290,6 +290,43 @@ def test_truncation_cuts_a_long_question_to_fit_when_asked(tiny_llama, templates
     assert "cut 1 question(s) to fit the model's context of 2048 tokens" in caplog.text
 
 
+def test_a_cut_question_leaves_room_for_the_passages_of_its_rag_prompts(tiny_llama, templates, tmp_path, monkeypatch):
+    """Cut to the QA prompt's whole budget, an overlong question left no room for passages, and every RAG
+    prompt holding it was refused although both truncation options were on."""
+    import dataclasses
+
+    from confrag.llm.context import fit_rag_prompts
+
+    rows = load_nq_jsonl(default_nq_path(), limit=3)
+    rows[1] = dataclasses.replace(rows[1], question="why " * 20000)
+    tok = tiny_llama.tokenizer
+    fitted = fit_questions(rows, templates, tok, 2048, 24, truncate=True, room=1012)
+    qa_length = len(tok(templates.qa_prompt(tok, fitted[1].question), add_special_tokens=False)["input_ids"])
+    assert 900 < qa_length <= 2024 - 1012
+    prompts, cut = fit_rag_prompts([(fitted[1].question, fitted[1].contexts)], ["q1"], templates, tok, 2048, 24, True)
+    assert cut in ([], [0]) and fitted[1].contexts[0].text[:40] in prompts[0]  # the passage has room
+    # Refusal without truncation stays at the exact limit: `room` only shapes the cut.
+    assert fit_questions(rows[:1], templates, tok, 2048, 24, room=1012) == rows[:1]
+    with pytest.raises(ValueError, match=r"room must lie in \[0, 2024\)"):
+        fit_questions(rows, templates, tok, 2048, 24, truncate=True, room=2024)
+
+    # The probe's data module reserves the room when its questions go into RAG prompts, not for QA states alone.
+    path = nq_file(tmp_path / "nq.jsonl", rows)
+    seen = {}
+
+    def capture(llm, templates_, questions, **kwargs):
+        seen["question"] = questions[1].question
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(datamodule_module, "build_confidence_data", capture)
+    for states, top_n, cut_to in (("qa+rag", None, 2046 - 2046 // 2), ("qa", None, 2046)):  # max_new_tokens=2
+        module = datamodule(tmp_path, path, train_states=states, ranking_top_n=top_n, truncate_questions=True)
+        with pytest.raises(RuntimeError, match="captured"):
+            module.build()
+        length = len(tok(templates.qa_prompt(tok, seen["question"]), add_special_tokens=False)["input_ids"])
+        assert cut_to - 100 < length <= cut_to, (states, length)
+
+
 def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):
     import dataclasses
 
