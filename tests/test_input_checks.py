@@ -22,7 +22,7 @@ from confrag.artifacts import CacheReadOnlyError
 from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
 from confrag.data.splits import select_questions
 from confrag.llm.context import PromptTooLongError, fit_questions
-from confrag.llm.loading import LLMNotAvailableError
+from confrag.llm.loading import LLMNotAvailableError, prompt_tokenizer
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule
 
@@ -325,6 +325,33 @@ def test_a_cut_question_leaves_room_for_the_passages_of_its_rag_prompts(tiny_lla
             module.build()
         length = len(tok(templates.qa_prompt(tok, seen["question"]), add_special_tokens=False)["input_ids"])
         assert cut_to - 100 < length <= cut_to, (states, length)
+
+
+def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads(tmp_path, templates, monkeypatch):
+    """The preference, base and evaluation questions are answered too, not only the probe's: an overlong one
+    among them failed inside generation. Refused by qid from the tokenizer alone, or cut as the probe cuts."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from confrag.stages.rerank import fitted_questions
+
+    nothing_expensive(monkeypatch)
+    rows = load_nq_jsonl(default_nq_path(), limit=5)
+    rows[4] = dataclasses.replace(rows[4], question="why " * 20000)
+    path = nq_file(tmp_path / "nq.jsonl", rows)
+    recipe = SimpleNamespace(llm=TINY, templates=templates, preferences=SimpleNamespace(max_new_tokens=24))
+    probe_data = SimpleNamespace(
+        nq_path=path, questions_format="auto", max_new_tokens=24, truncate_questions=False, rag_prompts=True
+    )
+    with pytest.raises(PromptTooLongError, match=r"'nq-00004' \(80000 characters") as err:
+        fitted_questions(recipe, probe_data)
+    assert "data.truncate_questions=true" in str(err.value)
+    probe_data.truncate_questions = True
+    fitted = fitted_questions(recipe, probe_data)
+    assert [r.question for r in fitted[:4]] == [r.question for r in rows[:4]] and len(fitted) == 5
+    tokenizer = prompt_tokenizer(TINY)[0]
+    probe_cut = fit_questions(rows, templates, tokenizer, 2048, 24, truncate=True, room=(2048 - 24) // 2)[4].question
+    assert fitted[4].question == probe_cut and len(probe_cut) < 10000  # the probe's own cut, to the character
 
 
 def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):
