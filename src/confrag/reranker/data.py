@@ -33,14 +33,8 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 from confrag.artifacts import ArtifactDamagedError, covered_problem
 from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.reranker.backbone import resolve_backbone
-from confrag.reranker.qwen3 import encode_yes_no_pairs
-from confrag.reranker.tokenization import (
-    CROSS_ENCODER,
-    KINDS,
-    QWEN3_YES_NO,
-    EncodedPairs,
-    encode_pairs,
-)
+from confrag.reranker.kinds import CrossEncoderKind, reranker_kind
+from confrag.reranker.tokenization import EncodedPairs, encode_pairs
 
 RowSource = Sequence[dict] | str | Path
 
@@ -218,19 +212,6 @@ class CandidateDataset(Dataset):
         return self.items[index]
 
 
-# --- tokenization by backbone kind ----------------------------------------------------------------
-
-# One lookup: the cross-encoder tokenization, or Qwen3-Reranker's yes/no prompt.
-PAIR_ENCODERS: dict[str, Callable[..., EncodedPairs]] = {CROSS_ENCODER: encode_pairs, QWEN3_YES_NO: encode_yes_no_pairs}
-
-
-def pair_encoder(kind: str) -> Callable[..., EncodedPairs]:
-    """The tokenization of a backbone kind (`model.kind`)."""
-    if kind not in PAIR_ENCODERS:
-        raise ValueError(f"model.kind must be one of {', '.join(KINDS)} (got {kind!r})")
-    return PAIR_ENCODERS[kind]
-
-
 class _PairCollator:
     """Shared tokenization; counts the pairs it has seen and how many were truncated (in this process:
     with DataLoader workers each worker counts its own batches)."""
@@ -325,10 +306,10 @@ class PreferenceDataModule(LightningDataModule):
         group_size: int = 8,
         num_workers: int = 0,
         seed: int = 0,
-        kind: str = CROSS_ENCODER,
+        kind: str = CrossEncoderKind.id,
     ) -> None:
         super().__init__()
-        self.encode = pair_encoder(kind)
+        self.encode = reranker_kind(kind).encode
         self.sources = {"train": train, "val": val, "test": test}
         self.tokenizer_name = tokenizer
         self.query_max_len = _positive_int(query_max_len, "data.query_max_len")
