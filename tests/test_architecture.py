@@ -189,6 +189,24 @@ def test_no_type_switch_on_gate_classes_outside_the_gates_package():
     assert not offenders, offenders
 
 
+def test_no_switch_on_reranker_kind_names_outside_the_kinds_registry():
+    """What differs between reranker kinds is asked of the registered kind (`confrag.reranker.kinds`): no
+    module compares a value with a kind's name."""
+    from confrag.reranker.kinds import KINDS
+
+    offenders = []
+    for name in MODULES:
+        if name == "confrag.reranker.kinds":
+            continue
+        for node in ast.walk(ast.parse(module_path(name).read_text())):
+            if isinstance(node, ast.Compare):
+                values = [node.left, *node.comparators]
+                named = {v.value for v in values if isinstance(v, ast.Constant) and v.value in KINDS}
+                if named:
+                    offenders.append(f"{name}:{node.lineno} {sorted(named)}")
+    assert not offenders, offenders
+
+
 # Modules that still read JSON lines themselves (none: every reader is confrag.data.jsonl.read_jsonl).
 JSONL_READERS_LEFT: set[str] = set()
 

@@ -133,3 +133,12 @@ def test_command_line(cache, tmp_path):
         timeout=60,
     )
     assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+def test_help_shows_the_whole_description(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    # The first docstring line alone stopped mid-sentence ("... shape, length and").
+    assert "against its folder digest." in out and "--adopt" in out and "exit status is 1" in out

@@ -22,7 +22,7 @@ from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
 from confrag.data.splits import select_questions
 from confrag.infra.atomic import CacheReadOnlyError
 from confrag.llm.context import PromptTooLongError, fit_questions
-from confrag.llm.loading import LLMNotAvailableError
+from confrag.llm.loading import LLMNotAvailableError, prompt_tokenizer
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule
 
@@ -288,6 +288,70 @@ def test_truncation_cuts_a_long_question_to_fit_when_asked(tiny_llama, templates
     prompt = templates.qa_prompt(tiny_llama.tokenizer, fitted[1].question)
     assert 2000 < len(tiny_llama.tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= 2048 - 24
     assert "cut 1 question(s) to fit the model's context of 2048 tokens" in caplog.text
+
+
+def test_a_cut_question_leaves_room_for_the_passages_of_its_rag_prompts(tiny_llama, templates, tmp_path, monkeypatch):
+    """Cut to the QA prompt's whole budget, an overlong question left no room for passages, and every RAG
+    prompt holding it was refused although both truncation options were on."""
+    import dataclasses
+
+    from confrag.llm.context import fit_rag_prompts
+
+    rows = load_nq_jsonl(default_nq_path(), limit=3)
+    rows[1] = dataclasses.replace(rows[1], question="why " * 20000)
+    tok = tiny_llama.tokenizer
+    fitted = fit_questions(rows, templates, tok, 2048, 24, truncate=True, room=1012)
+    qa_length = len(tok(templates.qa_prompt(tok, fitted[1].question), add_special_tokens=False)["input_ids"])
+    assert 900 < qa_length <= 2024 - 1012
+    prompts, cut = fit_rag_prompts([(fitted[1].question, fitted[1].contexts)], ["q1"], templates, tok, 2048, 24, True)
+    assert cut in ([], [0]) and fitted[1].contexts[0].text[:40] in prompts[0]  # the passage has room
+    # Refusal without truncation stays at the exact limit: `room` only shapes the cut.
+    assert fit_questions(rows[:1], templates, tok, 2048, 24, room=1012) == rows[:1]
+    with pytest.raises(ValueError, match=r"room must lie in \[0, 2024\)"):
+        fit_questions(rows, templates, tok, 2048, 24, truncate=True, room=2024)
+
+    # The probe's data module reserves the room when its questions go into RAG prompts, not for QA states alone.
+    path = nq_file(tmp_path / "nq.jsonl", rows)
+    seen = {}
+
+    def capture(llm, templates_, questions, **kwargs):
+        seen["question"] = questions[1].question
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(datamodule_module, "build_confidence_data", capture)
+    for states, top_n, cut_to in (("qa+rag", None, 2046 - 2046 // 2), ("qa", None, 2046)):  # max_new_tokens=2
+        module = datamodule(tmp_path, path, train_states=states, ranking_top_n=top_n, truncate_questions=True)
+        with pytest.raises(RuntimeError, match="captured"):
+            module.build()
+        length = len(tok(templates.qa_prompt(tok, seen["question"]), add_special_tokens=False)["input_ids"])
+        assert cut_to - 100 < length <= cut_to, (states, length)
+
+
+def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads(tmp_path, templates, monkeypatch):
+    """The preference, base and evaluation questions are answered too, not only the probe's: an overlong one
+    among them failed inside generation. Refused by qid from the tokenizer alone, or cut as the probe cuts."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from confrag.stages.rerank import fitted_questions
+
+    nothing_expensive(monkeypatch)
+    rows = load_nq_jsonl(default_nq_path(), limit=5)
+    rows[4] = dataclasses.replace(rows[4], question="why " * 20000)
+    path = nq_file(tmp_path / "nq.jsonl", rows)
+    recipe = SimpleNamespace(llm=TINY, templates=templates, preferences=SimpleNamespace(max_new_tokens=24))
+    probe_data = SimpleNamespace(
+        nq_path=path, questions_format="auto", max_new_tokens=24, truncate_questions=False, rag_prompts=True
+    )
+    with pytest.raises(PromptTooLongError, match=r"'nq-00004' \(80000 characters") as err:
+        fitted_questions(recipe, probe_data)
+    assert "data.truncate_questions=true" in str(err.value)
+    probe_data.truncate_questions = True
+    fitted = fitted_questions(recipe, probe_data)
+    assert [r.question for r in fitted[:4]] == [r.question for r in rows[:4]] and len(fitted) == 5
+    tokenizer = prompt_tokenizer(TINY)[0]
+    probe_cut = fit_questions(rows, templates, tokenizer, 2048, 24, truncate=True, room=(2048 - 24) // 2)[4].question
+    assert fitted[4].question == probe_cut and len(probe_cut) < 10000  # the probe's own cut, to the character
 
 
 def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):

@@ -3,6 +3,8 @@ optimum, question splits the user sets, and selection on the dev questions' cand
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -210,3 +212,30 @@ def test_a_ranking_monitor_without_a_ranking_set_is_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="model.optimizer=lbfgs takes whole-split batches: set data.batch_size=null"):
         run_task(cfg)
+
+
+def test_a_whole_cached_probe_is_kept_not_rewritten(tmp_path, monkeypatch, caplog):
+    """A run of the probe task over a complete, read-only cache used to warn that its probe "could not be
+    kept": the probe under that key is already there and whole."""
+    import stat
+
+    import confrag.stages.probe as probe_stage
+    from confrag.infra.digests import write_folder_digest
+
+    written = []
+    monkeypatch.setattr(probe_stage, "save_trained_probe", lambda *args: written.append(args[-1]))
+    cached = tmp_path / "cache" / "probe"
+    cached.mkdir(parents=True)
+    (cached / "probe.json").write_text("{}")
+    write_folder_digest(cached)
+    cached.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with caplog.at_level(logging.INFO, logger="confrag.stages.probe"):
+            probe_stage.cache_trained_probe(None, None, {}, "", cached, tmp_path / "run" / "probe")
+        assert written == [] and "already holds this probe" in caplog.text and "could not" not in caplog.text
+        # A missing or damaged one is written.
+        (tmp_path / "cache" / "other").mkdir()
+        probe_stage.cache_trained_probe(None, None, {}, "", tmp_path / "cache" / "other", tmp_path / "run" / "probe")
+        assert written == [tmp_path / "cache" / "other"]
+    finally:
+        cached.chmod(stat.S_IRWXU)

@@ -43,8 +43,13 @@ def test_a_passage_longer_than_the_context_is_refused_by_row_or_cut_when_asked(t
     assert "cut the passages of 1 prompt(s) to fit the model's context of 2048 tokens" in caplog.text
 
     # A question that does not fit even without passages is not "fixed" by cutting passages.
-    with pytest.raises(PromptTooLongError, match=r"their questions alone do not fit"):
+    with pytest.raises(PromptTooLongError, match=r"their questions alone do not fit") as err:
         fit_rag_prompts([("why " * 5000, short)], ["q2"], templates, tok, 2048, 24, truncate=True)
+    assert "truncate_questions" not in str(err.value)  # no question option here: none is advised
+    with pytest.raises(PromptTooLongError, match=r"set data.truncate_questions=true to cut them"):
+        fit_rag_prompts(
+            [("why " * 5000, short)], ["q2"], templates, tok, 2048, 24, True, question_option="data.truncate_questions"
+        )
 
 
 def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path, monkeypatch):

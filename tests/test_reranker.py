@@ -342,3 +342,39 @@ def test_lora_trains_only_adapters_and_head_and_exports_a_plain_model(tmp_path):
     loaded = RerankerModule(backbone=str(directory)).score(queries, passages)
     np.testing.assert_allclose(loaded, module.score(queries, passages), atol=1e-5)
     assert type(module.model).__name__.startswith("Peft")  # the export merged a copy; training can go on
+
+
+def test_a_new_reranker_kind_is_one_registered_class(monkeypatch, tmp_path):
+    """Kinds are registered classes: a new one is a subclass plus `register_kind`; the module, its
+    tokenization and its export ask the registry (no kind names compared elsewhere)."""
+    from confrag.reranker import kinds
+    from confrag.reranker.data import PreferenceDataModule
+    from confrag.reranker.tokenization import encode_pairs
+
+    monkeypatch.setattr(kinds, "KINDS", dict(kinds.KINDS))
+    calls = []
+
+    def encode(*args, **kwargs):
+        calls.append("encode")
+        return encode_pairs(*args, **kwargs)
+
+    @kinds.register_kind
+    class ToyKind(kinds.CrossEncoderKind):
+        id = "toy_cross_encoder"
+        description = "a cross-encoder that marks its export"
+
+        def prepare_export(self, model):
+            model.config.toy_kind = True
+
+    ToyKind.encode = staticmethod(encode)
+    module = RerankerModule(kind="toy_cross_encoder", seed=0)
+    assert isinstance(module.kind, ToyKind)
+    assert PreferenceDataModule(kind="toy_cross_encoder").encode is module.encode
+    assert module.score(["capital of France"], ["Paris is the capital of France."]).shape == (1,)
+    assert calls == ["encode"]
+    module.export(tmp_path / "toy")
+    assert json.loads((tmp_path / "toy" / "config.json").read_text())["toy_kind"] is True
+    with pytest.raises(ValueError, match="registered twice"):
+        kinds.register_kind(ToyKind)
+    with pytest.raises(ValueError, match=r"model.kind must be one of cross_encoder, qwen3_yes_no, toy_cross_encoder"):
+        RerankerModule(kind="bi_encoder")

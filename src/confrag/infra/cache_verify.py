@@ -154,7 +154,12 @@ def report(checks: Sequence[ArtifactCheck], root: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m confrag.infra.cache_verify", description=__doc__.splitlines()[0])
+    # The whole module docstring, as written: its first line alone stopped mid-sentence.
+    parser = argparse.ArgumentParser(
+        prog="python -m confrag.infra.cache_verify",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     verify = commands.add_parser("verify", help="check every artifact of a cache; exit 1 if any is damaged")
     verify.add_argument(

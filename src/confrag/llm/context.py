@@ -4,7 +4,10 @@ A question longer than the context used to pass every check and fail after the m
 the allocator for tens of GB, naming neither the row nor the limit). Here every QA prompt is tokenized
 with the model's own tokenizer and chat template (exact lengths, not an estimate) and compared with the
 context length less the tokens to generate; a row that does not fit is refused by qid, or, when the
-user turns truncation on, its question is cut to fit, with a count. RAG prompts (question + passages) are
+user turns truncation on, its question is cut to fit, with a count. When the same questions also go into
+RAG prompts, a cut question keeps only half of that budget (`room`), so that the passages have room in
+them: cut to fit the QA prompt alone, an overlong question would leave none, and every RAG prompt holding
+it would then be refused although both truncation options were on. RAG prompts (question + passages) are
 checked the same way, whole (`fit_rag_prompts`): a row whose passages do not fit is refused by name, or
 with the user's `truncate_passages` its passages are cut to fit.
 """
@@ -39,15 +42,23 @@ def fit_questions(
     truncate: bool = False,
     where: str = "data",
     option: str = "data.truncate_questions",
+    room: int = 0,
 ) -> list[QARow]:
     """`rows` whose QA prompt plus `max_new_tokens` fits `context` tokens. A row that does not is refused
     (PromptTooLongError naming its qid, its length and the limit), or with `truncate` its question is cut
-    (on tokens) to fit, with a warning counting the rows cut."""
+    (on tokens) to fit, with a warning counting the rows cut. With `truncate`, a question is cut so that its
+    QA prompt leaves `room` tokens of that budget free (for the passages of the RAG prompts it also goes
+    into); refusal without `truncate` stays at the exact limit."""
     budget = context - max_new_tokens
+    if not 0 <= room < budget:
+        raise ValueError(f"{where}: room must lie in [0, {budget}) tokens; got {room!r}")
     lengths = [
         len(ids) for ids in encode_prompts(tokenizer, [templates.qa_prompt(tokenizer, r.question) for r in rows])
     ]
     too_long = [i for i, n in enumerate(lengths) if n > budget]
+    if truncate:
+        budget -= room
+        too_long = [i for i, n in enumerate(lengths) if n > budget]
     if not too_long:
         return list(rows)
     overhead = min(
@@ -100,12 +111,14 @@ def fit_rag_prompts(
     truncate: bool = False,
     where: str = "rag",
     option: str = "rag.truncate_passages",
+    question_option: str | None = None,
 ) -> tuple[list[str], list[int]]:
     """The RAG prompts of (question, passages) items (passages: objects with .title / .text), each tokenized
     with the model's tokenizer and chat template and checked against `context` less `max_new_tokens`. An item
     that does not fit is refused (PromptTooLongError naming its label, its length, its passages' characters
     and the limit), or with `truncate` its passages are cut on tokens from the last one backwards until it
-    fits, with a warning counting the items cut. Returns the prompts and the indices of the cut items."""
+    fits, with a warning counting the items cut. Returns the prompts and the indices of the cut items.
+    `question_option` names the option that cuts these questions, when there is one (the error's advice)."""
     budget = context - max_new_tokens
     prompts = [templates.rag_prompt(tokenizer, question, list(passages)) for question, passages in items]
     lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)] if prompts else []
@@ -131,11 +144,12 @@ def fit_rag_prompts(
         f"{labels[i]!r} ({lengths[i]} tokens; passages of {sum(len(p.text) for p in items[i][1])} characters)"
         for i in too_long[:SHOWN]
     )
-    advice = (
-        "their questions alone do not fit: shorten them (data.truncate_questions cuts questions)"
-        if truncate
-        else f"shorten or remove these passages, or set {option}=true to cut them to fit"
-    )
+    if not truncate:
+        advice = f"shorten or remove these passages, or set {option}=true to cut them to fit"
+    elif question_option:
+        advice = f"their questions alone do not fit: shorten them, or set {question_option}=true to cut them"
+    else:
+        advice = "their questions alone do not fit: shorten or remove these questions"
     raise PromptTooLongError(
         f"{where}: {len(too_long)} RAG prompt(s) (question + passages) do not fit the model's context of {context} "
         f"tokens less max_new_tokens={max_new_tokens} (a prompt may hold {budget} tokens): {named}"

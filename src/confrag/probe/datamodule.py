@@ -217,6 +217,8 @@ class NQConfidenceDataModule(LightningDataModule):
                 self.max_new_tokens,
                 self.truncate_questions,
                 str(self.nq_path),
+                # Questions that also go into RAG prompts leave half the budget to the passages.
+                room=(llm.context - self.max_new_tokens) // 2 if self.rag_prompts else 0,
             )
         candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         try:
@@ -326,6 +328,11 @@ class NQConfidenceDataModule(LightningDataModule):
         self.datasets = {
             s: ActivationDataset(self.data.stores, self.layer, self.data.examples[s]) for s in ("train", "dev", "test")
         }
+
+    @property
+    def rag_prompts(self) -> bool:
+        """Whether the probe's questions also go into RAG prompts (training states or the ranking sets)."""
+        return self.train_states != "qa" or bool(self.ranking_top_n)
 
     @property
     def input_dim(self) -> int:

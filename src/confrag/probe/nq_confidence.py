@@ -171,6 +171,7 @@ def fitted_prompts(
         truncate,
         where=f"NQ_Confidence [{spec['kind']}]",
         option="data.truncate_passages",
+        question_option="data.truncate_questions",
     )
     if cut:  # absent when nothing was cut: the keys of prompts that fit are those they always had
         spec["cut_to_fit"] = fingerprint([[i, prompts[i]] for i in cut])

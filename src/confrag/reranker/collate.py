@@ -1,5 +1,5 @@
-"""Batches of (query, passage) pairs tokenized by backbone kind: the train groups and the evaluation candidate
-lists, with counts of the pairs and queries cut to the length budget."""
+"""Batches of (query, passage) pairs tokenized with a backbone kind's encoder (`reranker.kinds`): the train
+groups and the evaluation candidate lists, with counts of the pairs and queries cut to the length budget."""
 
 from __future__ import annotations
 
@@ -8,18 +8,7 @@ from typing import Any
 
 import torch
 
-from confrag.reranker.qwen3 import encode_yes_no_pairs
-from confrag.reranker.tokenization import CROSS_ENCODER, KINDS, QWEN3_YES_NO, EncodedPairs, encode_pairs
-
-# One lookup: the cross-encoder tokenization, or Qwen3-Reranker's yes/no prompt.
-PAIR_ENCODERS: dict[str, Callable[..., EncodedPairs]] = {CROSS_ENCODER: encode_pairs, QWEN3_YES_NO: encode_yes_no_pairs}
-
-
-def pair_encoder(kind: str) -> Callable[..., EncodedPairs]:
-    """The tokenization of a backbone kind (`model.kind`)."""
-    if kind not in PAIR_ENCODERS:
-        raise ValueError(f"model.kind must be one of {', '.join(KINDS)} (got {kind!r})")
-    return PAIR_ENCODERS[kind]
+from confrag.reranker.tokenization import EncodedPairs, encode_pairs
 
 
 class PairCollator:

@@ -30,9 +30,9 @@ from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from confrag.reranker.backbone import resolve_backbone
-from confrag.reranker.collate import CandidateCollator, GroupCollator, PairCollator, pair_encoder, truncation_stats
+from confrag.reranker.collate import CandidateCollator, GroupCollator, PairCollator, truncation_stats
+from confrag.reranker.kinds import CrossEncoderKind, reranker_kind
 from confrag.reranker.rows import RowSource, candidate_lists, load_rows, validate_rows
-from confrag.reranker.tokenization import CROSS_ENCODER
 
 # --- datasets ------------------------------------------------------------------------------------
 
@@ -124,10 +124,10 @@ class PreferenceDataModule(LightningDataModule):
         group_size: int = 8,
         num_workers: int = 0,
         seed: int = 0,
-        kind: str = CROSS_ENCODER,
+        kind: str = CrossEncoderKind.id,
     ) -> None:
         super().__init__()
-        self.encode = pair_encoder(kind)
+        self.encode = reranker_kind(kind).encode
         self.sources = {"train": train, "val": val, "test": test}
         self.tokenizer_name = tokenizer
         self.query_max_len = _positive_int(query_max_len, "data.query_max_len")

@@ -28,71 +28,17 @@ from confrag.infra.atomic import honour_umask, make_temp_dir, replace_folder
 from confrag.infra.digests import write_folder_digest
 from confrag.infra.finite import require_finite
 from confrag.infra.locks import exclusive
-from confrag.reranker import qwen3
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
-from confrag.reranker.collate import pair_encoder
+from confrag.reranker.kinds import CrossEncoderKind, head_module_names, load_cross_encoder, reranker_kind
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import RankingMetrics
-from confrag.reranker.tokenization import CROSS_ENCODER, QWEN3_YES_NO
 
 __all__ = ["RerankerModule", "minilm_dir", "load_cross_encoder", "build_optimizer", "head_module_names"]
-
-# Stored in the exported config: sentence-transformers' CrossEncoder would otherwise apply a sigmoid to a
-# one-logit model, and its scores would differ from FlagReranker's and transformers' raw logits.
-IDENTITY_ACTIVATION = "torch.nn.modules.linear.Identity"
 
 
 def _check(condition: bool, key: str, allowed: str, value: Any) -> None:
     if not condition:
         raise ValueError(f"{key} must be {allowed} (got {value!r})")
-
-
-def head_module_names(model: nn.Module) -> list[str]:
-    """Top-level children holding parameters outside the encoder (BERT: `classifier`; XLM-R: `classifier`)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    return [name for name, child in model.named_children() if name != prefix and any(True for _ in child.parameters())]
-
-
-def _reset_head(model: nn.Module, seed: int) -> None:
-    """Re-draw the head's weights from a seeded generator (normal(0, initializer_range), zero biases),
-    so two runs with the same seed start from the same head whatever the global RNG did before."""
-    generator = torch.Generator().manual_seed(seed)
-    std = float(getattr(model.config, "initializer_range", 0.02))
-    for name in head_module_names(model):
-        for module in getattr(model, name).modules():
-            if isinstance(module, nn.Linear):
-                with torch.no_grad():
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
-                    if module.bias is not None:
-                        module.bias.zero_()
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-
-
-def load_cross_encoder(
-    path: str, fresh_head: bool = False, seed: int = 0, trust_remote_code: bool = False
-) -> nn.Module:
-    """`AutoModelForSequenceClassification` with one logit; the head is drawn from `seed` when the
-    checkpoint has none (an encoder such as MiniLM) or when `fresh_head` asks to discard it."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
-    # Mismatched sizes are loaded (and reported) rather than fatal, so that the check below can name
-    # the setting that resolves them.
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=trust_remote_code
-    )
-    mismatched = [str(item[0] if isinstance(item, (tuple, list)) else item) for item in info.get("mismatched_keys", [])]
-    if mismatched and not fresh_head:
-        raise ValueError(
-            f"model.backbone={path!r} has a head of another shape ({', '.join(mismatched)}); a reranker "
-            f"needs one output. Set model.fresh_head=true to replace it"
-        )
-    heads = head_module_names(model)
-    head_missing = any(key.split(".")[0] in heads for key in info.get("missing_keys", []))
-    if fresh_head or head_missing:
-        _reset_head(model, seed)
-    return model
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:
@@ -140,13 +86,7 @@ def _check_settings(
     fresh_head: bool,
     kind: str,
 ) -> None:
-    _check(
-        not (fresh_head and kind == QWEN3_YES_NO),
-        "model.fresh_head",
-        "false with model.kind=qwen3_yes_no "
-        "(its score comes from the LM head's yes/no rows, there is no head to redraw)",
-        fresh_head,
-    )
+    reranker_kind(kind).check(fresh_head)
     _check(tau > 0, "model.tau", "> 0", tau)
     _check(lr > 0, "model.lr", "> 0", lr)
     _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
@@ -162,7 +102,6 @@ def check_settings(**settings: Any) -> None:
     bound = inspect.signature(RerankerModule.__init__).bind(None, **settings)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
-    pair_encoder(arguments["kind"])
     _check_settings(**{k: arguments[k] for k in inspect.signature(_check_settings).parameters})
 
 
@@ -183,10 +122,11 @@ class RerankerModule(LightningModule):
         query_max_len: int = 128,
         passage_max_len: int = 512,
         ks: Sequence[int] = (1, 3, 5),
-        kind: str = CROSS_ENCODER,
+        kind: str = CrossEncoderKind.id,
     ) -> None:
         super().__init__()
-        self.encode = pair_encoder(kind)  # also the check of model.kind, before any weights load
+        self.kind = reranker_kind(kind)  # also the check of model.kind, before any weights load
+        self.encode = self.kind.encode
         _check_settings(tau, lr, weight_decay, warmup_ratio, lora, distill_weight, distill_tau, fresh_head, kind)
         ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
         self.save_hyperparameters()
@@ -194,12 +134,9 @@ class RerankerModule(LightningModule):
 
         path = resolve_backbone(backbone)
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        if kind == QWEN3_YES_NO:
-            self.model = qwen3.load_yes_no_scorer(path, self.tokenizer, trust_remote_code=trust_remote_code)
-        else:
-            self.model = load_cross_encoder(path, fresh_head=fresh_head, seed=seed, trust_remote_code=trust_remote_code)
+        self.model = self.kind.load(path, self.tokenizer, fresh_head, seed, trust_remote_code)
         if lora is not None:
-            self.model = apply_lora(self.model, qwen3.lora_settings(lora) if kind == QWEN3_YES_NO else dict(lora))
+            self.model = apply_lora(self.model, self.kind.lora_settings(lora))
         self.model.train()  # from_pretrained returns eval mode; a LightningModule starts in training mode
         self.val_metrics = RankingMetrics(ks, prefix="val/")
         self.test_metrics = RankingMetrics(ks, prefix="test/")
@@ -317,8 +254,7 @@ class RerankerModule(LightningModule):
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         model = self.plain_model()
-        if self.hparams.kind == CROSS_ENCODER:  # a causal LM export is no CrossEncoder
-            model.config.sentence_transformers = {"activation_fn": IDENTITY_ACTIVATION}
+        self.kind.prepare_export(model)  # a cross-encoder's config tells sentence-transformers to score raw logits
         with exclusive(directory.parent / f".{directory.name}.lock", f"the export to {directory}"):
             tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
             try:

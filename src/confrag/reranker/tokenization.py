@@ -12,11 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CROSS_ENCODER", "QWEN3_YES_NO", "KINDS", "EncodedPairs", "cut_queries", "encode_pairs", "pair_max_length"]
-
-# `model.kind`: how the backbone scores a pair, and so how pairs are tokenized.
-CROSS_ENCODER, QWEN3_YES_NO = "cross_encoder", "qwen3_yes_no"
-KINDS = (CROSS_ENCODER, QWEN3_YES_NO)
+__all__ = ["EncodedPairs", "cut_queries", "encode_pairs", "pair_max_length"]
 
 
 @dataclass

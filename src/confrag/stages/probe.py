@@ -184,6 +184,22 @@ def save_trained_probe(
         save_probe(model, directory, datamodule.activations(), extra)
 
 
+def cache_trained_probe(
+    model: ProbeModule, datamodule: NQConfidenceDataModule, metrics: dict, best: str, directory: Path, run_copy: Path
+) -> None:
+    """Keep the trained probe in the cache folder `directory` for the stages that read it. A whole probe
+    already there (a previous run of the same recipe, same key) is kept, not rewritten: the stages may
+    already have used it, and a complete cache may be read-only. A cache that cannot be written costs only
+    the cached copy; the run's own copy (`run_copy`) is written first."""
+    if not folder_problem(directory):
+        log.info("The cache already holds this probe (%s): kept; this run's copy is in %s", directory, run_copy)
+        return
+    try:
+        save_trained_probe(model, datamodule, metrics, best, directory)
+    except OSError as err:
+        log.warning("The probe could not be kept in the cache (%s); the run's copy is in %s", err, run_copy)
+
+
 def ensure_probe(
     recipe: ProbeRecipe, cache_dir: str | Path, workdir: Path
 ) -> tuple[SavedProbe, NQConfidenceDataModule]:

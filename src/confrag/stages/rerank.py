@@ -19,8 +19,10 @@ import numpy as np
 from lightning.pytorch.loggers import Logger
 from tqdm.auto import tqdm
 
-from confrag.data.nq import load_nq_jsonl
+from confrag.data.nq import QARow, load_nq_jsonl
 from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions
+from confrag.llm.context import fit_questions
+from confrag.llm.loading import prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import SavedProbe
@@ -92,11 +94,35 @@ class RerankStage:
         return self.preferences.splits["test"]
 
 
+def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -> list[QARow]:
+    """Every question of the NQ file, checked against the LLM's context before this stage loads it: the
+    preference, base-reranker and evaluation questions are answered closed-book and under passages too,
+    and an overlong one failed only inside generation (tens of GB asked, no row named). Checked, and cut
+    with `data.truncate_questions`, exactly as the probe's data module fits its own questions, so a question
+    both see reads the same (the plan's disjointness holds on the fitted text)."""
+    rows = load_nq_jsonl(probe_data.nq_path, questions_format=probe_data.questions_format)
+    tokenizer, context = prompt_tokenizer(recipe.llm)
+    where = str(probe_data.nq_path)
+    rows = fit_questions(
+        rows,
+        recipe.templates,
+        tokenizer,
+        context,
+        probe_data.max_new_tokens,
+        probe_data.truncate_questions,
+        where,
+        room=(context - probe_data.max_new_tokens) // 2 if probe_data.rag_prompts else 0,
+    )
+    if recipe.preferences.max_new_tokens > probe_data.max_new_tokens:  # the answers may generate more
+        fit_questions(rows, recipe.templates, tokenizer, context, recipe.preferences.max_new_tokens, False, where)
+    return rows
+
+
 def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
     probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
     retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
     questions = plan_questions(
-        load_nq_jsonl(probe_data.nq_path, questions_format=probe_data.questions_format),
+        fitted_questions(recipe, probe_data),
         probe_data.data.rows,
         recipe.preferences.num_questions,
         recipe.base.num_questions if recipe.base.train else 0,

@@ -13,7 +13,7 @@ from confrag.recipes import probe_recipe
 from confrag.reports.hub import HubSettings, push_folder
 from confrag.reports.probe import write_probe_report
 from confrag.reports.wandb_artifacts import log_exports
-from confrag.stages.probe import ProbeRecipe, fit_probe, probe_cache_dir, save_trained_probe
+from confrag.stages.probe import ProbeRecipe, cache_trained_probe, fit_probe, probe_cache_dir, save_trained_probe
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     # The run folder first: a read-only or full cache must not cost the run its metrics.
     summary = write_probe_report(out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, loggers)
     save_trained_probe(model, datamodule, metrics, best, out / "probe")
-    try:
-        save_trained_probe(model, datamodule, metrics, best, probe_cache_dir(cfg.paths.cache_dir, datamodule, recipe))
-    except OSError as err:
-        log.warning("The probe could not be kept in the cache (%s); the run's copy is in %s", err, out / "probe")
+    cache_trained_probe(
+        model, datamodule, metrics, best, probe_cache_dir(cfg.paths.cache_dir, datamodule, recipe), out / "probe"
+    )
     log_exports(loggers, {"probe": out / "probe"}, str(cfg.llm.name), {"layer": datamodule.layer})
     hub = hub_settings(cfg)
     if hub.push:  # the whole folder: its digest and run record travel with it
