@@ -27,6 +27,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from confrag.artifacts import ActivationStore
+from confrag.data.jsonl import DataFormatError
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, check_format_choice, load_nq_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.llm.batching import check_batch_size
@@ -40,6 +41,7 @@ from confrag.nq_confidence import (
     Example,
     activation_identity,
     build_confidence_data,
+    kinds_of,
     resolve_layers,
     uses_candidates,
 )
@@ -204,12 +206,34 @@ class NQConfidenceDataModule(LightningDataModule):
         check_batch_size(self.extract_batch_size, "data.extract_batch_size")
         probe_layers(self.layer_spec, self.layers, model_num_layers(self.llm_cfg))
 
+    def check_gold_paragraphs(self, rows) -> None:
+        """The ranking sets (own paragraph first) and the gold / other-paragraph RAG states read each question's
+        gold paragraph; a question set without any (FlashRAG's format has none) is refused here, naming the
+        settings that do without, not after the LLM has answered every question."""
+        if any(r.contexts for r in rows):
+            return
+        needs = []
+        if self.ranking_top_n:
+            needs.append(
+                f"data.ranking_top_n={self.ranking_top_n} (the dev questions' own paragraphs ranked to choose the "
+                "checkpoint): set data.ranking_top_n=null and choose it by val/auroc (in the probe task "
+                "callbacks.model_checkpoint.monitor=val/auroc; in a later task probe.monitor=val/auroc)"
+            )
+        if set(kinds_of(self.train_states, 0)) & {"rag_gold", "rag_other"}:
+            needs.append(f"data.train_states={self.train_states} (gold-paragraph RAG states): set data.train_states=qa")
+        if needs:
+            raise DataFormatError(
+                f'{self.nq_path}: none of its {len(rows)} questions has a gold paragraph ("ctxs"), which '
+                + "; and ".join(needs)
+            )
+
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
         num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
         self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
         all_rows = load_nq_jsonl(self.nq_path, questions_format=self.questions_format)
         rows = select_questions(all_rows, self.num_questions, self.seed)
+        self.check_gold_paragraphs(all_rows)
         own = llm is None
         # Weights load at the first shard to compute (none when the cache is complete): a question longer
         # than the context, or a read-only cache that lacks a shard, is named before they load.
