@@ -17,7 +17,7 @@ import torch
 from hydra.utils import instantiate
 
 from confrag.infra.distributed import launch_stamp
-from confrag.probe.datamodule import unrepeated_sampler
+from confrag.probe.activation_dataset import unrepeated_sampler
 from confrag.train import run_task
 
 from helpers.runs import MODEL_DIR, ROOT, compose_cfg

@@ -12,7 +12,7 @@ from datasets import load_dataset
 from huggingface_hub import DatasetCard, ModelCard
 
 from confrag.instantiators import settings_from
-from confrag.reports.hub import HubSettings, RerankRun, write_dataset, write_reranker_card
+from confrag.reports.hub import HubSettings, RerankRun, dataset_card, reranker_card, write_dataset, write_reranker_card
 from confrag.tasks import rerank as rerank_task
 
 from helpers.runs import compose_cfg
@@ -95,6 +95,25 @@ def test_model_card_front_matter_and_body(tmp_path):
     ).data.base_model == ("BAAI/bge-reranker-v2-m3")
 
 
+def test_the_cards_state_this_run_s_facts_not_the_embedded_default_s():
+    """A reranker fine-tuned as it comes, on a user's question set, from a command with local paths: the card
+    says so, credits no NQ, and shows the paths' file names only."""
+    run = run_facts(
+        base_trained=False,
+        questions="popqa",
+        command="python train.py +experiment=cbdr_tiny_llama dataset=popqa dataset.questions_path=/home/me/popqa.jsonl "
+        "'dataset.corpus_path=/data/my corpus.jsonl'",
+    )
+    card = reranker_card(run)
+    assert "fine-tuned on NQ_Rerank as it comes" in card and "first trained as the base reranker" not in card
+    assert "Natural Questions" not in card and "`popqa` question set" in card and "the training rows: other" in card
+    assert "dataset.questions_path=<path>/popqa.jsonl" in card and "/home/me" not in card and "/data/" not in card
+    rows = dataset_card(run, {"train": "data/train-0.parquet"})
+    assert "Natural Questions" not in rows and "license: other" in rows and "/home/me" not in rows
+    default = reranker_card(run_facts())
+    assert "first trained as the base reranker" in default and "Natural Questions" in default
+
+
 def test_model_card_needs_an_exported_model_and_table_rows(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no exported model"):
         write_reranker_card(tmp_path, run_facts())
@@ -104,7 +123,8 @@ def test_model_card_needs_an_exported_model_and_table_rows(tmp_path):
 
 def test_nq_rerank_dataset_loads_with_datasets(tmp_path):
     folder = write_dataset(ROWS, tmp_path / "nq_rerank_dataset", run_facts())
-    assert sorted(p.name for p in (folder / "data").iterdir()) == ["test.parquet", "train.parquet"]
+    names = sorted(p.name for p in (folder / "data").iterdir())
+    assert [n.split("-")[0] for n in names] == ["test", "train"] and all(n.endswith(".parquet") for n in names)
     loaded = load_dataset(str(folder))
     assert set(loaded) == {"train", "test"}
     assert loaded["train"].to_list() == ROWS["train"] and loaded["test"].to_list() == ROWS["test"]
@@ -116,6 +136,17 @@ def test_nq_rerank_dataset_loads_with_datasets(tmp_path):
     assert set(load_dataset(str(folder))) == {"train"}
     with pytest.raises(ValueError, match="no rows in any split"):
         write_dataset({"train": []}, tmp_path / "empty", run_facts())
+
+
+def test_each_run_s_dataset_loads_its_own_rows(tmp_path, monkeypatch):
+    """`load_dataset(folder)` keys its cache by the card's file paths: with fixed file names, a second run's
+    folder (also named nq_rerank_dataset) read back the first run's rows from that cache."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    first = write_dataset(ROWS, tmp_path / "run1" / "nq_rerank_dataset", run_facts())
+    other = {"train": ROWS["train"][:1], "test": ROWS["test"]}
+    second = write_dataset(other, tmp_path / "run2" / "nq_rerank_dataset", run_facts())
+    assert load_dataset(str(first))["train"].to_list() == ROWS["train"]
+    assert load_dataset(str(second))["train"].to_list() == other["train"]
 
 
 def test_hub_push_is_off_by_default_and_needs_both_repo_ids(tmp_path):

@@ -354,6 +354,30 @@ def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads
     assert fitted[4].question == probe_cut and len(probe_cut) < 10000  # the probe's own cut, to the character
 
 
+def test_questions_without_gold_paragraphs_are_refused_before_the_llm_when_the_probe_needs_them(tmp_path, monkeypatch):
+    """FlashRAG-format question sets carry no gold paragraph: the ranking sets and the gold-paragraph RAG
+    states cannot be built. Named with the settings that do without, before the LLM answers anything."""
+    path = tmp_path / "popqa.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "question": f"Who wrote book number {i}?", "golden_answers": [f"Author {i}"]})
+            + "\n"
+            for i in range(12)
+        )
+    )
+    nothing_expensive(monkeypatch)
+    with pytest.raises(DataFormatError, match=r"none of its 12 questions has a gold paragraph") as err:
+        datamodule(tmp_path, path, train_states="qa+rag").build()
+    message = str(err.value)
+    assert "data.ranking_top_n=null" in message and "val/auroc" in message and "data.train_states=qa" in message
+    with pytest.raises(DataFormatError, match=r"data.ranking_top_n=20") as err:
+        datamodule(tmp_path, path, train_states="qa").build()
+    assert "train_states" not in str(err.value)
+    # Without ranking sets a QA probe goes on to the (here refused) expensive part.
+    with pytest.raises(AssertionError, match="before the settings were checked"):
+        datamodule(tmp_path, path, train_states="qa", ranking_top_n=None).build()
+
+
 def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):
     import dataclasses
 

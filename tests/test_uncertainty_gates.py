@@ -277,6 +277,27 @@ def test_p_true_is_refused_for_an_llm_that_cannot_give_it():
     check_llm_signals({"entropy": EntropyGate(), "cbdr": CBDRGate()}, llm)  # the others are fine
 
 
+def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_path, monkeypatch):
+    """From the LLM's tokenizer alone: before, the refusal came after the probe, NQ_Rerank and the rerankers."""
+    import confrag.gates.signal_maker as signal_maker
+    from confrag.tasks import gates as gates_task
+
+    from helpers.runs import compose_cfg
+
+    monkeypatch.setattr(signal_maker, "prompt_tokenizer", lambda cfg: (word_level_tokenizer(), 2048))
+
+    def no_stage(*args, **kwargs):
+        raise AssertionError("a stage ran before the gates' signals were checked")
+
+    monkeypatch.setattr(gates_task, "rerank_stage", no_stage)
+    monkeypatch.setattr(gates_task, "load_llm", no_stage)
+    cfg = compose_cfg(["+experiment=gates_tiny_llama", "gates.names=[always,never,p_true]"], tmp_path)
+    with pytest.raises(
+        UnavailableSignalError, match="gate 'p_true' reads the signal p_true, which the LLM 'tiny_llama'"
+    ):
+        gates_task.run(cfg)
+
+
 def test_a_gate_reading_a_signal_nothing_computes_is_refused_by_name(tiny_llama):
     class LogitLensGate(Gate):
         name = "logit_lens"

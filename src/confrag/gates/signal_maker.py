@@ -17,7 +17,7 @@ from confrag.gates.base import TRAINING_SOURCES, Gate, GateSignals
 from confrag.gates.cache import cached_drafts, cached_internal_passages, cached_p_true, cached_states
 from confrag.gates.registry import SIGNALS, UnavailableSignalError, check_signal_names, with_required
 from confrag.gates.signals import bridge_matching_scores, embed_texts, external_knowledge
-from confrag.llm.loading import LoadedLLM
+from confrag.llm.loading import LLMConfig, LoadedLLM, prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates
 from confrag.retrieval import DenseRetriever, corpus_from_nq
 
@@ -136,7 +136,22 @@ def context_signals(
     return signals.with_values(**fields)
 
 
-def check_llm_signals(gates: dict[str, Gate], llm: LoadedLLM) -> None:
+@dataclass(frozen=True)
+class TokenizerOnly:
+    """What the signals' LLM checks read (the tokenizer, and the identity their messages name), without weights."""
+
+    tokenizer: Any
+    identity: str
+
+
+def check_signals_before_loading(gates: dict[str, Gate], llm_cfg: LLMConfig | dict[str, Any]) -> None:
+    """`check_llm_signals` from the LLM's tokenizer alone, before any stage loads the weights: a gate asking for
+    a signal the LLM cannot give is refused before the probe, NQ_Rerank and the rerankers run."""
+    cfg = llm_cfg if isinstance(llm_cfg, LLMConfig) else LLMConfig(**dict(llm_cfg))
+    check_llm_signals(gates, TokenizerOnly(prompt_tokenizer(cfg)[0], cfg.name))
+
+
+def check_llm_signals(gates: dict[str, Gate], llm: LoadedLLM | TokenizerOnly) -> None:
     """Refuse, before anything runs, a gate that reads a signal this LLM (or confrag) cannot give."""
     for name, gate in gates.items():
         signals = gate.needs | (gate.training_needs - set(TRAINING_SOURCES))  # what it reads to decide or to fit

@@ -21,42 +21,26 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from lightning import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader
 
+from confrag.data.jsonl import DataFormatError
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, check_format_choice, load_nq_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
-from confrag.infra.activation_store import ActivationStore
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import fit_questions
 from confrag.llm.generation import GreedyOptions
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
+from confrag.probe.activation_dataset import ActivationDataset, unrepeated_sampler
 from confrag.probe.nq_confidence import ConfidenceData, activation_identity, build_confidence_data, resolve_layers
-from confrag.probe.prompt_kinds import Example, uses_candidates
+from confrag.probe.prompt_kinds import kinds_of, uses_candidates
 from confrag.probe.ranking import RankingSet, candidate_states
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 from confrag.retrieval.candidates import without_duplicates
 
 log = logging.getLogger(__name__)
-
-
-class ActivationDataset(Dataset):
-    def __init__(self, stores: dict[str, ActivationStore], layer: int, examples: Sequence[Example]) -> None:
-        self.stores, self.layer, self.examples = stores, layer, list(examples)
-        for kind in {e.kind for e in self.examples}:
-            stores[kind].layer_index(layer)  # fail early, naming the layers that exist
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int):
-        example = self.examples[i]
-        hidden = self.stores[example.kind].get(self.layer, example.index)
-        return torch.from_numpy(hidden), torch.tensor(example.label, dtype=torch.long)
 
 
 def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num_layers: int) -> tuple[int, list[int]]:
@@ -97,20 +81,6 @@ def check_loader_settings(batch_size: Any, num_workers: Any, max_new_tokens: Any
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
             raise ValueError(f"{key} must be an integer >= {least}; got {value!r}")
-
-
-def unrepeated_sampler(dataset: Dataset) -> DistributedSampler | None:
-    """Under DDP, a sampler giving each rank its share of the dev or test examples, each example once.
-    Lightning's default DistributedSampler repeats examples to even out the ranks, and the repeats would
-    enter the dev metric the checkpoint is chosen by and the test metrics; the probe's metrics gather
-    every rank's predictions (torchmetrics), whatever their counts. None without DDP (Lightning's
-    sampler), and when some rank would get no example at all (its metrics could not be gathered)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    world = torch.distributed.get_world_size()
-    if world <= 1 or len(dataset) < world:
-        return None
-    return UnrepeatedDistributedSampler(dataset, num_replicas=world, rank=torch.distributed.get_rank(), shuffle=False)
 
 
 class NQConfidenceDataModule(LightningDataModule):
@@ -198,12 +168,34 @@ class NQConfidenceDataModule(LightningDataModule):
         check_batch_size(self.extract_batch_size, "data.extract_batch_size")
         probe_layers(self.layer_spec, self.layers, model_num_layers(self.llm_cfg))
 
+    def check_gold_paragraphs(self, rows) -> None:
+        """The ranking sets (own paragraph first) and the gold / other-paragraph RAG states read each question's
+        gold paragraph; a question set without any (FlashRAG's format has none) is refused here, naming the
+        settings that do without, not after the LLM has answered every question."""
+        if any(r.contexts for r in rows):
+            return
+        needs = []
+        if self.ranking_top_n:
+            needs.append(
+                f"data.ranking_top_n={self.ranking_top_n} (the dev questions' own paragraphs ranked to choose the "
+                "checkpoint): set data.ranking_top_n=null and choose it by val/auroc (in the probe task "
+                "callbacks.model_checkpoint.monitor=val/auroc; in a later task probe.monitor=val/auroc)"
+            )
+        if set(kinds_of(self.train_states, 0)) & {"rag_gold", "rag_other"}:
+            needs.append(f"data.train_states={self.train_states} (gold-paragraph RAG states): set data.train_states=qa")
+        if needs:
+            raise DataFormatError(
+                f'{self.nq_path}: none of its {len(rows)} questions has a gold paragraph ("ctxs"), which '
+                + "; and ".join(needs)
+            )
+
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
         num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
         self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
         all_rows = load_nq_jsonl(self.nq_path, questions_format=self.questions_format)
         rows = select_questions(all_rows, self.num_questions, self.seed)
+        self.check_gold_paragraphs(all_rows)
         own = llm is None
         # Weights load at the first shard to compute (none when the cache is complete): a question longer
         # than the context, or a read-only cache that lacks a shard, is named before they load.

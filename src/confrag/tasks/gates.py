@@ -25,6 +25,7 @@ from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
 from confrag.stages.evaluation import evaluation_rows
 from confrag.stages.gate_comparison import prepare_gate_evaluation
+from confrag.stages.gate_questions import check_before_any_stage
 from confrag.stages.gate_scoring import run_gates, threshold_curves
 from confrag.stages.rerank import RerankRecipe, rerank_stage
 
@@ -51,6 +52,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     checked, out = check(cfg), output_dir(cfg)
     settings, recipe = checked.gates, checked.recipe
     gates = {name: settings.build(name) for name in settings.names}
+    check_before_any_stage(gates, recipe.llm, recipe.probe.make_datamodule())
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
     llm = load_llm(recipe.llm)

@@ -74,6 +74,8 @@ def publish(
         test_questions=test_questions,
         table1=rows,
         command=run_command(cfg),
+        base_trained=bool(recipe.base.train),
+        questions=str((cfg.get("dataset") or {}).get("name") or "nq"),
     )
     write_reranker_card(out / "reranker", run)
     write_dataset(stage.preferences.splits, out / "nq_rerank_dataset", run)
