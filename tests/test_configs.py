@@ -185,7 +185,7 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     assert len(wandb_runs) == 3
     # Each job's exported probe is an artifact of its W&B run (lineage), its files and digest included.
     for job in jobs:
-        assert [a[:2] for a in logged_artifacts(job / "wandb")] == [("probe-tiny_llama", "model")]
+        assert [a[:2] for a in logged_artifacts(job / "wandb", expected=1)] == [("probe-tiny_llama", "model")]
         assert "confrag.digest.json" in logged_artifacts(job / "wandb")[0][2]
 
 

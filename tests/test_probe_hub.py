@@ -156,7 +156,7 @@ def test_exports_are_logged_as_wandb_artifacts_offline(tmp_path, monkeypatch):
         ("nq_rerank-tiny_llama_v1", "dataset"),
     ]
     # What the offline run file records, read back without a network.
-    found = {name: (kind, files) for name, kind, files in logged_artifacts(tmp_path / "run")}
+    found = {name: (kind, files) for name, kind, files in logged_artifacts(tmp_path / "run", expected=3)}
     assert set(found) == {"probe-tiny_llama_v1", "reranker-tiny_llama_v1", "nq_rerank-tiny_llama_v1"}
     assert found["probe-tiny_llama_v1"] == ("model", sorted(p.name for p in exports["probe"].iterdir()))
     assert found["reranker-tiny_llama_v1"] == ("model", ["config.json"])

@@ -5,6 +5,7 @@ with a 4-byte checksum, 2-byte length and 1-byte type: full, first, middle or la
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2
@@ -37,12 +38,22 @@ def run_records(path: Path | str) -> list[wandb_internal_pb2.Record]:
     return records
 
 
-def logged_artifacts(run_dir: Path | str) -> list[tuple[str, str, list[str]]]:
-    """(name, type, file paths) of every artifact an offline run under `run_dir` logged."""
-    found = []
-    for path in sorted(Path(run_dir).rglob("run-*.wandb")):
-        for record in run_records(path):
-            if record.WhichOneof("record_type") == "artifact":
-                artifact = record.artifact
-                found.append((artifact.name, artifact.type, sorted(e.path for e in artifact.manifest.contents)))
-    return found
+def logged_artifacts(run_dir: Path | str, expected: int = 0, wait: float = 60.0) -> list[tuple[str, str, list[str]]]:
+    """(name, type, file paths) of every artifact an offline run under `run_dir` logged. W&B's service writes
+    the run file after `finish()` returns, on a loaded machine seconds later: with `expected`, the file is
+    read again until that many artifacts are in it (or `wait` seconds have passed)."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for path in sorted(Path(run_dir).rglob("run-*.wandb")):
+            try:
+                records = list(run_records(path))
+            except Exception:  # a file still being written may end mid-record
+                records = []
+            for record in records:
+                if record.WhichOneof("record_type") == "artifact":
+                    artifact = record.artifact
+                    found.append((artifact.name, artifact.type, sorted(e.path for e in artifact.manifest.contents)))
+        if len(found) >= expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
