@@ -90,8 +90,8 @@ def test_utility_labels_come_from_the_answers_under_each_candidate():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"selection": "vote"}, r"preferences\.selection: 'vote' is not one of \('sign', 'rank', 'utility'\)"),
-        ({"compare": ["sign", "best"]}, r"preferences\.compare: 'best' is not one of"),
+        ({"selection": "vote"}, r"preferences\.selection='vote' is not one of \('sign', 'rank', 'utility'\)"),
+        ({"compare": ["sign", "best"]}, r"preferences\.compare='best' is not one of"),
         ({"top_k": 0}, r"preferences\.top_k must be an integer >= 1"),
     ],
 )

@@ -46,5 +46,8 @@ def test_an_eval_file_sharing_a_training_question_is_refused(nq_rows, tmp_path):
 
 
 def test_a_missing_eval_file_is_refused_in_the_settings(tmp_path):
-    with pytest.raises(ValueError, match="eval.nq_path='.*nope.jsonl' is not a file"):
+    with pytest.raises(
+        ValueError,
+        match="eval.nq_path must be an existing file or null .a JSONL of NQ-format questions.; got '.*nope.jsonl'",
+    ):
         EvalSettings(nq_path=str(tmp_path / "nope.jsonl"))

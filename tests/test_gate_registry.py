@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from confrag import checks
 from confrag.cbdr.settings import AnswerSettings
 from confrag.data.nq import Passage, QARow
 from confrag.gates import GATES, SIGNALS, Decision, Gate, GateSignals, Part, Signal, register_signal
-from confrag.gates.base import check_number
 from confrag.gates.evaluation import decision_parts, wall_time_per_question
 from confrag.gates.settings import gate_settings
 from confrag.gates.signal_maker import SignalMaker, check_llm_signals, question_signals
@@ -41,7 +41,7 @@ class QuestionLengthGate(Gate):
     decision_passes = 0  # counting words costs no LLM call
 
     def __init__(self, threshold: float = 4.0) -> None:
-        check_number("gate.threshold", threshold, 0.0)
+        checks.number(threshold, "gate.threshold", 0.0)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)
 

@@ -7,11 +7,11 @@ fails at once, named by its key.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from confrag import checks
 from confrag.cbdr.gate import check_beta
 from confrag.cbdr.sweep import METRICS, OBJECTIVES, beta_grid, check_betas
 from confrag.llm.batching import check_batch_size
@@ -19,14 +19,6 @@ from confrag.llm.generation import GreedyOptions
 from confrag.rag.answers import AnswerStore
 from confrag.rag.pipeline import check_ks
 from confrag.rag.stats import BINARY_METRICS
-
-
-def positive_int(value: Any, key: str, minimum: int = 1, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key} must be an integer >= {minimum}{' or null' if allow_none else ''}; got {value!r}")
-    return value
 
 
 def as_list(value: Any) -> list:
@@ -48,11 +40,10 @@ class AnswerSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "top_k", check_ks(as_list(self.top_k)))
         for key in ("max_new_tokens", "chunk_size"):
-            positive_int(getattr(self, key), f"rag.{key}")
+            checks.positive_int(getattr(self, key), f"rag.{key}")
         for key in ("batch_size", "extract_batch_size"):  # or "auto": from free device memory
             check_batch_size(getattr(self, key), f"rag.{key}")
-        if not isinstance(self.truncate_passages, bool):
-            raise ValueError(f"rag.truncate_passages must be true or false; got {self.truncate_passages!r}")
+        checks.flag(self.truncate_passages, "rag.truncate_passages")
         if not isinstance(self.generation, GreedyOptions):
             object.__setattr__(self, "generation", GreedyOptions.from_mapping(self.generation, "rag.generation"))
 
@@ -87,21 +78,16 @@ class EvalSettings:
     nq_path: str | None = None  # evaluation questions from their own file (NQ format), checked disjoint from training
 
     def __post_init__(self) -> None:
-        if self.metric not in BINARY_METRICS:
-            raise ValueError(
-                f"eval.metric={self.metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)"
-            )
-        fraction = self.dev_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-            raise ValueError(
-                f"eval.dev_fraction must be a number in (0, 1), the share of evaluation questions used "
-                f"to choose β (or to fit the gates); got {fraction!r}"
-            )
-        if self.nq_path is not None and not Path(self.nq_path).is_file():
-            raise ValueError(f"eval.nq_path={self.nq_path!r} is not a file (a JSONL of NQ-format questions)")
-        positive_int(self.num_questions, "eval.num_questions", minimum=2, allow_none=True)
-        positive_int(self.hotpotqa_num_questions, "eval.hotpotqa_num_questions", minimum=2, allow_none=True)
-        positive_int(self.n_resamples, "eval.n_resamples", minimum=100)
+        checks.choice(self.metric, "eval.metric", BINARY_METRICS, hint="(the tests need 0/1 outcomes)")
+        checks.fraction(
+            self.dev_fraction,
+            "eval.dev_fraction",
+            hint="(the share of evaluation questions used to choose β, or to fit the gates)",
+        )
+        checks.existing_path(self.nq_path, "eval.nq_path", allow_none=True, hint="(a JSONL of NQ-format questions)")
+        checks.integer(self.num_questions, "eval.num_questions", 2, allow_none=True)
+        checks.integer(self.hotpotqa_num_questions, "eval.hotpotqa_num_questions", 2, allow_none=True)
+        checks.integer(self.n_resamples, "eval.n_resamples", 100)
         if self.rerankers is not None:
             object.__setattr__(self, "rerankers", tuple(str(r) for r in self.rerankers))
 
@@ -134,7 +120,7 @@ def cbdr_settings(
     cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSettings, top_n: int, candidates_file: bool
 ) -> CBDRSettings:
     """Every bad value of the `cbdr` node (and its combination with `rag` / `retrieval`), named by its key."""
-    k = positive_int(cbdr["top_k"], "cbdr.top_k")
+    k = checks.positive_int(cbdr["top_k"], "cbdr.top_k")
     if max(*rag.top_k, k) > top_n and not candidates_file:
         raise ValueError(
             f"rag.top_k={list(rag.top_k)} / cbdr.top_k={k} ask for more contexts than the "
@@ -153,16 +139,14 @@ def cbdr_settings(
             "or cbdr.metric=has_answer / em"
         )
     objective, budget = cbdr["objective"], cbdr.get("retrieval_budget")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"cbdr.objective={objective!r} is not one of {OBJECTIVES}")
+    checks.choice(objective, "cbdr.objective", OBJECTIVES)
     if objective == "budget" and budget is None:
         raise ValueError("cbdr.objective=budget needs cbdr.retrieval_budget, a fraction in [0, 1]")
     if budget is not None:  # checked whatever the objective: a bad value is a typo either way
         budget = check_beta(budget, "cbdr.retrieval_budget")
         if objective != "budget":
             budget = None  # only the budget objective reads it
-    if cbdr["metric"] not in METRICS:
-        raise ValueError(f"cbdr.metric={cbdr['metric']!r} is not one of {METRICS}")
+    checks.choice(cbdr["metric"], "cbdr.metric", METRICS)
     return CBDRSettings(
         ks=tuple(sorted({*rag.top_k, k})),
         k=k,
@@ -177,9 +161,9 @@ def cbdr_settings(
         base=str(evaluation.base_reranker),
         reranker=str(cbdr["reranker"]),
         rerankers=evaluation.rerankers,
-        flip_examples=positive_int(cbdr["flip_examples"], "cbdr.flip_examples", minimum=0),
-        gate_check_questions=positive_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions", minimum=0),
-        conf_quantiles=positive_int(cbdr["conf_quantiles"], "cbdr.conf_quantiles", minimum=0),
-        gate_max_new_tokens=positive_int(cbdr.get("max_new_tokens", rag.max_new_tokens), "cbdr.max_new_tokens"),
+        flip_examples=checks.non_negative_int(cbdr["flip_examples"], "cbdr.flip_examples"),
+        gate_check_questions=checks.non_negative_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions"),
+        conf_quantiles=checks.non_negative_int(cbdr["conf_quantiles"], "cbdr.conf_quantiles"),
+        gate_max_new_tokens=checks.positive_int(cbdr.get("max_new_tokens", rag.max_new_tokens), "cbdr.max_new_tokens"),
         gate_batch_size=check_batch_size(cbdr.get("batch_size", rag.batch_size), "cbdr.batch_size"),
     )

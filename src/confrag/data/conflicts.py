@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from confrag import checks
 from confrag.data.nq import Passage, QARow
 from confrag.qa_metrics import has_answer, normalize_answer
 
@@ -130,8 +131,7 @@ def _nfkc(passage: Passage) -> Passage:
 
 def build_conflicts(rows: Sequence[QARow], seed: int = 0) -> ConflictSet:
     """The conflicting-context evaluation set of `rows` (see the module docstring)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer; got {seed!r}")
+    checks.integer(seed, "seed")
     skipped: Counter = Counter()
     usable: list[tuple[QARow, Passage, str]] = []  # (row, NFKC gold passage, replaced answer)
     for row in rows:

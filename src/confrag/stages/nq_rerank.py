@@ -19,8 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from confrag import checks
 from confrag.artifacts import atomic_write_text, fingerprint
+from confrag.checks import collect
 from confrag.data.nq import QARow
+from confrag.data.splits import CROSS_FIT
 from confrag.llm.batching import check_batch_size
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LLMConfig, load_llm
@@ -77,35 +80,21 @@ class PreferenceSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(self.compare or ()))
         problems = []
-        if self.reference not in REFERENCES:
-            problems.append(f"preferences.reference={self.reference!r} is not one of {REFERENCES}")
+        collect(problems, checks.choice, self.reference, "preferences.reference", REFERENCES)
         for key, rule in [("preferences.selection", self.selection)] + [
             ("preferences.compare", r) for r in self.compare
         ]:
-            if rule not in RULES:
-                problems.append(f"{key}: {rule!r} is not one of {tuple(RULES)}")
+            collect(problems, checks.choice, rule, key, tuple(RULES))
         for key in ("top_k", "max_new_tokens", "answer_chunk_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"preferences.{key} must be an integer >= 1 (got {value!r})")
+            collect(problems, checks.positive_int, getattr(self, key), f"preferences.{key}")
         for key in ("extract_batch_size", "answer_batch_size"):  # or "auto": from free device memory
-            try:
-                check_batch_size(getattr(self, key), f"preferences.{key}")
-            except ValueError as err:
-                problems.append(str(err))
-        folds = self.cross_fit
-        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 0 or folds == 1:
-            problems.append(f"preferences.cross_fit must be 0 (off) or an integer >= 2 folds (got {self.cross_fit!r})")
-        if self.teacher not in TEACHERS:
-            problems.append(f"preferences.teacher={self.teacher!r} is not one of {tuple(TEACHERS)}")
-        if self.select_on not in SELECT_ON:
-            problems.append(f"preferences.select_on={self.select_on!r} is not one of {SELECT_ON}")
-        if not 0 < float(self.dev_fraction) < 1:
-            problems.append(f"preferences.dev_fraction must be in (0, 1) (got {self.dev_fraction})")
-        if not isinstance(self.mix_relevance, bool):
-            problems.append(f"preferences.mix_relevance must be true or false (got {self.mix_relevance!r})")
-        if not 0 < float(self.test_fraction) < 1:
-            problems.append(f"preferences.test_fraction must be in (0, 1) (got {self.test_fraction})")
+            collect(problems, check_batch_size, getattr(self, key), f"preferences.{key}")
+        collect(problems, checks.integer, self.cross_fit, "preferences.cross_fit", 2, also=(0,), describe=CROSS_FIT)
+        collect(problems, checks.choice, self.teacher, "preferences.teacher", tuple(TEACHERS))
+        collect(problems, checks.choice, self.select_on, "preferences.select_on", SELECT_ON)
+        for key in ("dev_fraction", "test_fraction"):
+            collect(problems, checks.fraction, getattr(self, key), f"preferences.{key}")
+        collect(problems, checks.flag, self.mix_relevance, "preferences.mix_relevance")
         if problems:
             raise ValueError("; ".join(problems))
 
