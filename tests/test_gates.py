@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from confrag.data.nq import Passage, QARow
 from confrag.gates import (
@@ -48,7 +47,7 @@ from confrag.llm.hidden_states import naive_hidden_states
 from confrag.llm.prompts import encode_prompts
 from confrag.retrieval import DenseRetriever, corpus_from_nq
 
-from helpers.gates import SHIPPED_GATES, make_gate
+from helpers.gates import SHIPPED_GATES, make_gate, shipped_config
 
 ROOT = Path(__file__).resolve().parents[1]
 R, P, X = Decision.RETRIEVE, Decision.PARAMETRIC, Decision.REFUSE
@@ -97,8 +96,7 @@ def test_a_gate_id_taken_by_another_class_is_refused():
 
 @pytest.mark.parametrize("name", SHIPPED_GATES)
 def test_every_gate_config_instantiates_with_the_constructor_defaults(name):
-    cfg = OmegaConf.load(ROOT / "conf" / "gate" / f"{name}.yaml")
-    gate = instantiate(cfg)
+    gate = instantiate(shipped_config(name))
     assert type(gate) is GATES[name]
     # The documented defaults in the yaml are the code's defaults (one source of truth, checked).
     assert gate.config == GATES[name]().config

@@ -63,7 +63,7 @@ def test_rag_generation_node_reaches_the_answer_settings():
             {"answer_batch_size": -1},
             r"preferences.answer_batch_size must be an integer >= 1 or 'auto'",
         ),
-        (PreferenceSettings, {"top_k": "auto"}, r"preferences.top_k must be an integer >= 1 \(got 'auto'\)"),
+        (PreferenceSettings, {"top_k": "auto"}, r"preferences.top_k must be an integer >= 1; got 'auto'"),
     ],
 )
 def test_bad_batch_and_generation_settings_are_named(cls, values, message):

@@ -137,7 +137,7 @@ def test_hub_push_is_off_by_default_and_needs_both_repo_ids(tmp_path):
 
 def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeypatch):
     cfg = compose_cfg(["+experiment=reranker_tiny_llama"], tmp_path)
-    recipe = rerank_task.check(cfg)
+    recipe = rerank_task.check(cfg).recipe
     out = tmp_path / "out"
     exported_folder(out)
     stage = SimpleNamespace(main="base + confidence FT (sign)", preferences=SimpleNamespace(splits=ROWS))
