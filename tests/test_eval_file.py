@@ -12,6 +12,8 @@ from confrag.cbdr.settings import EvalSettings
 from confrag.data.splits import QuestionPlan
 from confrag.stages.evaluation import evaluation_rows
 
+from helpers.settings import shipped_settings
+
 
 def write_nq(path, rows):
     with gzip.open(path, "wt", encoding="utf-8") as handle:
@@ -50,4 +52,4 @@ def test_a_missing_eval_file_is_refused_in_the_settings(tmp_path):
         ValueError,
         match="eval.nq_path must be an existing file or null .a JSONL of NQ-format questions.; got '.*nope.jsonl'",
     ):
-        EvalSettings(nq_path=str(tmp_path / "nope.jsonl"))
+        shipped_settings(EvalSettings, "eval", nq_path=str(tmp_path / "nope.jsonl"))

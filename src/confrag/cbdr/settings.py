@@ -27,15 +27,15 @@ def as_list(value: Any) -> list:
 
 @dataclass(frozen=True)
 class AnswerSettings:
-    """The `rag` node: greedy answers for Table 2 (every K of `top_k`)."""
+    """The `rag` node: greedy answers for Table 2 (every K of `top_k`). Defaults: conf/rag/default.yaml."""
 
-    top_k: Any = (1, 3)
-    max_new_tokens: int = 24
-    batch_size: int = 16
-    chunk_size: int = 64  # prompts per answer-cache chunk (the unit of resumption)
-    extract_batch_size: int = 16  # prompts per batch of hidden states (Conf(H(Q)))
-    generation: Any = None  # the `rag.generation` node: how the greedy answers are generated (GreedyOptions)
-    truncate_passages: bool = False  # a RAG prompt longer than the context: refused (false) or its passages cut
+    top_k: Any
+    max_new_tokens: int
+    batch_size: int
+    chunk_size: int  # prompts per answer-cache chunk (the unit of resumption)
+    extract_batch_size: int  # prompts per batch of hidden states (Conf(H(Q)))
+    generation: Any  # the `rag.generation` node: how the greedy answers are generated (GreedyOptions)
+    truncate_passages: bool  # a RAG prompt longer than the context: refused (false) or its passages cut
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "top_k", check_ks(as_list(self.top_k)))
@@ -64,18 +64,18 @@ class AnswerSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """The `eval` node: the held-out questions and Table 2."""
+    """The `eval` node: the held-out questions and Table 2. Defaults: conf/eval/default.yaml."""
 
-    num_questions: int | None = 200  # a seeded sample of the NQ questions the probe did not use; None = all
-    dev_fraction: float = 0.5  # share of them used to choose β (dev); the rest is test
-    rerankers: tuple[str, ...] | None = None  # Table 2's rows (Table 1 names); None = all
-    base_reranker: str = "cross-encoder (untuned)"  # the row the others are tested against (McNemar)
-    metric: str = "has_answer"
-    n_resamples: int = 10000  # bootstrap resamples of each 95 % interval
-    hotpotqa_path: str | None = None  # HotpotQA (official JSON or JSONL); None = NQ only
-    hotpotqa_num_questions: int | None = 200
-    diagnostics: bool = True  # Table 2's probe-as-reranker and utility-oracle rows (one answer per candidate)
-    nq_path: str | None = None  # evaluation questions from their own file (NQ format), checked disjoint from training
+    num_questions: int | None  # a seeded sample of the NQ questions the probe did not use; None = all
+    dev_fraction: float  # share of them used to choose β (dev); the rest is test
+    rerankers: tuple[str, ...] | None  # Table 2's rows (Table 1 names); None = all
+    base_reranker: str  # the row the others are tested against (McNemar)
+    metric: str
+    n_resamples: int  # bootstrap resamples of each 95 % interval
+    hotpotqa_path: str | None  # HotpotQA (official JSON or JSONL); None = NQ only
+    hotpotqa_num_questions: int | None
+    diagnostics: bool  # Table 2's probe-as-reranker and utility-oracle rows (one answer per candidate)
+    nq_path: str | None  # evaluation questions from their own file (NQ format), checked disjoint from training
 
     def __post_init__(self) -> None:
         checks.choice(self.metric, "eval.metric", BINARY_METRICS, hint="(the tests need 0/1 outcomes)")

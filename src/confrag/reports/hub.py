@@ -198,13 +198,14 @@ def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: 
 @dataclass(frozen=True)
 class HubSettings:
     """The `hub` node: upload what a task exports (the rerank task: the reranker and the NQ_Rerank dataset; the
-    probe task: the probe), only when `push` is true; each task names the repo ids it needs (`require`)."""
+    probe task: the probe), only when `push` is true; each task names the repo ids it needs (`require`).
+    Defaults: conf/hub/default.yaml."""
 
-    push: bool = False
-    reranker_repo: str | None = None
-    dataset_repo: str | None = None
-    probe_repo: str | None = None
-    private: bool = True
+    push: bool
+    reranker_repo: str | None
+    dataset_repo: str | None
+    probe_repo: str | None
+    private: bool
 
     def __post_init__(self) -> None:
         checks.flag(self.push, "hub.push")

@@ -33,17 +33,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BaseRerankerSettings:
-    """The `base_reranker` config node."""
+    """The `base_reranker` config node. Defaults: conf/base_reranker/default.yaml."""
 
-    train: bool = True  # false: `model.backbone` already is a reranker and is the base as it is
-    num_questions: int | None = 700  # NQ questions used by no other stage; None = all that are left
-    nq_path: str | None = None  # another NQ file to draw them from (e.g. NQ train); None = the probe's file
-    negatives: int = 7  # BM25 hard negatives per row (no answer, not from the gold paragraph)
-    negatives_top_n: int = 30  # how deep in BM25's ranking they are drawn from
-    max_epochs: int = 1
+    train: bool  # false: `model.backbone` already is a reranker and is the base as it is
+    num_questions: int | None  # NQ questions used by no other stage; None = all that are left
+    nq_path: str | None  # another NQ file to draw them from (e.g. NQ train); None = the probe's file
+    negatives: int  # BM25 hard negatives per row (no answer, not from the gold paragraph)
+    negatives_top_n: int  # how deep in BM25's ranking they are drawn from
+    max_epochs: int
     # The base's learning rate; None = model.lr (the aligned rerankers' too). A fresh scoring head on a bi-encoder
     # learns to rank in few steps only at a larger rate than fine-tuning needs (the demo's base: docs/results.md).
-    lr: float | None = None
+    lr: float | None
 
     def __post_init__(self) -> None:
         for key, minimum in (("negatives", 1), ("negatives_top_n", 2), ("max_epochs", 1)):

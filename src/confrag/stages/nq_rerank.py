@@ -49,33 +49,33 @@ SELECT_ON = ("last", "dev_top1")
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """The `preferences` config node."""
+    """The `preferences` config node. Defaults: conf/preferences/default.yaml."""
 
-    num_questions: int | None = 300  # a seeded sample of the NQ questions the probe does not use; None = all
-    top_k: int = 5  # K: at most K contexts on each side
-    reference: str = "qa"  # qa (the paper) | rag_empty (RAG prompt with an empty context)
-    selection: str = "sign"  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
-    compare: tuple[str, ...] = ()  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
-    test_fraction: float = 0.2  # questions held out for Table 1
+    num_questions: int | None  # a seeded sample of the NQ questions the probe does not use; None = all
+    top_k: int  # K: at most K contexts on each side
+    reference: str  # qa (the paper) | rag_empty (RAG prompt with an empty context)
+    selection: str  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
+    compare: tuple[str, ...]  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
+    test_fraction: float  # questions held out for Table 1
     # k >= 2: cross-fitting (confrag.stages.cross_fit): every question no probe and no base uses, in k folds;
     # fold f's aligned rerankers train on the other folds and answer fold f. 0: off (one split, test_fraction).
-    cross_fit: int = 0
+    cross_fit: int
     # Alignment that keeps what the base knows (confrag.stages.rerank.TEACHERS): the teacher scores the rows carry
     # for model.distill_weight > 0: inc (the probe's Inc, the paper's rows) | base (the base reranker's own scores,
     # so the KL term holds the aligned reranker near the base's ranking while InfoNCE moves it).
-    teacher: str = "inc"
-    mix_relevance: bool = False  # also train on the relevance rows of the same questions (answer in passage)
+    teacher: str
+    mix_relevance: bool  # also train on the relevance rows of the same questions (answer in passage)
     # The weights an aligned reranker keeps: last (the paper: after its epoch) | dev_top1 (the best Top-1 answers on
     # dev_fraction of its training questions, held out of its rows, the base's weights included; needs the LLM's
     # answer under every candidate, as the utility rule does: confrag.reranker.selection).
-    select_on: str = "last"
-    dev_fraction: float = 0.2
-    relevance_baseline: bool = True  # also fine-tune on relevance labels (answer in passage): the control row
-    extract_batch_size: int = 16
+    select_on: str
+    dev_fraction: float
+    relevance_baseline: bool  # also fine-tune on relevance labels (answer in passage): the control row
+    extract_batch_size: int
     # Greedy answers under each candidate (the utility rule): keep equal to rag.* so the answers are shared.
-    max_new_tokens: int = 24
-    answer_batch_size: int = 16
-    answer_chunk_size: int = 64
+    max_new_tokens: int
+    answer_batch_size: int
+    answer_chunk_size: int
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(self.compare or ()))

@@ -43,19 +43,19 @@ RETRIEVERS = ("bm25", "dense")
 
 @dataclass(frozen=True)
 class RetrievalSettings:
-    """The `retrieval` config node."""
+    """The `retrieval` config node. Defaults: conf/retrieval/nq.yaml."""
 
     nq_path: str
-    retriever: str = "bm25"  # bm25 | dense (MiniLM bi-encoder, exact search)
-    top_n: int = 20
-    words_per_passage: int = 100
-    candidates_path: str | None = None
-    corpus_path: str | None = None
-    questions_format: str = "auto"  # confrag | flashrag | auto (confrag.data.nq.QUESTION_FORMATS)
-    corpus_format: str = "auto"  # confrag | flashrag | auto (confrag.retrieval.corpus.CORPUS_FORMATS)
-    bi_encoder: bool = True  # build the dense index too (Table 1's bi-encoder row)
-    dense_index: str = "auto"  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
-    dense_index_path: str | None = None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
+    retriever: str  # bm25 | dense (MiniLM bi-encoder, exact search)
+    top_n: int
+    words_per_passage: int
+    candidates_path: str | None
+    corpus_path: str | None
+    questions_format: str  # confrag | flashrag | auto (confrag.data.nq.QUESTION_FORMATS)
+    corpus_format: str  # confrag | flashrag | auto (confrag.retrieval.corpus.CORPUS_FORMATS)
+    bi_encoder: bool  # build the dense index too (Table 1's bi-encoder row)
+    dense_index: str  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
+    dense_index_path: str | None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
 
     def __post_init__(self) -> None:
         problems = []
