@@ -112,8 +112,8 @@ class CBDRSettings:
     flip_examples: int
     gate_check_questions: int
     conf_quantiles: int  # that many quantiles of the dev split's Conf join the grid
-    gate_max_new_tokens: int = 24
-    gate_batch_size: int | str = 16  # or "auto"
+    gate_max_new_tokens: int  # cbdr.max_new_tokens (rag's unless overridden)
+    gate_batch_size: int | str  # cbdr.batch_size, or "auto"
 
 
 def cbdr_settings(
