@@ -20,6 +20,7 @@ from confrag.stages.rerankers import RerankerRecipe, reranker_cache_dir
 from confrag.train import run_task
 
 from helpers.runs import compose_cfg
+from helpers.settings import shipped_settings
 
 
 def passage(source: str, text: str, index: int = 0) -> CorpusPassage:
@@ -90,15 +91,18 @@ def test_utility_labels_come_from_the_answers_under_each_candidate():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"selection": "vote"}, r"preferences\.selection: 'vote' is not one of \('sign', 'rank', 'utility'\)"),
-        ({"compare": ["sign", "best"]}, r"preferences\.compare: 'best' is not one of"),
+        ({"selection": "vote"}, r"preferences\.selection='vote' is not one of \('sign', 'rank', 'utility'\)"),
+        ({"compare": ["sign", "best"]}, r"preferences\.compare='best' is not one of"),
         ({"top_k": 0}, r"preferences\.top_k must be an integer >= 1"),
     ],
 )
 def test_preference_settings_name_the_allowed_values(values, message):
     with pytest.raises(ValueError, match=message):
-        PreferenceSettings(**values)
-    assert PreferenceSettings(selection="rank", compare=("sign", "rank")).rules == ("rank", "sign")
+        shipped_settings(PreferenceSettings, "preferences", **values)
+    assert shipped_settings(PreferenceSettings, "preferences", selection="rank", compare=("sign", "rank")).rules == (
+        "rank",
+        "sign",
+    )
 
 
 # --- the base reranker ---------------------------------------------------------------------------
@@ -173,9 +177,9 @@ def test_the_base_reranker_key_changes_with_its_questions(tmp_path):
 
 def test_base_settings_refuse_bad_values():
     with pytest.raises(ValueError, match=r"base_reranker\.negatives must be an integer >= 1"):
-        BaseRerankerSettings(negatives=0)
+        shipped_settings(BaseRerankerSettings, "base_reranker", negatives=0)
     with pytest.raises(ValueError, match=r"base_reranker\.lr must be a number > 0 or null"):
-        BaseRerankerSettings(lr=-1e-4)
+        shipped_settings(BaseRerankerSettings, "base_reranker", lr=-1e-4)
 
 
 # --- the question plan ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from confrag.retrieval.corpus import iter_documents, iter_passages, load_corpus_
 from confrag.stages.retrieval import RetrievalSettings, build_retrieval
 
 from helpers.runs import compose_cfg
+from helpers.settings import shipped_settings
 
 FLASHRAG_QUESTIONS = [
     {"id": "test_0", "question": "What is George Rankin's occupation?", "golden_answers": ["politician"]},
@@ -150,7 +151,9 @@ def test_a_corpus_in_neither_format_names_both(tmp_path: Path) -> None:
 
 
 def test_flashrag_questions_over_a_flashrag_corpus_retrieve(tmp_path: Path) -> None:
-    settings = RetrievalSettings(
+    settings = shipped_settings(
+        RetrievalSettings,
+        "retrieval",
         nq_path=str(write_jsonl(tmp_path / "q.jsonl", FLASHRAG_QUESTIONS)),
         corpus_path=str(write_jsonl(tmp_path / "c.jsonl", FLASHRAG_CORPUS)),
         retriever="bm25",
@@ -162,7 +165,7 @@ def test_flashrag_questions_over_a_flashrag_corpus_retrieve(tmp_path: Path) -> N
     best = retrieval.bm25.search(["capital city of Italy"], top_n=2)[0][0][0]
     assert retrieval.corpus.passages[best].source_id == "1"
     with pytest.raises(ValueError, match=r"retrieval.corpus_format='tsv' is not one of"):
-        RetrievalSettings(nq_path="q.jsonl", corpus_format="tsv")
+        shipped_settings(RetrievalSettings, "retrieval", nq_path="q.jsonl", corpus_format="tsv")
 
 
 # ---------------------------------------------------------------- dataset configs

@@ -12,6 +12,8 @@ from confrag.data.splits import QuestionPlan
 from confrag.rag.settings import EvalSettings
 from confrag.stages.evaluation import evaluation_rows
 
+from helpers.settings import shipped_settings
+
 
 def write_nq(path, rows):
     with gzip.open(path, "wt", encoding="utf-8") as handle:
@@ -46,5 +48,8 @@ def test_an_eval_file_sharing_a_training_question_is_refused(nq_rows, tmp_path):
 
 
 def test_a_missing_eval_file_is_refused_in_the_settings(tmp_path):
-    with pytest.raises(ValueError, match="eval.nq_path='.*nope.jsonl' is not a file"):
-        EvalSettings(nq_path=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(
+        ValueError,
+        match="eval.nq_path must be an existing file or null .a JSONL of NQ-format questions.; got '.*nope.jsonl'",
+    ):
+        shipped_settings(EvalSettings, "eval", nq_path=str(tmp_path / "nope.jsonl"))

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 
 from confrag.data.nq import Passage, QARow
 from confrag.gates import GATES, SIGNALS, Decision, Gate, GateSignals, Part, Signal, register_signal
-from confrag.gates.base import check_number
 from confrag.gates.evaluation import decision_parts, wall_time_per_question
 from confrag.gates.settings import gate_settings
 from confrag.gates.signal_maker import SignalMaker, check_llm_signals, question_signals
+from confrag.infra import checks
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
 from confrag.rag.settings import AnswerSettings
@@ -29,6 +29,7 @@ from confrag.stages.gate_scoring import run_gates, threshold_curves
 from confrag.stages.gate_timing import measure_parts
 
 from helpers.gates import shipped_config
+from helpers.settings import shipped_settings
 
 
 # --- place 1: the gate's module ------------------------------------------------------------------
@@ -41,7 +42,7 @@ class QuestionLengthGate(Gate):
     decision_passes = 0  # counting words costs no LLM call
 
     def __init__(self, threshold: float = 4.0) -> None:
-        check_number("gate.threshold", threshold, 0.0)
+        checks.number(threshold, "gate.threshold", 0.0)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)
 
@@ -137,7 +138,9 @@ def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, ti
     ]
     parts = {"closed_book", "rag_answer"} | set(decision_parts(needs))
     assert decision_parts(needs) == ["count_words"]
-    timings = measure_parts(maker, None, None, test[:2], clean[:2], parts, (), 1, AnswerSettings(max_new_tokens=2))
+    timings = measure_parts(
+        maker, None, None, test[:2], clean[:2], parts, (), 1, shipped_settings(AnswerSettings, "rag", max_new_tokens=2)
+    )
     assert set(timings) == {"closed_book", "rag_answer", "count_words"} and all(t >= 0 for t in timings.values())
 
     # Fit, decide, score and curve, as a run does.

@@ -176,8 +176,14 @@ def test_unknown_gate_group_option_lists_the_available_ones(tmp_path):
     "override, message",
     [
         ("gates.configs.cbdr.beta=1.5", r"gates\.configs\.cbdr: .*beta.*\[0, 1\]"),
-        ("gates.configs.skr_knn.threshold=-0.1", r"gates\.configs\.skr_knn: gate\.threshold=-0\.1 is out of range"),
-        ("gates.curves.skr_knn.values=[0.5,2.0]", r"gates\.configs\.skr_knn: gate\.threshold=2\.0 is out of range"),
+        (
+            "gates.configs.skr_knn.threshold=-0.1",
+            r"gates\.configs\.skr_knn: gate\.threshold must be a number in \[0\.0, 1\.0\]; got -0\.1",
+        ),
+        (
+            "gates.curves.skr_knn.values=[0.5,2.0]",
+            r"gates\.configs\.skr_knn: gate\.threshold must be a number in \[0\.0, 1\.0\]; got 2\.0",
+        ),
         ("gates.curves.cbdr.param=gamma", r"gates\.curves\.cbdr\.param='gamma'.*parameters: \['beta'\]"),
         ("gates.top_k=50", r"gates\.top_k=50 asks for more contexts than the retrieval\.top_n=6"),
         ("gates.metric=f1", r"gates\.metric='f1' is not one of"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from confrag.cbdr.settings import cbdr_settings
 from confrag.infra.timing import StageTimer
@@ -15,6 +14,7 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 
 from helpers.runs import compose_cfg
+from helpers.settings import shipped_settings
 
 GPU_EXPERIMENTS = ["cbdr_llama3", "cbdr_qwen2_5", "cbdr_llama3_shape", "reranker_llama3", "reranker_qwen2_5"]
 
@@ -42,7 +42,9 @@ def test_gpu_probe_experiments_size_their_batches_from_free_memory(name, tmp_pat
 
 
 def test_rag_generation_node_reaches_the_answer_settings():
-    answers = AnswerSettings(generation={"share_prefix": False, "static_cache": True, "cache_buckets": [128, 256]})
+    answers = shipped_settings(
+        AnswerSettings, "rag", generation={"share_prefix": False, "static_cache": True, "cache_buckets": [128, 256]}
+    )
     assert answers.generation == GreedyOptions(share_prefix=False, static_cache=True, cache_buckets=(128, 256))
 
 
@@ -64,12 +66,13 @@ def test_rag_generation_node_reaches_the_answer_settings():
             {"answer_batch_size": -1},
             r"preferences.answer_batch_size must be an integer >= 1 or 'auto'",
         ),
-        (PreferenceSettings, {"top_k": "auto"}, r"preferences.top_k must be an integer >= 1 \(got 'auto'\)"),
+        (PreferenceSettings, {"top_k": "auto"}, r"preferences.top_k must be an integer >= 1; got 'auto'"),
     ],
 )
 def test_bad_batch_and_generation_settings_are_named(cls, values, message):
+    key = "rag" if cls is AnswerSettings else "preferences"
     with pytest.raises(ValueError, match=message):
-        settings_from(cls, OmegaConf.create(values), "node")
+        shipped_settings(cls, key, **values)
 
 
 def test_stage_timer_records_each_stage_even_when_it_fails():

@@ -115,5 +115,5 @@ def test_file_level_errors(tmp_path):
     (tmp_path / "rows.csv").write_text("a,b\n")
     with pytest.raises(DataFormatError, match=r"allowed suffixes are \.json, \.jsonl, \.jsonl\.gz"):
         load_hotpotqa(tmp_path / "rows.csv")
-    with pytest.raises(ValueError, match="limit must be None or an integer >= 1"):
+    with pytest.raises(ValueError, match="limit must be an integer >= 1 or None"):
         load_hotpotqa(OFFICIAL, limit=0)

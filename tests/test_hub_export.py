@@ -16,6 +16,7 @@ from confrag.reports.hub import HubSettings, RerankRun, dataset_card, reranker_c
 from confrag.tasks import rerank as rerank_task
 
 from helpers.runs import compose_cfg
+from helpers.settings import shipped_settings
 
 TABLE1 = [
     {"system": "BM25", "MRR@5": 33.33, "Top-1": 20.0},
@@ -151,24 +152,24 @@ def test_each_run_s_dataset_loads_its_own_rows(tmp_path, monkeypatch):
 
 def test_hub_push_is_off_by_default_and_needs_both_repo_ids(tmp_path):
     cfg = compose_cfg(["+experiment=reranker_tiny_llama"], tmp_path)
-    assert settings_from(HubSettings, cfg.hub, "hub") == HubSettings(push=False)
+    assert settings_from(HubSettings, cfg.hub, "hub") == shipped_settings(HubSettings, "hub", push=False)
     with pytest.raises(ValueError, match="hub.push is true: hub.reranker_repo must be a repo id"):
-        HubSettings(push=True, dataset_repo="me/rows").require("reranker_repo", "dataset_repo")
+        shipped_settings(HubSettings, "hub", push=True, dataset_repo="me/rows").require("reranker_repo", "dataset_repo")
     with pytest.raises(ValueError, match="hub.push is true: hub.dataset_repo must be a repo id.*'rows'"):
-        HubSettings(push=True, reranker_repo="me/reranker", dataset_repo="rows").require(
+        shipped_settings(HubSettings, "hub", push=True, reranker_repo="me/reranker", dataset_repo="rows").require(
             "reranker_repo", "dataset_repo"
         )
     with pytest.raises(ValueError, match="hub.push is true: hub.reranker_repo must be a repo id"):
         rerank_task.check(compose_cfg(["+experiment=reranker_tiny_llama", "hub.push=true"], tmp_path))
     with pytest.raises(ValueError, match="hub.push must be true or false"):
-        HubSettings(push="yes")
+        shipped_settings(HubSettings, "hub", push="yes")
     with pytest.raises(ValueError, match=r"hub: unknown key\(s\) \['repo'\]"):
         rerank_task.check(compose_cfg(["+experiment=reranker_tiny_llama", "+hub.repo=me/x"], tmp_path))
 
 
 def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeypatch):
     cfg = compose_cfg(["+experiment=reranker_tiny_llama"], tmp_path)
-    recipe = rerank_task.check(cfg)
+    recipe = rerank_task.check(cfg).recipe
     out = tmp_path / "out"
     exported_folder(out)
     stage = SimpleNamespace(main="base + confidence FT (sign)", preferences=SimpleNamespace(splits=ROWS))
@@ -178,14 +179,16 @@ def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeyp
         raise AssertionError("push_to_hub called with hub.push false")
 
     monkeypatch.setattr(rerank_task, "push_folder", never)
-    rerank_task.publish(cfg, recipe, stage, TABLE1, 1, HubSettings(), out)
+    rerank_task.publish(cfg, recipe, stage, TABLE1, 1, shipped_settings(HubSettings, "hub"), out)
     card = ModelCard.load(out / "reranker" / "README.md")
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
     assert card.text.count("python train.py") == 1
     assert load_dataset(str(out / "nq_rerank_dataset"))["train"].num_rows == 2
     # Asked to push: each folder goes to its own repo (recorded here, never uploaded).
     monkeypatch.setattr(rerank_task, "push_folder", lambda *args: pushed.append(args) or "url")
-    hub = HubSettings(push=True, reranker_repo="me/reranker", dataset_repo="me/rows", private=True)
+    hub = shipped_settings(
+        HubSettings, "hub", push=True, reranker_repo="me/reranker", dataset_repo="me/rows", private=True
+    )
     rerank_task.publish(cfg, recipe, stage, TABLE1, 1, hub, out)
     assert pushed == [
         (out / "reranker", "me/reranker", "model", True),

@@ -110,7 +110,7 @@ def test_limit_keeps_first_rows_and_stops_reading(tmp_path: Path) -> None:
 @pytest.mark.parametrize("limit", [0, -1, True, 1.5])
 def test_invalid_limit_rejected(tmp_path: Path, limit: object) -> None:
     path = write_rows(tmp_path / "nq.jsonl", [NOBEL])
-    with pytest.raises(ValueError, match=r"limit must be None or an integer >= 1"):
+    with pytest.raises(ValueError, match=r"limit must be an integer >= 1 or None"):
         load_nq_jsonl(path, limit=limit)  # type: ignore[arg-type]
 
 

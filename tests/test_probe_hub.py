@@ -24,6 +24,7 @@ from confrag.tasks import probe as probe_task
 from test_hub_export import ROWS, exported_folder, run_facts
 
 from helpers.runs import compose_cfg
+from helpers.settings import shipped_settings
 from helpers.wandb_records import logged_artifacts
 
 IDENTITY = {"llm": {"name": "tiny", "source": "random", "ref": "tiny:x@1"}, "prompts": "abc", "layer": 2, "key": "k"}
@@ -124,7 +125,7 @@ def test_a_probe_in_the_format_before_the_hub_mixin_is_still_read(tmp_path):
 
 def test_probe_push_is_off_by_default_and_needs_the_probe_repo(tmp_path, monkeypatch):
     cfg = compose_cfg(["+experiment=probe_tiny_llama"], tmp_path)
-    assert probe_task.hub_settings(cfg) == HubSettings()
+    assert probe_task.hub_settings(cfg) == shipped_settings(HubSettings, "hub")
     with pytest.raises(ValueError, match=r"hub.push is true: hub.probe_repo must be a repo id"):
         probe_task.check(compose_cfg(["+experiment=probe_tiny_llama", "hub.push=true"], tmp_path))
     # A probe run pushes nothing without reranker repos: each task names its own.

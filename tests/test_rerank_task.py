@@ -143,7 +143,7 @@ def test_duplicate_candidate_passages_are_removed_and_counted():
         ("retrieval.retriever=sparse", "retrieval.retriever='sparse' is not one of"),
         ("preferences.reference=gold", "preferences.reference='gold' is not one of"),
         ("data.group_size=1", "data.group_size must be an integer >= 2"),
-        ("preferences.test_fraction=1.5", r"preferences.test_fraction must be in \(0, 1\)"),
+        ("preferences.test_fraction=1.5", r"preferences.test_fraction must be a number in \(0, 1\); got 1.5"),
         ("preferences.teacher=oracle", r"preferences.teacher='oracle' is not one of \('inc', 'base'\)"),
         ("preferences.mix_relevance=3", r"preferences.mix_relevance must be true or false"),
         ("preferences.cross_fit=1", r"preferences.cross_fit must be 0 \(off\) or an integer >= 2 folds"),

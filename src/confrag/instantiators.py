@@ -48,12 +48,22 @@ def output_dir(cfg: DictConfig) -> Path:
 
 
 def settings_from(cls: type[T], node: Any, key: str) -> T:
-    """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes."""
+    """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes, and so are
+    missing ones (a settings dataclass has no default for what its YAML node provides: docs/architecture.md,
+    "Settings pattern")."""
     values = plain(node) or {}
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ValueError(f"{key}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    missing = sorted(required - set(values))
+    if missing:
+        raise ValueError(f"{key}: missing key(s) {missing}; compose the group's shipped node (conf/{key}/)")
     return cls(**values)
 
 

@@ -9,10 +9,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
 from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
-from confrag.rag.settings import AnswerSettings, EvalSettings, positive_int
+from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reranker.data import check_group_size
 from confrag.reranker.module import check_settings as check_reranker_settings
 from confrag.stages.base_reranker import BaseRerankerSettings
@@ -67,8 +68,8 @@ def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
     check_group_size(cfg.data.group_size)
     for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
-        positive_int(cfg.data.get(key, 1), f"data.{key}")
-    positive_int(cfg.data.get("num_workers", 0), "data.num_workers", minimum=0)
+        checks.positive_int(cfg.data.get(key, 1), f"data.{key}")
+    checks.non_negative_int(cfg.data.get("num_workers", 0), "data.num_workers")
     # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
     check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")

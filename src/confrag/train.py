@@ -1,7 +1,8 @@
 """Entry point shared by `python train.py` and `confrag-train`: picks the task named in the config.
 
 Each task module (`confrag.tasks.<name>`) has `check(cfg)`, every setting it and its stages read checked
-before the run folder gets a file, and `run(cfg)`, which returns the run's metrics.
+before the run folder gets a file, and `run(cfg, checked)`, which runs on what `check` returned (so the
+settings are checked once per run) and returns the run's metrics.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def run_task(cfg: DictConfig) -> float | None:
     L.seed_everything(cfg.seed, workers=True)
     launch = distributed.rank_info()
     check_launch(cfg, launch)
-    task.check(cfg)  # a bad value fails before the run folder gets any file
+    checked = task.check(cfg)  # a bad value fails before the run folder gets any file; checked once per run
     if launch.is_main:  # the ranks of a multi-process launch share one run folder: rank 0 writes it
         save_run_info(cfg, output_dir(cfg))
     try:
-        metrics = task.run(cfg)
+        metrics = task.run(cfg, checked)
     finally:
         _finish_wandb()
     metric_name = cfg.get("optimized_metric")

@@ -16,7 +16,15 @@ SHIPPED_GATES = sorted(p.stem for p in (ROOT / "conf" / "gate").glob("*.yaml"))
 
 
 def shipped_config(name: str) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "gate" / f"{name}.yaml"), resolve=True)
+    """conf/gate/<name>.yaml resolved as in a run: its interpolations (cbdr's `beta: ${cbdr.beta}`) read the
+    shipped `cbdr` node."""
+    root = OmegaConf.create(
+        {
+            "cbdr": OmegaConf.load(ROOT / "conf" / "cbdr" / "default.yaml"),
+            "gate": OmegaConf.load(ROOT / "conf" / "gate" / f"{name}.yaml"),
+        }
+    )
+    return OmegaConf.to_container(root.gate, resolve=True)
 
 
 def make_gate(name: str, **overrides: Any) -> Gate:

@@ -19,7 +19,6 @@ generation simply goes on from the prefill's KV cache (no second prefill), and t
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from confrag.data.qa_metrics import exact_match, has_answer, token_f1
+from confrag.infra import checks
 from confrag.llm.batching import check_batch_size
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import LoadedLLM
@@ -49,17 +49,8 @@ class GateAnswer(NamedTuple):
 
 
 def check_beta(beta: float, key: str = "cbdr.beta") -> float:
-    if (
-        isinstance(beta, bool)
-        or not isinstance(beta, (int, float, np.floating, np.integer))
-        or not math.isfinite(beta)
-        or not 0.0 <= beta <= 1.0
-    ):
-        raise ValueError(
-            f"{key} must be a number in [0, 1] (0 = CBDR off, always retrieve; retrieve iff "
-            f"Conf < beta otherwise); got {beta!r}"
-        )
-    return float(beta)
+    hint = "(0 = CBDR off, always retrieve; retrieve iff Conf < beta otherwise)"
+    return float(checks.probability(beta, key, numpy=True, hint=hint))
 
 
 def should_retrieve(confidence: Any, beta: Any) -> np.ndarray:
@@ -143,8 +134,7 @@ class ConfidenceGate:
     ) -> None:
         check_probe(llm, templates, probe, layer)
         for key, value in (("top_k", top_k), ("max_new_tokens", max_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"cbdr.{key} must be an integer >= 1; got {value!r}")
+            checks.positive_int(value, f"cbdr.{key}")
         check_batch_size(batch_size, "cbdr.batch_size")  # or "auto", as generate_greedy takes it
         self.llm, self.templates, self.probe = llm, templates, probe
         self.beta = check_beta(beta)

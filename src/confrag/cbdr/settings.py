@@ -13,8 +13,9 @@ import numpy as np
 
 from confrag.cbdr.gate import check_beta
 from confrag.cbdr.sweep import METRICS, OBJECTIVES, beta_grid, check_betas
+from confrag.infra import checks
 from confrag.llm.batching import check_batch_size
-from confrag.rag.settings import AnswerSettings, EvalSettings, as_list, positive_int
+from confrag.rag.settings import AnswerSettings, EvalSettings, as_list
 
 
 @dataclass(frozen=True)
@@ -37,15 +38,15 @@ class CBDRSettings:
     flip_examples: int
     gate_check_questions: int
     conf_quantiles: int  # that many quantiles of the dev split's Conf join the grid
-    gate_max_new_tokens: int = 24
-    gate_batch_size: int | str = 16  # or "auto"
+    gate_max_new_tokens: int  # cbdr.max_new_tokens (rag's unless overridden)
+    gate_batch_size: int | str  # cbdr.batch_size, or "auto"
 
 
 def cbdr_settings(
     cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSettings, top_n: int, candidates_file: bool
 ) -> CBDRSettings:
     """Every bad value of the `cbdr` node (and its combination with `rag` / `retrieval`), named by its key."""
-    k = positive_int(cbdr["top_k"], "cbdr.top_k")
+    k = checks.positive_int(cbdr["top_k"], "cbdr.top_k")
     if max(*rag.top_k, k) > top_n and not candidates_file:
         raise ValueError(
             f"rag.top_k={list(rag.top_k)} / cbdr.top_k={k} ask for more contexts than the "
@@ -64,16 +65,14 @@ def cbdr_settings(
             "or cbdr.metric=has_answer / em"
         )
     objective, budget = cbdr["objective"], cbdr.get("retrieval_budget")
-    if objective not in OBJECTIVES:
-        raise ValueError(f"cbdr.objective={objective!r} is not one of {OBJECTIVES}")
+    checks.choice(objective, "cbdr.objective", OBJECTIVES)
     if objective == "budget" and budget is None:
         raise ValueError("cbdr.objective=budget needs cbdr.retrieval_budget, a fraction in [0, 1]")
     if budget is not None:  # checked whatever the objective: a bad value is a typo either way
         budget = check_beta(budget, "cbdr.retrieval_budget")
         if objective != "budget":
             budget = None  # only the budget objective reads it
-    if cbdr["metric"] not in METRICS:
-        raise ValueError(f"cbdr.metric={cbdr['metric']!r} is not one of {METRICS}")
+    checks.choice(cbdr["metric"], "cbdr.metric", METRICS)
     return CBDRSettings(
         ks=tuple(sorted({*rag.top_k, k})),
         k=k,
@@ -88,9 +87,9 @@ def cbdr_settings(
         base=str(evaluation.base_reranker),
         reranker=str(cbdr["reranker"]),
         rerankers=evaluation.rerankers,
-        flip_examples=positive_int(cbdr["flip_examples"], "cbdr.flip_examples", minimum=0),
-        gate_check_questions=positive_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions", minimum=0),
-        conf_quantiles=positive_int(cbdr["conf_quantiles"], "cbdr.conf_quantiles", minimum=0),
-        gate_max_new_tokens=positive_int(cbdr.get("max_new_tokens", rag.max_new_tokens), "cbdr.max_new_tokens"),
+        flip_examples=checks.non_negative_int(cbdr["flip_examples"], "cbdr.flip_examples"),
+        gate_check_questions=checks.non_negative_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions"),
+        conf_quantiles=checks.non_negative_int(cbdr["conf_quantiles"], "cbdr.conf_quantiles"),
+        gate_max_new_tokens=checks.positive_int(cbdr.get("max_new_tokens", rag.max_new_tokens), "cbdr.max_new_tokens"),
         gate_batch_size=check_batch_size(cbdr.get("batch_size", rag.batch_size), "cbdr.batch_size"),
     )

@@ -18,6 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from confrag.cbdr.gate import check_beta, should_retrieve
+from confrag.infra import checks
 from confrag.infra.atomic import atomic_save_png
 from confrag.rag.pipeline import DEFAULT_KS, QuestionOutcome
 
@@ -45,10 +46,7 @@ def beta_grid(betas: Any, step: Any) -> np.ndarray:
     (with step 0.05, the papers' range and `default_beta_grid()`)."""
     if betas is not None:
         return check_betas(list(betas) if isinstance(betas, (list, tuple)) else [betas], "cbdr.betas")
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 0.9:
-        raise ValueError(
-            f"cbdr.beta_step must be a number in (0, 0.9] (the grid's step below 0.90), or set cbdr.betas; got {step!r}"
-        )
+    checks.number(step, "cbdr.beta_step", 0, 0.9, low_open=True, hint="(the grid's step below 0.90), or set cbdr.betas")
     coarse = np.arange(0.0, 0.9 - 1e-9, step)
     return np.unique(np.round(np.concatenate([coarse, 0.90 + np.arange(11) * 0.01]), 6))
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from confrag.data.nq import Passage, QARow
 from confrag.data.qa_metrics import has_answer, normalize_answer
+from confrag.infra import checks
 
 KINDS = ("year", "date", "number", "name", "other")
 _MONTHS = (
@@ -130,8 +131,7 @@ def _nfkc(passage: Passage) -> Passage:
 
 def build_conflicts(rows: Sequence[QARow], seed: int = 0) -> ConflictSet:
     """The conflicting-context evaluation set of `rows` (see the module docstring)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer; got {seed!r}")
+    checks.integer(seed, "seed")
     skipped: Counter = Counter()
     usable: list[tuple[QARow, Passage, str]] = []  # (row, NFKC gold passage, replaced answer)
     for row in rows:

@@ -35,6 +35,7 @@ from typing import Any
 
 from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.data.nq import Passage, QARow, _check_limit, _RowCollector
+from confrag.infra import checks
 
 HOTPOTQA_PATH_KEY = "eval.hotpotqa_path"
 _SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
@@ -55,11 +56,7 @@ def _require_text(row: Mapping[str, Any], key: str, where: str) -> str:
 def _qid(row: Mapping[str, Any], where: str) -> str:
     key = "_id" if "_id" in row else "id"
     raw = row.get(key)
-    if isinstance(raw, bool) or not isinstance(raw, (str, int)) or str(raw).strip() == "":
-        raise DataFormatError(
-            f'{where}: field "_id" (official) or "id" (Hugging Face) must be a non-empty string; got {raw!r}'
-        )
-    return str(raw)
+    return checks.identifier(raw, f'{where}: field "_id" (official) or "id" (Hugging Face)', error=DataFormatError)
 
 
 def _paragraphs(context: Any, where: str) -> dict[str, list[str]]:

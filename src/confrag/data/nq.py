@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from confrag.data.jsonl import JSONL_SUFFIXES, DataFormatError, read_jsonl
+from confrag.infra import checks
 from confrag.infra.paths import project_root
 
 NQ_PATH_ENV = "CONFRAG_NQ_PATH"
@@ -66,10 +67,7 @@ def _parse_qid(row: Mapping[str, Any], index: int, where: str) -> str:
     if "id" not in row:
         return _default_qid(index)
     raw = row["id"]
-    # bool is an int subclass, but True/False as an id is always a data bug.
-    if isinstance(raw, bool) or not isinstance(raw, (str, int)) or str(raw).strip() == "":
-        raise DataFormatError(f'{where}: field "id" must be a non-empty string or an integer; got {raw!r}')
-    return str(raw)
+    return checks.identifier(raw, f'{where}: field "id"', error=DataFormatError)
 
 
 def _parse_question(row: Mapping[str, Any], where: str) -> str:
@@ -105,12 +103,6 @@ QUESTION_FORMAT_CHOICES = ("auto", *QUESTION_FORMATS)
 
 def _formats_text(formats: Mapping[str, Any]) -> str:
     return " or ".join(f"{f.name} {f.fields}" for f in formats.values())
-
-
-def check_format_choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
-    """Raise ValueError naming `key` and the allowed values unless `value` is one of `choices`."""
-    if value not in choices:
-        raise ValueError(f"{key}={value!r} is not one of {choices}")
 
 
 def _parse_answers(row: Mapping[str, Any], where: str, fmt: QuestionFormat) -> tuple[str, ...]:
@@ -219,10 +211,7 @@ def read_records(path: Path, expected: str) -> Iterator[tuple[str, Any]]:
 
 
 def _check_limit(limit: int | None) -> None:
-    if limit is None:
-        return
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be None or an integer >= 1; got {limit!r}")
+    checks.positive_int(limit, "limit", allow_none=True, none="None")
 
 
 def load_nq_jsonl(
@@ -232,7 +221,7 @@ def load_nq_jsonl(
     N. `questions_format` is one of QUESTION_FORMAT_CHOICES; `auto` takes the format of the first record,
     and every later record must be in it (errors name the format and where it was detected)."""
     _check_limit(limit)
-    check_format_choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
+    checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"
@@ -267,7 +256,7 @@ def load_nq_jsonl(
 def rows_from_hf(records: Iterable[Mapping[str, Any]], questions_format: str = "auto") -> list[QARow]:
     """Rows from in-memory dicts such as `datasets.load_dataset("nq_open")["validation"]` or a FlashRAG
     split; `questions_format` as in `load_nq_jsonl` (`auto`: the first record's)."""
-    check_format_choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
+    checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
     fmt = None if questions_format == "auto" else QUESTION_FORMATS[questions_format]
     collector = _RowCollector()
     for index, record in enumerate(records):

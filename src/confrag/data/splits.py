@@ -16,6 +16,10 @@ import numpy as np
 
 from confrag.data.nq import QARow
 from confrag.data.qa_metrics import normalize_answer
+from confrag.infra import checks
+
+# What `preferences.cross_fit` allows, as its errors say it.
+CROSS_FIT = "0 (off) or an integer >= 2 folds"
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +184,7 @@ def cross_fit_plan(plan: QuestionPlan, folds: int, seed: int) -> QuestionPlan:
     """`plan` cross-fitted: the preference and held-out questions together (file order kept within each fold),
     split at random into `folds` folds of nearly equal size. The probe's and the base reranker's questions stay
     as `plan_questions` drew them, so the base reranker is the one the plain runs train."""
-    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
-        raise ValueError(f"preferences.cross_fit must be 0 (off) or an integer >= 2 folds (got {folds!r})")
+    checks.integer(folds, "preferences.cross_fit", 2, describe=CROSS_FIT)
     order = {r.qid: i for i, r in enumerate([*plan.preference, *plan.held_out])}
     pool = sorted([*plan.preference, *plan.held_out], key=lambda r: order[r.qid])
     if len(pool) < 2 * folds:

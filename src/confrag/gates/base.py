@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import abc
 import inspect
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -195,26 +194,6 @@ class GateTrainingData:
 
 def retrieval_helped(closed_book_correct: np.ndarray, rag_correct: np.ndarray) -> np.ndarray:
     return np.asarray(rag_correct, dtype=bool) & ~np.asarray(closed_book_correct, dtype=bool)
-
-
-def check_number(
-    key: str, value: Any, low: float | None = None, high: float | None = None, integer: bool = False
-) -> float:
-    """A config value in [low, high] (either bound optional); the error names the config key."""
-    kind = "an integer" if integer else "a number"
-    valid_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not valid_type or not math.isfinite(value):
-        raise ValueError(f"{key} must be {kind}; got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        interval = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-        raise ValueError(f"{key}={value!r} is out of range; allowed: {interval}")
-    return value
-
-
-def check_choice(key: str, value: Any, allowed: Sequence[str]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
-    return value
 
 
 # Every gate class, by its `name` (a short stable id): filled as each concrete subclass is defined, so a

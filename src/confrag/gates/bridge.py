@@ -38,7 +38,8 @@ import numpy as np
 from sklearn.linear_model import LogisticRegression
 
 from confrag.data.nq import Passage
-from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_choice, check_number
+from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData
+from confrag.infra import checks
 
 STRATEGIES = ("FA", "FI", "FE", "RA")
 STRATEGY_DECISION = {
@@ -85,7 +86,7 @@ def soft_bias_tree(
 
 def answer_contexts(strategy: str, internal_passage: str, retrieved: Sequence[Passage]) -> list[Passage] | None:
     """The contexts each strategy answers with: None = refuse, [] = closed-book (QA prompt)."""
-    check_choice("strategy", strategy, STRATEGIES)
+    checks.choice(strategy, "strategy", STRATEGIES)
     internal = Passage(title="", text=internal_passage)
     return {"FA": [internal, *retrieved], "FI": [], "FE": list(retrieved), "RA": None}[strategy]
 
@@ -114,18 +115,18 @@ class BridgeGate(Gate):
         seed: int = 0,
     ) -> None:
         # T_Ret and T_LLM lie in [0, 2]; BRIDGE grid-searches both thresholds in [0.1, 2.0].
-        check_number("gate.alpha", alpha, 0.0, 2.0)
-        check_number("gate.beta", beta, 0.0, 2.0)
+        checks.number(alpha, "gate.alpha", 0.0, 2.0)
+        checks.number(beta, "gate.beta", 0.0, 2.0)
         if beta < alpha:
             raise ValueError(f"gate.beta={beta} must be >= gate.alpha={alpha} (the retriever needs the higher trust)")
-        check_number("gate.dense_weight", dense_weight, 0.0)
-        check_number("gate.sparse_weight", sparse_weight, 0.0)
+        checks.number(dense_weight, "gate.dense_weight", 0.0)
+        checks.number(sparse_weight, "gate.sparse_weight", 0.0)
         if dense_weight + sparse_weight <= 0:
             raise ValueError("gate.dense_weight + gate.sparse_weight must be > 0")
-        check_choice("gate.allocator", allocator, ALLOCATORS)
-        check_number("gate.soft_bias_min", soft_bias_min, 0.0, 0.5)
-        check_number("gate.soft_bias_max", soft_bias_max, 0.5, 1.0)
-        check_number("gate.seed", seed, integer=True)
+        checks.choice(allocator, "gate.allocator", ALLOCATORS)
+        checks.number(soft_bias_min, "gate.soft_bias_min", 0.0, 0.5)
+        checks.number(soft_bias_max, "gate.soft_bias_max", 0.5, 1.0)
+        checks.integer(seed, "gate.seed")
         super().__init__(
             alpha=alpha,
             beta=beta,

@@ -36,8 +36,9 @@ from sklearn.model_selection import KFold, train_test_split
 from torch import nn
 
 from confrag.data.qa_metrics import token_f1
-from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
+from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData
 from confrag.gates.skr import knn_vote, unit_rows
+from confrag.infra import checks
 
 _WORD = re.compile(r"\w+")
 
@@ -172,25 +173,25 @@ class CCSKGate(Gate):
         folds: int = 5,
         seed: int = 0,
     ) -> None:
-        check_number("gate.k", k, 1, integer=True)
-        check_number("gate.novelty_threshold", novelty_threshold, -1.0, 1.0)
-        check_number("gate.rouge_weight", rouge_weight, 0.0)
-        check_number("gate.cosine_weight", cosine_weight, 0.0)
+        checks.positive_int(k, "gate.k")
+        checks.number(novelty_threshold, "gate.novelty_threshold", -1.0, 1.0)
+        checks.number(rouge_weight, "gate.rouge_weight", 0.0)
+        checks.number(cosine_weight, "gate.cosine_weight", 0.0)
         if rouge_weight + cosine_weight <= 0:
             raise ValueError("gate.rouge_weight + gate.cosine_weight must be > 0")
         for key, value in (("tau_pred", tau_pred), ("tau_conf", tau_conf), ("tau_single", tau_single)):
-            check_number(f"gate.{key}", value, 0.0, 1.0)
-        check_number("gate.rqm_learning_rate", rqm_learning_rate, 1e-6, 1.0)
-        check_number("gate.rqm_num_leaves", rqm_num_leaves, 2, integer=True)
-        check_number("gate.rqm_max_rounds", rqm_max_rounds, 1, integer=True)
-        check_number("gate.rqm_early_stopping", rqm_early_stopping, 1, integer=True)
-        check_number("gate.heads", heads, 1, integer=True)
-        check_number("gate.hidden", hidden, 1, integer=True)
-        check_number("gate.dropout", dropout, 0.0, 0.99)
-        check_number("gate.epochs", epochs, 1, integer=True)
-        check_number("gate.lr", lr, 1e-8, 1.0)
-        check_number("gate.folds", folds, 2, integer=True)
-        check_number("gate.seed", seed, integer=True)
+            checks.number(value, f"gate.{key}", 0.0, 1.0)
+        checks.number(rqm_learning_rate, "gate.rqm_learning_rate", 1e-6, 1.0)
+        checks.integer(rqm_num_leaves, "gate.rqm_num_leaves", 2)
+        checks.positive_int(rqm_max_rounds, "gate.rqm_max_rounds")
+        checks.positive_int(rqm_early_stopping, "gate.rqm_early_stopping")
+        checks.positive_int(heads, "gate.heads")
+        checks.positive_int(hidden, "gate.hidden")
+        checks.number(dropout, "gate.dropout", 0.0, 0.99)
+        checks.positive_int(epochs, "gate.epochs")
+        checks.number(lr, "gate.lr", 1e-8, 1.0)
+        checks.integer(folds, "gate.folds", 2)
+        checks.integer(seed, "gate.seed")
         config = dict(
             k=k,
             novelty_threshold=novelty_threshold,

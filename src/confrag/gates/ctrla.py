@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
+from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData
 from confrag.gates.directions import ConfidenceDirection, direction_from_states
+from confrag.infra import checks
 
 # CtrlA follows representation engineering: the same content under opposite personas.
 CONFIDENT_TEMPLATE = (
@@ -73,11 +74,11 @@ class CtrlAGate(Gate):
     ) -> None:
         # The templates are what the direction is computed from (contrastive_prompts): part of
         # the gate's identity even though decide() only reads the finished direction.
-        check_number("gate.threshold", threshold)
+        checks.number(threshold, "gate.threshold")
         check_template("gate.confident_template", confident_template)
         check_template("gate.unconfident_template", unconfident_template)
         if layers is not None:
-            layers = [int(check_number("gate.layers[]", layer, 0, integer=True)) for layer in layers]
+            layers = [int(checks.integer(layer, "gate.layers[]", 0)) for layer in layers]
             if not layers:
                 raise ValueError("gate.layers must be null (the direction's layers) or a non-empty list of layers")
         super().__init__(

@@ -12,7 +12,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from confrag.gates.base import DraftSignals, check_number
+from confrag.gates.base import DraftSignals
+from confrag.infra import checks
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import encode_prompts
 
@@ -64,8 +65,8 @@ def draft_token_signals(
     so that the last draft token has also been read as a query. Eager attention is used for the call
     (SDPA exposes no weights), so a draft can differ from an SDPA greedy answer where two tokens are
     within float rounding of each other."""
-    check_number("max_new_tokens", max_new_tokens, 1, integer=True)
-    check_number("batch_size", batch_size, 1, integer=True)
+    checks.positive_int(max_new_tokens, "max_new_tokens")
+    checks.positive_int(batch_size, "batch_size")
     model, tokenizer = llm.model, llm.tokenizer
     ids = encode_prompts(tokenizer, prompts)
     eos = _eos_ids(model, tokenizer)

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
-from confrag.gates.base import Decision, Gate, GateSignals, check_number
+from confrag.gates.base import Decision, Gate, GateSignals
+from confrag.infra import checks
 
 
 def is_content_token(piece: str) -> bool:
@@ -56,7 +57,7 @@ class DraginGate(Gate):
 
     def __init__(self, threshold: float = 1.4) -> None:
         # 1.4: the hallucination_threshold of DRAGIN's released configs (Llama2-7b-chat).
-        check_number("gate.threshold", threshold, 0.0)
+        checks.number(threshold, "gate.threshold", 0.0)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)
 

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from confrag.gates.base import check_number
 from confrag.gates.registry import UnavailableSignalError
+from confrag.infra import checks
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import encode_prompts
 
@@ -73,7 +73,7 @@ def p_true_prompts(
 def verdict_probabilities(llm: LoadedLLM, prompts: Sequence[str], batch_size: int = 8) -> np.ndarray:
     """(n, 2): the next-token probability mass of "True" and of "False" (each summed over its surface
     forms' first tokens) after each prompt: one forward per prompt, no generation."""
-    check_number("batch_size", batch_size, 1, integer=True)
+    checks.positive_int(batch_size, "batch_size")
     verdicts = verdict_token_ids(llm.tokenizer)
     ids = encode_prompts(llm.tokenizer, prompts)
     if any(len(seq) == 0 for seq in ids):

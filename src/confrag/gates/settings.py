@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from confrag.gates import GATES, Gate
+from confrag.infra import checks
 from confrag.rag.stats import BINARY_METRICS
 
 
@@ -67,12 +68,6 @@ def selected_gate(gate_node: DictConfig, configs: dict[str, dict[str, Any]]) -> 
     return (same[0] if same else str(target).rsplit(".", 1)[-1]), node
 
 
-def _int(value: Any, key: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key} must be an integer >= {minimum}; got {value!r}")
-    return value
-
-
 def gate_settings(
     section: DictConfig | None, gate_node: DictConfig | None, top_n: int, candidates_file: bool
 ) -> GateSettings:
@@ -118,11 +113,10 @@ def gate_settings(
             for value in values:  # out-of-range thresholds fail here, named by the gate's config key
                 gate_from_config(name, configs[name], **{param: value})
         curves[name] = CurveSpec(param, values)
-    top_k = _int(section.top_k, "gates.top_k", 1)
+    top_k = checks.integer(section.top_k, "gates.top_k", 1)
     if top_k > top_n and not candidates_file:
         raise ValueError(f"gates.top_k={top_k} asks for more contexts than the retrieval.top_n={top_n} retrieved")
-    if section.metric not in BINARY_METRICS:
-        raise ValueError(f"gates.metric={section.metric!r} is not one of {BINARY_METRICS}")
+    checks.choice(section.metric, "gates.metric", BINARY_METRICS)
     return GateSettings(
         names=tuple(names),
         configs=configs,
@@ -130,10 +124,10 @@ def gate_settings(
         reranker=str(section.reranker),
         metric=str(section.metric),
         curves=curves,
-        curve_points=_int(section.curve_points, "gates.curve_points", 2),
-        timing_questions=_int(section.timing_questions, "gates.timing_questions", 1),
-        draft_max_new_tokens=_int(section.draft_max_new_tokens, "gates.draft_max_new_tokens", 1),
-        internal_max_new_tokens=_int(section.internal_max_new_tokens, "gates.internal_max_new_tokens", 1),
-        batch_size=_int(section.batch_size, "gates.batch_size", 1),
-        n_resamples=_int(section.n_resamples, "gates.n_resamples", 100),
+        curve_points=checks.integer(section.curve_points, "gates.curve_points", 2),
+        timing_questions=checks.integer(section.timing_questions, "gates.timing_questions", 1),
+        draft_max_new_tokens=checks.integer(section.draft_max_new_tokens, "gates.draft_max_new_tokens", 1),
+        internal_max_new_tokens=checks.integer(section.internal_max_new_tokens, "gates.internal_max_new_tokens", 1),
+        batch_size=checks.integer(section.batch_size, "gates.batch_size", 1),
+        n_resamples=checks.integer(section.n_resamples, "gates.n_resamples", 100),
     )

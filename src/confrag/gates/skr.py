@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData, check_number
+from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData
+from confrag.infra import checks
 from confrag.retrieval.ranking import top_n_hits
 
 
@@ -46,8 +47,8 @@ class SKRKnnGate(Gate):
     training_needs = frozenset({"outcomes", "question_embedding"})
 
     def __init__(self, k: int = 5, threshold: float = 0.5) -> None:
-        check_number("gate.k", k, 1, integer=True)
-        check_number("gate.threshold", threshold, 0.0, 1.0)
+        checks.positive_int(k, "gate.k")
+        checks.number(threshold, "gate.threshold", 0.0, 1.0)
         super().__init__(k=k, threshold=threshold)
         self.k = int(k)
         self.threshold = float(threshold)

@@ -25,7 +25,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from confrag.gates.base import Decision, Gate, GateSignals, check_number
+from confrag.gates.base import Decision, Gate, GateSignals
+from confrag.infra import checks
 
 
 class UncertaintyGate(Gate):
@@ -36,7 +37,7 @@ class UncertaintyGate(Gate):
     threshold_range: ClassVar[tuple[float | None, float | None]] = (None, None)
 
     def __init__(self, threshold: float) -> None:
-        check_number("gate.threshold", threshold, *self.threshold_range)
+        checks.number(threshold, "gate.threshold", *self.threshold_range)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)
 

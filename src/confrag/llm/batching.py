@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from confrag.infra import checks
 from confrag.llm.shapes import DecoderCost, dtype_bytes
 
 AUTO = "auto"
@@ -34,11 +35,7 @@ MAX_GENERATE_ROWS = 256
 
 def check_batch_size(value: Any, key: str) -> int | str:
     """An integer >= 1 or "auto"; anything else is refused naming `key`."""
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be an integer >= 1 or {AUTO!r}; got {value!r}")
-    return value
+    return checks.positive_int(value, key, also=(AUTO,))
 
 
 def free_device_memory(device: torch.device) -> int | None:

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 
+from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, generation_rows
 from confrag.llm.hidden_states import common_prefix_length
 from confrag.llm.prompts import encode_prompts
@@ -61,18 +62,12 @@ class GreedyOptions:
 
     def check(self, key: str) -> None:
         for name in ("share_prefix", "static_cache", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{key}.{name} must be true or false; got {getattr(self, name)!r}")
-        if (
-            isinstance(self.min_shared_prefix, bool)
-            or not isinstance(self.min_shared_prefix, int)
-            or self.min_shared_prefix < 1
-        ):
-            raise ValueError(f"{key}.min_shared_prefix must be an integer >= 1; got {self.min_shared_prefix!r}")
+            checks.flag(getattr(self, name), f"{key}.{name}")
+        checks.positive_int(self.min_shared_prefix, f"{key}.min_shared_prefix")
         buckets = self.cache_buckets
         if (
             not buckets
-            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets)
+            or any(not checks.is_integer(b) or b < 1 for b in buckets)
             or list(buckets) != sorted(set(buckets))
         ):
             raise ValueError(f"{key}.cache_buckets must be increasing integers >= 1; got {buckets!r}")
@@ -138,8 +133,7 @@ def generate_greedy_ids(
     the rest of the row is `pad_id`, as `model.generate` returns it). `batch_size="auto"` picks the rows
     from free device memory (`confrag.llm.batching`)."""
     options = options or GreedyOptions()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+    checks.positive_int(max_new_tokens, "max_new_tokens")
     batch_size = check_batch_size(batch_size, "batch_size")
     if not ids:
         return []

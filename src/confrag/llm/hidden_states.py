@@ -37,6 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, extraction_budget
 from confrag.llm.last_token import capture, last_token_layer, plain_decoder_layer, truncated
 from confrag.llm.prompts import encode_prompts
@@ -138,12 +139,11 @@ class HiddenStateEngine:
         self.last_token_tail = last_token_tail
         self.min_shared_prefix = min_shared_prefix
         self.progress = progress
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be true or false; got {compile!r}")
-        self.compile = compile
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads must be an integer >= 1 or None (the process's own count); got {threads!r}")
-        self.threads = threads  # CPU intra-op threads during extraction (None: whatever the process has)
+        self.compile = checks.flag(compile, "compile")
+        # CPU intra-op threads during extraction (None: whatever the process has)
+        self.threads = checks.positive_int(
+            threads, "threads", allow_none=True, none="None", hint="(the process's own count)"
+        )
         self._compiled: dict[int, object] = {}  # module id -> its compiled call
         self._compile_failed = self._told_cpu = False
         self.base = model.base_model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from confrag.infra import checks
 from confrag.probe.prompt_kinds import Example, kind_order
 
 PAPER_SPLIT_SIZES = {"train": 1000, "dev": 300, "test": 500}
@@ -29,7 +30,7 @@ def stratified_question_splits(labels: np.ndarray, seed: int, sizes: dict[str, i
 def check_splits(sizes: dict[str, int], key: str) -> dict[str, int]:
     """Positive sizes for exactly train, dev and test (`key` names the setting in the error)."""
     sizes = dict(sizes)
-    if set(sizes) != set(SPLITS) or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes.values()):
+    if set(sizes) != set(SPLITS) or any(not checks.is_integer(v) or v < 1 for v in sizes.values()):
         raise ValueError(f"{key} must give positive integer sizes for exactly {SPLITS}; got {sizes}")
     return sizes
 

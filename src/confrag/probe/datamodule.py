@@ -25,8 +25,9 @@ from lightning import LightningDataModule
 from torch.utils.data import DataLoader
 
 from confrag.data.jsonl import DataFormatError
-from confrag.data.nq import QUESTION_FORMAT_CHOICES, check_format_choice, load_nq_jsonl
+from confrag.data.nq import QUESTION_FORMAT_CHOICES, load_nq_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
+from confrag.infra import checks
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import fit_questions
 from confrag.llm.generation import GreedyOptions
@@ -53,7 +54,7 @@ def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num
     chosen = num_layers // 2 if layer in (None, "mid") else layer
     if isinstance(chosen, str) and chosen.strip().lstrip("-").isdigit():
         chosen = int(chosen)
-    if isinstance(chosen, bool) or not isinstance(chosen, (int, np.integer)):
+    if not checks.is_integer(chosen, numpy=True):
         raise ValueError(f"model.layer={layer!r}: use 'mid' or an integer in 0..{num_layers}")
     chosen = int(chosen)
     if not 0 <= chosen <= num_layers:
@@ -79,8 +80,7 @@ def check_loader_settings(batch_size: Any, num_workers: Any, max_new_tokens: Any
     ):
         if key == "data.batch_size" and value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-            raise ValueError(f"{key} must be an integer >= {least}; got {value!r}")
+        checks.integer(value, key, least, numpy=True)
 
 
 class NQConfidenceDataModule(LightningDataModule):
@@ -120,30 +120,23 @@ class NQConfidenceDataModule(LightningDataModule):
             ("ranking_top_n", ranking_top_n, 2),
             ("ranking_test_questions", ranking_test_questions, 0),
         ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise ValueError(f"data.{key} must be null or an integer >= {least} (got {value!r})")
+            checks.integer(value, f"data.{key}", least, allow_none=True)
         self.question_splits = question_splits
         self.ranking_top_n, self.ranking_test_questions = ranking_top_n, int(ranking_test_questions or 0)
         self.ranking: dict[str, RankingSet] = {}
-        if uses_candidates(train_states) and (
-            isinstance(candidates_top_n, bool) or not isinstance(candidates_top_n, int) or candidates_top_n < 1
-        ):
-            raise ValueError(
-                f"data.candidates_top_n must be an integer >= 1 with data.train_states={train_states!r} "
-                f"(got {candidates_top_n!r})"
+        if uses_candidates(train_states):
+            checks.positive_int(
+                candidates_top_n, "data.candidates_top_n", hint=f"with data.train_states={train_states!r}"
             )
         self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
         # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
         self.extract_compile = extract_compile
-        if extract_threads is not None and (
-            isinstance(extract_threads, bool) or not isinstance(extract_threads, int) or extract_threads < 1
-        ):
-            raise ValueError(f"data.extract_threads must be an integer >= 1 or null; got {extract_threads!r}")
+        checks.positive_int(extract_threads, "data.extract_threads", allow_none=True)
         self.extract_threads = extract_threads
         self.generation = GreedyOptions.from_mapping(generation, "data.generation")
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
-        check_format_choice(questions_format, "data.questions_format", QUESTION_FORMAT_CHOICES)
+        checks.choice(questions_format, "data.questions_format", QUESTION_FORMAT_CHOICES)
         self.nq_path, self.questions_format, self.layer_spec, self.layers = nq_path, questions_format, layer, layers
         self.num_questions, self.train_states = num_questions, train_states
         self.split_sizes, self.balance, self.seed = split_sizes, balance, seed

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from confrag.data.qa_metrics import exact_match, has_answer, has_answer_dpr, token_f1
+from confrag.infra import checks
 from confrag.infra.digests import fingerprint
 from confrag.infra.locks import compute_shards
 from confrag.infra.sharded import CacheMismatchError, ShardedArtifact
@@ -94,12 +95,9 @@ class AnswerStore:
         generation: GreedyOptions | None = None,
         truncate_passages: bool = False,
     ) -> None:
-        if not isinstance(truncate_passages, bool):
-            raise ValueError(f"rag.truncate_passages must be true or false; got {truncate_passages!r}")
-        self.truncate_passages = truncate_passages
+        self.truncate_passages = checks.flag(truncate_passages, "rag.truncate_passages")
         for key, value in (("max_new_tokens", max_new_tokens), ("chunk_size", chunk_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"rag.{key} must be an integer >= 1; got {value!r}")
+            checks.positive_int(value, f"rag.{key}")
         check_batch_size(batch_size, "rag.batch_size")
         self.generation = generation or GreedyOptions()
         self.llm, self.templates = llm, templates

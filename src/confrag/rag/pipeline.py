@@ -25,6 +25,7 @@ import numpy as np
 
 from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.data.nq import QARow
+from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_text
 from confrag.rag.answers import AnswerStore, ScoredAnswer, score_answer
 from confrag.retrieval.candidates import Candidates, match_candidates
@@ -86,7 +87,7 @@ class RagRun:
 def check_ks(ks: Sequence[int]) -> tuple[int, ...]:
     if isinstance(ks, int):
         ks = (ks,)
-    bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1]
+    bad = [k for k in ks if not checks.is_integer(k, numpy=True) or k < 1]
     if not ks or bad:
         raise ValueError(f"rag.top_k must be a non-empty list of integers >= 1 (e.g. [1, 3]); got {list(ks)!r}")
     return tuple(sorted({int(k) for k in ks}))

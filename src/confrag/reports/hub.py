@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
 from confrag.infra.digests import file_digest
 
@@ -240,17 +241,17 @@ def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: 
 @dataclass(frozen=True)
 class HubSettings:
     """The `hub` node: upload what a task exports (the rerank task: the reranker and the NQ_Rerank dataset; the
-    probe task: the probe), only when `push` is true; each task names the repo ids it needs (`require`)."""
+    probe task: the probe), only when `push` is true; each task names the repo ids it needs (`require`).
+    Defaults: conf/hub/default.yaml."""
 
-    push: bool = False
-    reranker_repo: str | None = None
-    dataset_repo: str | None = None
-    probe_repo: str | None = None
-    private: bool = True
+    push: bool
+    reranker_repo: str | None
+    dataset_repo: str | None
+    probe_repo: str | None
+    private: bool
 
     def __post_init__(self) -> None:
-        if not isinstance(self.push, bool):
-            raise ValueError(f"hub.push must be true or false; got {self.push!r}")
+        checks.flag(self.push, "hub.push")
 
     def require(self, *keys: str) -> HubSettings:
         """With push on, each of `keys` must be a repo id '<owner>/<name>' (refused naming the key)."""

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
+from confrag.infra import checks
 from confrag.reranker.backbone import resolve_backbone
 from confrag.reranker.collate import CandidateCollator, GroupCollator, PairCollator, truncation_stats
 from confrag.reranker.kinds import CrossEncoderKind, reranker_kind
@@ -96,12 +96,6 @@ class CandidateDataset(Dataset):
 # --- Lightning -----------------------------------------------------------------------------------
 
 
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be an integer >= 1 (got {value!r})")
-    return value
-
-
 class PreferenceDataModule(LightningDataModule):
     """Preference rows → grouped training batches and whole-list evaluation batches.
 
@@ -130,13 +124,12 @@ class PreferenceDataModule(LightningDataModule):
         self.encode = reranker_kind(kind).encode
         self.sources = {"train": train, "val": val, "test": test}
         self.tokenizer_name = tokenizer
-        self.query_max_len = _positive_int(query_max_len, "data.query_max_len")
-        self.passage_max_len = _positive_int(passage_max_len, "data.passage_max_len")
-        self.batch_size = _positive_int(batch_size, "data.batch_size")
-        self.eval_batch_size = _positive_int(eval_batch_size, "data.eval_batch_size")
+        self.query_max_len = checks.positive_int(query_max_len, "data.query_max_len")
+        self.passage_max_len = checks.positive_int(passage_max_len, "data.passage_max_len")
+        self.batch_size = checks.positive_int(batch_size, "data.batch_size")
+        self.eval_batch_size = checks.positive_int(eval_batch_size, "data.eval_batch_size")
         self.group_size = check_group_size(group_size)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"data.num_workers must be an integer >= 0 (got {num_workers!r})")
+        checks.non_negative_int(num_workers, "data.num_workers")
         self.num_workers, self.seed = num_workers, seed
         self.rows: dict[str, list[dict]] = {}
         self.truncation: dict[str, dict[str, int]] = {}

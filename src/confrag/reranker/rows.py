@@ -8,7 +8,6 @@ candidate list in a seeded shuffled order for evaluation.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from confrag.data.jsonl import DataFormatError, read_jsonl
+from confrag.infra import checks
 from confrag.infra.digests import ArtifactDamagedError, covered_problem
 
 RowSource = Sequence[dict] | str | Path
@@ -47,7 +47,7 @@ def _score_list(row: dict, field: str, passages: list[str], passage_field: str, 
             f"{label}: field {field!r} has {size} values for {len(passages)} passages in {passage_field!r}"
         )
     for j, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+        if not checks.is_number(score):
             raise ValueError(f"{label}: field {field!r} item {j} must be a finite number (got {score!r})")
 
 

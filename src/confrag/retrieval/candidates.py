@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.data.nq import QARow
 from confrag.data.qa_metrics import has_answer, normalize_answer
+from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_bytes
 from confrag.retrieval.corpus import Corpus, CorpusPassage, document_text
 from confrag.retrieval.ranking import Hits, check_top_n
@@ -186,8 +186,7 @@ def _parse_context(ctx: Any, qid: str, position: int, where: str) -> tuple[Corpu
     title = _require_str(ctx, "title", where, allow_empty=True)
     text = _require_str(ctx, "text", where)
     score = ctx.get("score")
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-        raise DataFormatError(f'{where}: field "score" must be a finite number; got {score!r}')
+    checks.number(score, f'{where}: field "score"', error=DataFormatError)
     # Without ids, a context is its own document: it can only match a gold_source naming it.
     pid = _require_str(ctx, "pid", where) if "pid" in ctx else f"{qid}@ctx{position}"
     source_id = _require_str(ctx, "source_id", where) if "source_id" in ctx else pid
@@ -198,9 +197,7 @@ def _parse_candidates(obj: Any, where: str) -> Candidates:
     if not isinstance(obj, Mapping):
         raise DataFormatError(f"{where}: each line must be a JSON object {_ROW_FIELDS}; got {type(obj).__name__}")
     qid = obj.get("qid")
-    if isinstance(qid, bool) or not isinstance(qid, (str, int)) or str(qid).strip() == "":
-        raise DataFormatError(f'{where}: field "qid" must be a non-empty string (or an integer); got {qid!r}')
-    qid = str(qid)
+    qid = checks.identifier(qid, f'{where}: field "qid"', error=DataFormatError)
     question = _require_str(obj, "question", where)
     answers = _parse_answers(obj, where)
     gold_source = obj.get("gold_source")

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confrag.data.nq import DataFormatError, QARow, check_format_choice, detect_format, read_records
+from confrag.data.nq import DataFormatError, QARow, detect_format, read_records
+from confrag.infra import checks
 from confrag.infra.digests import fingerprint
 
 DEFAULT_WORDS_PER_PASSAGE = 100
@@ -109,8 +110,7 @@ def document_text(passage: CorpusPassage) -> str:
 
 
 def check_words_per_passage(words_per_passage: int) -> None:
-    if isinstance(words_per_passage, bool) or not isinstance(words_per_passage, int) or words_per_passage < 1:
-        raise ValueError(f"retrieval.words_per_passage must be an integer >= 1; got {words_per_passage!r}")
+    checks.positive_int(words_per_passage, "retrieval.words_per_passage")
 
 
 def split_passages(
@@ -179,11 +179,9 @@ def _parse_document(obj: Any, where: str, fmt: CorpusFormat) -> tuple[str, str, 
     if not isinstance(obj, Mapping):
         raise DataFormatError(f"{where}: each line must be a JSON object {fmt.fields}; got {type(obj).__name__}")
     doc_id = obj.get("id")
-    # bool is an int subclass, but True/False as an id is always a data bug.
-    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)) or str(doc_id).strip() == "":
-        raise DataFormatError(f'{where}: field "id" must be a non-empty string (or an integer); got {doc_id!r}')
+    doc_id = checks.identifier(doc_id, f'{where}: field "id"', error=DataFormatError)
     title, text = fmt.parse(obj, where)
-    return str(doc_id), title, text
+    return doc_id, title, text
 
 
 def iter_documents(path: str | os.PathLike[str], corpus_format: str = "auto") -> Iterator[tuple[str, str, str]]:
@@ -191,7 +189,7 @@ def iter_documents(path: str | os.PathLike[str], corpus_format: str = "auto") ->
     never held whole), checked as it is read; blank lines skipped. `corpus_format` is one of
     CORPUS_FORMAT_CHOICES (`auto`: the first record's). Raises DataFormatError naming the file and line
     (or parquet row) of the first bad record, the format, and both places of the first repeated id."""
-    check_format_choice(corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
+    checks.choice(corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"

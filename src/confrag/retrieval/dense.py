@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer
 
+from confrag.infra import checks
 from confrag.infra.digests import fingerprint
 from confrag.infra.sharded import ShardedArtifact
 from confrag.retrieval.corpus import Corpus, document_text
@@ -121,8 +122,7 @@ class DenseRetriever:
     ) -> None:
         if len(corpus) == 0:
             raise ValueError("cannot build a dense index over an empty corpus")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+        checks.positive_int(batch_size, "batch_size")
         self.corpus = corpus
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         if not (self.model_dir / "config.json").is_file():

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from confrag.infra import checks
+
 Hits = list[tuple[int, float]]
 
 
 def check_top_n(top_n: int) -> None:
-    if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
-        raise ValueError(f"retrieval.top_n must be an integer >= 1; got {top_n!r}")
+    checks.positive_int(top_n, "retrieval.top_n")
 
 
 def top_n_hits(scores: np.ndarray, top_n: int) -> Hits:

@@ -21,6 +21,7 @@ from typing import Any
 
 from confrag.data.nq import QARow
 from confrag.data.qa_metrics import has_answer
+from confrag.infra import checks
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.preferences import RERANK_INSTRUCTION
 from confrag.retrieval import Candidates, CorpusPassage, document_text, split_passages
@@ -32,31 +33,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BaseRerankerSettings:
-    """The `base_reranker` config node."""
+    """The `base_reranker` config node. Defaults: conf/base_reranker/default.yaml."""
 
-    train: bool = True  # false: `model.backbone` already is a reranker and is the base as it is
-    num_questions: int | None = 700  # NQ questions used by no other stage; None = all that are left
-    nq_path: str | None = None  # another NQ file to draw them from (e.g. NQ train); None = the probe's file
-    negatives: int = 7  # BM25 hard negatives per row (no answer, not from the gold paragraph)
-    negatives_top_n: int = 30  # how deep in BM25's ranking they are drawn from
-    max_epochs: int = 1
+    train: bool  # false: `model.backbone` already is a reranker and is the base as it is
+    num_questions: int | None  # NQ questions used by no other stage; None = all that are left
+    nq_path: str | None  # another NQ file to draw them from (e.g. NQ train); None = the probe's file
+    negatives: int  # BM25 hard negatives per row (no answer, not from the gold paragraph)
+    negatives_top_n: int  # how deep in BM25's ranking they are drawn from
+    max_epochs: int
     # The base's learning rate; None = model.lr (the aligned rerankers' too). A fresh scoring head on a bi-encoder
     # learns to rank in few steps only at a larger rate than fine-tuning needs (the demo's base: docs/results.md).
-    lr: float | None = None
+    lr: float | None
 
     def __post_init__(self) -> None:
         for key, minimum in (("negatives", 1), ("negatives_top_n", 2), ("max_epochs", 1)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"base_reranker.{key} must be an integer >= {minimum} (got {value!r})")
-        if self.lr is not None and (
-            isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0
-        ):
-            raise ValueError(f"base_reranker.lr must be a number > 0 or null (got {self.lr!r})")
-        if self.num_questions is not None and (isinstance(self.num_questions, bool) or self.num_questions < 2):
-            raise ValueError(
-                f"base_reranker.num_questions must be an integer >= 2 or null (got {self.num_questions!r})"
-            )
+            checks.integer(getattr(self, key), f"base_reranker.{key}", minimum)
+        checks.number(self.lr, "base_reranker.lr", 0, low_open=True, allow_none=True)
+        checks.integer(self.num_questions, "base_reranker.num_questions", 2, allow_none=True)
 
 
 @dataclass

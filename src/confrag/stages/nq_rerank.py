@@ -21,7 +21,10 @@ import numpy as np
 
 from confrag.data.nq import QARow
 from confrag.data.qa_metrics import has_answer
+from confrag.data.splits import CROSS_FIT
+from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_text
+from confrag.infra.checks import collect
 from confrag.infra.digests import fingerprint
 from confrag.llm.batching import check_batch_size
 from confrag.llm.hidden_states import HiddenStateEngine
@@ -47,66 +50,52 @@ SELECT_ON = ("last", "dev_top1")
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """The `preferences` config node."""
+    """The `preferences` config node. Defaults: conf/preferences/default.yaml."""
 
-    num_questions: int | None = 300  # a seeded sample of the NQ questions the probe does not use; None = all
-    top_k: int = 5  # K: at most K contexts on each side
-    reference: str = "qa"  # qa (the paper) | rag_empty (RAG prompt with an empty context)
-    selection: str = "sign"  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
-    compare: tuple[str, ...] = ()  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
-    test_fraction: float = 0.2  # questions held out for Table 1
+    num_questions: int | None  # a seeded sample of the NQ questions the probe does not use; None = all
+    top_k: int  # K: at most K contexts on each side
+    reference: str  # qa (the paper) | rag_empty (RAG prompt with an empty context)
+    selection: str  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
+    compare: tuple[str, ...]  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
+    test_fraction: float  # questions held out for Table 1
     # k >= 2: cross-fitting (confrag.stages.cross_fit): every question no probe and no base uses, in k folds;
     # fold f's aligned rerankers train on the other folds and answer fold f. 0: off (one split, test_fraction).
-    cross_fit: int = 0
+    cross_fit: int
     # Alignment that keeps what the base knows (confrag.stages.rerank.TEACHERS): the teacher scores the rows carry
     # for model.distill_weight > 0: inc (the probe's Inc, the paper's rows) | base (the base reranker's own scores,
     # so the KL term holds the aligned reranker near the base's ranking while InfoNCE moves it).
-    teacher: str = "inc"
-    mix_relevance: bool = False  # also train on the relevance rows of the same questions (answer in passage)
+    teacher: str
+    mix_relevance: bool  # also train on the relevance rows of the same questions (answer in passage)
     # The weights an aligned reranker keeps: last (the paper: after its epoch) | dev_top1 (the best Top-1 answers on
     # dev_fraction of its training questions, held out of its rows, the base's weights included; needs the LLM's
     # answer under every candidate, as the utility rule does: confrag.reranker.selection).
-    select_on: str = "last"
-    dev_fraction: float = 0.2
-    relevance_baseline: bool = True  # also fine-tune on relevance labels (answer in passage): the control row
-    extract_batch_size: int = 16
+    select_on: str
+    dev_fraction: float
+    relevance_baseline: bool  # also fine-tune on relevance labels (answer in passage): the control row
+    extract_batch_size: int
     # Greedy answers under each candidate (the utility rule): keep equal to rag.* so the answers are shared.
-    max_new_tokens: int = 24
-    answer_batch_size: int = 16
-    answer_chunk_size: int = 64
+    max_new_tokens: int
+    answer_batch_size: int
+    answer_chunk_size: int
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(self.compare or ()))
         problems = []
-        if self.reference not in REFERENCES:
-            problems.append(f"preferences.reference={self.reference!r} is not one of {REFERENCES}")
+        collect(problems, checks.choice, self.reference, "preferences.reference", REFERENCES)
         for key, rule in [("preferences.selection", self.selection)] + [
             ("preferences.compare", r) for r in self.compare
         ]:
-            if rule not in RULES:
-                problems.append(f"{key}: {rule!r} is not one of {tuple(RULES)}")
+            collect(problems, checks.choice, rule, key, tuple(RULES))
         for key in ("top_k", "max_new_tokens", "answer_chunk_size"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"preferences.{key} must be an integer >= 1 (got {value!r})")
+            collect(problems, checks.positive_int, getattr(self, key), f"preferences.{key}")
         for key in ("extract_batch_size", "answer_batch_size"):  # or "auto": from free device memory
-            try:
-                check_batch_size(getattr(self, key), f"preferences.{key}")
-            except ValueError as err:
-                problems.append(str(err))
-        folds = self.cross_fit
-        if isinstance(folds, bool) or not isinstance(folds, int) or folds < 0 or folds == 1:
-            problems.append(f"preferences.cross_fit must be 0 (off) or an integer >= 2 folds (got {self.cross_fit!r})")
-        if self.teacher not in TEACHERS:
-            problems.append(f"preferences.teacher={self.teacher!r} is not one of {tuple(TEACHERS)}")
-        if self.select_on not in SELECT_ON:
-            problems.append(f"preferences.select_on={self.select_on!r} is not one of {SELECT_ON}")
-        if not 0 < float(self.dev_fraction) < 1:
-            problems.append(f"preferences.dev_fraction must be in (0, 1) (got {self.dev_fraction})")
-        if not isinstance(self.mix_relevance, bool):
-            problems.append(f"preferences.mix_relevance must be true or false (got {self.mix_relevance!r})")
-        if not 0 < float(self.test_fraction) < 1:
-            problems.append(f"preferences.test_fraction must be in (0, 1) (got {self.test_fraction})")
+            collect(problems, check_batch_size, getattr(self, key), f"preferences.{key}")
+        collect(problems, checks.integer, self.cross_fit, "preferences.cross_fit", 2, also=(0,), describe=CROSS_FIT)
+        collect(problems, checks.choice, self.teacher, "preferences.teacher", tuple(TEACHERS))
+        collect(problems, checks.choice, self.select_on, "preferences.select_on", SELECT_ON)
+        for key in ("dev_fraction", "test_fraction"):
+            collect(problems, checks.fraction, getattr(self, key), f"preferences.{key}")
+        collect(problems, checks.flag, self.mix_relevance, "preferences.mix_relevance")
         if problems:
             raise ValueError("; ".join(problems))
 

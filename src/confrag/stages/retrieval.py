@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, QARow, load_nq_jsonl
+from confrag.infra import checks
+from confrag.infra.checks import collect
 from confrag.retrieval import (
     BM25Retriever,
     Candidates,
@@ -41,34 +43,27 @@ RETRIEVERS = ("bm25", "dense")
 
 @dataclass(frozen=True)
 class RetrievalSettings:
-    """The `retrieval` config node."""
+    """The `retrieval` config node. Defaults: conf/retrieval/nq.yaml."""
 
     nq_path: str
-    retriever: str = "bm25"  # bm25 | dense (MiniLM bi-encoder, exact search)
-    top_n: int = 20
-    words_per_passage: int = 100
-    candidates_path: str | None = None
-    corpus_path: str | None = None
-    questions_format: str = "auto"  # confrag | flashrag | auto (confrag.data.nq.QUESTION_FORMATS)
-    corpus_format: str = "auto"  # confrag | flashrag | auto (confrag.retrieval.corpus.CORPUS_FORMATS)
-    bi_encoder: bool = True  # build the dense index too (Table 1's bi-encoder row)
-    dense_index: str = "auto"  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
-    dense_index_path: str | None = None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
+    retriever: str  # bm25 | dense (MiniLM bi-encoder, exact search)
+    top_n: int
+    words_per_passage: int
+    candidates_path: str | None
+    corpus_path: str | None
+    questions_format: str  # confrag | flashrag | auto (confrag.data.nq.QUESTION_FORMATS)
+    corpus_format: str  # confrag | flashrag | auto (confrag.retrieval.corpus.CORPUS_FORMATS)
+    bi_encoder: bool  # build the dense index too (Table 1's bi-encoder row)
+    dense_index: str  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
+    dense_index_path: str | None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
 
     def __post_init__(self) -> None:
         problems = []
-        if self.retriever not in RETRIEVERS:
-            problems.append(f"retrieval.retriever={self.retriever!r} is not one of {RETRIEVERS}")
-        if isinstance(self.top_n, bool) or not isinstance(self.top_n, int) or self.top_n < 2:
-            problems.append(f"retrieval.top_n must be an integer >= 2 candidates per question (got {self.top_n!r})")
-        if self.questions_format not in QUESTION_FORMAT_CHOICES:
-            problems.append(
-                f"retrieval.questions_format={self.questions_format!r} is not one of {QUESTION_FORMAT_CHOICES}"
-            )
-        if self.corpus_format not in CORPUS_FORMAT_CHOICES:
-            problems.append(f"retrieval.corpus_format={self.corpus_format!r} is not one of {CORPUS_FORMAT_CHOICES}")
-        if self.dense_index not in DENSE_INDEX_KINDS:
-            problems.append(f"retrieval.dense_index={self.dense_index!r} is not one of {DENSE_INDEX_KINDS}")
+        collect(problems, checks.choice, self.retriever, "retrieval.retriever", RETRIEVERS)
+        collect(problems, checks.integer, self.top_n, "retrieval.top_n", 2, hint="(candidates per question)")
+        collect(problems, checks.choice, self.questions_format, "retrieval.questions_format", QUESTION_FORMAT_CHOICES)
+        collect(problems, checks.choice, self.corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
+        collect(problems, checks.choice, self.dense_index, "retrieval.dense_index", DENSE_INDEX_KINDS)
         if problems:
             raise ValueError("; ".join(problems))
 

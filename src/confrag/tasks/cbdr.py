@@ -47,9 +47,10 @@ def check(cfg: DictConfig) -> Checked:
     return Checked(recipe, answers, evaluation, settings)
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
+    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
     start = time.perf_counter()
-    checked, out = check(cfg), output_dir(cfg)
+    out = output_dir(cfg)
     settings, recipe = checked.cbdr, checked.recipe
     run_config, loggers = task_loggers(cfg)
     timer = StageTimer()  # wall seconds and peak GPU memory of the two heavy parts (metrics.json "stages")

@@ -47,9 +47,10 @@ def check(cfg: DictConfig) -> Checked:
     return Checked(recipe, answers, evaluation, gates)
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
+    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
     start = time.perf_counter()
-    checked, out = check(cfg), output_dir(cfg)
+    out = output_dir(cfg)
     settings, recipe = checked.gates, checked.recipe
     gates = {name: settings.build(name) for name in settings.names}
     check_before_any_stage(gates, recipe.llm, recipe.probe.make_datamodule())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
@@ -18,19 +19,26 @@ from confrag.stages.probe import ProbeRecipe, cache_trained_probe, fit_probe, pr
 log = logging.getLogger(__name__)
 
 
-def check(cfg: DictConfig) -> ProbeRecipe:
-    """The probe's data settings against the model's config (layer range), before anything runs."""
-    hub_settings(cfg)
+@dataclass(frozen=True)
+class Checked:
+    recipe: ProbeRecipe
+    hub: HubSettings
+
+
+def check(cfg: DictConfig) -> Checked:
+    """The probe's data settings against the model's config (layer range), and `hub`, before anything runs."""
+    hub = hub_settings(cfg)
     checkpoint = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
-    return probe_recipe(cfg, cfg.seed, monitor=checkpoint.get("monitor"))
+    return Checked(probe_recipe(cfg, cfg.seed, monitor=checkpoint.get("monitor")), hub)
 
 
 def hub_settings(cfg: DictConfig) -> HubSettings:
     return settings_from(HubSettings, cfg.get("hub"), "hub").require("probe_repo")
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    out, recipe = output_dir(cfg), check(cfg)
+def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
+    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
+    out, recipe, hub = output_dir(cfg), checked.recipe, checked.hub
     loggers = instantiate_list(cfg.get("logger"))
     model, datamodule, metrics, best = fit_probe(recipe, instantiate_list(cfg.get("callbacks")), loggers, plain(cfg))
     if not rank_info().is_main:  # every rank of a DDP launch trained; rank 0 writes the run folder and the cache
@@ -43,7 +51,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
         model, datamodule, metrics, best, probe_cache_dir(cfg.paths.cache_dir, datamodule, recipe), out / "probe"
     )
     log_exports(loggers, {"probe": out / "probe"}, str(cfg.llm.name), {"layer": datamodule.layer})
-    hub = hub_settings(cfg)
     if hub.push:  # the whole folder: its digest and run record travel with it
         url = push_folder(out / "probe", hub.probe_repo, "model", hub.private)
         print(f"Pushed {out / 'probe'} to model repo {hub.probe_repo}: {url}", flush=True)

@@ -5,6 +5,7 @@ Every step reads the artifacts of the steps before it from the cache (see `confr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -18,19 +19,25 @@ from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 
-def check(cfg: DictConfig) -> RerankRecipe:
+@dataclass(frozen=True)
+class Checked:
+    recipe: RerankRecipe
+    hub: HubSettings
+
+
+def check(cfg: DictConfig) -> Checked:
     """Every setting of the stage, before anything runs: a typo must not surface after an hour of probing."""
-    hub_settings(cfg)
-    return rerank_recipe(cfg)
+    hub = hub_settings(cfg)
+    return Checked(rerank_recipe(cfg), hub)
 
 
 def hub_settings(cfg: DictConfig) -> HubSettings:
     return settings_from(HubSettings, cfg.get("hub"), "hub").require("reranker_repo", "dataset_repo")
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    recipe = check(cfg)
-    hub = hub_settings(cfg)
+def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
+    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
+    recipe, hub = checked.recipe, checked.hub
     out = output_dir(cfg)
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, out, loggers, run_config)
