@@ -341,11 +341,16 @@ def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads
     path = nq_file(tmp_path / "nq.jsonl", rows)
     recipe = SimpleNamespace(llm=TINY, templates=templates, preferences=SimpleNamespace(max_new_tokens=24))
     probe_data = SimpleNamespace(
-        nq_path=path, questions_format="auto", max_new_tokens=24, truncate_questions=False, rag_prompts=True
+        nq_path=path,
+        questions_format="auto",
+        max_new_tokens=24,
+        truncate_questions=False,
+        rag_prompts=True,
+        config_node="probe.data",
     )
     with pytest.raises(PromptTooLongError, match=r"'nq-00004' \(80000 characters") as err:
         fitted_questions(recipe, probe_data)
-    assert "data.truncate_questions=true" in str(err.value)
+    assert "set probe.data.truncate_questions=true" in str(err.value)  # the key of the task it runs in
     probe_data.truncate_questions = True
     fitted = fitted_questions(recipe, probe_data)
     assert [r.question for r in fitted[:4]] == [r.question for r in rows[:4]] and len(fitted) == 5
@@ -369,7 +374,13 @@ def test_questions_without_gold_paragraphs_are_refused_before_the_llm_when_the_p
     with pytest.raises(DataFormatError, match=r"none of its 12 questions has a gold paragraph") as err:
         datamodule(tmp_path, path, train_states="qa+rag").build()
     message = str(err.value)
-    assert "data.ranking_top_n=null" in message and "val/auroc" in message and "data.train_states=qa" in message
+    assert "data.ranking_top_n=null callbacks.model_checkpoint.monitor=val/auroc" in message
+    assert "data.train_states=qa" in message
+    # In a later task the probe's settings live under `probe`: the advice names those keys.
+    with pytest.raises(DataFormatError) as err:
+        datamodule(tmp_path, path, train_states="qa+rag", config_node="probe.data").build()
+    assert "set probe.data.ranking_top_n=null probe.monitor=val/auroc" in str(err.value)
+    assert "set probe.data.train_states=qa" in str(err.value)
     with pytest.raises(DataFormatError, match=r"data.ranking_top_n=20") as err:
         datamodule(tmp_path, path, train_states="qa").build()
     assert "train_states" not in str(err.value)

@@ -28,13 +28,15 @@ RERANKER_DATA_KEYS = ("group_size", "batch_size", "query_max_len", "passage_max_
 TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
 
 
-def probe_recipe(node: DictConfig, seed: int, monitor: str | None = None) -> ProbeRecipe:
+def probe_recipe(node: DictConfig, seed: int, monitor: str | None = None, where: str = "") -> ProbeRecipe:
     """From a node holding the probe's `data` (NQConfidenceDataModule), `model` and `trainer`: the probe
     task's root config, or the `probe` node of a later task. The DataModule and the model's settings are
     checked here (no model is loaded), before anything runs. `monitor`: the dev metric the checkpoint is
-    chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else val/gold_mrr)."""
+    chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else val/gold_mrr). `where`:
+    the node's key in the run's config ("probe." in a later task), so that messages name overrides that work."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
-    instantiate(data_cfg, _convert_="all").check_settings()
+    node_key = f"{where}data"
+    instantiate(data_cfg, config_node=node_key, _convert_="all").check_settings()
     # A throwaway probe of input size 1: its own checks (dropout, lr, ...) run now, not after NQ_Confidence.
     try:
         instantiate(model_cfg, input_dim=1, layer=None, _convert_="all")
@@ -45,7 +47,7 @@ def probe_recipe(node: DictConfig, seed: int, monitor: str | None = None) -> Pro
             f"model.optimizer=lbfgs takes whole-split batches: set data.batch_size=null (got {data_cfg.batch_size})"
         )
     return ProbeRecipe(
-        make_datamodule=lambda: instantiate(data_cfg, _convert_="all"),
+        make_datamodule=lambda: instantiate(data_cfg, config_node=node_key, _convert_="all"),
         make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
         make_trainer=lambda **kw: instantiate(trainer_cfg, **{**rank_devices(trainer_cfg), **kw}),
         identity={
@@ -110,7 +112,7 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
             f"{retrieval.top_n} candidates of a question; lower it or raise retrieval.top_n"
         )
     return RerankRecipe(
-        probe=probe_recipe(cfg.probe, cfg.seed),
+        probe=probe_recipe(cfg.probe, cfg.seed, where="probe."),
         llm=plain(cfg.llm),
         templates=templates(cfg),
         retrieval=retrieval,

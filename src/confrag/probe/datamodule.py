@@ -114,8 +114,12 @@ class NQConfidenceDataModule(LightningDataModule):
         truncate_questions: bool = False,
         truncate_passages: bool = False,
         questions_format: str = "auto",
+        config_node: str = "data",
     ) -> None:
         super().__init__()
+        # Where this module's settings live in the run's config (`probe.data` in a later task): messages that
+        # advise a setting name it so that the advice works as an override.
+        self.config_node = str(config_node)
         for key, value, least in (
             ("ranking_top_n", ranking_top_n, 2),
             ("ranking_test_questions", ranking_test_questions, 0),
@@ -167,15 +171,17 @@ class NQConfidenceDataModule(LightningDataModule):
         settings that do without, not after the LLM has answered every question."""
         if any(r.contexts for r in rows):
             return
-        needs = []
+        needs, node = [], self.config_node
+        monitor = "callbacks.model_checkpoint.monitor" if node == "data" else f"{node.rsplit('.', 1)[0]}.monitor"
         if self.ranking_top_n:
             needs.append(
-                f"data.ranking_top_n={self.ranking_top_n} (the dev questions' own paragraphs ranked to choose the "
-                "checkpoint): set data.ranking_top_n=null and choose it by val/auroc (in the probe task "
-                "callbacks.model_checkpoint.monitor=val/auroc; in a later task probe.monitor=val/auroc)"
+                f"{node}.ranking_top_n={self.ranking_top_n} (the dev questions' own paragraphs ranked to choose the "
+                f"checkpoint): set {node}.ranking_top_n=null {monitor}=val/auroc (the checkpoint chosen by dev AUROC)"
             )
         if set(kinds_of(self.train_states, 0)) & {"rag_gold", "rag_other"}:
-            needs.append(f"data.train_states={self.train_states} (gold-paragraph RAG states): set data.train_states=qa")
+            needs.append(
+                f"{node}.train_states={self.train_states} (gold-paragraph RAG states): set {node}.train_states=qa"
+            )
         if needs:
             raise DataFormatError(
                 f'{self.nq_path}: none of its {len(rows)} questions has a gold paragraph ("ctxs"), which '
@@ -202,6 +208,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 self.max_new_tokens,
                 self.truncate_questions,
                 str(self.nq_path),
+                option=f"{self.config_node}.truncate_questions",
                 # Questions that also go into RAG prompts leave half the budget to the passages.
                 room=(llm.context - self.max_new_tokens) // 2 if self.rag_prompts else 0,
             )

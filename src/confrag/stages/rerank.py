@@ -112,6 +112,7 @@ def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -
         probe_data.max_new_tokens,
         probe_data.truncate_questions,
         where,
+        option=f"{probe_data.config_node}.truncate_questions",
         room=(context - probe_data.max_new_tokens) // 2 if probe_data.rag_prompts else 0,
     )
     if recipe.preferences.max_new_tokens > probe_data.max_new_tokens:  # the answers may generate more
