@@ -295,7 +295,7 @@ def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_
     with pytest.raises(
         UnavailableSignalError, match="gate 'p_true' reads the signal p_true, which the LLM 'tiny_llama'"
     ):
-        gates_task.run(cfg)
+        gates_task.run(cfg, gates_task.check(cfg))
 
 
 def test_a_gate_reading_a_signal_nothing_computes_is_refused_by_name(tiny_llama):
