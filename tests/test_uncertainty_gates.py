@@ -297,6 +297,16 @@ def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_
     ):
         gates_task.run(cfg, gates_task.check(cfg))
 
+    # A question set without gold paragraphs (its conflicting contexts are edited gold paragraphs): refused as early.
+    monkeypatch.undo()
+    monkeypatch.setattr(gates_task, "rerank_stage", no_stage)
+    monkeypatch.setattr(gates_task, "load_llm", no_stage)
+    path = tmp_path / "popqa.jsonl"
+    path.write_text('{"id": "p0", "question": "Who wrote it?", "golden_answers": ["Someone"]}\n')
+    cfg = compose_cfg(["+experiment=gates_tiny_llama", f"dataset.questions_path={path}"], tmp_path)
+    with pytest.raises(ValueError, match=r"none of the 1 questions has a gold paragraph .*the cbdr task runs"):
+        gates_task.run(cfg, gates_task.check(cfg))
+
 
 def test_a_gate_reading_a_signal_nothing_computes_is_refused_by_name(tiny_llama):
     class LogitLensGate(Gate):
