@@ -189,3 +189,17 @@ def test_dataset_configs_point_every_task_at_the_users_files(tmp_path: Path, nam
         assert cfg.retrieval.corpus_path == f"{tmp_path}/wiki.jsonl"
         assert cfg.probe.data.questions_format == cfg.retrieval.questions_format == "flashrag"
     assert cfg.retrieval.corpus_format == "auto"
+
+
+def test_reports_name_where_the_candidates_come_from() -> None:
+    """The cbdr report said "over the NQ paragraphs" whatever the corpus; it names the file now (no folders)."""
+    from dataclasses import replace
+
+    from confrag.stages.retrieval import RetrievalSettings
+
+    from helpers.settings import shipped_settings
+
+    settings = shipped_settings(RetrievalSettings, "retrieval", nq_path="q.jsonl", corpus_path=None)
+    assert settings.source == "the NQ paragraphs"
+    assert replace(settings, corpus_path="/data/wiki/my_corpus.jsonl").source == "the corpus my_corpus.jsonl"
+    assert replace(settings, candidates_path="/x/cands.jsonl").source == "the candidates file cands.jsonl"

@@ -34,6 +34,7 @@ class RunContext:
     top_n: int
     config_yaml: str
     gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
+    candidates_source: str  # where the candidates come from (RetrievalSettings.source)
 
 
 def run_record(
@@ -152,7 +153,7 @@ def report_markdown(
         "",
         f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions {evaluation_pool_line(stage)}: "
         f"dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by "
-        f"{run.retriever} over the NQ paragraphs; {retrieval_line(ev['retrieval'][NQ])}.",
+        f"{run.retriever} over {run.candidates_source}; {retrieval_line(ev['retrieval'][NQ])}.",
         *(
             [
                 f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "

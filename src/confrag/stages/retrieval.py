@@ -57,6 +57,15 @@ class RetrievalSettings:
     dense_index: str  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
     dense_index_path: str | None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
 
+    @property
+    def source(self) -> str:
+        """Where the candidates come from, as a report says it (the file names only: reports are shared)."""
+        if self.candidates_path:
+            return f"the candidates file {Path(self.candidates_path).name}"
+        if self.corpus_path:
+            return f"the corpus {Path(self.corpus_path).name}"
+        return "the NQ paragraphs"
+
     def __post_init__(self) -> None:
         problems = []
         collect(problems, checks.choice, self.retriever, "retrieval.retriever", RETRIEVERS)

@@ -92,6 +92,7 @@ def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
         recipe.retrieval.top_n,
         config_yaml(cfg),
         gold_known=not (recipe.retrieval.corpus_path or recipe.retrieval.candidates_path),
+        candidates_source=recipe.retrieval.source,
     )
     secondary = [
         cbdr_answers.closed_book_line(tables, settings.eval_metric, n_resamples, cfg.seed),
