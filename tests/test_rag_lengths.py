@@ -66,6 +66,9 @@ def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path
     message = str(err.value)
     assert message.startswith("NQ_Confidence [rag_gold]: 1 RAG prompt(s)") and "'nq-00002 [rag_gold]'" in message
     assert "context of 2048 tokens" in message and "data.truncate_passages=true" in message
+    # In a later task the probe's settings are under `probe`: the advice names that key.
+    with pytest.raises(PromptTooLongError, match=r"set probe.data.truncate_passages=true"):
+        datamodule(tmp_path, path, train_states="qa+rag", config_node="probe.data").build()
 
 
 def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, tiny_llama, templates):

@@ -234,6 +234,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 extract_threads=self.extract_threads,
                 generation=self.generation,
                 truncate_passages=self.truncate_passages,
+                config_node=self.config_node,
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)

@@ -158,9 +158,12 @@ def fitted_prompts(
     max_new_tokens: int,
     truncate: bool,
     spec: dict[str, Any],
+    config_node: str = "data",
 ) -> list[str]:
     """The RAG prompts of `items`, checked against the LLM's context (refused by row, or cut with
-    `data.truncate_passages`); when some were cut, `spec` records the cut prompts (the states are theirs)."""
+    `<config_node>.truncate_passages`); when some were cut, `spec` records the cut prompts (the states are
+    theirs). `config_node`: where the probe's data settings live in the run's config (`probe.data` in a later
+    task), so that the advice works as an override."""
     prompts, cut = fit_rag_prompts(
         items,
         labels,
@@ -170,8 +173,8 @@ def fitted_prompts(
         max_new_tokens,
         truncate,
         where=f"NQ_Confidence [{spec['kind']}]",
-        option="data.truncate_passages",
-        question_option="data.truncate_questions",
+        option=f"{config_node}.truncate_passages",
+        question_option=f"{config_node}.truncate_questions",
     )
     if cut:  # absent when nothing was cut: the keys of prompts that fit are those they always had
         spec["cut_to_fit"] = fingerprint([[i, prompts[i]] for i in cut])
@@ -200,6 +203,7 @@ def build_confidence_data(
     generation: GreedyOptions | None = None,
     truncate_passages: bool = False,
     extract_threads: int | None = CPU_THREADS,
+    config_node: str = "data",
 ) -> ConfidenceData:
     """NQ_Confidence for `rows`; `candidates[i]` (passages with .title and .text) are question i's retrieved
     contexts, needed by the `+candidates` options (one prompt kind per rank)."""
@@ -243,7 +247,9 @@ def build_confidence_data(
         else:
             labels = [f"{row.qid} [{kind}]" for row in rows]
             items = rag_items(rows, kind, seed, candidates)
-            prompts = fitted_prompts(llm, templates, items, labels, max_new_tokens, truncate_passages, kind_spec)
+            prompts = fitted_prompts(
+                llm, templates, items, labels, max_new_tokens, truncate_passages, kind_spec, config_node
+            )
         generations = ShardedArtifact(
             cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens}, len(rows), shard_size, fmt="json"
         )
@@ -284,7 +290,9 @@ def build_confidence_data(
         }
         items = [(rows[i].question, [p]) for i, c in enumerate(candidates) for p in c]
         labels = [f"{rows[i].qid} [candidate {r}]" for i, c in enumerate(candidates) for r in range(len(c))]
-        prompts = fitted_prompts(llm, templates, items, labels, max_new_tokens, truncate_passages, pair_spec)
+        prompts = fitted_prompts(
+            llm, templates, items, labels, max_new_tokens, truncate_passages, pair_spec, config_node
+        )
         generations = ShardedArtifact(
             cache_dir,
             "generations",
