@@ -82,10 +82,14 @@ class GateResults:
     fitted: dict[str, Gate]
 
 
-def run_gates(evaluation: GateEvaluation, settings: GateSettings, seed: int) -> GateResults:
+def run_gates(
+    evaluation: GateEvaluation, settings: GateSettings, seed: int, gates: dict[str, Gate] | None = None
+) -> GateResults:
+    """Each gate of `settings.names` fitted on its training split and deciding on the test questions; `gates`:
+    the run's gates, already built (the comparison prepared its signals for them), else built here."""
     rows, fits, decisions, fitted = [], {}, {c: {} for c in CONDITIONS}, {}
     for name in settings.names:
-        gate = settings.build(name)
+        gate = gates[name] if gates is not None else settings.build(name)
         train = training_data(gate, evaluation, settings)
         start = time.perf_counter()
         gate.fit(train)

@@ -73,7 +73,7 @@ def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
     )
     if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
         return {}
-    results = run_gates(evaluation, settings, cfg.seed)
+    results = run_gates(evaluation, settings, cfg.seed, gates)
     curves = threshold_curves(evaluation, settings, results)
     answers = {"generated": evaluation.store.generated, "reused": evaluation.store.reused}
     evaluation.store = evaluation.maker = llm = None  # the LLM is not needed any more: free it before reporting
