@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,25 @@ def select(
     return RULES[selection].pick(inc, conf, correct, top_k)
 
 
+def labelled(
+    candidate_sets: Sequence[Candidates],
+    shifts: ConfidenceShifts,
+    reference: str,
+    top_k: int,
+    selection: str,
+    utility: Sequence[np.ndarray] | None,
+) -> Iterator[tuple[Candidates, np.ndarray, list[int], list[int]]]:
+    """Per question: its candidates, the Inc of each against `reference`, and the rule's (pos, neg) indices;
+    the one loop the rows and the gold-placement diagnostic both read, so they cannot label differently."""
+    if reference not in REFERENCES:
+        raise ValueError(f"preferences.reference={reference!r} is not one of {REFERENCES}")
+    check_selection(selection, utility)
+    for i, cs in enumerate(candidate_sets):
+        inc = shifts.candidates[i] - shifts.reference[reference][i]
+        pos, neg = select(selection, inc, shifts.candidates[i], None if utility is None else utility[i], top_k)
+        yield cs, inc, pos, neg
+
+
 def build_rows(
     candidate_sets: Sequence[Candidates],
     shifts: ConfidenceShifts,
@@ -204,13 +223,8 @@ def build_rows(
 ) -> tuple[list[dict], dict[str, int]]:
     """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts. `utility[i]` holds, per
     candidate of question i, whether the LLM's answer under it was correct (needed by `utility` only)."""
-    if reference not in REFERENCES:
-        raise ValueError(f"preferences.reference={reference!r} is not one of {REFERENCES}")
-    check_selection(selection, utility)
     rows, drops = [], {"no_positive": 0, "no_negative": 0, "neither": 0}
-    for i, cs in enumerate(candidate_sets):
-        inc = shifts.candidates[i] - shifts.reference[reference][i]
-        pos, neg = select(selection, inc, shifts.candidates[i], None if utility is None else utility[i], top_k)
+    for cs, inc, pos, neg in labelled(candidate_sets, shifts, reference, top_k, selection, utility):
         if not pos or not neg:
             drops["neither" if not pos and not neg else "no_positive" if not pos else "no_negative"] += 1
             continue
@@ -238,12 +252,10 @@ def gold_placement(
 ) -> dict[str, float]:
     """Of the questions whose gold paragraph was retrieved: how often a gold passage lands in pos / neg."""
     counts = {"questions_with_gold": 0, "gold_in_pos": 0, "gold_in_neg": 0, "gold_in_neither": 0}
-    for i, cs in enumerate(candidate_sets):
+    for cs, _, pos, neg in labelled(candidate_sets, shifts, reference, top_k, selection, utility):
         gold = {j for j, flag in enumerate(cs.from_gold) if flag}
         if not gold:
             continue
-        inc = shifts.candidates[i] - shifts.reference[reference][i]
-        pos, neg = select(selection, inc, shifts.candidates[i], None if utility is None else utility[i], top_k)
         counts["questions_with_gold"] += 1
         key = "gold_in_pos" if gold & set(pos) else "gold_in_neg" if gold & set(neg) else "gold_in_neither"
         counts[key] += 1
