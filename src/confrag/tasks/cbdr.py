@@ -85,22 +85,15 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Evaluated:
 def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -> dict[str, float]:
     """Rank 0: Table 2, the β sweep, the plots, metrics.json and report.md; the metrics."""
     settings, recipe, out = checked.cbdr, checked.recipe, ctx.output_dir
-    stage, rows1, evaluation, timer, loggers, start = (
-        done.stage,
-        done.rows1,
-        done.evaluation,
-        done.timer,
-        done.loggers,
-        done.start,
-    )
+    stage, rows1, evaluation, loggers = done.stage, done.rows1, done.evaluation, done.loggers
     tables, n_resamples = evaluation.tables(), checked.evaluation.n_resamples
     rows2, table2_md = cbdr_answers.table2(
         cfg.llm.name, tables, settings, n_resamples, ctx.seed, evaluation.gold_sources()
     )
     results = cbdr_results(settings, *evaluation.sweep_data(settings))
     plots = report.write_plots(out, cfg.llm.name, results)
-    record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
-    record["stages"] = timer.stages
+    record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - done.start)
+    record["stages"] = done.timer.stages
     record["training"] = stage.training  # every fine-tuning's rows, steps and seconds (per fold when cross-fitted)
     record["folds"] = [[r.qid for r in fold] for fold in stage.questions.folds]
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))

@@ -54,13 +54,8 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Trained:
 def write(cfg: DictConfig, checked: Checked, ctx: RunContext, trained: Trained) -> dict[str, float]:
     """Rank 0: the layer scan, the run folder, the cache's copy of the probe, the exports; the metrics."""
     out, recipe, hub = ctx.output_dir, checked.recipe, checked.hub
-    model, datamodule, metrics, best, loggers = (
-        trained.model,
-        trained.datamodule,
-        trained.metrics,
-        trained.best,
-        trained.loggers,
-    )
+    model, datamodule, metrics, best = trained.model, trained.datamodule, trained.metrics, trained.best
+    loggers = trained.loggers
     scan = layer_scan(datamodule.data, seed=ctx.seed) if cfg.get("layer_scan") else []
     # The run folder first: a read-only or full cache must not cost the run its metrics.
     summary = write_probe_report(out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, loggers)
