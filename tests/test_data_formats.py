@@ -14,7 +14,7 @@ from confrag.data.nq import DataFormatError, QARow, load_nq_jsonl, rows_from_hf
 from confrag.retrieval.corpus import iter_documents, iter_passages, load_corpus_jsonl
 from confrag.stages.retrieval import RetrievalSettings, build_retrieval
 
-from helpers.runs import compose_cfg, run_ctx
+from helpers.runs import compose_cfg
 from helpers.settings import shipped_settings
 
 FLASHRAG_QUESTIONS = [
@@ -161,7 +161,7 @@ def test_flashrag_questions_over_a_flashrag_corpus_retrieve(tmp_path: Path) -> N
         bi_encoder=False,
     )
     settings.check_files()
-    retrieval = build_retrieval(settings, run_ctx(tmp_path))
+    retrieval = build_retrieval(settings, tmp_path / "cache")
     best = retrieval.bm25.search(["capital city of Italy"], top_n=2)[0][0][0]
     assert retrieval.corpus.passages[best].source_id == "1"
     with pytest.raises(ValueError, match=r"retrieval.corpus_format='tsv' is not one of"):

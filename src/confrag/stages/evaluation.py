@@ -112,7 +112,7 @@ def hotpotqa_eval_set(
     if not evaluation.hotpotqa_path:
         return None
     rows = select_questions(load_hotpotqa(evaluation.hotpotqa_path), evaluation.hotpotqa_num_questions, ctx.seed)
-    retrieval = build_retrieval(stage.retrieval.settings, ctx, rows=rows)
+    retrieval = build_retrieval(stage.retrieval.settings, ctx.cache_dir, rows=rows)
     # The NQ candidates file (retrieval.candidates_path) does not cover HotpotQA questions: always retrieve.
     candidates, stats = question_candidates(retrieval, rows)
     scorers = chosen_scorers(settings, table1_systems(retrieval, stage.rerankers, eval_batch_size))

@@ -125,7 +125,7 @@ def rerank_stage(
     # the probe's own stage loads the LLM.
     rows = fitted_questions(recipe, recipe.probe.make_datamodule())
     probe, probe_data = ensure_probe(recipe.probe, ctx)
-    retrieval = build_retrieval(recipe.retrieval, ctx)
+    retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir)
     questions = plan_questions(
         rows,
         probe_data.data.rows,

@@ -18,7 +18,6 @@ import numpy as np
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, QARow, load_nq_jsonl
 from confrag.infra import checks
 from confrag.infra.checks import collect
-from confrag.infra.run_context import RunContext
 from confrag.retrieval import (
     BM25Retriever,
     Candidates,
@@ -99,10 +98,13 @@ class Retrieval:
         return self.dense if self.settings.retriever == "dense" else self.bm25
 
 
-def build_retrieval(settings: RetrievalSettings, ctx: RunContext, rows: Sequence[QARow] | None = None) -> Retrieval:
+def build_retrieval(
+    settings: RetrievalSettings, cache_dir: str | Path, rows: Sequence[QARow] | None = None
+) -> Retrieval:
     """The corpus (the paragraphs of `rows`, else `retrieval.corpus_path`, else every gold paragraph of the
     NQ file), its BM25 index, and (when asked for, or for Table 1's bi-encoder row) the dense MiniLM index;
-    all kept in the run's cache."""
+    all cached under `cache_dir`. It takes the cache alone, not the run's context: it is also built outside
+    a run (docs/usage.md, experiments/)."""
     words = int(settings.words_per_passage)
     if rows is not None:
         corpus = corpus_from_nq(rows, words_per_passage=words)
@@ -111,11 +113,9 @@ def build_retrieval(settings: RetrievalSettings, ctx: RunContext, rows: Sequence
     else:
         rows_of_file = load_nq_jsonl(settings.nq_path, questions_format=settings.questions_format)
         corpus = corpus_from_nq(rows_of_file, words_per_passage=words)
-    bm25 = BM25Retriever(corpus, cache_dir=ctx.cache_dir)
+    bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
     dense = (
-        DenseRetriever(
-            corpus, cache_dir=ctx.cache_dir, index=settings.dense_index, index_path=settings.dense_index_path
-        )
+        DenseRetriever(corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path)
         if (settings.retriever == "dense" or settings.bi_encoder)
         else None
     )
