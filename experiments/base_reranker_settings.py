@@ -23,6 +23,7 @@ from omegaconf import open_dict
 
 from confrag.data.nq import load_nq_jsonl
 from confrag.infra.paths import register_resolvers
+from confrag.instantiators import run_context
 from confrag.recipes import rerank_recipe
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import relevance_training_rows
@@ -56,8 +57,8 @@ def main() -> None:
     with open_dict(cfg):
         cfg.paths.cache_dir = args.cache
         cfg.paths.output_dir = str(Path(args.cache) / "runs")
-    recipe = rerank_recipe(cfg)
-    retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
+    recipe, ctx = rerank_recipe(cfg), run_context(cfg)
+    retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir)
     rows = load_nq_jsonl(cfg.probe.data.nq_path)
     order = np.random.default_rng(args.seed).permutation(len(rows))
     evaluated, _ = question_candidates(retrieval, [rows[i] for i in order[:150]], top_n=8)
@@ -71,7 +72,7 @@ def main() -> None:
         overrides = {"lora": None, **({"lr": s["lr"]} if "lr" in s else {})}
         start = time.perf_counter()
         module, info = ensure_reranker(
-            recipe.reranker, train, "base", [], trainer_settings={"max_epochs": epochs}, **overrides
+            recipe.reranker, ctx, train, "base", [], trainer_settings={"max_epochs": epochs}, **overrides
         )
         first = []
         for c in evaluated:

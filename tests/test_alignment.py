@@ -144,8 +144,6 @@ def test_the_base_reranker_key_changes_with_its_questions(tmp_path):
         make_datamodule=None,
         make_trainer=None,
         identity={"model": {"backbone": "minilm"}, "seed": 0},
-        cache_dir=tmp_path,
-        output_dir=tmp_path,
     )
     rows_a, _ = relevance_training_rows(
         [nq_row("q1", "Paris text", "Paris")],
@@ -160,19 +158,21 @@ def test_the_base_reranker_key_changes_with_its_questions(tmp_path):
         100,
     )
     settings = {"max_epochs": 1}
-    assert reranker_cache_dir(recipe, rows_a, trainer_settings=settings) != reranker_cache_dir(
-        recipe, rows_b, trainer_settings=settings
+    assert reranker_cache_dir(recipe, tmp_path, rows_a, trainer_settings=settings) != reranker_cache_dir(
+        recipe, tmp_path, rows_b, trainer_settings=settings
     )
-    assert reranker_cache_dir(recipe, rows_a, trainer_settings=settings) == reranker_cache_dir(
-        recipe, list(rows_a), trainer_settings=dict(settings)
+    assert reranker_cache_dir(recipe, tmp_path, rows_a, trainer_settings=settings) == reranker_cache_dir(
+        recipe, tmp_path, list(rows_a), trainer_settings=dict(settings)
     )
-    assert reranker_cache_dir(recipe, rows_a) != reranker_cache_dir(recipe, rows_a, start_from=Path("abc"))
+    assert reranker_cache_dir(recipe, tmp_path, rows_a) != reranker_cache_dir(
+        recipe, tmp_path, rows_a, start_from=Path("abc")
+    )
     # A model override that changes a setting changes the key (a reranker trained at another lr is another one);
     # one that restates the model node's value does not.
     recipe.identity["model"].update(lr=6e-5, lora=None)
-    plain = reranker_cache_dir(recipe, rows_a)
-    assert reranker_cache_dir(recipe, rows_a, model_overrides={"lr": 3e-4}) != plain
-    assert reranker_cache_dir(recipe, rows_a, model_overrides={"lora": None, "lr": 6e-5}) == plain
+    plain = reranker_cache_dir(recipe, tmp_path, rows_a)
+    assert reranker_cache_dir(recipe, tmp_path, rows_a, model_overrides={"lr": 3e-4}) != plain
+    assert reranker_cache_dir(recipe, tmp_path, rows_a, model_overrides={"lora": None, "lr": 6e-5}) == plain
 
 
 def test_base_settings_refuse_bad_values():

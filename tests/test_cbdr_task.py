@@ -142,6 +142,30 @@ def test_another_k_and_beta_grid_generate_no_answer(first):
     assert record["sweep"]["k"] == 1 and record["table2"] == first.record["table2"]
 
 
+def test_a_rank_above_0_computes_but_writes_nothing_to_the_run_folder(first, monkeypatch):
+    """Rank 1 of a two-process launch, on the first run's settings and cache: it runs the stage and the answers
+    (every piece from the cache) and leaves its run folder untouched. The run record, NQ_Rerank's rows, the
+    outcomes, metrics.json and report.md are rank 0's: all go through the one rank check, RunContext.on_main."""
+    import lightning_utilities.core.rank_zero as rank_zero
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    # What Lightning reads from the environment at import in a launched rank (its loggers write on rank 0 only).
+    monkeypatch.setattr(rank_zero.rank_zero_only, "rank", 1)
+    evaluated, written = [], []
+    evaluate = cbdr_task.evaluate
+    monkeypatch.setattr(cbdr_task, "evaluate", lambda *args: evaluated.append(args[-1]) or evaluate(*args))
+    monkeypatch.setattr(cbdr_task, "write", lambda *args: written.append(True))
+    grid = "cbdr.betas=[" + ",".join(f"{i / 1000:.3f}" for i in range(1001)) + "]"
+    cfg = compose_cfg([*CACHED, grid], first.root / "rank1")
+    with open_dict(cfg):
+        cfg.paths.cache_dir = str(first.root / "cache")
+    assert run_task(cfg) is None  # rank 0 reports the optimized metric
+    assert [ctx.rank.rank for ctx in evaluated] == [1] and not written
+    out = Path(cfg.paths.output_dir)
+    assert not out.exists() or sorted(out.rglob("*")) == []
+
+
 # --- settings and wiring -------------------------------------------------------------------------
 
 

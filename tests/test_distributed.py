@@ -70,3 +70,21 @@ def test_more_ranks_than_shards_is_warned(caplog):
         assert warn_if_more_ranks_than_shards(3, "activations abc", RankInfo(0, 4, 0, "torchrun"))
         assert not warn_if_more_ranks_than_shards(4, "activations abc", RankInfo(0, 4, 0, "torchrun"))
     assert "3 shard(s) for 4 ranks: 1 rank(s) have nothing to compute" in caplog.text
+
+
+def test_only_rank_0_runs_what_goes_through_on_main(tmp_path):
+    from confrag.infra.run_context import RunContext
+
+    calls = []
+
+    def write(name, suffix=""):
+        calls.append(name)
+        return name + suffix
+
+    results = [
+        RunContext(tmp_path, 0, False, tmp_path / "out", RankInfo(rank, 2, rank, "torchrun")).on_main(
+            write, "report", suffix=".md"
+        )
+        for rank in (0, 1)
+    ]
+    assert results == ["report.md", None] and calls == ["report"]

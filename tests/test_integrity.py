@@ -28,6 +28,8 @@ from confrag.reranker.rows import load_rows
 from confrag.retrieval.bm25 import BM25Retriever
 from confrag.retrieval.corpus import Corpus, CorpusPassage, passages_fingerprint
 
+from helpers.runs import run_ctx
+
 IDENTITY = {"llm": {"name": "tiny", "ref": "tiny:x@1"}, "prompts": "abc", "layer": 2, "key": "k"}
 
 
@@ -140,9 +142,9 @@ def test_a_damaged_cached_probe_is_retrained(tmp_path, monkeypatch):
         probe_stage, "save_trained_probe", lambda model, dm, metrics, best, d: save_probe(model, d, IDENTITY, {})
     )
     recipe = SimpleNamespace(monitor=probe_stage.DEFAULT_MONITOR)  # what ensure_probe reads of it here
-    probe, _ = probe_stage.ensure_probe(recipe, tmp_path, tmp_path / "work")
+    probe, _ = probe_stage.ensure_probe(recipe, run_ctx(tmp_path))
     assert trained == [True] and folder_problem(directory) == ""
-    probe_stage.ensure_probe(recipe, tmp_path, tmp_path / "work")
+    probe_stage.ensure_probe(recipe, run_ctx(tmp_path))
     assert trained == [True]  # whole now: read, not trained again
 
 
@@ -203,10 +205,10 @@ def test_a_damaged_cached_reranker_is_trained_again(tmp_path, monkeypatch, caplo
     class Recipe:
         fast_dev_run = False
 
-    assert reranker_stage.ensure_reranker(Recipe(), [], "x", [])[0] == "module"
+    assert reranker_stage.ensure_reranker(Recipe(), run_ctx(tmp_path), [], "x", [])[0] == "module"
     flip(directory / "model.safetensors", 4096)
     with caplog.at_level(logging.WARNING):
-        assert reranker_stage.ensure_reranker(Recipe(), [], "x", [])[0] == "trained"
+        assert reranker_stage.ensure_reranker(Recipe(), run_ctx(tmp_path), [], "x", [])[0] == "trained"
     assert calls == ["load", "train"] and "model.safetensors: checksum mismatch" in caplog.text
 
 

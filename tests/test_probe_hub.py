@@ -125,12 +125,12 @@ def test_a_probe_in_the_format_before_the_hub_mixin_is_still_read(tmp_path):
 
 def test_probe_push_is_off_by_default_and_needs_the_probe_repo(tmp_path, monkeypatch):
     cfg = compose_cfg(["+experiment=probe_tiny_llama"], tmp_path)
-    assert probe_task.hub_settings(cfg) == shipped_settings(HubSettings, "hub")
+    assert probe_task.check(cfg).hub == shipped_settings(HubSettings, "hub")
     with pytest.raises(ValueError, match=r"hub.push is true: hub.probe_repo must be a repo id"):
         probe_task.check(compose_cfg(["+experiment=probe_tiny_llama", "hub.push=true"], tmp_path))
     # A probe run pushes nothing without reranker repos: each task names its own.
     cfg = compose_cfg(["+experiment=probe_tiny_llama", "hub.push=true", "hub.probe_repo=me/probe"], tmp_path)
-    assert probe_task.hub_settings(cfg).probe_repo == "me/probe"
+    assert probe_task.check(cfg).hub.probe_repo == "me/probe"
 
 
 def wandb_offline(tmp_path, monkeypatch) -> WandbLogger:

@@ -35,6 +35,7 @@ from confrag.gates.drafts import draft_token_signals
 from confrag.gates.evaluation import GateRow, gate_row, gates_markdown, retrieve_auroc, retrieve_prr
 from confrag.gates.p_true import p_true_from_verdicts, p_true_prompts, verdict_probabilities, verdict_token_ids
 from confrag.gates.signal_maker import check_llm_signals
+from confrag.instantiators import run_context
 
 from helpers.gates import SHIPPED_GATES, make_gate
 
@@ -295,7 +296,7 @@ def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_
     with pytest.raises(
         UnavailableSignalError, match="gate 'p_true' reads the signal p_true, which the LLM 'tiny_llama'"
     ):
-        gates_task.run(cfg, gates_task.check(cfg))
+        gates_task.run(cfg, gates_task.check(cfg), run_context(cfg))
 
     # A question set without gold paragraphs (its conflicting contexts are edited gold paragraphs): refused as early.
     monkeypatch.undo()
@@ -305,7 +306,7 @@ def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_
     path.write_text('{"id": "p0", "question": "Who wrote it?", "golden_answers": ["Someone"]}\n')
     cfg = compose_cfg(["+experiment=gates_tiny_llama", f"dataset.questions_path={path}"], tmp_path)
     with pytest.raises(ValueError, match=r"none of the 1 questions has a gold paragraph .*the cbdr task runs"):
-        gates_task.run(cfg, gates_task.check(cfg))
+        gates_task.run(cfg, gates_task.check(cfg), run_context(cfg))
 
 
 def test_a_gate_reading_a_signal_nothing_computes_is_refused_by_name(tiny_llama):

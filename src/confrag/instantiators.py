@@ -16,6 +16,10 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
+from confrag.infra import checks
+from confrag.infra.distributed import rank_info
+from confrag.infra.run_context import RunContext
+
 T = TypeVar("T")
 
 
@@ -45,6 +49,18 @@ def task_loggers(cfg: DictConfig) -> tuple[dict[str, Any], list[Logger]]:
 def output_dir(cfg: DictConfig) -> Path:
     """The run folder (`paths.output_dir`: Hydra's run or job folder, or what a caller composed in)."""
     return Path(cfg.paths.output_dir)
+
+
+def run_context(cfg: DictConfig, output: str | Path | None = None) -> RunContext:
+    """The run's context (cache, seed, progress reporting, run folder, this process's rank), built once per run
+    by the entry point. `output`: a run folder other than `paths.output_dir` (the Python API's work folder)."""
+    return RunContext(
+        cache_dir=Path(cfg.paths.cache_dir),
+        seed=checks.integer(cfg.seed, "seed"),
+        progress=checks.flag(cfg.get("progress", True), "progress"),
+        output_dir=Path(output) if output is not None else output_dir(cfg),
+        rank=rank_info(),
+    )
 
 
 def settings_from(cls: type[T], node: Any, key: str) -> T:

@@ -1,9 +1,13 @@
 """The stages' recipes built from the config: what each `_target_` node becomes, and the settings nodes
-as typed settings. Like `instantiators`, a config-boundary module: the stages never see the config."""
+as typed settings. Like `instantiators`, a config-boundary module: the stages never see the config. What
+every stage shares (cache, seed, progress, run folder, rank) is not in a recipe: it is the run's
+`RunContext` (`instantiators.run_context`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -11,9 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
-from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
+from confrag.instantiators import instantiate_list, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.settings import AnswerSettings, EvalSettings
+from confrag.reports.hub import HubSettings
 from confrag.reranker.data import check_group_size
 from confrag.reranker.module import check_settings as check_reranker_settings
 from confrag.stages.base_reranker import BaseRerankerSettings
@@ -23,12 +28,14 @@ from confrag.stages.rerank import RerankRecipe
 from confrag.stages.rerankers import RerankerRecipe
 from confrag.stages.retrieval import RetrievalSettings
 
+R = TypeVar("R")
+
 # The reranker `data` keys that change what training learns (not workers, not the scoring batch).
 RERANKER_DATA_KEYS = ("group_size", "batch_size", "query_max_len", "passage_max_len")
 TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision")
 
 
-def probe_recipe(node: DictConfig, seed: int, monitor: str | None = None, where: str = "") -> ProbeRecipe:
+def probe_recipe(node: DictConfig, monitor: str | None = None, where: str = "") -> ProbeRecipe:
     """From a node holding the probe's `data` (NQConfidenceDataModule), `model` and `trainer`: the probe
     task's root config, or the `probe` node of a later task. The DataModule and the model's settings are
     checked here (no model is loaded), before anything runs. `monitor`: the dev metric the checkpoint is
@@ -54,7 +61,6 @@ def probe_recipe(node: DictConfig, seed: int, monitor: str | None = None, where:
             "model": OmegaConf.to_container(model_cfg, resolve=True),
             "max_epochs": trainer_cfg.get("max_epochs"),
         },
-        seed=seed,
         monitor=str(monitor or node.get("monitor") or DEFAULT_MONITOR),
     )
 
@@ -89,8 +95,6 @@ def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
             "trainer": {k: cfg.trainer.get(k) for k in TRAINER_KEYS},
             "seed": cfg.seed,
         },
-        cache_dir=Path(cfg.paths.cache_dir),
-        output_dir=output_dir(cfg),
         eval_batch_size=int(cfg.data.eval_batch_size),
         fast_dev_run=bool(cfg.trainer.get("fast_dev_run")),
         device="cuda" if on_gpu else None,
@@ -112,16 +116,13 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
             f"{retrieval.top_n} candidates of a question; lower it or raise retrieval.top_n"
         )
     return RerankRecipe(
-        probe=probe_recipe(cfg.probe, cfg.seed, where="probe."),
+        probe=probe_recipe(cfg.probe, where="probe."),
         llm=plain(cfg.llm),
         templates=templates(cfg),
         retrieval=retrieval,
         preferences=preferences,
         base=settings_from(BaseRerankerSettings, cfg.get("base_reranker"), "base_reranker"),
         reranker=reranker_recipe(cfg),
-        cache_dir=str(cfg.paths.cache_dir),
-        seed=int(cfg.seed),
-        progress=bool(cfg.get("progress", True)),
     )
 
 
@@ -132,3 +133,23 @@ def evaluation_recipe(cfg: DictConfig) -> tuple[RerankRecipe, AnswerSettings, Ev
         settings_from(AnswerSettings, cfg.rag, "rag"),
         settings_from(EvalSettings, cfg.eval, "eval"),
     )
+
+
+@dataclass(frozen=True)
+class Exported(Generic[R]):
+    """What `check` returns for a task that exports a folder to the Hugging Face Hub (probe, rerank): its
+    stage's recipe and the `hub` settings."""
+
+    recipe: R
+    hub: HubSettings
+
+
+def exported(cfg: DictConfig, recipe: Callable[[], R], *repos: str) -> Exported[R]:
+    """The `hub` node (with `hub.push`, the repos named in `repos` required), then the stage's recipe."""
+    hub = hub_settings(cfg, *repos)
+    return Exported(recipe(), hub)
+
+
+def hub_settings(cfg: DictConfig, *repos: str) -> HubSettings:
+    """The `hub` node; with `hub.push`, each of `repos` (e.g. "probe_repo") must name a repo."""
+    return settings_from(HubSettings, cfg.get("hub"), "hub").require(*repos)

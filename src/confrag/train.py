@@ -1,8 +1,11 @@
 """Entry point shared by `python train.py` and `confrag-train`: picks the task named in the config.
 
-Each task module (`confrag.tasks.<name>`) has `check(cfg)`, every setting it and its stages read checked
-before the run folder gets a file, and `run(cfg, checked)`, which runs on what `check` returned (so the
-settings are checked once per run) and returns the run's metrics.
+Each task module (`confrag.tasks.<name>`) has three steps: `check(cfg)`, every setting it and its stages read
+checked before the run folder gets a file; `run(cfg, checked, ctx)`, the computation on what `check` returned
+(so the settings are checked once per run), done by every rank of a launch; and `write(cfg, checked, ctx,
+computed)`, the run folder, the exports and the loggers from what `run` computed, which returns the run's
+metrics. The run context (`RunContext`: cache, seed, progress, run folder, rank) is built here once; its
+`on_main` runs the run record and `write` on rank 0 only.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from omegaconf import DictConfig
 from confrag.infra import distributed
 from confrag.infra.paths import config_dir, register_resolvers
 from confrag.infra.run_info import save_run_info
-from confrag.instantiators import output_dir
+from confrag.instantiators import run_context
 from confrag.tasks import cbdr, gates, probe, rerank
 
 TASKS: dict[str, ModuleType] = {"probe": probe, "rerank": rerank, "cbdr": cbdr, "gates": gates}
@@ -31,18 +34,19 @@ def run_task(cfg: DictConfig) -> float | None:
     task = TASKS[cfg.task_name]
     # A single-process job should not fight the LLM's intra-op threads with Lightning workers.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    L.seed_everything(cfg.seed, workers=True)
-    launch = distributed.rank_info()
-    check_launch(cfg, launch)
+    ctx = run_context(cfg)
+    L.seed_everything(ctx.seed, workers=True)
+    check_launch(cfg, ctx.rank)
     checked = task.check(cfg)  # a bad value fails before the run folder gets any file; checked once per run
-    if launch.is_main:  # the ranks of a multi-process launch share one run folder: rank 0 writes it
-        save_run_info(cfg, output_dir(cfg))
+    # The ranks of a multi-process launch share one run folder: every rank computes, rank 0 writes it.
+    ctx.on_main(save_run_info, cfg, ctx.output_dir)
     try:
-        metrics = task.run(cfg, checked)
+        computed = task.run(cfg, checked, ctx)
+        metrics = ctx.on_main(task.write, cfg, checked, ctx, computed)
     finally:
         _finish_wandb()
     metric_name = cfg.get("optimized_metric")
-    if not metric_name or not launch.is_main:  # ranks > 0 of a launch helped compute; rank 0 reports
+    if not metric_name or metrics is None:  # ranks > 0 of a launch helped compute; rank 0 reports
         return None
     if metric_name not in metrics:
         raise ValueError(

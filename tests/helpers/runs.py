@@ -82,3 +82,17 @@ def check_cbdr_outputs(out: Path) -> None:
     assert set(record["stages"]) == {"stage", "answers"}  # wall seconds and peak GPU memory of each
     assert all(s["seconds"] > 0 and set(s) >= {"peak_gpu_memory_gib"} for s in record["stages"].values())
     assert sorted((out / "outcomes" / "nq").glob("*.jsonl"))
+
+
+def run_ctx(tmp_path: Path, seed: int = 0, progress: bool = False, rank: int = 0, world_size: int = 1):
+    """A run context for calling a stage directly: cache `tmp_path/cache`, run folder `tmp_path/out`."""
+    from confrag.infra.distributed import RankInfo
+    from confrag.infra.run_context import RunContext
+
+    return RunContext(
+        cache_dir=tmp_path / "cache",
+        seed=seed,
+        progress=progress,
+        output_dir=tmp_path / "out",
+        rank=RankInfo(rank, world_size, rank, "torchrun" if world_size > 1 else "single"),
+    )

@@ -22,6 +22,7 @@ from typing import Any
 from confrag.data.nq import QARow
 from confrag.data.qa_metrics import has_answer
 from confrag.infra import checks
+from confrag.infra.run_context import RunContext
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.preferences import RERANK_INSTRUCTION
 from confrag.retrieval import Candidates, CorpusPassage, document_text, split_passages
@@ -103,7 +104,11 @@ def relevance_training_rows(
 
 
 def ensure_base_reranker(
-    settings: BaseRerankerSettings, recipe: RerankerRecipe, retrieval: Retrieval, rows: Sequence[QARow]
+    settings: BaseRerankerSettings,
+    recipe: RerankerRecipe,
+    retrieval: Retrieval,
+    rows: Sequence[QARow],
+    ctx: RunContext,
 ) -> BaseReranker:
     """The base: trained on `rows` (questions no other stage uses) and cached by key, or the backbone."""
     if not settings.train:
@@ -127,9 +132,11 @@ def ensure_base_reranker(
     overrides: dict[str, Any] = {"lora": None}  # the base is a full fine-tuning whatever model.lora the others use
     if settings.lr is not None:
         overrides["lr"] = float(settings.lr)
-    directory = reranker_cache_dir(recipe, train_rows, trainer_settings=trainer_settings, model_overrides=overrides)
+    directory = reranker_cache_dir(
+        recipe, ctx.cache_dir, train_rows, trainer_settings=trainer_settings, model_overrides=overrides
+    )
     cached = (directory / "confrag_training.json").is_file()
-    module, info = ensure_reranker(recipe, train_rows, "base", [], trainer_settings=trainer_settings, **overrides)
+    module, info = ensure_reranker(recipe, ctx, train_rows, "base", [], trainer_settings=trainer_settings, **overrides)
     info = {
         **info,
         "trained": True,

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
+from confrag.infra.run_context import RunContext
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -98,12 +98,13 @@ def candidate_diagnostics(
     probe: SavedProbe,
     candidates: Sequence[Candidates],
     store: AnswerStore,
-    cache_dir: str | Path,
     extract_batch_size: int,
-    progress: bool = True,
+    ctx: RunContext,
 ) -> CandidateDiagnostics:
-    """Conf(Q + C) of every candidate (through the activation cache) and the LLM's answer under each (through
-    the answer cache)."""
-    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=progress)
-    shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir, progress=progress)
+    """Conf(Q + C) of every candidate (through the run's activation cache) and the LLM's answer under each
+    (through the answer cache)."""
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=ctx.progress)
+    shifts = confidence_shifts(
+        llm, templates, probe, candidates, engine=engine, cache_dir=ctx.cache_dir, progress=ctx.progress
+    )
     return CandidateDiagnostics(list(candidates), shifts.candidates, candidate_utility(store, candidates))

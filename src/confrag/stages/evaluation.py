@@ -33,6 +33,7 @@ from confrag.cbdr.settings import CBDRSettings
 from confrag.data.hotpotqa import load_hotpotqa
 from confrag.data.nq import QARow, load_nq_jsonl
 from confrag.data.splits import check_disjoint, select_questions, split_dev_test
+from confrag.infra.run_context import RunContext
 from confrag.llm.loading import LoadedLLM, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, RagRun, run_rag, save_outcomes_jsonl
@@ -103,16 +104,15 @@ def hotpotqa_eval_set(
     evaluation: EvalSettings,
     stage: RerankStage,
     settings: CBDRSettings,
-    cache_dir: str,
-    seed: int,
     eval_batch_size: int,
+    ctx: RunContext,
 ) -> EvalSet | None:
     """HotpotQA questions with candidates retrieved from their pooled supporting paragraphs (see the
     module docstring), scored by the same systems (BM25 / bi-encoder rebuilt over that corpus)."""
     if not evaluation.hotpotqa_path:
         return None
-    rows = select_questions(load_hotpotqa(evaluation.hotpotqa_path), evaluation.hotpotqa_num_questions, seed)
-    retrieval = build_retrieval(stage.retrieval.settings, cache_dir, rows=rows)
+    rows = select_questions(load_hotpotqa(evaluation.hotpotqa_path), evaluation.hotpotqa_num_questions, ctx.seed)
+    retrieval = build_retrieval(stage.retrieval.settings, ctx.cache_dir, rows=rows)
     # The NQ candidates file (retrieval.candidates_path) does not cover HotpotQA questions: always retrieve.
     candidates, stats = question_candidates(retrieval, rows)
     scorers = chosen_scorers(settings, table1_systems(retrieval, stage.rerankers, eval_batch_size))
@@ -204,31 +204,29 @@ def evaluate(
     answers: AnswerSettings,
     llm_config: dict,
     templates: PromptTemplates,
-    cache_dir: str,
-    seed: int,
-    out: Path,
     eval_batch_size: int,
-    progress: bool = True,
+    ctx: RunContext,
 ) -> RagEvaluation:
-    """Held-out questions → candidates → Conf(H(Q)) → answers under every reranker and K (cached per prompt),
-    saved as outcomes; then the live gate on a few test questions."""
-    eval_rows = evaluation_rows(stage, evaluation.num_questions, seed, evaluation.nq_path)
-    splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), seed)
+    """Held-out questions (sampled and split with the run's seed) → candidates → Conf(H(Q)) → answers under
+    every reranker and K (cached per prompt in the run's cache), saved as outcomes in the run folder; then the
+    live gate on a few test questions."""
+    eval_rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.nq_path)
+    splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), ctx.seed)
     candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
     sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
-    hotpot = hotpotqa_eval_set(evaluation, stage, settings, cache_dir, seed, eval_batch_size)
+    hotpot = hotpotqa_eval_set(evaluation, stage, settings, eval_batch_size, ctx)
     sets += [hotpot] if hotpot else []
     llm = load_llm(llm_config)
     try:
-        store = answers.store(llm, templates, cache_dir, progress)
+        store = answers.store(llm, templates, ctx.cache_dir, ctx.progress)
         confidence = question_confidences(
             llm,
             templates,
             stage.probe,
             [r.question for r in eval_rows],
-            cache_dir,
+            ctx.cache_dir,
             batch_size=answers.extract_batch_size,
-            progress=progress,
+            progress=ctx.progress,
         )
         confidences = {row.qid: float(c) for row, c in zip(eval_rows, confidence)}
         runs = {s.dataset: answer_set(s, store, settings.ks, confidences if s.dataset == NQ else None) for s in sets}
@@ -239,7 +237,7 @@ def evaluate(
                 rows = [r for r in s.rows if s.dataset != NQ or r.qid in test]
                 chosen = [c for c in s.candidates if s.dataset != NQ or c.qid in test]
                 diagnostics = candidate_diagnostics(
-                    llm, templates, stage.probe, chosen, store, cache_dir, answers.extract_batch_size, progress
+                    llm, templates, stage.probe, chosen, store, answers.extract_batch_size, ctx
                 )
                 summaries[s.dataset] = diagnostics.summary()
                 for name, scorer in diagnostics.scorers().items():
@@ -261,7 +259,12 @@ def evaluate(
     finally:
         del llm
         gc.collect()
+    ctx.on_main(save_outcomes, runs, ctx.output_dir / "outcomes")
+    return RagEvaluation(splits, sets, runs, counts, check, summaries)
+
+
+def save_outcomes(runs: dict[str, dict[str, RagRun]], folder: Path) -> None:
+    """Every question's outcomes as `folder/<dataset>/<reranker>.jsonl`."""
     for dataset, by_reranker in runs.items():
         for name, rag_run in by_reranker.items():
-            save_outcomes_jsonl(rag_run.outcomes, out / "outcomes" / slug(dataset) / f"{slug(name)}.jsonl")
-    return RagEvaluation(splits, sets, runs, counts, check, summaries)
+            save_outcomes_jsonl(rag_run.outcomes, folder / slug(dataset) / f"{slug(name)}.jsonl")

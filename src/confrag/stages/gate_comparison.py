@@ -30,6 +30,7 @@ from confrag.gates import Gate, GateSignals
 from confrag.gates.evaluation import decision_parts
 from confrag.gates.settings import GateSettings
 from confrag.gates.signal_maker import SignalMaker, check_llm_signals, context_signals, question_signals, text_encoder
+from confrag.infra.run_context import RunContext
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, run_rag
@@ -75,18 +76,17 @@ def prepare_gate_evaluation(
     templates: PromptTemplates,
     answers: AnswerSettings,
     dev_fraction: float,
-    cache_dir: str,
-    seed: int,
-    progress: bool = True,
+    ctx: RunContext,
 ) -> GateEvaluation:
     """Everything that runs the LLM before the gates decide: answers in both conditions (cached per
-    prompt), the signals the configured gates read, CtrlA's directions, and the timed parts."""
+    prompt in the run's cache), the signals the configured gates read, CtrlA's directions, and the timed
+    parts. The question sets are split with the run's seed."""
     if settings.reranker not in stage.scorers:
         raise ValueError(f"gates.reranker={settings.reranker!r} is not a Table 1 row; rows: {list(stage.scorers)}")
     check_llm_signals(gates, llm)
     check_held_out(stage, rows)
     scorer, k = stage.scorers[settings.reranker], settings.top_k
-    sets = question_sets(rows, dev_fraction, seed)
+    sets = question_sets(rows, dev_fraction, ctx.seed)
     candidates, retrieval = question_candidates(
         stage.retrieval, [*sets.train, *sets.test], stage.retrieval.settings.candidates_path
     )
@@ -100,7 +100,7 @@ def prepare_gate_evaluation(
         ),
     )
 
-    store = answers.store(llm, templates, cache_dir, progress)
+    store = answers.store(llm, templates, ctx.cache_dir, ctx.progress)
     # The clean ranking is already the reranker's: run_rag without a reranker keeps it (same prompts as cbdr's).
     clean_run = run_rag([*sets.train, *sets.test], ranked, store, [k])
     conflict_run = run_rag(sets.test, conflict_test, store, [k])
@@ -114,9 +114,9 @@ def prepare_gate_evaluation(
         settings.draft_max_new_tokens,
         settings.internal_max_new_tokens,
         settings.batch_size,
-        cache_dir,
+        ctx.cache_dir,
         answers.extract_batch_size,
-        progress,
+        ctx.progress,
     )
     needs = set().union(*(g.needs for g in gates.values()))
     train_needs = set().union(*(g.training_needs for g in gates.values()))

@@ -26,6 +26,7 @@ from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.checks import collect
 from confrag.infra.digests import fingerprint
+from confrag.infra.run_context import RunContext
 from confrag.llm.batching import check_batch_size
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LLMConfig, load_llm
@@ -144,12 +145,9 @@ def build_nq_rerank(
     rows: Sequence[QARow],
     retrieval: Retrieval,
     candidates_path: str | None,
-    cache_dir: str | Path,
-    seed: int,
-    out: Path,
-    progress: bool = True,
+    ctx: RunContext,
 ) -> PreferenceStage:
-    """NQ_Rerank for `rows` under every rule of `settings.rules`."""
+    """NQ_Rerank for `rows` under every rule of `settings.rules`, its rows written to `<run folder>/nq_rerank`."""
     candidates, retrieval_stats = question_candidates(retrieval, rows, candidates_path)
     if settings.top_k > max(len(c.passages) for c in candidates):
         raise ValueError(
@@ -158,21 +156,21 @@ def build_nq_rerank(
         )
     needs_utility = settings.needs_answers
     llm = load_llm(llm_config)
-    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=settings.extract_batch_size, progress=progress)
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=settings.extract_batch_size, progress=ctx.progress)
     try:
         shifts = confidence_shifts(
-            llm, templates, probe, candidates, engine=engine, cache_dir=cache_dir, progress=progress
+            llm, templates, probe, candidates, engine=engine, cache_dir=ctx.cache_dir, progress=ctx.progress
         )
         utility = None
         if needs_utility:
             store = AnswerStore(
                 llm,
                 templates,
-                cache_dir,
+                ctx.cache_dir,
                 max_new_tokens=settings.max_new_tokens,
                 batch_size=settings.answer_batch_size,
                 chunk_size=settings.answer_chunk_size,
-                progress=progress,
+                progress=ctx.progress,
             )
             utility = candidate_utility(store, candidates)
     finally:
@@ -181,7 +179,9 @@ def build_nq_rerank(
     # One split by question for every rule: each rule's Table 1 holds out the same questions.
     test_qids = {
         r["qid"]
-        for r in split_by_question([{"qid": c.qid} for c in candidates], float(settings.test_fraction), seed)["test"]
+        for r in split_by_question([{"qid": c.qid} for c in candidates], float(settings.test_fraction), ctx.seed)[
+            "test"
+        ]
     }
     splits_by_rule, drops = {}, {}
     for rule in settings.rules:
@@ -206,9 +206,16 @@ def build_nq_rerank(
         },
     }
     key = fingerprint({"rows": splits_by_rule, "probe": probe.meta.get("activations", {}).get("key")})
-    save_rows(splits, out / "nq_rerank")
-    for rule, rule_splits in splits_by_rule.items():
-        if rule != settings.selection:
-            save_rows(rule_splits, out / "nq_rerank" / rule)
-    atomic_write_text(out / "nq_rerank" / "report.json", json.dumps(report, indent=2, ensure_ascii=False))
+    ctx.on_main(save_nq_rerank, splits_by_rule, settings.selection, report, ctx.output_dir / "nq_rerank")
     return PreferenceStage(candidates, splits, splits_by_rule, report, key, utility)
+
+
+def save_nq_rerank(
+    splits_by_rule: dict[str, dict[str, list[dict]]], selection: str, report: dict, folder: Path
+) -> None:
+    """The selection rule's rows in `folder`, each other compared rule's in `folder/<rule>`, and the report."""
+    save_rows(splits_by_rule[selection], folder)
+    for rule, rule_splits in splits_by_rule.items():
+        if rule != selection:
+            save_rows(rule_splits, folder / rule)
+    atomic_write_text(folder / "report.json", json.dumps(report, indent=2, ensure_ascii=False))

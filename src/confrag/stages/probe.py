@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import Logger
 
 from confrag.infra.digests import fingerprint, folder_problem
 from confrag.infra.locks import exclusive
+from confrag.infra.run_context import RunContext
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
 from confrag.probe.ranking import SELECTION_METRIC, RankingSet
@@ -43,8 +44,7 @@ class ProbeRecipe:
     make_datamodule: Callable[[], NQConfidenceDataModule]
     make_model: Callable[..., ProbeModule]  # keyword arguments input_dim, layer
     make_trainer: Callable[..., Trainer]  # keyword arguments callbacks, logger and any Trainer setting
-    identity: dict[str, Any]  # the model settings and epochs: with the activations, the probe's cache key
-    seed: int
+    identity: dict[str, Any]  # the model settings and epochs: with the activations and the seed, the cache key
     monitor: str = DEFAULT_MONITOR  # the dev metric the checkpoint is chosen by (higher is better)
 
 
@@ -155,8 +155,9 @@ def best_epoch_metrics(best: str, trainer: Trainer) -> dict[str, float]:
     return {"best_epoch": float(epoch), "last_epoch": float(last)}
 
 
-def probe_cache_dir(cache_dir: str | Path, datamodule: NQConfidenceDataModule, recipe: ProbeRecipe) -> Path:
-    """Where a probe trained with exactly these activations and settings is kept for later stages."""
+def probe_cache_dir(ctx: RunContext, datamodule: NQConfidenceDataModule, recipe: ProbeRecipe) -> Path:
+    """Where a probe trained with exactly these activations and settings (and the run's seed) is kept for
+    later stages: under the run's cache."""
     key = fingerprint(
         {
             "activations": datamodule.activations()["key"],
@@ -165,10 +166,10 @@ def probe_cache_dir(cache_dir: str | Path, datamodule: NQConfidenceDataModule, r
             **({"ranking_top_n": datamodule.ranking_top_n} if datamodule.ranking_top_n else {}),
             "monitor": recipe.monitor,
             **recipe.identity,
-            "seed": recipe.seed,
+            "seed": ctx.seed,
         }
     )
-    return Path(cache_dir) / "probes" / key
+    return ctx.cache_dir / "probes" / key
 
 
 def save_trained_probe(
@@ -200,12 +201,12 @@ def cache_trained_probe(
         log.warning("The probe could not be kept in the cache (%s); the run's copy is in %s", err, run_copy)
 
 
-def ensure_probe(
-    recipe: ProbeRecipe, cache_dir: str | Path, workdir: Path
-) -> tuple[SavedProbe, NQConfidenceDataModule]:
-    """The probe a later stage needs: read from the cache when trained before, else trained now."""
+def ensure_probe(recipe: ProbeRecipe, ctx: RunContext) -> tuple[SavedProbe, NQConfidenceDataModule]:
+    """The probe a later stage needs: read from the cache when trained before, else trained now (its
+    checkpoints under `<run folder>/probe_stage`)."""
     datamodule = prepared_datamodule(recipe)
-    directory = probe_cache_dir(cache_dir, datamodule, recipe)
+    directory = probe_cache_dir(ctx, datamodule, recipe)
+    workdir = ctx.output_dir / "probe_stage"
     if folder_problem(directory):
         # One process trains it; another one asking at the same time waits, then reads it.
         with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}"):

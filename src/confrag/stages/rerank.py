@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 
 from confrag.data.nq import QARow, load_nq_jsonl
 from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions
+from confrag.infra.run_context import RunContext
 from confrag.llm.context import fit_questions
 from confrag.llm.loading import prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates
@@ -57,7 +57,8 @@ Reranker = RerankerModule | FoldedReranker  # what a cross-encoder row scores wi
 
 @dataclass
 class RerankRecipe:
-    """Everything the stage is built from; the task fills it from the config (`rerank_recipe`)."""
+    """Everything the stage is built from (beside the run's context: cache, seed, progress, run folder); the task
+    fills it from the config (`rerank_recipe`)."""
 
     probe: ProbeRecipe
     llm: dict[str, Any]  # the `llm` node (confrag.llm.loading.LLMConfig fields)
@@ -66,9 +67,6 @@ class RerankRecipe:
     preferences: PreferenceSettings
     base: BaseRerankerSettings
     reranker: RerankerRecipe
-    cache_dir: str
-    seed: int
-    progress: bool = True
 
 
 @dataclass
@@ -120,23 +118,25 @@ def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -
     return rows
 
 
-def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_config: dict | None = None) -> RerankStage:
+def rerank_stage(
+    recipe: RerankRecipe, ctx: RunContext, loggers: list[Logger], run_config: dict | None = None
+) -> RerankStage:
     # Every question checked against the LLM's context first, from the data settings alone: on a fresh cache
     # the probe's own stage loads the LLM.
     rows = fitted_questions(recipe, recipe.probe.make_datamodule())
-    probe, probe_data = ensure_probe(recipe.probe, recipe.cache_dir, workdir=out / "probe_stage")
-    retrieval = build_retrieval(recipe.retrieval, recipe.cache_dir)
+    probe, probe_data = ensure_probe(recipe.probe, ctx)
+    retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir)
     questions = plan_questions(
         rows,
         probe_data.data.rows,
         recipe.preferences.num_questions,
         recipe.base.num_questions if recipe.base.train else 0,
-        recipe.seed,
+        ctx.seed,
         probe_data.nq_path,
         base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None,
     )
     if recipe.preferences.cross_fit:
-        questions = cross_fit_plan(questions, recipe.preferences.cross_fit, recipe.seed)
+        questions = cross_fit_plan(questions, recipe.preferences.cross_fit, ctx.seed)
     stage = build_nq_rerank(
         recipe.preferences,
         recipe.llm,
@@ -145,10 +145,7 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
         questions.preference,
         retrieval,
         recipe.retrieval.candidates_path,
-        recipe.cache_dir,
-        recipe.seed,
-        out,
-        recipe.progress,
+        ctx,
     )
     train_rows, test_rows = stage.splits["train"], stage.splits["test"]
     if not train_rows or not test_rows:
@@ -157,13 +154,20 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
             f"test rows after dropping {stage.report['dropped']}; raise preferences.num_questions or "
             "retrieval.top_n, or try another preferences.reference / preferences.selection"
         )
-    base = ensure_base_reranker(recipe.base, recipe.reranker, retrieval, questions.base)
+    base = ensure_base_reranker(recipe.base, recipe.reranker, retrieval, questions.base, ctx)
     rerankers: dict[str, Reranker] = {BASE: base.module}
     training: dict[str, Any] = {"base": base.info}
     if questions.folds:
         by_fold = [
             aligned_rerankers(
-                recipe, stage, {r.qid for r in questions.training_questions(f)}, base, f"_fold{f}", [], run_config
+                recipe,
+                ctx,
+                stage,
+                {r.qid for r in questions.training_questions(f)},
+                base,
+                f"_fold{f}",
+                [],
+                run_config,
             )
             for f in range(len(questions.folds))
         ]
@@ -174,7 +178,7 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
         # Every question outside NQ_Rerank's test split (each rule keeps its own subset of them).
         test_qids = {r["qid"] for splits in stage.splits_by_rule.values() for r in splits["test"]}
         train_qids = {c.qid for c in stage.candidates} - test_qids
-        aligned, info = aligned_rerankers(recipe, stage, train_qids, base, "", loggers, run_config)
+        aligned, info = aligned_rerankers(recipe, ctx, stage, train_qids, base, "", loggers, run_config)
         rerankers.update(aligned)
         training.update(info)
     if RELEVANCE_FT in rerankers:  # the control right after the base, the aligned rows last
@@ -199,6 +203,7 @@ def rerank_stage(recipe: RerankRecipe, out: Path, loggers: list[Logger], run_con
 
 def aligned_rerankers(
     recipe: RerankRecipe,
+    ctx: RunContext,
     stage: PreferenceStage,
     train_qids: set[str],
     base: BaseReranker,
@@ -214,7 +219,7 @@ def aligned_rerankers(
     teacher = TEACHERS[settings.teacher]
     dev = None
     if settings.select_on == "dev_top1":  # dev questions leave the rows and choose the weights
-        train_qids, dev = dev_top1_split(stage, train_qids, settings.dev_fraction, recipe.seed)
+        train_qids, dev = dev_top1_split(stage, train_qids, settings.dev_fraction, ctx.seed)
     for rule in settings.rules:
         rows = [r for split in stage.splits_by_rule[rule].values() for r in split if r["qid"] in train_qids]
         if not rows:  # a compared rule that keeps no row: reported, not trained
@@ -225,6 +230,7 @@ def aligned_rerankers(
         rows = teacher(rows, base.module, recipe.reranker.eval_batch_size)
         rerankers[confidence_ft(rule)], training[rule] = ensure_reranker(
             recipe.reranker,
+            ctx,
             rows,
             f"confidence_{rule}{suffix}",
             loggers if rule == recipe.preferences.selection else [],
@@ -240,6 +246,7 @@ def aligned_rerankers(
         steps = int(training[recipe.preferences.selection].get("steps", 0))
         rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(
             recipe.reranker,
+            ctx,
             relevance,
             f"relevance{suffix}",
             [],

@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import Logger
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
 from confrag.infra.locks import exclusive
+from confrag.infra.run_context import RunContext
 from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.selection import DevTop1, DevTop1Selection
@@ -40,8 +41,6 @@ class RerankerRecipe:
     # keyword arguments logger, default_root_dir, extra_callbacks (beside the config's); fresh callbacks each call
     make_trainer: Callable[..., Trainer]
     identity: dict[str, Any]  # model, batch and trainer settings, seed: with the rows, the cache key
-    cache_dir: Path
-    output_dir: Path  # each training writes its checkpoints under <output_dir>/<name>
     eval_batch_size: int = 32
     fast_dev_run: bool = False  # a smoke run: nothing read from or written to the cache
     device: str | None = None  # where the rerankers score ("cuda" with the GPU trainer)
@@ -49,14 +48,15 @@ class RerankerRecipe:
 
 def reranker_cache_dir(
     recipe: RerankerRecipe,
+    cache_dir: Path,
     train_rows: list[dict],
     start_from: Path | None = None,
     trainer_settings: dict[str, Any] | None = None,
     model_overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """Where a reranker fine-tuned on exactly these rows with these settings (from `start_from`, an exported
-    reranker, instead of the `model` backbone; with `trainer_settings` over the trainer's and `model_overrides`
-    over the `model` node's) is kept."""
+    """Where (under `cache_dir`) a reranker fine-tuned on exactly these rows with these settings (from
+    `start_from`, an exported reranker, instead of the `model` backbone; with `trainer_settings` over the
+    trainer's and `model_overrides` over the `model` node's) is kept."""
     key = {"rows": fingerprint(train_rows), **recipe.identity}
     if start_from is not None:  # a cached reranker's folder name is its own key
         key["start_from"] = Path(start_from).name
@@ -67,7 +67,7 @@ def reranker_cache_dir(
     changed = {k: v for k, v in (model_overrides or {}).items() if k not in model or model[k] != v}
     if changed:
         key["model_overrides"] = changed
-    return recipe.cache_dir / "rerankers" / fingerprint(key)
+    return Path(cache_dir) / "rerankers" / fingerprint(key)
 
 
 def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:
@@ -77,6 +77,7 @@ def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:
 
 def ensure_reranker(
     recipe: RerankerRecipe,
+    ctx: RunContext,
     train_rows: list[dict],
     name: str,
     loggers: list[Logger],
@@ -92,13 +93,24 @@ def ensure_reranker(
     before, else trained now and exported there. The global RNG is seeded right before training, so a
     reranker depends on its key only, not on what else this process trained before it (a resumed run
     trains what is missing exactly as an uninterrupted one). With `dev`, the weights kept are those of the
-    best dev Top-1 over training, the base's included (`confrag.reranker.selection`)."""
+    best dev Top-1 over training, the base's included (`confrag.reranker.selection`). Kept under the run's
+    cache; a training writes its checkpoints under `<run folder>/<name>`."""
     key_settings = {**(trainer_settings or {}), **({"select_on_dev_top1": dev.key()} if dev is not None else {})}
-    directory = reranker_cache_dir(recipe, train_rows, start_from, key_settings or None, model_overrides)
+    directory = reranker_cache_dir(recipe, ctx.cache_dir, train_rows, start_from, key_settings or None, model_overrides)
     marker = directory / "confrag_training.json"
     if recipe.fast_dev_run:
         return _train(
-            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides, dev
+            recipe,
+            ctx.output_dir,
+            train_rows,
+            name,
+            loggers,
+            run_config,
+            directory,
+            start_from,
+            trainer_settings,
+            model_overrides,
+            dev,
         )
     # One process trains it; another one asking at the same time waits, then reads it.
     with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
@@ -110,12 +122,23 @@ def ensure_reranker(
             log.warning("Cached reranker %s: %s; training it again.", directory, problem)
             marker.unlink(missing_ok=True)
         return _train(
-            recipe, train_rows, name, loggers, run_config, directory, start_from, trainer_settings, model_overrides, dev
+            recipe,
+            ctx.output_dir,
+            train_rows,
+            name,
+            loggers,
+            run_config,
+            directory,
+            start_from,
+            trainer_settings,
+            model_overrides,
+            dev,
         )
 
 
 def _train(
     recipe: RerankerRecipe,
+    output_dir: Path,
     train_rows: list[dict],
     name: str,
     loggers: list[Logger],
@@ -137,7 +160,7 @@ def _train(
     selection = DevTop1Selection(dev, batch_size=recipe.eval_batch_size) if dev is not None else None
     trainer = recipe.make_trainer(
         logger=loggers or False,
-        default_root_dir=str(recipe.output_dir / name),
+        default_root_dir=str(output_dir / name),
         extra_callbacks=[selection] if selection else [],
         **(trainer_settings or {}),
     )

@@ -103,7 +103,8 @@ def build_retrieval(
 ) -> Retrieval:
     """The corpus (the paragraphs of `rows`, else `retrieval.corpus_path`, else every gold paragraph of the
     NQ file), its BM25 index, and (when asked for, or for Table 1's bi-encoder row) the dense MiniLM index;
-    all cached."""
+    all cached under `cache_dir`. It takes the cache alone, not the run's context: it is also built outside
+    a run (docs/usage.md, experiments/)."""
     words = int(settings.words_per_passage)
     if rows is not None:
         corpus = corpus_from_nq(rows, words_per_passage=words)

@@ -12,22 +12,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from confrag.cbdr import ConfidenceGate
 from confrag.cbdr.analysis import cbdr_results
 from confrag.cbdr.settings import CBDRSettings, cbdr_settings
 from confrag.infra.atomic import atomic_write_text
-from confrag.infra.distributed import rank_info
+from confrag.infra.run_context import RunContext
 from confrag.infra.timing import StageTimer
-from confrag.instantiators import config_yaml, output_dir, plain, task_loggers
+from confrag.instantiators import config_yaml, plain, run_context, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
-from confrag.stages.evaluation import confidence_gate, evaluate
-from confrag.stages.rerank import RerankRecipe, rerank_stage, table1
+from confrag.stages.evaluation import RagEvaluation, confidence_gate, evaluate
+from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 
 @dataclass(frozen=True)
@@ -47,41 +48,52 @@ def check(cfg: DictConfig) -> Checked:
     return Checked(recipe, answers, evaluation, settings)
 
 
-def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
-    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
+@dataclass
+class Evaluated:
+    stage: RerankStage
+    rows1: list[dict]  # Table 1
+    evaluation: RagEvaluation
+    timer: StageTimer
+    loggers: list[Logger]
+    start: float  # time.perf_counter() when the run began
+
+
+def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Evaluated:
+    """The stage and the answers on the settings `check(cfg)` returned (every rank fills the shared caches)."""
     start = time.perf_counter()
-    out = output_dir(cfg)
-    settings, recipe = checked.cbdr, checked.recipe
+    recipe = checked.recipe
     run_config, loggers = task_loggers(cfg)
     timer = StageTimer()  # wall seconds and peak GPU memory of the two heavy parts (metrics.json "stages")
     with timer.stage("stage"):
-        stage = rerank_stage(recipe, out, loggers, run_config)
-        rows1 = table1(stage.scorers, stage.table1_rows, cfg.seed)
+        stage = rerank_stage(recipe, ctx, loggers, run_config)
+        rows1 = table1(stage.scorers, stage.table1_rows, ctx.seed)
     with timer.stage("answers"):
         evaluation = evaluate(
             stage,
-            settings,
+            checked.cbdr,
             checked.evaluation,
             checked.answers,
             recipe.llm,
             recipe.templates,
-            recipe.cache_dir,
-            recipe.seed,
-            out,
             recipe.reranker.eval_batch_size,
-            recipe.progress,
+            ctx,
         )
     evaluation.seconds = timer.seconds()
-    if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
-        return {}
+    return Evaluated(stage, rows1, evaluation, timer, loggers, start)
+
+
+def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -> dict[str, float]:
+    """Rank 0: Table 2, the β sweep, the plots, metrics.json and report.md; the metrics."""
+    settings, recipe, out = checked.cbdr, checked.recipe, ctx.output_dir
+    stage, rows1, evaluation, loggers = done.stage, done.rows1, done.evaluation, done.loggers
     tables, n_resamples = evaluation.tables(), checked.evaluation.n_resamples
     rows2, table2_md = cbdr_answers.table2(
-        cfg.llm.name, tables, settings, n_resamples, cfg.seed, evaluation.gold_sources()
+        cfg.llm.name, tables, settings, n_resamples, ctx.seed, evaluation.gold_sources()
     )
     results = cbdr_results(settings, *evaluation.sweep_data(settings))
     plots = report.write_plots(out, cfg.llm.name, results)
-    record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - start)
-    record["stages"] = timer.stages
+    record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - done.start)
+    record["stages"] = done.timer.stages
     record["training"] = stage.training  # every fine-tuning's rows, steps and seconds (per fold when cross-fitted)
     record["folds"] = [[r.qid for r in fold] for fold in stage.questions.folds]
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))
@@ -95,7 +107,7 @@ def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
         candidates_source=recipe.retrieval.source,
     )
     secondary = [
-        cbdr_answers.closed_book_line(tables, settings.eval_metric, n_resamples, cfg.seed),
+        cbdr_answers.closed_book_line(tables, settings.eval_metric, n_resamples, ctx.seed),
         cbdr_answers.secondary_markdown(tables, settings.ks, run.gold_known, evaluation.gold_sources()),
     ]
     atomic_write_text(
@@ -111,5 +123,5 @@ def cbdr_gate(cfg: DictConfig, workdir: str | Path) -> ConfidenceGate:
     """The Python API on one question: `cbdr_gate(cfg, dir).answer("who ...")` -> (answer, retrieved, Conf).
     Runs the rerank stage (cheap once a run of the same experiment has filled the cache)."""
     checked = check(cfg)
-    stage = rerank_stage(checked.recipe, Path(workdir), [])
+    stage = rerank_stage(checked.recipe, run_context(cfg, workdir), [])
     return confidence_gate(stage, checked.cbdr, load_llm(checked.recipe.llm), templates(cfg))

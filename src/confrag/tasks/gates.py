@@ -12,19 +12,21 @@ import json
 import time
 from dataclasses import dataclass
 
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
+from confrag.gates import Gate
 from confrag.gates.evaluation import plot_gates
 from confrag.gates.settings import GateSettings, gate_settings
 from confrag.infra.atomic import atomic_write_text
-from confrag.infra.distributed import rank_info
-from confrag.instantiators import config_yaml, output_dir, task_loggers
+from confrag.infra.run_context import RunContext
+from confrag.instantiators import config_yaml, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
 from confrag.stages.evaluation import evaluation_rows
-from confrag.stages.gate_comparison import prepare_gate_evaluation
+from confrag.stages.gate_comparison import GateEvaluation, prepare_gate_evaluation
 from confrag.stages.gate_questions import check_before_any_stage
 from confrag.stages.gate_scoring import run_gates, threshold_curves
 from confrag.stages.rerank import RerankRecipe, rerank_stage
@@ -47,17 +49,25 @@ def check(cfg: DictConfig) -> Checked:
     return Checked(recipe, answers, evaluation, gates)
 
 
-def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
-    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
+@dataclass
+class Prepared:
+    evaluation: GateEvaluation
+    gates: dict[str, Gate]
+    loggers: list[Logger]
+    start: float  # time.perf_counter() when the run began
+
+
+def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Prepared:
+    """The stage, the answers, signals and timings on the settings `check(cfg)` returned (every rank of a
+    launch helps fill the shared caches)."""
     start = time.perf_counter()
-    out = output_dir(cfg)
     settings, recipe = checked.gates, checked.recipe
     gates = {name: settings.build(name) for name in settings.names}
     check_before_any_stage(gates, recipe.llm, recipe.probe.make_datamodule())
     run_config, loggers = task_loggers(cfg)
-    stage = rerank_stage(recipe, out, loggers, run_config)
+    stage = rerank_stage(recipe, ctx, loggers, run_config)
     llm = load_llm(recipe.llm)
-    rows = evaluation_rows(stage, checked.evaluation.num_questions, recipe.seed, checked.evaluation.nq_path)
+    rows = evaluation_rows(stage, checked.evaluation.num_questions, ctx.seed, checked.evaluation.nq_path)
     evaluation = prepare_gate_evaluation(
         stage,
         rows,
@@ -67,16 +77,19 @@ def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
         recipe.templates,
         checked.answers,
         checked.evaluation.dev_fraction,
-        recipe.cache_dir,
-        recipe.seed,
-        recipe.progress,
+        ctx,
     )
-    if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
-        return {}
-    results = run_gates(evaluation, settings, cfg.seed, gates)
+    return Prepared(evaluation, gates, loggers, start)
+
+
+def write(cfg: DictConfig, checked: Checked, ctx: RunContext, prepared: Prepared) -> dict[str, float]:
+    """Rank 0: each gate fitted and scored, the curves, the plot, metrics.json and gates.md; the metrics."""
+    settings, recipe, out = checked.gates, checked.recipe, ctx.output_dir
+    evaluation, loggers, start = prepared.evaluation, prepared.loggers, prepared.start
+    results = run_gates(evaluation, settings, ctx.seed, prepared.gates)
     curves = threshold_curves(evaluation, settings, results)
     answers = {"generated": evaluation.store.generated, "reused": evaluation.store.reused}
-    evaluation.store = evaluation.maker = llm = None  # the LLM is not needed any more: free it before reporting
+    evaluation.store = evaluation.maker = None  # the LLM is not needed any more: free it before reporting
     gc.collect()
     plot = plot_gates(
         results.rows, curves, out / "gates.png", f"{cfg.llm.name}: retrieval gates on NQ test ({settings.metric})"

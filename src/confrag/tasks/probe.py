@@ -4,52 +4,63 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from confrag.infra.distributed import rank_info
-from confrag.instantiators import instantiate_list, output_dir, plain, settings_from
+from confrag.infra.run_context import RunContext
+from confrag.instantiators import instantiate_list, plain
+from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.layer_scan import layer_scan
-from confrag.recipes import probe_recipe
-from confrag.reports.hub import HubSettings, push_folder
+from confrag.probe.module import ProbeModule
+from confrag.recipes import Exported, exported, probe_recipe
+from confrag.reports.hub import push_folder
 from confrag.reports.probe import write_probe_report
 from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.probe import ProbeRecipe, cache_trained_probe, fit_probe, probe_cache_dir, save_trained_probe
 
 log = logging.getLogger(__name__)
 
+Checked = Exported[ProbeRecipe]
 
-@dataclass(frozen=True)
-class Checked:
-    recipe: ProbeRecipe
-    hub: HubSettings
+
+@dataclass
+class Trained:
+    """What every rank of a DDP launch trained together; rank 0 writes it."""
+
+    model: ProbeModule
+    datamodule: NQConfidenceDataModule
+    metrics: dict[str, Any]
+    best: str  # the best dev checkpoint's path
+    loggers: list[Logger]
 
 
 def check(cfg: DictConfig) -> Checked:
     """The probe's data settings against the model's config (layer range), and `hub`, before anything runs."""
-    hub = hub_settings(cfg)
     checkpoint = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
-    return Checked(probe_recipe(cfg, cfg.seed, monitor=checkpoint.get("monitor")), hub)
+    return exported(cfg, lambda: probe_recipe(cfg, monitor=checkpoint.get("monitor")), "probe_repo")
 
 
-def hub_settings(cfg: DictConfig) -> HubSettings:
-    return settings_from(HubSettings, cfg.get("hub"), "hub").require("probe_repo")
-
-
-def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
-    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
-    out, recipe, hub = output_dir(cfg), checked.recipe, checked.hub
+def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Trained:
+    """The probe trained on the settings `check(cfg)` returned (on every rank of a DDP launch)."""
     loggers = instantiate_list(cfg.get("logger"))
-    model, datamodule, metrics, best = fit_probe(recipe, instantiate_list(cfg.get("callbacks")), loggers, plain(cfg))
-    if not rank_info().is_main:  # every rank of a DDP launch trained; rank 0 writes the run folder and the cache
-        return metrics
-    scan = layer_scan(datamodule.data, seed=cfg.seed) if cfg.get("layer_scan") else []
+    model, datamodule, metrics, best = fit_probe(
+        checked.recipe, instantiate_list(cfg.get("callbacks")), loggers, plain(cfg)
+    )
+    return Trained(model, datamodule, metrics, best, loggers)
+
+
+def write(cfg: DictConfig, checked: Checked, ctx: RunContext, trained: Trained) -> dict[str, float]:
+    """Rank 0: the layer scan, the run folder, the cache's copy of the probe, the exports; the metrics."""
+    out, recipe, hub = ctx.output_dir, checked.recipe, checked.hub
+    model, datamodule, metrics, best = trained.model, trained.datamodule, trained.metrics, trained.best
+    loggers = trained.loggers
+    scan = layer_scan(datamodule.data, seed=ctx.seed) if cfg.get("layer_scan") else []
     # The run folder first: a read-only or full cache must not cost the run its metrics.
     summary = write_probe_report(out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, loggers)
     save_trained_probe(model, datamodule, metrics, best, out / "probe")
-    cache_trained_probe(
-        model, datamodule, metrics, best, probe_cache_dir(cfg.paths.cache_dir, datamodule, recipe), out / "probe"
-    )
+    cache_trained_probe(model, datamodule, metrics, best, probe_cache_dir(ctx, datamodule, recipe), out / "probe")
     log_exports(loggers, {"probe": out / "probe"}, str(cfg.llm.name), {"layer": datamodule.layer})
     if hub.push:  # the whole folder: its digest and run record travel with it
         url = push_folder(out / "probe", hub.probe_repo, "model", hub.private)

@@ -8,44 +8,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
-from confrag.infra.distributed import rank_info
-from confrag.instantiators import output_dir, run_command, settings_from, task_loggers
-from confrag.recipes import rerank_recipe
+from confrag.infra.run_context import RunContext
+from confrag.instantiators import run_command, task_loggers
+from confrag.recipes import Exported, exported, rerank_recipe
 from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_dataset, write_reranker_card
 from confrag.reports.rerank import write_rerank_report
 from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
+Checked = Exported[RerankRecipe]
 
-@dataclass(frozen=True)
-class Checked:
-    recipe: RerankRecipe
-    hub: HubSettings
+
+@dataclass
+class Staged:
+    stage: RerankStage
+    loggers: list[Logger]
 
 
 def check(cfg: DictConfig) -> Checked:
     """Every setting of the stage, before anything runs: a typo must not surface after an hour of probing."""
-    hub = hub_settings(cfg)
-    return Checked(rerank_recipe(cfg), hub)
+    return exported(cfg, lambda: rerank_recipe(cfg), "reranker_repo", "dataset_repo")
 
 
-def hub_settings(cfg: DictConfig) -> HubSettings:
-    return settings_from(HubSettings, cfg.get("hub"), "hub").require("reranker_repo", "dataset_repo")
-
-
-def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
-    """The task on the settings `check(cfg)` returned (checked once, before the run folder got a file)."""
-    recipe, hub = checked.recipe, checked.hub
-    out = output_dir(cfg)
+def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Staged:
+    """The stage on the settings `check(cfg)` returned (every rank of a launch helps fill the shared caches)."""
     run_config, loggers = task_loggers(cfg)
-    stage = rerank_stage(recipe, out, loggers, run_config)
-    if not rank_info().is_main:  # ranks > 0 of a launch helped fill the shared caches; rank 0 writes the run
-        return {}
+    return Staged(rerank_stage(checked.recipe, ctx, loggers, run_config), loggers)
+
+
+def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) -> dict[str, float]:
+    """Rank 0: the exported reranker, Table 1, the report, NQ_Rerank as a dataset, the cards and uploads."""
+    recipe, hub, out, stage, loggers = checked.recipe, checked.hub, ctx.output_dir, staged.stage, staged.loggers
     stage.rerankers[stage.main].export(out / "reranker")
     test_rows = stage.table1_rows
-    rows = table1(stage.scorers, test_rows, cfg.seed)
+    rows = table1(stage.scorers, test_rows, ctx.seed)
     print(
         write_rerank_report(out, cfg.llm.name, stage.preferences.report, len(test_rows), rows, stage.training, loggers),
         flush=True,
