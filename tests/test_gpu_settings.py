@@ -61,11 +61,6 @@ def test_rag_generation_node_reaches_the_answer_settings():
             {"extract_batch_size": "big"},
             r"preferences.extract_batch_size must be an integer >= 1 or 'auto'; got 'big'",
         ),
-        (
-            PreferenceSettings,
-            {"answer_batch_size": -1},
-            r"preferences.answer_batch_size must be an integer >= 1 or 'auto'",
-        ),
         (PreferenceSettings, {"top_k": "auto"}, r"preferences.top_k must be an integer >= 1; got 'auto'"),
     ],
 )

@@ -339,7 +339,7 @@ def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads
     rows = load_nq_jsonl(default_nq_path(), limit=5)
     rows[4] = dataclasses.replace(rows[4], question="why " * 20000)
     path = nq_file(tmp_path / "nq.jsonl", rows)
-    recipe = SimpleNamespace(llm=TINY, templates=templates, preferences=SimpleNamespace(max_new_tokens=24))
+    recipe = SimpleNamespace(llm=TINY, templates=templates, answers=SimpleNamespace(max_new_tokens=24))
     probe_data = SimpleNamespace(
         nq_path=path,
         questions_format="auto",

@@ -82,3 +82,14 @@ def test_every_experiment_builds_its_settings(name, tmp_path: Path):
 def test_a_missing_key_is_named():
     with pytest.raises(ValueError, match=r"hub: missing key\(s\) \['dataset_repo', 'private'"):
         settings_from(HubSettings, {"push": False}, "hub")
+
+
+def test_the_utility_rule_answers_with_the_rag_node_itself(tmp_path: Path):
+    """NQ_Rerank's answers under each candidate are Table 2's Top-1 answers only if both read the same settings:
+    the rerank recipe builds them from `rag`, and `preferences` holds no copy that could drift."""
+    from confrag.recipes import evaluation_recipe
+
+    cfg = compose_cfg(["+experiment=cbdr_tiny_llama", "rag.max_new_tokens=7", "rag.chunk_size=5"], tmp_path)
+    recipe, answers, _ = evaluation_recipe(cfg)
+    assert recipe.answers is answers and (answers.max_new_tokens, answers.chunk_size) == (7, 5)
+    assert not {"max_new_tokens", "answer_batch_size", "answer_chunk_size"} & set(cfg.preferences)

@@ -121,6 +121,7 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
         templates=templates(cfg),
         retrieval=retrieval,
         preferences=preferences,
+        answers=settings_from(AnswerSettings, cfg.rag, "rag"),
         base=settings_from(BaseRerankerSettings, cfg.get("base_reranker"), "base_reranker"),
         reranker=reranker_recipe(cfg),
     )
@@ -128,11 +129,8 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
 
 def evaluation_recipe(cfg: DictConfig) -> tuple[RerankRecipe, AnswerSettings, EvalSettings]:
     """What the cbdr and gates tasks share: the rerank stage, the answers (`rag`), the questions (`eval`)."""
-    return (
-        rerank_recipe(cfg),
-        settings_from(AnswerSettings, cfg.rag, "rag"),
-        settings_from(EvalSettings, cfg.eval, "eval"),
-    )
+    recipe = rerank_recipe(cfg)
+    return recipe, recipe.answers, settings_from(EvalSettings, cfg.eval, "eval")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from confrag.llm.loading import LLMConfig, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
+from confrag.rag.settings import AnswerSettings
 from confrag.reranker.preferences import (
     REFERENCES,
     RULES,
@@ -74,10 +75,6 @@ class PreferenceSettings:
     dev_fraction: float
     relevance_baseline: bool  # also fine-tune on relevance labels (answer in passage): the control row
     extract_batch_size: int
-    # Greedy answers under each candidate (the utility rule): keep equal to rag.* so the answers are shared.
-    max_new_tokens: int
-    answer_batch_size: int
-    answer_chunk_size: int
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(self.compare or ()))
@@ -87,10 +84,9 @@ class PreferenceSettings:
             ("preferences.compare", r) for r in self.compare
         ]:
             collect(problems, checks.choice, rule, key, tuple(RULES))
-        for key in ("top_k", "max_new_tokens", "answer_chunk_size"):
-            collect(problems, checks.positive_int, getattr(self, key), f"preferences.{key}")
-        for key in ("extract_batch_size", "answer_batch_size"):  # or "auto": from free device memory
-            collect(problems, check_batch_size, getattr(self, key), f"preferences.{key}")
+        collect(problems, checks.positive_int, self.top_k, "preferences.top_k")
+        # or "auto": from free device memory
+        collect(problems, check_batch_size, self.extract_batch_size, "preferences.extract_batch_size")
         collect(problems, checks.integer, self.cross_fit, "preferences.cross_fit", 2, also=(0,), describe=CROSS_FIT)
         collect(problems, checks.choice, self.teacher, "preferences.teacher", tuple(TEACHERS))
         collect(problems, checks.choice, self.select_on, "preferences.select_on", SELECT_ON)
@@ -139,6 +135,7 @@ def split_rows(rows: list[dict], test_qids: set[str]) -> dict[str, list[dict]]:
 
 def build_nq_rerank(
     settings: PreferenceSettings,
+    answers: AnswerSettings,
     llm_config: LLMConfig | dict,
     templates: PromptTemplates,
     probe: SavedProbe,
@@ -163,15 +160,8 @@ def build_nq_rerank(
         )
         utility = None
         if needs_utility:
-            store = AnswerStore(
-                llm,
-                templates,
-                ctx.cache_dir,
-                max_new_tokens=settings.max_new_tokens,
-                batch_size=settings.answer_batch_size,
-                chunk_size=settings.answer_chunk_size,
-                progress=ctx.progress,
-            )
+            # rag's answer settings: the same prompts get the same cached answers as Table 2's Top-1 rows.
+            store = answers.store(llm, templates, ctx.cache_dir, ctx.progress)
             utility = candidate_utility(store, candidates)
     finally:
         del engine, llm

@@ -26,6 +26,7 @@ from confrag.llm.loading import prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import SavedProbe
+from confrag.rag.settings import AnswerSettings
 from confrag.reranker.metrics import ranking_table
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.preferences import relevance_rows
@@ -65,6 +66,7 @@ class RerankRecipe:
     templates: PromptTemplates
     retrieval: RetrievalSettings
     preferences: PreferenceSettings
+    answers: AnswerSettings  # the `rag` node: the utility rule's answers are Table 2's Top-1 answers
     base: BaseRerankerSettings
     reranker: RerankerRecipe
 
@@ -113,8 +115,8 @@ def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -
         option=f"{probe_data.config_node}.truncate_questions",
         room=(context - probe_data.max_new_tokens) // 2 if probe_data.rag_prompts else 0,
     )
-    if recipe.preferences.max_new_tokens > probe_data.max_new_tokens:  # the answers may generate more
-        fit_questions(rows, recipe.templates, tokenizer, context, recipe.preferences.max_new_tokens, False, where)
+    if recipe.answers.max_new_tokens > probe_data.max_new_tokens:  # the answers may generate more
+        fit_questions(rows, recipe.templates, tokenizer, context, recipe.answers.max_new_tokens, False, where)
     return rows
 
 
@@ -139,6 +141,7 @@ def rerank_stage(
         questions = cross_fit_plan(questions, recipe.preferences.cross_fit, ctx.seed)
     stage = build_nq_rerank(
         recipe.preferences,
+        recipe.answers,
         recipe.llm,
         recipe.templates,
         probe,
