@@ -15,6 +15,7 @@ from confrag.instantiators import output_dir, run_command, settings_from, task_l
 from confrag.recipes import rerank_recipe
 from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_dataset, write_reranker_card
 from confrag.reports.rerank import write_rerank_report
+from confrag.reports.tables import metric_columns
 from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
@@ -56,8 +57,8 @@ def run(cfg: DictConfig, checked: Checked) -> dict[str, float]:
     if stage.probe.directory is not None:
         exports["probe"] = stage.probe.directory
     log_exports(loggers, exports, str(cfg.llm.name), {"rule": recipe.preferences.selection})
-    main = next(r for r in rows if r["system"] == stage.main)
-    return {f"test/{k}": v / 100 for k, v in main.items() if k != "system"}
+    main = next(r for r in rows if r["id"] == stage.main)
+    return {f"test/{k}": main[k] / 100 for k in metric_columns(main)}
 
 
 def publish(
