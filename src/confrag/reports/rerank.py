@@ -58,7 +58,7 @@ def base_summary(info: dict[str, Any]) -> str:
     if not info.get("trained"):
         return f"  base reranker: {base_line(info)} (base_reranker.train=false)"
     cached = ", read from the cache" if info.get("cached") else ""
-    return f"  base reranker: {base_line(info)} (dropped {info['dropped']}{cached})"
+    return f"  base reranker: {base_line(info)} (questions dropped: {info['dropped']}{cached})"
 
 
 def nq_rerank_summary(report: dict[str, Any]) -> str:

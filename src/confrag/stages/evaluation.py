@@ -91,8 +91,9 @@ def check_row(key: str, system: str, scorers: dict[str, Scorer]) -> str:
     """`system` (a config value, an id checked when the settings were) if this run has that Table 1 row."""
     if system not in scorers:
         raise ValueError(
-            f"{key}={system!r} is not a Table 1 row of this run; rows: {list(scorers)} (a rule's reranker needs "
-            "the rule in preferences.compare, relevance_ft needs preferences.relevance_baseline=true)"
+            f"{key}={system!r} is not a Table 1 row of this run; rows: {list(scorers)} (confidence_ft.<rule> needs "
+            "the rule in preferences.selection or preferences.compare, relevance_ft "
+            "preferences.relevance_baseline=true, bi_encoder retrieval.bi_encoder=true)"
         )
     return system
 
