@@ -11,6 +11,7 @@ import pytest
 from confrag.data.nq import Passage, QARow
 from confrag.data.splits import check_disjoint, plan_questions
 from confrag.reranker.preferences import ConfidenceShifts, build_rows, dataset_report, select_by_rank, select_by_utility
+from confrag.reranker.systems import ORACLE, PROBE
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 from confrag.stages.base_reranker import BaseRerankerSettings, relevance_training_rows
@@ -232,8 +233,8 @@ def test_probe_and_oracle_rankers_read_the_per_candidate_values():
     )
     scorers = diag.scorers()
     texts = [f"title a-d{j}\ntext a {j}" for j in range(4)]
-    assert scorers["probe as reranker"]("question a?", texts).tolist() == [0.1, 0.2, 0.9, 0.3]
-    assert scorers["utility oracle (upper bound)"]("question a?", texts).tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert scorers[PROBE]("question a?", texts).tolist() == [0.1, 0.2, 0.9, 0.3]
+    assert scorers[ORACLE]("question a?", texts).tolist() == [0.0, 0.0, 1.0, 0.0]
     summary = diag.summary()
     # correct candidates: confidences 0.9 and 0.5 rank above every wrong one except 0.4 < 0.5: AUROC 1.0
     assert summary["probe_auroc_on_candidates"] == pytest.approx(1.0)

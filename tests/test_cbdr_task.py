@@ -103,7 +103,7 @@ def test_sweep_arithmetic_from_the_saved_outcomes(first):
                 retrieve.mean()
             )
     # β = 0 is always retrieving: Table 2's accuracy of the same reranker on the same questions.
-    table2 = next(r for r in record["table2"] if r["reranker"] == cfg.cbdr.reranker and r["dataset"] == "NQ")
+    table2 = next(r for r in record["table2"] if r["id"] == cfg.cbdr.reranker and r["dataset"] == "NQ")
     for k in record["ks"]:
         assert rows[0][f"top{k}"] == table2[f"top{k}"]["value"] == np.mean([o.rag[k].has_answer for o in test])
     assert any(0 < row["retrieval_rate"] < 1 for row in rows)  # some β splits the questions
@@ -202,13 +202,32 @@ def test_the_default_grid_is_the_papers_and_beta_step_refines_it(tmp_path):
     assert len(fine) == 101 and np.allclose(np.diff(fine), 0.01) and fine[0] == 0.0 and fine[-1] == 1.0
 
 
-def test_unknown_reranker_names_list_the_rows(tmp_path):
-    settings = check_settings(compose_cfg([*TINY, "eval.base_reranker=nope"], tmp_path))
-    with pytest.raises(ValueError, match=r"eval\.base_reranker='nope' is not a Table 1 row; rows: \['BM25'"):
-        chosen_scorers(settings, {"BM25": None, "base + confidence FT (sign)": None})
-    settings = check_settings(compose_cfg([*TINY, "eval.rerankers=[BM25]"], tmp_path))
-    rows = {"BM25": 1, "base reranker": 2, "base + relevance FT": 3, "base + confidence FT (sign)": 4}
-    assert list(chosen_scorers(settings, rows)) == ["BM25", "base reranker", "base + confidence FT (sign)"]
+def test_a_row_this_run_does_not_build_is_named_with_the_runs_rows(tmp_path):
+    # Known ids pass the settings check; whether the run builds the row is checked against its rows.
+    settings = check_settings(compose_cfg([*TINY, "eval.base_reranker=confidence_ft.rank"], tmp_path))
+    with pytest.raises(
+        ValueError, match=r"eval\.base_reranker='confidence_ft\.rank' is not a Table 1 row of this run; rows: \['bm25'"
+    ):
+        chosen_scorers(settings, {"bm25": None, "confidence_ft.sign": None})
+    settings = check_settings(compose_cfg([*TINY, "eval.rerankers=[bm25]"], tmp_path))
+    rows = {"bm25": 1, "base": 2, "relevance_ft": 3, "confidence_ft.sign": 4}
+    assert list(chosen_scorers(settings, rows)) == ["bm25", "base", "confidence_ft.sign"]
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("cbdr.reranker=base reranker", "cbdr.reranker"),
+        ("eval.base_reranker=BM25", "eval.base_reranker"),
+        ("eval.rerankers=[bm25,confidence_ft.nope]", r"eval.rerankers\[1\]"),
+        ("eval.base_reranker=probe", "eval.base_reranker"),  # a diagnostic row is not a reranker to choose
+    ],
+)
+def test_a_reranker_that_is_not_a_known_id_is_refused_at_check_time(override, key, tmp_path):
+    value = override.split("=", 1)[1].strip("[]").split(",")[-1]
+    allowed = r"\('bm25', 'bi_encoder', 'base', 'relevance_ft', 'confidence_ft\.sign', 'confidence_ft\.rank', "
+    with pytest.raises(ValueError, match=rf"{key}={value!r} is not one of {allowed}"):
+        check_settings(compose_cfg([*TINY, override], tmp_path))
 
 
 def test_evaluation_needs_questions_the_probe_did_not_use(tmp_path):
@@ -263,9 +282,10 @@ def test_gold_paragraph_share_counts_the_questions_own_passages():
         with_contexts("q10", ["q1#0"], ["q1#0", "q100#0", "q3#0"]),
     ]
     assert gold_in_contexts(rows, 1) == pytest.approx(1 / 3) and gold_in_contexts(rows, 3) == pytest.approx(2 / 3)
-    table = secondary_markdown({"NQ": {"BM25": rows}}, (1, 3), gold_known=True).splitlines()
+    table = secondary_markdown({"NQ": {"bm25": rows}}, (1, 3), gold_known=True).splitlines()
     assert table[0].endswith("| gold ¶ in Top-1 | gold ¶ in Top-3 |") and table[2].endswith("| 33.3 | 66.7 |")
-    assert "gold" not in secondary_markdown({"NQ": {"BM25": rows}}, (1, 3))
+    assert table[2].startswith("| NQ | BM25 |")  # the row's label, from its id
+    assert "gold" not in secondary_markdown({"NQ": {"bm25": rows}}, (1, 3))
 
 
 def test_cbdr_results_choose_beta_on_dev_only(tmp_path):

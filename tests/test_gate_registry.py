@@ -107,7 +107,7 @@ def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, ti
             "names": ["always", "question_length"],
             "configs": {"always": shipped_config("always"), "question_length": CONFIG},
             "top_k": 1,
-            "reranker": "BM25",
+            "reranker": "bm25",
             "metric": "has_answer",
             "curves": {"question_length": {"param": "threshold", "values": None}},
             "curve_points": 3,

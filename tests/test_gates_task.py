@@ -187,6 +187,11 @@ def test_unknown_gate_group_option_lists_the_available_ones(tmp_path):
         ("gates.curves.cbdr.param=gamma", r"gates\.curves\.cbdr\.param='gamma'.*parameters: \['beta'\]"),
         ("gates.top_k=50", r"gates\.top_k=50 asks for more contexts than the retrieval\.top_n=6"),
         ("gates.metric=f1", r"gates\.metric='f1' is not one of"),
+        (  # a display label where an id belongs: refused with the ids
+            "gates.reranker='bi-encoder (MiniLM cosine)'",
+            r"gates\.reranker='bi-encoder \(MiniLM cosine\)' is not one of \('bm25', 'bi_encoder', 'base', "
+            r"'relevance_ft', 'confidence_ft\.sign', 'confidence_ft\.rank', 'confidence_ft\.utility'\)",
+        ),
     ],
 )
 def test_bad_settings_name_their_key(tmp_path, override, message):

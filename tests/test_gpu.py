@@ -23,9 +23,9 @@ from confrag.probe.module import ProbeModule
 from confrag.rag import load_outcomes_jsonl
 from confrag.recipes import reranker_recipe
 from confrag.reranker.module import RerankerModule
+from confrag.reranker.systems import BI_ENCODER, confidence_ft
 from confrag.retrieval import DenseRetriever, corpus_from_nq
 from confrag.stages.evaluation import slug
-from confrag.stages.rerank import confidence_ft
 from confrag.stages.rerankers import load_reranker
 from confrag.train import run_task
 
@@ -234,8 +234,8 @@ def test_rerank_task_trains_and_scores_on_the_gpu(tmp_path, devices):
     assert devices["RerankerModule.score"] == {"cuda"}  # Table 1 scored where the run trained
     assert record["training"]["confidence_shift"]["steps"] > 0
     assert np.isfinite(record["training"]["confidence_shift"]["train_loss"])
-    systems = [row["system"] for row in record["table1"]]
-    assert systems[1] == "bi-encoder (MiniLM cosine)" and confidence_ft("sign") in systems
+    systems = [row["id"] for row in record["table1"]]
+    assert systems[1] == BI_ENCODER and confidence_ft("sign") in systems
     if record["training"]["confidence_shift"]["steps"] >= cfg.trainer.log_every_n_steps:
         assert "train/loss" in csv_columns(out)
     # The exported reranker scores the same on both devices (fp32 inference).
@@ -265,7 +265,7 @@ def test_cbdr_task_runs_on_the_gpu_and_beta_zero_always_retrieves(tmp_path, devi
         if o.qid in test_qids
     ]
     always = float(np.mean([o.rag[k].has_answer for o in outcomes]))
-    beta_zero = next(r for r in record["table3"] if r["reranker"] == cfg.cbdr.reranker and r["beta"] == 0.0)
+    beta_zero = next(r for r in record["table3"] if r["id"] == cfg.cbdr.reranker and r["beta"] == 0.0)
     assert beta_zero["retrieval_rate"] == 1.0
     assert beta_zero[f"top{k}"] == record["metrics"]["test/always_retrieve_accuracy"] == always
     assert record["sweep"]["rows"][0]["beta"] == 0.0 and record["sweep"]["rows"][0][f"top{k}"] == always

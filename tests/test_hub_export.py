@@ -18,9 +18,9 @@ from confrag.tasks import rerank as rerank_task
 from helpers.runs import compose_cfg
 from helpers.settings import shipped_settings
 
-TABLE1 = [
-    {"system": "BM25", "MRR@5": 33.33, "Top-1": 20.0},
-    {"system": "base + confidence FT (sign)", "MRR@5": 41.5, "Top-1": 30.0},
+TABLE1 = [  # as the rerank stage's table1() writes them: the label, the id, the metrics
+    {"system": "BM25", "id": "bm25", "MRR@5": 33.33, "Top-1": 20.0},
+    {"system": "base + confidence FT (sign)", "id": "confidence_ft.sign", "MRR@5": 41.5, "Top-1": 30.0},
 ]
 ROWS = {
     "train": [
@@ -61,7 +61,7 @@ def run_facts(**overrides) -> RerankRun:
     values = dict(
         llm="smollm2_135m",
         backbone="minilm",
-        exported="base + confidence FT (sign)",
+        exported="confidence_ft.sign",
         rule="sign",
         reference="rag_empty",
         top_k=5,
@@ -88,6 +88,9 @@ def test_model_card_front_matter_and_body(tmp_path):
     assert card.data.library_name == "sentence-transformers" and "rule-sign" in card.data.tags
     text = card.text
     assert "n = 1 questions" in text and "| base + confidence FT (sign) | 41.50 | 30.00 |" in text
+    # The exported row named by its label (from its id); the id is no column of the card's table.
+    assert text.lstrip().startswith("# base + confidence FT (sign): a reranker aligned") and "confidence_ft" not in text
+    assert "| Reranker | MRR@5 | Top-1 |" in text
     assert "rule `sign`, reference `rag_empty`" in text and "2 train, 1 test rows" in text
     assert "python train.py +experiment=reranker_smollm2" in text and "cc-by-sa-3.0" in text
     # A backbone given by HF id is named as such.
@@ -172,7 +175,7 @@ def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeyp
     recipe = rerank_task.check(cfg).recipe
     out = tmp_path / "out"
     exported_folder(out)
-    stage = SimpleNamespace(main="base + confidence FT (sign)", preferences=SimpleNamespace(splits=ROWS))
+    stage = SimpleNamespace(main="confidence_ft.sign", preferences=SimpleNamespace(splits=ROWS))
     pushed = []
 
     def never(*args, **kwargs):

@@ -57,6 +57,7 @@ def check_rerank_outputs(out: Path) -> None:
         "base + relevance FT",
         "base + confidence FT (sign)",
     ]
+    assert [r["id"] for r in table] == ["bm25", "base", "relevance_ft", "confidence_ft.sign"]  # beside the labels
     assert all(0 <= r["MRR@5"] <= 100 for r in table)
     assert (out / "reranker" / "config.json").is_file() and (out / "table1.md").is_file()
     # What others load: the model card beside the weights, NQ_Rerank as parquet with its card.

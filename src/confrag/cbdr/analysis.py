@@ -19,6 +19,7 @@ from confrag.cbdr.sweep import (
     table3_markdown,
     with_conf_quantiles,
 )
+from confrag.reranker.systems import label
 
 
 @dataclass
@@ -26,8 +27,8 @@ class CBDRResults:
     grid: SweepResult  # on test, every β of the grid
     chosen: dict[str, Any]  # report_beta: β chosen on dev, reported on test
     at_beta: dict[str, float]  # cbdr.beta on dev and test
-    table3: str
-    table3_rows: list[dict[str, Any]]
+    table3: str  # Markdown, the rows by label
+    table3_rows: list[dict[str, Any]]  # each row's label in `reranker`, its system id in `id`
     flips: list[FlipReport]
     quantiles: np.ndarray  # the dev-Conf quantiles added to the grid (empty when none)
     confidence: dict[str, list[float]]  # split -> Conf(H(Q)) min, median, max
@@ -42,9 +43,11 @@ def cbdr_results(settings: CBDRSettings, dev: SweepData, test: SweepData, base_t
         result = sweep(data, [settings.beta], [settings.k])
         at_beta[f"{split}/accuracy_at_beta"] = float(result.accuracy[settings.k][0])
         at_beta[f"{split}/retrieval_rate_at_beta"] = float(result.retrieval_rate[0])
-    entries = [(settings.base, base_test, 0.0)] if settings.base != settings.reranker else []
-    entries += [(settings.reranker, test, beta) for beta in (0.0, *settings.table_betas)]
-    entries.append((f"{settings.reranker}, β chosen on dev ({settings.objective})", test, chosen["beta"]))
+    # (system id, the row's label in Table 3, outcomes, β)
+    ours = label(settings.reranker)
+    entries = [(settings.base, label(settings.base), base_test, 0.0)] if settings.base != settings.reranker else []
+    entries += [(settings.reranker, ours, test, beta) for beta in (0.0, *settings.table_betas)]
+    entries.append((settings.reranker, f"{ours}, β chosen on dev ({settings.objective})", test, chosen["beta"]))
     # Beside the configured pairs: always retrieving against the chosen β (whenever flips are counted at all).
     pairs = (
         [*settings.flip_pairs, *([(0.0, chosen["beta"])] if chosen["beta"] > 0 else [])] if settings.flip_pairs else []
@@ -53,13 +56,15 @@ def cbdr_results(settings: CBDRSettings, dev: SweepData, test: SweepData, base_t
     rows = [
         {
             "reranker": name,
+            "id": system,
             "beta": beta,
             **{k: v for k, v in sweep(data, [beta], settings.ks).rows()[0].items() if k != "beta"},
         }
-        for name, data, beta in entries
+        for system, name, data, beta in entries
     ]
     confidence = {
         split: [float(np.min(d.confidence)), float(np.median(d.confidence)), float(np.max(d.confidence))]
         for split, d in (("dev", dev), ("test", test))
     }
-    return CBDRResults(grid, chosen, at_beta, table3_markdown(entries, settings.ks), rows, flips, quantiles, confidence)
+    table3 = table3_markdown([(name, data, beta) for _, name, data, beta in entries], settings.ks)
+    return CBDRResults(grid, chosen, at_beta, table3, rows, flips, quantiles, confidence)

@@ -16,6 +16,7 @@ from confrag.cbdr.sweep import METRICS, OBJECTIVES, beta_grid, check_betas
 from confrag.infra import checks
 from confrag.llm.batching import check_batch_size
 from confrag.rag.settings import AnswerSettings, EvalSettings, as_list
+from confrag.reranker.systems import check_reranker
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,9 @@ class CBDRSettings:
     budget: float | None
     metric: str  # cbdr.metric (sweep)
     eval_metric: str  # eval.metric (Table 2)
-    base: str
-    reranker: str
-    rerankers: tuple[str, ...] | None  # eval.rerankers: Table 2's rows (None = every Table 1 row)
+    base: str  # eval.base_reranker: the id of Table 2's base row (`confrag.reranker.systems`)
+    reranker: str  # cbdr.reranker: the id of the row CBDR retrieves with
+    rerankers: tuple[str, ...] | None  # eval.rerankers: Table 2's rows by id (None = every Table 1 row)
     flip_examples: int
     gate_check_questions: int
     conf_quantiles: int  # that many quantiles of the dev split's Conf join the grid
@@ -85,7 +86,7 @@ def cbdr_settings(
         metric=cbdr["metric"],
         eval_metric=evaluation.metric,
         base=str(evaluation.base_reranker),
-        reranker=str(cbdr["reranker"]),
+        reranker=check_reranker(cbdr["reranker"], "cbdr.reranker"),
         rerankers=evaluation.rerankers,
         flip_examples=checks.non_negative_int(cbdr["flip_examples"], "cbdr.flip_examples"),
         gate_check_questions=checks.non_negative_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions"),

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from confrag.gates import GATES, Gate
 from confrag.infra import checks
 from confrag.rag.stats import BINARY_METRICS
+from confrag.reranker.systems import check_reranker
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class GateSettings:
     names: tuple[str, ...]
     configs: dict[str, dict[str, Any]]  # gates.configs.<name>: the `_target_` node of conf/gate/<name>.yaml
     top_k: int
-    reranker: str
+    reranker: str  # the id of the Table 1 row that orders the clean contexts (`confrag.reranker.systems`)
     metric: str
     curves: dict[str, CurveSpec]
     curve_points: int
@@ -121,7 +122,7 @@ def gate_settings(
         names=tuple(names),
         configs=configs,
         top_k=top_k,
-        reranker=str(section.reranker),
+        reranker=check_reranker(section.reranker, "gates.reranker"),
         metric=str(section.metric),
         curves=curves,
         curve_points=checks.integer(section.curve_points, "gates.curve_points", 2),

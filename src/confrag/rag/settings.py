@@ -15,6 +15,7 @@ from confrag.llm.generation import GreedyOptions
 from confrag.rag.answers import AnswerStore
 from confrag.rag.pipeline import check_ks
 from confrag.rag.stats import BINARY_METRICS
+from confrag.reranker.systems import check_reranker
 
 
 def as_list(value: Any) -> list:
@@ -64,8 +65,8 @@ class EvalSettings:
 
     num_questions: int | None  # a seeded sample of the NQ questions the probe did not use; None = all
     dev_fraction: float  # share of them used to choose β (dev); the rest is test
-    rerankers: tuple[str, ...] | None  # Table 2's rows (Table 1 names); None = all
-    base_reranker: str  # the row the others are tested against (McNemar)
+    rerankers: tuple[str, ...] | None  # Table 2's rows (Table 1 ids, `confrag.reranker.systems`); None = all
+    base_reranker: str  # the id of the row the others are tested against (McNemar)
     metric: str
     n_resamples: int  # bootstrap resamples of each 95 % interval
     hotpotqa_path: str | None  # HotpotQA (official JSON or JSONL); None = NQ only
@@ -84,5 +85,7 @@ class EvalSettings:
         checks.integer(self.num_questions, "eval.num_questions", 2, allow_none=True)
         checks.integer(self.hotpotqa_num_questions, "eval.hotpotqa_num_questions", 2, allow_none=True)
         checks.integer(self.n_resamples, "eval.n_resamples", 100)
+        check_reranker(self.base_reranker, "eval.base_reranker")
         if self.rerankers is not None:
-            object.__setattr__(self, "rerankers", tuple(str(r) for r in self.rerankers))
+            ids = tuple(check_reranker(r, f"eval.rerankers[{i}]") for i, r in enumerate(self.rerankers))
+            object.__setattr__(self, "rerankers", ids)

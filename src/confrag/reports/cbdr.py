@@ -16,8 +16,10 @@ from confrag.cbdr import flips_markdown, plot_beta_curve
 from confrag.cbdr.analysis import CBDRResults
 from confrag.cbdr.settings import CBDRSettings
 from confrag.reports.cbdr_chain import chain_markdown
-from confrag.reports.cbdr_setup import base_line, evaluation_pool_line, retrieval_line, stage_line
+from confrag.reports.cbdr_setup import evaluation_pool_line, stage_line
+from confrag.reports.rerank import base_line, retrieval_line
 from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
+from confrag.reranker.systems import label
 from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
 from confrag.stages.rerank import RerankStage
 
@@ -61,7 +63,8 @@ def run_record(
         "table2": plain(rows2),
         "table3": results.table3_rows,
         "sweep": {
-            "reranker": settings.reranker,
+            "reranker": label(settings.reranker),
+            "reranker_id": settings.reranker,
             "k": settings.k,
             "metric": settings.metric,
             "split": "test",
@@ -90,7 +93,8 @@ def run_record(
 
 
 def dev_accuracy(evaluation: RagEvaluation, settings: CBDRSettings) -> dict[str, dict[str, float]]:
-    """Every NQ row's accuracy (eval.metric) per K on the dev questions (diagnostic rows are test-only)."""
+    """Every NQ row's accuracy (eval.metric) per K on the dev questions, by system id (diagnostic rows are
+    test-only)."""
     dev = {r.qid for r in evaluation.splits["dev"]}
     out = {}
     for name, run in evaluation.runs[NQ].items():
@@ -195,7 +199,7 @@ def report_markdown(
         "",
         secondary_md,
         "",
-        f"## Table 3 — CBDR on NQ test ({settings.metric}, {settings.reranker} retrieving when it does)",
+        f"## Table 3 — CBDR on NQ test ({settings.metric}, {label(settings.reranker)} retrieving when it does)",
         "",
         results.table3,
         "",
@@ -255,6 +259,7 @@ def log_results(
                 {
                     "llm": r["llm"],
                     "reranker": r["reranker"],
+                    "id": r["id"],
                     "dataset": r["dataset"],
                     "n": r["n"],
                     # Accuracies and paired differences by their value; Holm p and detectable differences as they are.

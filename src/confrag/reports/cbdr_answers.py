@@ -9,8 +9,9 @@ import numpy as np
 
 from confrag.cbdr.settings import CBDRSettings
 from confrag.rag import QuestionOutcome, accuracy_ci, table2_markdown, table2_rows
+from confrag.reranker.systems import label, labelled
 
-Outcomes = dict[str, dict[str, list[QuestionOutcome]]]  # dataset -> reranker -> outcomes
+Outcomes = dict[str, dict[str, list[QuestionOutcome]]]  # dataset -> system id -> outcomes
 
 
 def table2(
@@ -21,8 +22,8 @@ def table2(
     seed: int,
     gold_of: dict[str, dict[str, str | None]] | None = None,
 ) -> tuple[list[dict], str]:
-    """Table 2's rows (and Markdown); with `gold_of` (dataset -> qid -> source id of the question's own
-    paragraph) each row also says how often that paragraph is among the Top-K contexts."""
+    """Table 2's rows (and Markdown) from outcomes by system id; with `gold_of` (dataset -> qid -> source id of
+    the question's own paragraph) each row also says how often that paragraph is among the Top-K contexts."""
     keyed = {
         (llm_name, reranker, dataset): outcomes
         for dataset, by_reranker in runs.items()
@@ -34,7 +35,8 @@ def table2(
         if sources:
             outcomes = runs[row["dataset"]][row["reranker"]]
             row.update({f"gold_top{k}": gold_in_contexts(outcomes, k, sources) for k in settings.ks})
-    return rows, table2_markdown(rows, settings.base, settings.ks)
+    rows = [labelled(row, "reranker") for row in rows]  # the label in `reranker`, the id in `id`
+    return rows, table2_markdown(rows, label(settings.base), settings.ks)
 
 
 def closed_book_line(runs: Outcomes, metric: str, n_resamples: int, seed: int) -> str:
@@ -80,5 +82,5 @@ def secondary_markdown(
             if gold_known:
                 sources = (gold_of or {}).get(dataset)
                 cells += [f"{100 * gold_in_contexts(outcomes, k, sources):.1f}" for k in ks]
-            lines.append(f"| {dataset} | {reranker} | " + " | ".join(cells) + " |")
+            lines.append(f"| {dataset} | {label(reranker)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

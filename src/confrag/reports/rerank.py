@@ -34,14 +34,31 @@ def rules_summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def base_summary(info: dict[str, Any]) -> str:
+def base_line(info: dict[str, Any]) -> str:
+    """What the base reranker is (the stage's `training["base"]`), in every report that names it."""
     if not info.get("trained"):
-        return "  base reranker: the backbone as it is (base_reranker.train=false)"
+        return "the backbone as it is"
     return (
-        f"  base reranker: {info['rows']} relevance rows from {info['questions']} questions no other stage uses "
-        f"(dropped {info['dropped']}), {info.get('steps', '?')} steps, trained in "
-        f"{info.get('train_seconds', float('nan')):.0f} s{' (read from the cache)' if info.get('cached') else ''}"
+        f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
+        f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s"
     )
+
+
+def retrieval_line(stats: dict[str, Any]) -> str:
+    """How often the retrieved candidates hold the question's gold paragraph and a gold answer (the retrieval
+    stage's `question_candidates` statistics), in every report that states it."""
+    return (
+        f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
+        f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
+    )
+
+
+def base_summary(info: dict[str, Any]) -> str:
+    """summary.txt's base line: `base_line` and, for this run, what was dropped and whether it was trained now."""
+    if not info.get("trained"):
+        return f"  base reranker: {base_line(info)} (base_reranker.train=false)"
+    cached = ", read from the cache" if info.get("cached") else ""
+    return f"  base reranker: {base_line(info)} (questions dropped: {info['dropped']}{cached})"
 
 
 def nq_rerank_summary(report: dict[str, Any]) -> str:
@@ -57,12 +74,8 @@ def nq_rerank_summary(report: dict[str, Any]) -> str:
         [
             f"NQ_Rerank — {report['questions']} questions, rows train {report['rows']['train']} / test "
             f"{report['rows']['test']}, dropped {report['dropped']}",
-            "  retrieval: gold passage retrieved for {:.1f} % of questions, an answer-bearing passage for {:.1f} %, "
-            "{} duplicate passages removed".format(
-                100 * report["retrieval"]["gold_retrieved"],
-                100 * report["retrieval"]["answer_in_candidates"],
-                report["retrieval"]["duplicate_passages_removed"],
-            ),
+            f"  candidates: {retrieval_line(report['retrieval'])}, "
+            f"{report['retrieval']['duplicate_passages_removed']} duplicate passages removed",
             by_ref,
             rules_summary(report),
         ]

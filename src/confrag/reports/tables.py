@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.loggers import Logger, WandbLogger
 
 
+def metric_columns(row: Mapping[str, Any]) -> list[str]:
+    """The metric columns of a Table 1 row {"system": label, "id": id, metric: value in %}."""
+    return [k for k in row if k not in ("system", "id")]
+
+
 def markdown_table(rows: list[dict], title: str) -> str:
-    """Rows of {"system", metric: value in %} as a bold title over a Markdown table (two decimals)."""
-    columns = [k for k in rows[0] if k != "system"]
+    """Table 1 rows ({"system": label, "id", metric: value in %}) as a bold title over a Markdown table (two
+    decimals), one line per label."""
+    columns = metric_columns(rows[0])
     lines = [f"**{title}**", "", "| Reranker | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     lines += ["| " + r["system"] + " | " + " | ".join(f"{r[c]:.2f}" for c in columns) + " |" for r in rows]
     return "\n".join(lines)

@@ -26,12 +26,9 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
 from confrag.reranker.preferences import confidence_shifts
+from confrag.reranker.systems import ORACLE, PROBE
 from confrag.retrieval import Candidates, document_text
 from confrag.stages.nq_rerank import candidate_utility
-
-PROBE_RANKER = "probe as reranker"
-ORACLE = "utility oracle (upper bound)"
-DIAGNOSTICS = (PROBE_RANKER, ORACLE)
 
 
 def lookup_scorer(candidates: Sequence[Candidates], values: Sequence[np.ndarray]):
@@ -56,8 +53,9 @@ class CandidateDiagnostics:
     correct: list[np.ndarray]  # the LLM's answer with that candidate alone holds a gold answer
 
     def scorers(self) -> dict[str, Any]:
+        """The diagnostic rows' scorers by system id."""
         return {
-            PROBE_RANKER: lookup_scorer(self.candidates, self.confidence),
+            PROBE: lookup_scorer(self.candidates, self.confidence),
             ORACLE: lookup_scorer(self.candidates, [c.astype(np.float64) for c in self.correct]),
         }
 

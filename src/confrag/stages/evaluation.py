@@ -88,14 +88,24 @@ def check_held_out(stage: RerankStage, rows: Sequence[QARow]) -> None:
             )
 
 
+def check_row(key: str, system: str, scorers: dict[str, Scorer]) -> str:
+    """`system` (a config value, an id checked when the settings were) if this run has that Table 1 row."""
+    if system not in scorers:
+        raise ValueError(
+            f"{key}={system!r} is not a Table 1 row of this run; rows: {list(scorers)} (confidence_ft.<rule> needs "
+            "the rule in preferences.selection or preferences.compare, relevance_ft "
+            "preferences.relevance_baseline=true, bi_encoder retrieval.bi_encoder=true)"
+        )
+    return system
+
+
 def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[str, Scorer]:
-    """Table 2's rows: `eval.rerankers` (or every Table 1 row); the base and CBDR's reranker always."""
+    """Table 2's rows by id: `eval.rerankers` (or every Table 1 row); the base and CBDR's reranker always."""
     names = list(scorers) if settings.rerankers is None else list(settings.rerankers)
     for key, name in [("eval.base_reranker", settings.base), ("cbdr.reranker", settings.reranker)] + [
         ("eval.rerankers", n) for n in names
     ]:
-        if name not in scorers:
-            raise ValueError(f"{key}={name!r} is not a Table 1 row; rows: {list(scorers)}")
+        check_row(key, name, scorers)
     keep = set(names) | {settings.base, settings.reranker}
     return {name: score for name, score in scorers.items() if name in keep}
 
@@ -147,8 +157,7 @@ def confidence_gate(
 ) -> ConfidenceGate:
     """CBDR for one question at a time: the stage's probe, retriever and `cbdr.reranker`, at `cbdr.beta`
     (or `beta`). Refuses a probe trained on another LLM, prompt template or layer."""
-    if settings.reranker not in stage.scorers:
-        raise ValueError(f"cbdr.reranker={settings.reranker!r} is not a Table 1 row; rows: {list(stage.scorers)}")
+    check_row("cbdr.reranker", settings.reranker, stage.scorers)
     return ConfidenceGate(
         llm,
         templates,
@@ -169,7 +178,7 @@ class RagEvaluation:
 
     splits: dict[str, list[QARow]]  # NQ dev / test
     sets: list[EvalSet]
-    runs: dict[str, dict[str, RagRun]]  # dataset -> reranker -> outcomes (diagnostic rows: test questions only)
+    runs: dict[str, dict[str, RagRun]]  # dataset -> system id -> outcomes (diagnostic rows: test questions only)
     answers: dict[str, int]  # AnswerStore counts: generated, reused
     gate_check: dict[str, Any]
     diagnostics: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # dataset -> summary

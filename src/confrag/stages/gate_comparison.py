@@ -35,7 +35,7 @@ from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, run_rag
 from confrag.rag.settings import AnswerSettings
-from confrag.stages.evaluation import check_held_out
+from confrag.stages.evaluation import check_held_out, check_row
 from confrag.stages.gate_questions import (
     CLEAN,
     CONDITIONS,
@@ -81,8 +81,7 @@ def prepare_gate_evaluation(
     """Everything that runs the LLM before the gates decide: answers in both conditions (cached per
     prompt in the run's cache), the signals the configured gates read, CtrlA's directions, and the timed
     parts. The question sets are split with the run's seed."""
-    if settings.reranker not in stage.scorers:
-        raise ValueError(f"gates.reranker={settings.reranker!r} is not a Table 1 row; rows: {list(stage.scorers)}")
+    check_row("gates.reranker", settings.reranker, stage.scorers)
     check_llm_signals(gates, llm)
     check_held_out(stage, rows)
     scorer, k = stage.scorers[settings.reranker], settings.top_k

@@ -32,6 +32,7 @@ from confrag.reranker.module import RerankerModule
 from confrag.reranker.preferences import relevance_rows
 from confrag.reranker.rows import candidate_lists
 from confrag.reranker.selection import DevTop1, dev_set
+from confrag.reranker.systems import BASE, BI_ENCODER, BM25, RELEVANCE_FT, confidence_ft, labelled
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
 from confrag.stages.cross_fit import FoldedReranker
@@ -42,15 +43,6 @@ from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retriev
 from confrag.stages.teachers import TEACHERS
 
 KS = (1, 3, 5)
-BM25, BI_ENCODER = "BM25", "bi-encoder (MiniLM cosine)"
-BASE = "base reranker"
-RELEVANCE_FT = "base + relevance FT"
-
-
-def confidence_ft(rule: str) -> str:
-    """The Table 1 / Table 2 name of the base fine-tuned on a preference rule's rows."""
-    return f"base + confidence FT ({rule})"
-
 
 Scorer = Callable[[str, list[str]], np.ndarray]  # (query, passages) -> one score per passage
 Reranker = RerankerModule | FoldedReranker  # what a cross-encoder row scores with
@@ -81,10 +73,10 @@ class RerankStage:
     questions: QuestionPlan  # who uses which question; the evaluation samples `questions.held_out`
     preferences: PreferenceStage
     base: BaseReranker
-    rerankers: dict[str, Reranker]  # Table 1's cross-encoder rows: the base first, the aligned ones last
-    scorers: dict[str, Scorer]  # every Table 1 row as (query, passages) -> scores
+    rerankers: dict[str, Reranker]  # Table 1's cross-encoder rows by id: the base first, the aligned ones last
+    scorers: dict[str, Scorer]  # every Table 1 row as (query, passages) -> scores, by id (`reranker.systems`)
     training: dict[str, Any]
-    main: str  # the row of the selection rule's reranker
+    main: str  # the id of the selection rule's reranker
 
     @property
     def table1_rows(self) -> list[dict]:
@@ -286,8 +278,8 @@ def dev_top1_split(
 
 
 def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_batch_size: int) -> dict[str, Scorer]:
-    """The rows of Table 1 as scoring functions (query, passages) → scores: BM25 and the bi-encoder over the
-    retrieval corpus (the passages must be in it), then each cross-encoder."""
+    """The rows of Table 1 as scoring functions (query, passages) → scores, by id: BM25 and the bi-encoder over
+    the retrieval corpus (the passages must be in it), then each cross-encoder."""
     index_of = {document_text(p): i for i, p in enumerate(retrieval.corpus.passages)}
 
     def corpus_indices(passages: list[str]) -> list[int]:
@@ -306,7 +298,8 @@ def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_ba
 
 
 def table1(systems: dict[str, Scorer], test_rows: list[dict], seed: int, progress: bool = True) -> list[dict]:
-    """P@K, R@K, MRR@K (K = 1, 3, 5) of every system on the preference test split's candidate lists."""
+    """P@K, R@K, MRR@K (K = 1, 3, 5) of every system on the preference test split's candidate lists: one row
+    each, its label in `system` and its id in `id`."""
     lists = candidate_lists(test_rows, seed)
     labels = [c["labels"] for c in lists]
     scores = {
@@ -316,4 +309,4 @@ def table1(systems: dict[str, Scorer], test_rows: list[dict], seed: int, progres
         ]
         for name, score in systems.items()
     }
-    return ranking_table(scores, labels, KS)
+    return [labelled(row, "system") for row in ranking_table(scores, labels, KS)]

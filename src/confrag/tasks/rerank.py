@@ -16,6 +16,7 @@ from confrag.instantiators import run_command, task_loggers
 from confrag.recipes import Exported, exported, rerank_recipe
 from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_dataset, write_reranker_card
 from confrag.reports.rerank import write_rerank_report
+from confrag.reports.tables import metric_columns
 from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
@@ -55,8 +56,8 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) ->
     if stage.probe.directory is not None:
         exports["probe"] = stage.probe.directory
     log_exports(loggers, exports, str(cfg.llm.name), {"rule": recipe.preferences.selection})
-    main = next(r for r in rows if r["system"] == stage.main)
-    return {f"test/{k}": v / 100 for k, v in main.items() if k != "system"}
+    main = next(r for r in rows if r["id"] == stage.main)
+    return {f"test/{k}": main[k] / 100 for k in metric_columns(main)}
 
 
 def publish(
