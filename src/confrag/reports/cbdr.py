@@ -27,7 +27,7 @@ CURVE_RANGE = (0.90, 1.00)  # the papers' Figure 8
 
 
 @dataclass(frozen=True)
-class RunContext:
+class ReportHeader:
     """What the report says about the run beside its results."""
 
     llm_name: str
@@ -125,7 +125,7 @@ def conf_summary(values: Sequence[float]) -> str:
 
 
 def report_markdown(
-    run: RunContext,
+    run: ReportHeader,
     stage: RerankStage,
     settings: CBDRSettings,
     rows1: list[dict],

@@ -97,7 +97,7 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -
     record["training"] = stage.training  # every fine-tuning's rows, steps and seconds (per fold when cross-fitted)
     record["folds"] = [[r.qid for r in fold] for fold in stage.questions.folds]
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))
-    run = report.RunContext(
+    run = report.ReportHeader(
         cfg.llm.name,
         out.name,
         recipe.retrieval.retriever,
