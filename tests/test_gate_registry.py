@@ -185,3 +185,31 @@ def test_a_signal_name_is_taken_once_and_cannot_shadow_the_signals_own_fields():
     with pytest.raises(ValueError, match="costs the part 'nowhere', which is not registered"):
         register_signal(Signal("lost", "a signal without its part", lambda inputs: {}, parts=("nowhere",)))
     assert "lost" not in SIGNALS
+
+
+def test_a_users_gate_chosen_with_gate_equals_is_named_by_its_id(registered):
+    """`gate=<name>` with a gate of the user's own: its rows, metrics and curves are keyed by `Gate.name`, not by
+    the class name; a curve naming no gate is refused instead of silently dropped."""
+    section = OmegaConf.create(
+        {
+            "names": ["always", "never"],
+            "configs": {"always": shipped_config("always"), "never": shipped_config("never")},
+            "top_k": 1,
+            "reranker": "bm25",
+            "metric": "has_answer",
+            "curves": {"question_length": {"param": "threshold", "values": None}},
+            "curve_points": 3,
+            "timing_questions": 2,
+            "draft_max_new_tokens": 2,
+            "internal_max_new_tokens": 2,
+            "batch_size": 2,
+            "n_resamples": 100,
+        }
+    )
+    settings = gate_settings(section, OmegaConf.create(CONFIG), top_n=3, candidates_file=False)
+    assert settings.names == ("always", "never", "question_length") and "question_length" in settings.curves
+    section.curves = {"question_lenght": {"param": "threshold", "values": None}}
+    with pytest.raises(ValueError, match=r"gates\.curves\.question_lenght: no gate has the id"):
+        gate_settings(section, OmegaConf.create(CONFIG), top_n=3, candidates_file=False)
+    with pytest.raises(ValueError, match=r"gate\._target_='builtins\.dict' is not a Gate subclass"):
+        gate_settings(section, OmegaConf.create({"_target_": "builtins.dict"}), top_n=3, candidates_file=False)

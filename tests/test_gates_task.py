@@ -192,6 +192,10 @@ def test_unknown_gate_group_option_lists_the_available_ones(tmp_path):
             r"gates\.reranker='bi-encoder \(MiniLM cosine\)' is not one of \('bm25', 'bi_encoder', 'base', "
             r"'relevance_ft', 'confidence_ft\.sign', 'confidence_ft\.rank', 'confidence_ft\.utility'\)",
         ),
+        (  # a known id of a row these settings do not build: refused before anything runs
+            "gates.reranker=bi_encoder",
+            r"gates\.reranker='bi_encoder' is not a Table 1 row of this run.*bi_encoder retrieval\.bi_encoder=true",
+        ),
     ],
 )
 def test_bad_settings_name_their_key(tmp_path, override, message):

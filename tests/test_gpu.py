@@ -25,7 +25,6 @@ from confrag.recipes import reranker_recipe
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.systems import BI_ENCODER, confidence_ft
 from confrag.retrieval import DenseRetriever, corpus_from_nq
-from confrag.stages.evaluation import slug
 from confrag.stages.rerankers import load_reranker
 from confrag.train import run_task
 
@@ -260,9 +259,7 @@ def test_cbdr_task_runs_on_the_gpu_and_beta_zero_always_retrieves(tmp_path, devi
     k = int(cfg.cbdr.top_k)
     test_qids = set(record["eval"]["test"])
     outcomes = [
-        o
-        for o in load_outcomes_jsonl(out / "outcomes" / "nq" / f"{slug(cfg.cbdr.reranker)}.jsonl")
-        if o.qid in test_qids
+        o for o in load_outcomes_jsonl(out / "outcomes" / "nq" / f"{cfg.cbdr.reranker}.jsonl") if o.qid in test_qids
     ]
     always = float(np.mean([o.rag[k].has_answer for o in outcomes]))
     beta_zero = next(r for r in record["table3"] if r["id"] == cfg.cbdr.reranker and r["beta"] == 0.0)

@@ -93,3 +93,11 @@ def test_the_utility_rule_answers_with_the_rag_node_itself(tmp_path: Path):
     recipe, answers, _ = evaluation_recipe(cfg)
     assert recipe.answers is answers and (answers.max_new_tokens, answers.chunk_size) == (7, 5)
     assert not {"max_new_tokens", "answer_batch_size", "answer_chunk_size"} & set(cfg.preferences)
+
+
+def test_a_moved_key_names_where_it_went(tmp_path: Path):
+    cfg = compose_cfg(["+experiment=cbdr_tiny_llama", "+preferences.max_new_tokens=8"], tmp_path)
+    with pytest.raises(
+        ValueError, match=r"unknown key\(s\) \['max_new_tokens'\].*preferences\.max_new_tokens is now rag"
+    ):
+        settings_from(PreferenceSettings, cfg.preferences, "preferences")

@@ -63,6 +63,14 @@ def run_context(cfg: DictConfig, output: str | Path | None = None) -> RunContext
     )
 
 
+# Keys that moved, so that an old command line is told where its key went (not only that it is unknown).
+MOVED = {
+    "preferences.max_new_tokens": "rag.max_new_tokens (the utility rule answers with the rag node's settings)",
+    "preferences.answer_batch_size": "rag.batch_size (the utility rule answers with the rag node's settings)",
+    "preferences.answer_chunk_size": "rag.chunk_size (the utility rule answers with the rag node's settings)",
+}
+
+
 def settings_from(cls: type[T], node: Any, key: str) -> T:
     """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes, and so are
     missing ones (a settings dataclass has no default for what its YAML node provides: docs/architecture.md,
@@ -71,7 +79,10 @@ def settings_from(cls: type[T], node: Any, key: str) -> T:
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ValueError(f"{key}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+        moved = [f"{key}.{k} is now {MOVED[f'{key}.{k}']}" for k in unknown if f"{key}.{k}" in MOVED]
+        raise ValueError(
+            f"{key}: unknown key(s) {unknown}; allowed: {sorted(fields)}" + (f" ({'; '.join(moved)})" if moved else "")
+        )
     required = {
         f.name
         for f in dataclasses.fields(cls)

@@ -117,7 +117,8 @@ def check_signal_names(names: Iterable[str], gate: str) -> None:
     if unknown:
         raise UnavailableSignalError(
             f"gate '{gate}' reads the signal(s) {', '.join(unknown)}, which no part of confrag computes; "
-            f"signals: {', '.join(sorted(SIGNALS))}"
+            f"signals: {', '.join(sorted(SIGNALS))} (a new one is one register_signal(Signal(...)) entry, as in "
+            "confrag/gates/signal_table.py)"
         )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from confrag.gates import GATES, Gate
@@ -57,7 +57,8 @@ def gate_from_config(name: str, config: dict[str, Any], **overrides: Any) -> Gat
 
 def selected_gate(gate_node: DictConfig, configs: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """The gate chosen with `gate=<name>` (conf/gate/<name>.yaml, plus any `gate.<key>=` overrides), named as
-    in gates.configs by its _target_ (a gate of the user's own keeps its class name)."""
+    in gates.configs by its _target_; a gate of the user's own by its id (`Gate.name`), as its rows, metrics
+    and `gates.curves.<id>` name it."""
     node = OmegaConf.to_container(gate_node, resolve=True)
     target = node.get("_target_") if isinstance(node, dict) else None
     if not target:
@@ -66,7 +67,15 @@ def selected_gate(gate_node: DictConfig, configs: dict[str, dict[str, Any]]) -> 
             f"{', '.join(sorted(configs))}); got {node!r}"
         )
     same = [name for name, config in configs.items() if config.get("_target_") == target]
-    return (same[0] if same else str(target).rsplit(".", 1)[-1]), node
+    if same:
+        return same[0], node
+    try:
+        cls = get_class(str(target))  # imports the gate's module, which registers it
+    except Exception as err:  # noqa: BLE001 - Hydra raises several kinds for a bad path
+        raise ValueError(f"gate._target_={target!r} cannot be imported: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Gate)):
+        raise ValueError(f"gate._target_={target!r} is not a Gate subclass")
+    return cls.name, node
 
 
 def gate_settings(
@@ -97,8 +106,10 @@ def gate_settings(
     curves = {}
     curve_section = section.get("curves")
     for name, spec in (OmegaConf.to_container(curve_section, resolve=True) if curve_section else {}).items():
-        if name not in gates:  # a curve of a gate that is not run this time
-            continue
+        if name not in gates:
+            if name in configs or name in GATES:  # a curve of a gate that is not run this time
+                continue
+            raise ValueError(f"gates.curves.{name}: no gate has the id {name!r}; gates: {', '.join(sorted(configs))}")
         if gates[name].curve_refusal is not None:
             curved = sorted(n for n, g in gates.items() if g.retrieves_below is not None and g.curve_refusal is None)
             raise ValueError(f"gates.curves.{name}: {gates[name].curve_refusal}; curves are for {', '.join(curved)}")

@@ -22,7 +22,7 @@ import dataclasses
 import gc
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,24 +88,32 @@ def check_held_out(stage: RerankStage, rows: Sequence[QARow]) -> None:
             )
 
 
-def check_row(key: str, system: str, scorers: dict[str, Scorer]) -> str:
-    """`system` (a config value, an id checked when the settings were) if this run has that Table 1 row."""
-    if system not in scorers:
+def check_row(key: str, system: str, rows: Collection[str]) -> str:
+    """`system` (a config value, an id) if this run has that Table 1 row: checked against the rows the recipe
+    plans before anything runs (`planned_rows`), and against the rows built once the stage has run."""
+    if system not in rows:
         raise ValueError(
-            f"{key}={system!r} is not a Table 1 row of this run; rows: {list(scorers)} (confidence_ft.<rule> needs "
+            f"{key}={system!r} is not a Table 1 row of this run; rows: {list(rows)} (confidence_ft.<rule> needs "
             "the rule in preferences.selection or preferences.compare, relevance_ft "
             "preferences.relevance_baseline=true, bi_encoder retrieval.bi_encoder=true)"
         )
     return system
 
 
-def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[str, Scorer]:
-    """Table 2's rows by id: `eval.rerankers` (or every Table 1 row); the base and CBDR's reranker always."""
-    names = list(scorers) if settings.rerankers is None else list(settings.rerankers)
+def check_chosen_rows(settings: CBDRSettings, rows: Collection[str]) -> list[str]:
+    """Table 2's rows by id (`eval.rerankers`, or every row of `rows`), each of `eval.base_reranker`,
+    `cbdr.reranker` and `eval.rerankers` checked to be one of `rows`."""
+    names = list(rows) if settings.rerankers is None else list(settings.rerankers)
     for key, name in [("eval.base_reranker", settings.base), ("cbdr.reranker", settings.reranker)] + [
         ("eval.rerankers", n) for n in names
     ]:
-        check_row(key, name, scorers)
+        check_row(key, name, rows)
+    return names
+
+
+def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[str, Scorer]:
+    """Table 2's rows by id: `eval.rerankers` (or every Table 1 row); the base and CBDR's reranker always."""
+    names = check_chosen_rows(settings, scorers)
     keep = set(names) | {settings.base, settings.reranker}
     return {name: score for name, score in scorers.items() if name in keep}
 
@@ -273,7 +281,7 @@ def evaluate(
 
 
 def save_outcomes(runs: dict[str, dict[str, RagRun]], folder: Path) -> None:
-    """Every question's outcomes as `folder/<dataset>/<reranker>.jsonl`."""
+    """Every question's outcomes as `folder/<dataset>/<system id>.jsonl` (e.g. `nq/confidence_ft.sign.jsonl`)."""
     for dataset, by_reranker in runs.items():
         for name, rag_run in by_reranker.items():
-            save_outcomes_jsonl(rag_run.outcomes, folder / slug(dataset) / f"{slug(name)}.jsonl")
+            save_outcomes_jsonl(rag_run.outcomes, folder / slug(dataset) / f"{name}.jsonl")

@@ -277,6 +277,18 @@ def dev_top1_split(
     return train_qids - dev_qids, dev
 
 
+def planned_rows(recipe: RerankRecipe) -> list[str]:
+    """The ids of the Table 1 rows `recipe` builds, known before anything runs (so a config naming another row is
+    refused at once); a compared rule that keeps no preference row is still left out when the stage runs."""
+    rows = [BM25]
+    if recipe.retrieval.retriever == "dense" or recipe.retrieval.bi_encoder:  # the dense index exists
+        rows.append(BI_ENCODER)
+    rows.append(BASE)
+    if recipe.preferences.relevance_baseline:
+        rows.append(RELEVANCE_FT)
+    return rows + [confidence_ft(rule) for rule in recipe.preferences.rules]
+
+
 def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_batch_size: int) -> dict[str, Scorer]:
     """The rows of Table 1 as scoring functions (query, passages) → scores, by id: BM25 and the bi-encoder over
     the retrieval corpus (the passages must be in it), then each cross-encoder."""

@@ -27,8 +27,8 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
-from confrag.stages.evaluation import RagEvaluation, confidence_gate, evaluate
-from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
+from confrag.stages.evaluation import RagEvaluation, check_chosen_rows, confidence_gate, evaluate
+from confrag.stages.rerank import RerankRecipe, RerankStage, planned_rows, rerank_stage, table1
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ def check(cfg: DictConfig) -> Checked:
     settings = cbdr_settings(
         plain(cfg.cbdr), answers, evaluation, recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )
+    check_chosen_rows(settings, planned_rows(recipe))  # a row this run does not build: refused before it runs
     return Checked(recipe, answers, evaluation, settings)
 
 

@@ -25,11 +25,11 @@ from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
-from confrag.stages.evaluation import evaluation_rows
+from confrag.stages.evaluation import check_row, evaluation_rows
 from confrag.stages.gate_comparison import GateEvaluation, prepare_gate_evaluation
 from confrag.stages.gate_questions import check_before_any_stage
 from confrag.stages.gate_scoring import run_gates, threshold_curves
-from confrag.stages.rerank import RerankRecipe, rerank_stage
+from confrag.stages.rerank import RerankRecipe, planned_rows, rerank_stage
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ def check(cfg: DictConfig) -> Checked:
     gates = gate_settings(
         cfg.get("gates"), cfg.get("gate"), recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )
+    check_row("gates.reranker", gates.reranker, planned_rows(recipe))  # refused before anything runs
     return Checked(recipe, answers, evaluation, gates)
 
 
