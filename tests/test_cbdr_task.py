@@ -81,6 +81,14 @@ def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
     assert first.record["chosen_beta"]["objective"] == "accuracy"
 
 
+def test_the_rows_planned_at_check_time_are_the_rows_the_run_built(first):
+    """`planned_rows` (what the settings check refuses against) and the stage's rows cannot drift apart."""
+    from confrag.stages.rerank import planned_rows
+
+    planned = planned_rows(cbdr_task.check(first.cfg).recipe)
+    assert planned == [row["id"] for row in first.record["table1"]]
+
+
 def test_evaluation_questions_are_held_out_and_split(first):
     cfg = first.cfg
     probe_qids = {
