@@ -545,3 +545,25 @@ def test_exclusive_is_reentrant_and_excludes_other_threads(tmp_path):
         order.append("released")
     other.join(timeout=30)
     assert order == ["nested", "released", "other"]
+
+
+def test_claimed_first_leaves_an_item_another_process_is_on_for_last(tmp_path):
+    """Two processes filling one cache (e.g. the fold rerankers of a cross-fitted run) work on different items
+    instead of queueing on the same one; the results come back in the items' order whatever the claims were."""
+    from filelock import FileLock
+
+    from confrag.infra.locks import claimed_first
+
+    other = FileLock(str(tmp_path / "0.claim"))  # another process is on item 0
+    other.acquire()
+    order = []
+
+    def run(item):
+        order.append(item)
+        if item == 1:
+            other.release()  # ... and finishes it meanwhile
+        return item * 10
+
+    assert claimed_first(range(3), lambda i: tmp_path / f"{i}.claim", run, "item") == [0, 10, 20]
+    assert order == [1, 2, 0]
+    assert claimed_first(range(2), lambda i: tmp_path / f"{i}.claim", lambda i: -i, "item") == [0, -1]

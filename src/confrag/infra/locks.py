@@ -62,6 +62,29 @@ def try_claim(lock_path: Path | str) -> FileLock | None:
     return lock
 
 
+def claimed_first(items: Sequence[Any], lock_path: Callable[[Any], Path], run: Callable[[Any], Any], what: str) -> list:
+    """`run(item)` for every item, in the order of `items` in the result. Each runs while this process holds the
+    item's claim `lock_path(item)`: an item another process is already on is left for last and then waited for
+    (its results are cached by then), so processes filling one cache work on different items at once instead of
+    queueing on the same one. Only the order of the work depends on the claims, never a result."""
+    results: dict[int, Any] = {}
+    deferred = []
+    for i, item in enumerate(items):
+        claim = try_claim(lock_path(item))
+        if claim is None:
+            log.info("%s %d: another process is on it; taking the next one first", what, i)
+            deferred.append(i)
+            continue
+        try:
+            results[i] = run(item)
+        finally:
+            claim.release()
+    for i in deferred:
+        with exclusive(lock_path(items[i]), f"{what} {i}"):
+            results[i] = run(items[i])
+    return [results[i] for i in range(len(items))]
+
+
 def compute_shards(
     jobs: Sequence[tuple[Any, Callable[[int, int], Any]]],  # (ShardedArtifact, fn): confrag.infra.sharded imports this
     desc: str = "shards",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ from tqdm.auto import tqdm
 
 from confrag.data.nq import QARow, load_nq_jsonl
 from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions
+from confrag.infra.digests import fingerprint
+from confrag.infra.locks import claimed_first
 from confrag.infra.run_context import RunContext
 from confrag.llm.context import fit_questions
 from confrag.llm.loading import prompt_tokenizer
@@ -153,19 +156,19 @@ def rerank_stage(
     rerankers: dict[str, Reranker] = {BASE: base.module}
     training: dict[str, Any] = {"base": base.info}
     if questions.folds:
-        by_fold = [
-            aligned_rerankers(
-                recipe,
-                ctx,
-                stage,
-                {r.qid for r in questions.training_questions(f)},
-                base,
-                f"_fold{f}",
-                [],
-                run_config,
-            )
-            for f in range(len(questions.folds))
-        ]
+        train_qids = [{r.qid for r in questions.training_questions(f)} for f in range(len(questions.folds))]
+
+        def fold_claim(f: int) -> Path:  # which process trains which fold's rerankers (a scheduling hint only)
+            base_key = base.directory.name if base.directory else None
+            key = fingerprint({"train": sorted(train_qids[f]), "rules": recipe.preferences.rules, "base": base_key})
+            return ctx.cache_dir / "rerankers" / f".fold-{key}.claim"
+
+        by_fold = claimed_first(
+            range(len(questions.folds)),
+            fold_claim,
+            lambda f: aligned_rerankers(recipe, ctx, stage, train_qids[f], base, f"_fold{f}", [], run_config),
+            "the aligned rerankers of fold",
+        )
         for name in by_fold[0][0]:
             rerankers[name] = FoldedReranker([fold[0][name] for fold in by_fold], questions.fold_of_question)
         training.update({f"fold{f}": fold[1] for f, fold in enumerate(by_fold)})
