@@ -38,3 +38,18 @@ def test_one_wording_per_fact_in_both_reports():
     assert f"  candidates: {retrieval_line(RETRIEVAL)}, 3 duplicate passages removed" in nq_rerank_summary(report)
     # The cbdr report reads the same functions (its text is unchanged by sharing them).
     assert cbdr_report.base_line is base_line and cbdr_report.retrieval_line is retrieval_line
+
+
+def test_the_chain_says_which_rules_labels_got_no_reranker():
+    """Every rule's labels are measured, only the compared rules are trained: the chain must not invite a
+    `cbdr.reranker=confidence_ft.<rule>` for a rule that has no reranker in this run."""
+    from types import SimpleNamespace
+
+    from confrag.reports.cbdr_chain import chain_markdown
+
+    gold = {"gold": {"gold_in_pos_rate": 0.8, "gold_in_neg_rate": 0.01}, "kept": 9}
+    report = {"by_selection": {"sign": gold, "rank": gold}, "rules": {"sign": {}}}
+    stage = SimpleNamespace(preferences=SimpleNamespace(report=report))
+    text = chain_markdown(stage, [], {}, [1])
+    assert "| labels: rule sign | " in text
+    assert "| labels: rule rank (no reranker: not in preferences.compare) | " in text

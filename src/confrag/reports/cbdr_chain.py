@@ -48,9 +48,12 @@ def chain_markdown(
             f"mean rank {d['probe_gold_mean_rank'] or float('nan'):.1f}); answers | "
             f"{pct(d['probe_gold_first'])}; {answer_cells(PROBE)} |"
         )
+    trained = report.get("rules", {})
     for rule, r in report.get("by_selection", {}).items():
+        # Every rule's labels are measured (cheap); only the compared rules get a reranker and a row below.
+        untrained = "" if not trained or rule in trained else " (no reranker: not in preferences.compare)"
         lines.append(
-            f"| labels: rule {rule} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
+            f"| labels: rule {rule}{untrained} | NQ_Rerank questions: gold passage in pos / neg, rows kept | "
             f"{pct(r['gold']['gold_in_pos_rate'])} / {pct(r['gold']['gold_in_neg_rate'])}, {r['kept']} |"
         )
     for system in [s for s in by_id if s not in (PROBE, ORACLE)]:
