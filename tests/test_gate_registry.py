@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from confrag.data.nq import Passage, QARow
 from confrag.gates import GATES, SIGNALS, Decision, Gate, GateSignals, Part, Signal, register_signal
@@ -90,22 +90,12 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture
-def registered():
-    """The signal registered the way a module would at import (the registries are restored after the test)."""
-    register_signal(QUESTION_WORDS)
-    yield
-
-
-def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, tiny_llama, templates):
-    assert GATES["question_length"] is QuestionLengthGate and SIGNALS["question_words"] is QUESTION_WORDS
-    rows = [QARow(f"q{i}", q, ("Paris",), (Passage("Gold", "Paris"),)) for i, q in enumerate(QUESTIONS)]
-    train, test = rows[:3], rows[3:]
-    # The run's settings path: the `gates` node with the new gate's config beside a shipped one.
-    section = OmegaConf.create(
+def gates_node(configs: dict) -> DictConfig:
+    """The run's `gates` node over `configs` (run in this order), the new gate's curve asked for."""
+    return OmegaConf.create(
         {
-            "names": ["always", "question_length"],
-            "configs": {"always": shipped_config("always"), "question_length": CONFIG},
+            "names": list(configs),
+            "configs": configs,
             "top_k": 1,
             "reranker": "bm25",
             "metric": "has_answer",
@@ -118,6 +108,21 @@ def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, ti
             "n_resamples": 100,
         }
     )
+
+
+@pytest.fixture
+def registered():
+    """The signal registered the way a module would at import (the registries are restored after the test)."""
+    register_signal(QUESTION_WORDS)
+    yield
+
+
+def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, tiny_llama, templates):
+    assert GATES["question_length"] is QuestionLengthGate and SIGNALS["question_words"] is QUESTION_WORDS
+    rows = [QARow(f"q{i}", q, ("Paris",), (Passage("Gold", "Paris"),)) for i, q in enumerate(QUESTIONS)]
+    train, test = rows[:3], rows[3:]
+    # The run's settings path: the `gates` node with the new gate's config beside a shipped one.
+    section = gates_node({"always": shipped_config("always"), "question_length": CONFIG})
     settings = gate_settings(section, None, top_n=3, candidates_file=False)
     gates = {name: settings.build(name) for name in settings.names}
     check_llm_signals(gates, tiny_llama)  # the new signal is known, and needs nothing of the LLM
@@ -190,22 +195,7 @@ def test_a_signal_name_is_taken_once_and_cannot_shadow_the_signals_own_fields():
 def test_a_users_gate_chosen_with_gate_equals_is_named_by_its_id(registered):
     """`gate=<name>` with a gate of the user's own: its rows, metrics and curves are keyed by `Gate.name`, not by
     the class name; a curve naming no gate is refused instead of silently dropped."""
-    section = OmegaConf.create(
-        {
-            "names": ["always", "never"],
-            "configs": {"always": shipped_config("always"), "never": shipped_config("never")},
-            "top_k": 1,
-            "reranker": "bm25",
-            "metric": "has_answer",
-            "curves": {"question_length": {"param": "threshold", "values": None}},
-            "curve_points": 3,
-            "timing_questions": 2,
-            "draft_max_new_tokens": 2,
-            "internal_max_new_tokens": 2,
-            "batch_size": 2,
-            "n_resamples": 100,
-        }
-    )
+    section = gates_node({"always": shipped_config("always"), "never": shipped_config("never")})
     settings = gate_settings(section, OmegaConf.create(CONFIG), top_n=3, candidates_file=False)
     assert settings.names == ("always", "never", "question_length") and "question_length" in settings.curves
     section.curves = {"question_lenght": {"param": "threshold", "values": None}}

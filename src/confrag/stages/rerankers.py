@@ -98,7 +98,8 @@ def ensure_reranker(
     key_settings = {**(trainer_settings or {}), **({"select_on_dev_top1": dev.key()} if dev is not None else {})}
     directory = reranker_cache_dir(recipe, ctx.cache_dir, train_rows, start_from, key_settings or None, model_overrides)
     marker = directory / "confrag_training.json"
-    if recipe.fast_dev_run:
+
+    def train() -> tuple[RerankerModule, dict[str, Any]]:
         return _train(
             recipe,
             ctx.output_dir,
@@ -112,6 +113,9 @@ def ensure_reranker(
             model_overrides,
             dev,
         )
+
+    if recipe.fast_dev_run:
+        return train()
     # One process trains it; another one asking at the same time waits, then reads it.
     with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
         problem = folder_problem(directory) if marker.is_file() else "is not trained yet"
@@ -121,19 +125,7 @@ def ensure_reranker(
         if directory.exists():
             log.warning("Cached reranker %s: %s; training it again.", directory, problem)
             marker.unlink(missing_ok=True)
-        return _train(
-            recipe,
-            ctx.output_dir,
-            train_rows,
-            name,
-            loggers,
-            run_config,
-            directory,
-            start_from,
-            trainer_settings,
-            model_overrides,
-            dev,
-        )
+        return train()
 
 
 def _train(
