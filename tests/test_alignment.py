@@ -14,7 +14,7 @@ from confrag.reranker.preferences import ConfidenceShifts, build_rows, dataset_r
 from confrag.reranker.systems import ORACLE, PROBE
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
-from confrag.stages.base_reranker import BaseRerankerSettings, relevance_training_rows
+from confrag.stages.base_reranker import BASE_MODEL_SETTINGS, BaseRerankerSettings, relevance_training_rows
 from confrag.stages.diagnostics import CandidateDiagnostics, lookup_scorer
 from confrag.stages.nq_rerank import PreferenceSettings, candidate_utility
 from confrag.stages.rerankers import RerankerRecipe, reranker_cache_dir
@@ -174,6 +174,36 @@ def test_the_base_reranker_key_changes_with_its_questions(tmp_path):
     plain = reranker_cache_dir(recipe, tmp_path, rows_a)
     assert reranker_cache_dir(recipe, tmp_path, rows_a, model_overrides={"lr": 3e-4}) != plain
     assert reranker_cache_dir(recipe, tmp_path, rows_a, model_overrides={"lora": None, "lr": 6e-5}) == plain
+
+
+def test_the_base_ignores_the_alignment_options_in_its_model_and_its_key(tmp_path):
+    """model.distill_weight / model.lora are the aligned rerankers' options: trying one must neither hand the base
+    a distillation it has no teacher scores for nor change (and so retrain) the base."""
+    made = []
+    rows = [{"query": "who?", "pos": ["a"], "neg": ["b"]}]
+    model = {"backbone": "minilm", "lr": 6e-5, "lora": None, "distill_weight": 0.0, "distill_tau": None}
+
+    def recipe(**model_settings):
+        return RerankerRecipe(
+            make_model=lambda **kw: made.append(kw),
+            make_datamodule=None,
+            make_trainer=None,
+            identity={"model": {**model, **model_settings}, "seed": 0},
+        )
+
+    plain = recipe()
+    aligned = recipe(distill_weight=1.0, distill_tau=0.05, lora={"r": 16})
+    assert reranker_cache_dir(plain, tmp_path, rows) != reranker_cache_dir(aligned, tmp_path, rows)
+    base_plain = plain.with_model_settings(**BASE_MODEL_SETTINGS)
+    base_aligned = aligned.with_model_settings(**BASE_MODEL_SETTINGS)
+    # The same base whatever the alignment options, and the key the base had before they were fixed.
+    assert reranker_cache_dir(base_aligned, tmp_path, rows) == reranker_cache_dir(plain, tmp_path, rows)
+    assert reranker_cache_dir(base_plain, tmp_path, rows, model_overrides={"lr": 3e-4}) == reranker_cache_dir(
+        base_aligned, tmp_path, rows, model_overrides={"lr": 3e-4}
+    )
+    base_aligned.make_model(backbone="dir", lr=3e-4)
+    assert made == [{**BASE_MODEL_SETTINGS, "backbone": "dir", "lr": 3e-4}]
+    assert aligned.identity["model"]["distill_weight"] == 1.0  # the aligned recipe itself is left as it was
 
 
 def test_base_settings_refuse_bad_values():

@@ -31,6 +31,11 @@ from confrag.stages.retrieval import Retrieval, question_candidates
 
 log = logging.getLogger(__name__)
 
+# The model settings of the aligned rerankers that the base does not take: it is a full fine-tuning (whatever
+# model.lora) on relevance rows, which carry no teacher scores to distil (whatever model.distill_weight). Fixed
+# here, they are out of its cache key too: trying an alignment option reuses the base instead of retraining it.
+BASE_MODEL_SETTINGS: dict[str, Any] = {"lora": None, "distill_weight": 0.0, "distill_tau": None}
+
 
 @dataclass(frozen=True)
 class BaseRerankerSettings:
@@ -111,8 +116,9 @@ def ensure_base_reranker(
     ctx: RunContext,
 ) -> BaseReranker:
     """The base: trained on `rows` (questions no other stage uses) and cached by key, or the backbone."""
+    recipe = recipe.with_model_settings(**BASE_MODEL_SETTINGS)
     if not settings.train:
-        return BaseReranker(recipe.make_model(lora=None), None, {"trained": False})
+        return BaseReranker(recipe.make_model(), None, {"trained": False})
     start = time.perf_counter()
     candidates, stats = question_candidates(retrieval, rows, top_n=settings.negatives_top_n)
     train_rows, dropped = relevance_training_rows(
@@ -129,7 +135,7 @@ def ensure_base_reranker(
             )
         raise ValueError(f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); {hint}")
     trainer_settings = {"max_epochs": settings.max_epochs}
-    overrides: dict[str, Any] = {"lora": None}  # the base is a full fine-tuning whatever model.lora the others use
+    overrides: dict[str, Any] = {}
     if settings.lr is not None:
         overrides["lr"] = float(settings.lr)
     directory = reranker_cache_dir(

@@ -7,6 +7,7 @@ being trained again, so a sweep over τ or K trains only what its values reach.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -44,6 +45,14 @@ class RerankerRecipe:
     eval_batch_size: int = 32
     fast_dev_run: bool = False  # a smoke run: nothing read from or written to the cache
     device: str | None = None  # where the rerankers score ("cuda" with the GPU trainer)
+
+    def with_model_settings(self, **settings: Any) -> RerankerRecipe:
+        """This recipe with `settings` fixed in its `model` node, in the models it makes and in its cache identity:
+        for a reranker that some settings do not concern (the base ignores the alignment's LoRA and distillation,
+        so changing those must neither change nor retrain it)."""
+        make_model = self.make_model
+        identity = {**self.identity, "model": {**self.identity.get("model", {}), **settings}}
+        return dataclasses.replace(self, make_model=lambda **kw: make_model(**{**settings, **kw}), identity=identity)
 
 
 def reranker_cache_dir(
