@@ -3,6 +3,8 @@ relevance ablation's labels, and bad settings named by their key."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -80,6 +82,32 @@ def test_interrupted_preference_build_resumes_to_the_same_rows(setting, tiny_lla
         assert np.array_equal(resumed.reference[ref], reference.reference[ref])
     assert all(np.array_equal(a, b) for a, b in zip(resumed.candidates, reference.candidates))
     assert build_rows(setting["candidates"], resumed, "qa", 2) == build_rows(setting["candidates"], reference, "qa", 2)
+
+
+def test_questions_within_an_extracted_set_read_its_states_instead_of_extracting_again(
+    setting, tiny_llama, templates, tmp_path
+):
+    """The evaluation's diagnostics of cross-fitted questions read NQ_Rerank's states (they were extracted
+    again under the test questions' key before: ~12,000 prompts at full size)."""
+    engine = CountingEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False)
+    whole = shifts_with(setting, tiny_llama, templates, tmp_path, engine)
+    calls = engine.calls
+    some = [setting["candidates"][i] for i in (4, 1, 2)]
+    kwargs = dict(engine=engine, cache_dir=tmp_path, shard_size=4, progress=False)
+    read = confidence_shifts(tiny_llama, templates, setting["probe"], some, within=setting["candidates"], **kwargs)
+    assert engine.calls == calls  # nothing extracted
+    for ref in ("qa", "rag_empty"):
+        assert np.array_equal(read.reference[ref], whole.reference[ref][[4, 1, 2]])
+    assert all(np.array_equal(a, whole.candidates[i]) for a, i in zip(read.candidates, (4, 1, 2)))
+    # The same questions extracted under their own key agree with what was read.
+    own = confidence_shifts(tiny_llama, templates, setting["probe"], some, **kwargs)
+    assert engine.calls > calls
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(read.candidates, own.candidates))
+    # A question whose passages differ from the extracted set's is not taken from it.
+    changed = [some[0], dataclasses.replace(some[1], passages=some[1].passages[::-1])]
+    calls = engine.calls
+    confidence_shifts(tiny_llama, templates, setting["probe"], changed, within=setting["candidates"], **kwargs)
+    assert engine.calls > calls
 
 
 def test_probe_of_another_llm_is_refused(setting, tiny_llama, tiny_qwen2, templates, tmp_path):

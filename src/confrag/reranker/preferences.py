@@ -67,11 +67,23 @@ def confidence_shifts(
     qa_states: np.ndarray | None = None,
     shard_size: int = 256,
     progress: bool = True,
+    within: Sequence[Candidates] | None = None,
 ) -> ConfidenceShifts:
     """Conf of every reference prompt and every (question, candidate) RAG prompt, through the cache.
 
     `qa_states` are these questions' QA-prompt states at the probe's layer, read from the probe
-    stage's activation cache; when given they are used instead of being extracted again."""
+    stage's activation cache; when given they are used instead of being extracted again. `within`: candidate
+    sets whose states an earlier stage cached (NQ_Rerank's); when every set of `candidate_sets` is one of them
+    (same question, same passages in the same order), their states are read from that artifact instead of
+    being extracted again under another question set's key."""
+    picked = subset_positions(candidate_sets, within) if within is not None and qa_states is None else None
+    if picked is not None:
+        whole = confidence_shifts(
+            llm, templates, probe, within, engine=engine, cache_dir=cache_dir, shard_size=shard_size, progress=progress
+        )
+        return ConfidenceShifts(
+            {kind: values[picked] for kind, values in whole.reference.items()}, [whole.candidates[i] for i in picked]
+        )
     layer = probe.layer
     probe.check(llm.identity, templates.identity(llm.tokenizer), layer)
     questions = [c.question for c in candidate_sets]
@@ -118,6 +130,23 @@ def confidence_shifts(
         conf, stage="Inc", artifact="Conf of the RAG prompts", rows=[c.qid for c in candidate_sets for _ in c.passages]
     )
     return ConfidenceShifts(reference, [conf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def subset_positions(candidate_sets: Sequence[Candidates], within: Sequence[Candidates]) -> np.ndarray | None:
+    """The position in `within` of each of `candidate_sets` (by qid, the question and its passages equal, in
+    order), or None if any is not there."""
+
+    def content(c: Candidates) -> tuple:
+        return (c.question, tuple((p.title, p.text) for p in c.passages))
+
+    where = {c.qid: (i, content(c)) for i, c in enumerate(within)}
+    positions = []
+    for c in candidate_sets:
+        found = where.get(c.qid)
+        if found is None or found[1] != content(c):
+            return None
+        positions.append(found[0])
+    return np.asarray(positions, dtype=np.int64)
 
 
 def select_by_sign(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:

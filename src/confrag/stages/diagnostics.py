@@ -98,11 +98,13 @@ def candidate_diagnostics(
     store: AnswerStore,
     extract_batch_size: int,
     ctx: RunContext,
+    within: Sequence[Candidates] | None = None,
 ) -> CandidateDiagnostics:
-    """Conf(Q + C) of every candidate (through the run's activation cache) and the LLM's answer under each
+    """Conf(Q + C) of every candidate (through the run's activation cache; read from NQ_Rerank's states when
+    `within`, its candidate sets, holds these questions, as when cross-fitted) and the LLM's answer under each
     (through the answer cache)."""
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=ctx.progress)
     shifts = confidence_shifts(
-        llm, templates, probe, candidates, engine=engine, cache_dir=ctx.cache_dir, progress=ctx.progress
+        llm, templates, probe, candidates, engine=engine, cache_dir=ctx.cache_dir, progress=ctx.progress, within=within
     )
     return CandidateDiagnostics(list(candidates), shifts.candidates, candidate_utility(store, candidates))

@@ -254,8 +254,9 @@ def evaluate(
                 rows = [r for r in s.rows if s.dataset != NQ or r.qid in test]
                 chosen = [c for c in s.candidates if s.dataset != NQ or c.qid in test]
                 diagnostics = candidate_diagnostics(
-                    llm, templates, stage.probe, chosen, store, answers.extract_batch_size, ctx
-                )
+                    llm, templates, stage.probe, chosen, store, answers.extract_batch_size, ctx,
+                    within=stage.preferences.candidates,
+                )  # fmt: skip
                 summaries[s.dataset] = diagnostics.summary()
                 for name, scorer in diagnostics.scorers().items():
                     runs[s.dataset][name] = run_rag(
