@@ -7,6 +7,7 @@ line, its steps, training seconds and the share of evaluated questions whose own
 their top-8 BM25 candidates, beside BM25's own share. The rerankers are cached under `--cache`.
 
     python experiments/base_reranker_settings.py lr=6e-5 lr=3e-4 lr=3e-4,neg=3,n=240 lr=3e-4,epochs=2
+    python experiments/base_reranker_settings.py lr=1e-3,neg=3,n=240,warmup=0.1
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from confrag.stages.rerankers import ensure_reranker
 from confrag.stages.retrieval import build_retrieval, question_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"lr": float, "n": int, "neg": int, "epochs": int}
+KEYS = {"lr": float, "n": int, "neg": int, "epochs": int, "warmup": float}
 
 
 def setting(text: str) -> dict:
@@ -45,7 +46,10 @@ def setting(text: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "settings", nargs="+", type=setting, help="lr=..,n=..,neg=..,epochs=.. (n 120, neg 7, epochs 1)"
+        "settings",
+        nargs="+",
+        type=setting,
+        help="lr=..,n=..,neg=..,epochs=..,warmup=.. (n 120, neg 7, epochs 1; warmup: model.warmup_ratio)",
     )
     parser.add_argument("--cache", default=str(ROOT / ".cache" / "base_reranker_settings"))
     parser.add_argument("--seed", type=int, default=7)
@@ -69,7 +73,11 @@ def main() -> None:
         questions = [rows[i] for i in order[150 : 150 + n]]
         candidates, _ = question_candidates(retrieval, questions, top_n=30)
         train, _ = relevance_training_rows(questions, candidates, negatives, int(recipe.retrieval.words_per_passage))
-        overrides = {"lora": None, **({"lr": s["lr"]} if "lr" in s else {})}
+        overrides = {
+            "lora": None,
+            **({"lr": s["lr"]} if "lr" in s else {}),
+            **({"warmup_ratio": s["warmup"]} if "warmup" in s else {}),
+        }
         start = time.perf_counter()
         module, info = ensure_reranker(
             recipe.reranker, ctx, train, "base", [], trainer_settings={"max_epochs": epochs}, **overrides

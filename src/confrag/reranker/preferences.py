@@ -41,7 +41,7 @@ from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.probe.ranking import candidate_states, state_artifact
-from confrag.retrieval.candidates import Candidates
+from confrag.retrieval.candidates import Candidates, subset_positions
 from confrag.retrieval.corpus import document_text
 
 log = logging.getLogger(__name__)
@@ -130,23 +130,6 @@ def confidence_shifts(
         conf, stage="Inc", artifact="Conf of the RAG prompts", rows=[c.qid for c in candidate_sets for _ in c.passages]
     )
     return ConfidenceShifts(reference, [conf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
-
-
-def subset_positions(candidate_sets: Sequence[Candidates], within: Sequence[Candidates]) -> np.ndarray | None:
-    """The position in `within` of each of `candidate_sets` (by qid, the question and its passages equal, in
-    order), or None if any is not there."""
-
-    def content(c: Candidates) -> tuple:
-        return (c.question, tuple((p.title, p.text) for p in c.passages))
-
-    where = {c.qid: (i, content(c)) for i, c in enumerate(within)}
-    positions = []
-    for c in candidate_sets:
-        found = where.get(c.qid)
-        if found is None or found[1] != content(c):
-            return None
-        positions.append(found[0])
-    return np.asarray(positions, dtype=np.int64)
 
 
 def select_by_sign(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:

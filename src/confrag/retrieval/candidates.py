@@ -66,6 +66,23 @@ class Candidates:
         return any(self.from_gold)
 
 
+def subset_positions(candidate_sets: Sequence[Candidates], within: Sequence[Candidates]) -> list[int] | None:
+    """The position in `within` of each of `candidate_sets` (by qid, the question and its passages equal, in
+    order), or None if any is not there."""
+
+    def content(c: Candidates) -> tuple:
+        return (c.question, tuple((p.title, p.text) for p in c.passages))
+
+    where = {c.qid: (i, content(c)) for i, c in enumerate(within)}
+    positions = []
+    for c in candidate_sets:
+        found = where.get(c.qid)
+        if found is None or found[1] != content(c):
+            return None
+        positions.append(found[0])
+    return positions
+
+
 def make_candidates(
     qid: str,
     question: str,
