@@ -211,6 +211,8 @@ def test_base_settings_refuse_bad_values():
         shipped_settings(BaseRerankerSettings, "base_reranker", negatives=0)
     with pytest.raises(ValueError, match=r"base_reranker\.lr must be a number > 0 or null"):
         shipped_settings(BaseRerankerSettings, "base_reranker", lr=-1e-4)
+    with pytest.raises(ValueError, match=r"base_reranker\.warmup_ratio must be a number in \[0, 1\) or null; got 1.0"):
+        shipped_settings(BaseRerankerSettings, "base_reranker", warmup_ratio=1.0)
 
 
 # --- the question plan ---------------------------------------------------------------------------

@@ -50,11 +50,15 @@ class BaseRerankerSettings:
     # The base's learning rate; None = model.lr (the aligned rerankers' too). A fresh scoring head on a bi-encoder
     # learns to rank in few steps only at a larger rate than fine-tuning needs (the demo's base: docs/results.md).
     lr: float | None
+    # The share of its steps over which the rate warms up; None = model.warmup_ratio. With a fresh head, a warm-up
+    # lets the head settle before the encoder moves (the demo's base: docs/results.md).
+    warmup_ratio: float | None
 
     def __post_init__(self) -> None:
         for key, minimum in (("negatives", 1), ("negatives_top_n", 2), ("max_epochs", 1)):
             checks.integer(getattr(self, key), f"base_reranker.{key}", minimum)
         checks.number(self.lr, "base_reranker.lr", 0, low_open=True, allow_none=True)
+        checks.number(self.warmup_ratio, "base_reranker.warmup_ratio", 0, 1, high_open=True, allow_none=True)
         checks.integer(self.num_questions, "base_reranker.num_questions", 2, allow_none=True)
 
 
@@ -138,6 +142,8 @@ def ensure_base_reranker(
     overrides: dict[str, Any] = {}
     if settings.lr is not None:
         overrides["lr"] = float(settings.lr)
+    if settings.warmup_ratio is not None:
+        overrides["warmup_ratio"] = float(settings.warmup_ratio)
     directory = reranker_cache_dir(
         recipe, ctx.cache_dir, train_rows, trainer_settings=trainer_settings, model_overrides=overrides
     )
