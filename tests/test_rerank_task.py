@@ -175,6 +175,10 @@ def test_duplicate_candidate_passages_are_removed_and_counted():
         ("preferences.teacher=oracle", r"preferences.teacher='oracle' is not one of \('inc', 'base'\)"),
         ("preferences.mix_relevance=3", r"preferences.mix_relevance must be true or false"),
         ("preferences.cross_fit=1", r"preferences.cross_fit must be 0 \(off\) or an integer >= 2 folds"),
+        (
+            "model.distill_weight=1.0",  # the relevance control's rows carry no Inc to distil
+            r"model.distill_weight > 0 with preferences.teacher=inc .* preferences.relevance_baseline=false, or distil",
+        ),
     ],
 )
 def test_bad_settings_fail_before_any_stage_runs(override, message, tmp_path):
@@ -183,3 +187,15 @@ def test_bad_settings_fail_before_any_stage_runs(override, message, tmp_path):
         run_task(cfg)
     assert not (tmp_path / "cache").exists()  # nothing computed
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # no run files either
+
+
+def test_distilling_toward_the_base_trains_the_relevance_control_on_the_bases_scores_too(tmp_path):
+    """The documented option `preferences.teacher=base model.distill_weight=1.0` failed in the relevance control,
+    whose rows carried no teacher scores; the control now gets the aligned rerankers' teacher."""
+    cfg = compose_cfg(
+        ["+experiment=reranker_tiny_llama", "preferences.teacher=base", "model.distill_weight=1.0", "logger=csv"],
+        tmp_path,
+    )
+    run_task(cfg)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "relevance" in summary.lower()

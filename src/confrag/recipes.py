@@ -115,6 +115,14 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
             f"preferences.top_k={preferences.top_k} is larger than the retrieval.top_n="
             f"{retrieval.top_n} candidates of a question; lower it or raise retrieval.top_n"
         )
+    relevance = [key for key in ("relevance_baseline", "mix_relevance") if getattr(preferences, key)]
+    if float(cfg.model.get("distill_weight") or 0) > 0 and preferences.teacher == "inc" and relevance:
+        raise ValueError(
+            "model.distill_weight > 0 with preferences.teacher=inc distils the probe's Inc, which the relevance rows "
+            f"of {' and '.join('preferences.' + k for k in relevance)} do not carry: set "
+            f"{' '.join('preferences.' + k + '=false' for k in relevance)}, or distil toward the base reranker "
+            "(preferences.teacher=base), whose scores every row gets"
+        )
     return RerankRecipe(
         probe=probe_recipe(cfg.probe, where="probe."),
         llm=plain(cfg.llm),

@@ -14,9 +14,16 @@ def stage_line(stage: RerankStage) -> str:
     scores = ", ".join(
         f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in ("test/acc", "test/auroc") if k in metrics
     )
+    examples = (
+        "balanced examples"
+        if stage.probe_data.balance
+        else "examples (every state, loss weighted by class)"
+        if stage.probe.meta.get("class_weights")
+        else "examples (every state)"
+    )
     return (
         f"Stage: probe on layer {stage.probe.layer} from {data.get('questions', '?')} questions "
-        f"(balanced examples train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
+        f"({examples} train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
         f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
         f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
         f"(rule {report.get('selection', 'sign')}, reference {report['reference']})."

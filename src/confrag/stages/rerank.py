@@ -241,6 +241,8 @@ def aligned_rerankers(
         # On the questions the selection rule kept rows for: the control sees what the aligned reranker saw.
         kept = {r["qid"] for split in stage.splits_by_rule[recipe.preferences.selection].values() for r in split}
         relevance = relevance_rows(stage.candidates, train_qids & kept, recipe.preferences.top_k)
+        # The aligned rerankers' teacher too: distilling toward the base, the control distils as they do.
+        relevance = teacher(relevance, base.module, recipe.reranker.eval_batch_size)
         steps = int(training[recipe.preferences.selection].get("steps", 0))
         rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(
             recipe.reranker,
