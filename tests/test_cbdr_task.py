@@ -4,6 +4,7 @@ saved outcomes, held-out questions, no answer generated twice), and its settings
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -342,3 +343,26 @@ def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
     ]
     assert results.at_beta["test/accuracy_at_beta"] == 1.0  # cbdr.beta = 0.95: all three retrieve
     assert results.at_beta["dev/retrieval_rate_at_beta"] == 1.0
+
+
+def test_compare_runs_gives_a_runs_own_table2_rows(first, capsys, monkeypatch):
+    """experiments/compare_runs.py (one Table 2 over runs sharing a question plan) reads the outcome files back
+    to the run's own numbers: accuracy, interval, paired difference, Holm p and own-paragraph share."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "compare_runs.py"
+    spec = importlib.util.spec_from_file_location("compare_runs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["compare_runs.py", f"one={first.out}", f"again={first.out}"])
+    module.main()
+    printed = capsys.readouterr().out
+    rows = [r for r in first.record["table2"] if r["dataset"] == "NQ"]
+    assert printed.count("\n| ") == len(rows) + 2  # header, rule, one line a row: the second run's are the same
+    for row in rows:
+        top1 = row["top1"]
+        cell = f"| {row['id']} | {100 * top1['value']:.2f} [{100 * top1['low']:.2f}, {100 * top1['high']:.2f}] |"
+        line = next(line for line in printed.splitlines() if line.startswith(cell))
+        assert line.endswith(f" {100 * row['gold_top1']:.1f} |")
+        if row["top1_p_holm"] is not None:
+            assert f"· {row['top1_p_holm']:.3f} ·" in line
