@@ -130,6 +130,9 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
     assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "model.safetensors").is_file()
     info = json.loads((out / "run_info.json").read_text())
     assert info["argv"] and "commit" in info
+    env = info["environment"]  # what the run's bytes depend on beyond its config
+    assert torch.__version__.startswith(env["packages"]["torch"].split("+")[0])
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert OmegaConf.load(out / "config_resolved.yaml").llm.name == cfg.llm.name
     meta = json.loads((out / "probe" / "probe.json").read_text())
     assert meta["activations"]["layer"] == 2 and meta["activations"]["llm"]["name"] == cfg.llm.name
