@@ -14,6 +14,7 @@ from confrag.reranker.preferences import (
     gold_placement,
     save_rows,
     select_by_sign,
+    sparse_rule_message,
     split_by_question,
 )
 from confrag.retrieval.candidates import Candidates, make_candidates
@@ -125,3 +126,20 @@ def test_a_label_rule_is_one_table_entry(monkeypatch):
     assert [(r["pos"], r["neg"]) for r in rows] == [(["title q1-0\ntext q1-0"], ["title q1-2\ntext q1-2"])]
     with pytest.raises(ValueError, match=r"preferences.selection='nope' is not one of"):
         build_rows(sets, shifts, "qa", 2, "nope")
+
+
+def test_a_rule_that_drops_most_questions_is_reported_with_the_share_of_positive_shifts():
+    """A reference scored below every candidate (as a post-retrieval probe scores the empty-context prompt) leaves
+    `sign` no negative: the message says how many questions it keeps and why; `rank` keeps them all."""
+    sets = [candidate_set(q, 3, 0) for q in "abcd"]
+    shifts = shifts_for(
+        sets, [0.5] * 4, [0.01] * 4, [[0.9, 0.2, 0.6], [0.3, 0.4, 0.5], [0.1, 0.2, 0.3], [0.2, 0.0, 0.4]]
+    )
+    _, drops = build_rows(sets, shifts, "rag_empty", top_k=1)
+    assert drops == {"no_positive": 0, "no_negative": 3, "neither": 0}  # d's 0.0 is the one Inc < 0
+    message = sparse_rule_message("sign", drops, len(sets), shifts, "rag_empty")
+    assert "keeps 1 of 4 questions" in message and "positive for 91.7 % of candidates" in message
+    assert "preferences.selection=rank" in message
+    _, rank_drops = build_rows(sets, shifts, "rag_empty", top_k=1, selection="rank")
+    assert sparse_rule_message("rank", rank_drops, len(sets)) is None
+    assert sparse_rule_message("sign", {"no_positive": 2, "no_negative": 0, "neither": 0}, 4) is None  # half kept

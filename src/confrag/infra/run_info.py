@@ -31,7 +31,16 @@ def git_state() -> dict[str, object]:
 
 
 # The packages whose numerics or data handling a run's numbers depend on.
-RECORDED_PACKAGES = ("torch", "transformers", "lightning", "numpy", "sentence-transformers", "peft", "bm25s", "faiss-cpu")
+RECORDED_PACKAGES = (
+    "torch",
+    "transformers",
+    "lightning",
+    "numpy",
+    "sentence-transformers",
+    "peft",
+    "bm25s",
+    "faiss-cpu",
+)
 
 
 def environment() -> dict[str, object]:
@@ -44,7 +53,9 @@ def environment() -> dict[str, object]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     return {
         "packages": versions,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +42,14 @@ from confrag.reranker.preferences import (
     confidence_shifts,
     dataset_report,
     save_rows,
+    sparse_rule_message,
     split_by_question,
 )
 from confrag.retrieval import Candidates
 from confrag.stages.retrieval import Retrieval, question_candidates
 from confrag.stages.teachers import TEACHERS
+
+log = logging.getLogger(__name__)
 
 SELECT_ON = ("last", "dev_top1")
 
@@ -177,6 +181,9 @@ def build_nq_rerank(
     for rule in settings.rules:
         kept, drops[rule] = build_rows(candidates, shifts, settings.reference, settings.top_k, rule, utility)
         splits_by_rule[rule] = split_rows(kept, test_qids)
+        sparse = sparse_rule_message(rule, drops[rule], len(candidates), shifts, settings.reference)
+        if sparse:
+            log.warning(sparse)
     splits = splits_by_rule[settings.selection]
     report = {
         **dataset_report(
