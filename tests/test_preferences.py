@@ -14,9 +14,9 @@ from confrag.reranker.preferences import (
     gold_placement,
     save_rows,
     select_by_sign,
-    sparse_rule_message,
     split_by_question,
 )
+from confrag.reranker.rule_audit import sparse_rule_message
 from confrag.retrieval.candidates import Candidates, make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 

@@ -42,9 +42,9 @@ from confrag.reranker.preferences import (
     confidence_shifts,
     dataset_report,
     save_rows,
-    sparse_rule_message,
     split_by_question,
 )
+from confrag.reranker.rule_audit import sparse_rule_message
 from confrag.retrieval import Candidates
 from confrag.stages.retrieval import Retrieval, question_candidates
 from confrag.stages.teachers import TEACHERS
