@@ -85,3 +85,20 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         module.main(["--tiny", "--engine-batch", "0"])
     assert "batch size must be an integer >= 1 or 'auto'" in capsys.readouterr().err
+
+
+def test_benchmark_imports_with_pytorch_and_transformers_alone():
+    """A bare GPU image has PyTorch and transformers, not the project's config stack: the benchmark and the
+    library parts it reaches import with OmegaConf, Hydra and bm25s blocked (a lent H100 refused it once)."""
+    import subprocess
+    import sys
+
+    blocked = "import sys; [sys.modules.__setitem__(m, None) for m in ('omegaconf', 'hydra', 'bm25s', 'faiss')]"
+    code = (
+        f"{blocked}; import importlib.util as u; "
+        f"s = u.spec_from_file_location('gpu_scale', {str(ROOT / 'benchmarks' / 'gpu_scale.py')!r}); "
+        "m = u.module_from_spec(s); s.loader.exec_module(m); print('ok')"
+    )
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

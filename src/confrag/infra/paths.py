@@ -48,7 +48,12 @@ def default_cache_dir() -> Path:
 def register_resolvers() -> None:
     """The configs' own resolvers: `${confrag_root:}` (conf/paths/default.yaml), the project root wherever
     Python runs; `${confrag_run_stamp:...}` and `${confrag_rank_suffix:}` (conf/hydra/default.yaml)."""
-    from omegaconf import OmegaConf
+    try:
+        from omegaconf import OmegaConf
+    except ModuleNotFoundError:
+        # Without OmegaConf there is no config to resolve: the library (engine, generation, benchmarks/gpu_scale.py)
+        # runs on PyTorch and transformers alone, as on a bare GPU image.
+        return
 
     from confrag.infra.distributed import launch_stamp, rank_suffix
 
