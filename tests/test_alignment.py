@@ -10,7 +10,8 @@ import pytest
 
 from confrag.data.nq import Passage, QARow
 from confrag.data.splits import check_disjoint, plan_questions
-from confrag.reranker.preferences import ConfidenceShifts, build_rows, dataset_report, select_by_rank, select_by_utility
+from confrag.reranker.label_rules import select_by_rank, select_by_utility
+from confrag.reranker.preferences import ConfidenceShifts, build_rows, dataset_report
 from confrag.reranker.systems import ORACLE, PROBE
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage

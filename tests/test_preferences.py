@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
+from confrag.reranker.label_rules import RULES, select_by_sign
 from confrag.reranker.preferences import (
     ConfidenceShifts,
     build_rows,
     dataset_report,
     gold_placement,
     save_rows,
-    select_by_sign,
     split_by_question,
 )
 from confrag.reranker.rule_audit import sparse_rule_message
@@ -111,15 +111,14 @@ def test_split_is_by_question_and_seeded(tmp_path):
 
 
 def test_a_label_rule_is_one_table_entry(monkeypatch):
-    from confrag.reranker import preferences
-    from confrag.reranker.preferences import RULES, LabelRule
+    from confrag.reranker.label_rules import LabelRule
 
     assert all(rule.id == key for key, rule in RULES.items()) and [r for r in RULES if RULES[r].needs_answers] == [
         "utility"
     ]
     # A toy rule: the first candidate positive, the last negative. Registered, build_rows uses it as it is.
     toy = LabelRule("ends", "first pos, last neg", lambda inc, conf, correct, k: ([0], [len(conf) - 1]))
-    monkeypatch.setitem(preferences.RULES, "ends", toy)
+    monkeypatch.setitem(RULES, "ends", toy)
     sets = [candidate_set("q1", 3, gold_at=0)]
     shifts = shifts_for(sets, [0.5], [0.5], [[0.1, 0.2, 0.3]])
     rows, drops = build_rows(sets, shifts, "qa", 2, "ends")
@@ -137,9 +136,11 @@ def test_a_rule_that_drops_most_questions_is_reported_with_the_share_of_positive
     )
     _, drops = build_rows(sets, shifts, "rag_empty", top_k=1)
     assert drops == {"no_positive": 0, "no_negative": 3, "neither": 0}  # d's 0.0 is the one Inc < 0
-    message = sparse_rule_message("sign", drops, len(sets), shifts, "rag_empty")
+    share = dataset_report(sets, shifts, 1, {}, "rag_empty", drops)["by_reference"]["rag_empty"]["share_positive"]
+    message = sparse_rule_message(RULES["sign"], drops, len(sets), share, "rag_empty")
     assert "keeps 1 of 4 questions" in message and "positive for 91.7 % of candidates" in message
     assert "preferences.selection=rank" in message
     _, rank_drops = build_rows(sets, shifts, "rag_empty", top_k=1, selection="rank")
-    assert sparse_rule_message("rank", rank_drops, len(sets)) is None
-    assert sparse_rule_message("sign", {"no_positive": 2, "no_negative": 0, "neither": 0}, 4) is None  # half kept
+    assert sparse_rule_message(RULES["rank"], rank_drops, len(sets)) is None
+    half_kept = {"no_positive": 2, "no_negative": 0, "neither": 0}
+    assert sparse_rule_message(RULES["sign"], half_kept, 4) is None

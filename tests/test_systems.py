@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from confrag.reports.tables import markdown_table
-from confrag.reranker.preferences import RULES
+from confrag.reranker.label_rules import RULES
 from confrag.reranker.systems import ALL, LABELS, TABLE1, check_reranker, confidence_ft, label, labelled
 
 

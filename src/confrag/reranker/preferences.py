@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.probe.ranking import candidate_states, state_artifact
+from confrag.reranker.label_rules import RULES, SELECTIONS, check_selection, select
 from confrag.retrieval.candidates import Candidates, subset_positions
 from confrag.retrieval.corpus import document_text
 
@@ -130,80 +131,6 @@ def confidence_shifts(
         conf, stage="Inc", artifact="Conf of the RAG prompts", rows=[c.qid for c in candidate_sets for _ in c.passages]
     )
     return ConfidenceShifts(reference, [conf[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
-
-
-def select_by_sign(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
-    """Indices of the top-K contexts with Inc > 0 (largest first) and with Inc < 0 (smallest first).
-    Ties keep the retrieval order."""
-    if top_k < 1:
-        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
-    order_pos = sorted((i for i in range(len(inc)) if inc[i] > 0), key=lambda i: -inc[i])
-    order_neg = sorted((i for i in range(len(inc)) if inc[i] < 0), key=lambda i: inc[i])
-    return order_pos[:top_k], order_neg[:top_k]
-
-
-def select_by_rank(conf: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
-    """Indices of the K highest Conf(Q + Ci) (highest first) and the K lowest (lowest first), at most half of
-    the candidates each so that no context is on both sides. Ties keep the retrieval order."""
-    if top_k < 1:
-        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
-    k = min(top_k, len(conf) // 2)
-    order = sorted(range(len(conf)), key=lambda i: -conf[i])
-    low = sorted(range(len(conf)), key=lambda i: conf[i])
-    return order[:k], low[:k]
-
-
-def select_by_utility(correct: Sequence[bool], top_k: int) -> tuple[list[int], list[int]]:
-    """Indices of the first K candidates under which the LLM answered correctly, and the first K under
-    which it did not (retrieval order)."""
-    if top_k < 1:
-        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
-    return ([i for i, ok in enumerate(correct) if ok][:top_k], [i for i, ok in enumerate(correct) if not ok][:top_k])
-
-
-@dataclass(frozen=True)
-class LabelRule:
-    """A rule turning one question's candidates into (pos, neg) indices; `needs_answers`: it reads the LLM's
-    answer under every candidate (the answers are generated only when a rule, or `select_on`, needs them)."""
-
-    id: str
-    description: str
-    pick: Callable[[np.ndarray, np.ndarray, Sequence[bool] | None, int], tuple[list[int], list[int]]]
-    needs_answers: bool = False
-
-
-# The label rules by id (`preferences.selection`, `preferences.compare`); a new rule is one entry.
-RULES: dict[str, LabelRule] = {
-    rule.id: rule
-    for rule in (
-        LabelRule("sign", "the paper: Inc > 0 pos, Inc < 0 neg", lambda inc, conf, correct, k: select_by_sign(inc, k)),
-        LabelRule("rank", "the K highest / lowest Conf(Q + C)", lambda inc, conf, correct, k: select_by_rank(conf, k)),
-        LabelRule(
-            "utility",
-            "the LLM's actual answer under each candidate",
-            lambda inc, conf, correct, k: select_by_utility(correct, k),
-            needs_answers=True,
-        ),
-    )
-}
-SELECTIONS = tuple(RULES)
-
-
-def check_selection(selection: str, utility: Sequence[np.ndarray] | None = None) -> str:
-    if selection not in RULES:
-        raise ValueError(f"preferences.selection={selection!r} is not one of {SELECTIONS}")
-    if RULES[selection].needs_answers and utility is None:
-        raise ValueError(f"preferences.selection={selection} needs the LLM's answer under every candidate (utility)")
-    return selection
-
-
-def select(
-    selection: str, inc: np.ndarray, conf: np.ndarray, correct: Sequence[bool] | None, top_k: int
-) -> tuple[list[int], list[int]]:
-    """One question's (pos, neg) indices under a rule (see the module docstring)."""
-    if selection not in RULES:
-        raise ValueError(f"preferences.selection={selection!r} is not one of {SELECTIONS}")
-    return RULES[selection].pick(inc, conf, correct, top_k)
 
 
 def labelled(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from confrag.infra import checks
-from confrag.reranker.preferences import RULES
+from confrag.reranker.label_rules import RULES
 
 BM25, BI_ENCODER = "bm25", "bi_encoder"  # the retrieval corpus's own scores
 BASE, RELEVANCE_FT = "base", "relevance_ft"  # the base reranker; the base fine-tuned on relevance labels
@@ -31,7 +31,7 @@ LABELS = {
 
 
 def confidence_ft(rule: str) -> str:
-    """The id of the base fine-tuned on the rows of label rule `rule` (`confrag.reranker.preferences.RULES`)."""
+    """The id of the base fine-tuned on the rows of label rule `rule` (`confrag.reranker.label_rules.RULES`)."""
     return f"{CONFIDENCE_FT}.{rule}"
 
 

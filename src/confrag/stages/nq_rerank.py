@@ -35,9 +35,9 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
 from confrag.rag.settings import AnswerSettings
+from confrag.reranker.label_rules import RULES
 from confrag.reranker.preferences import (
     REFERENCES,
-    RULES,
     build_rows,
     confidence_shifts,
     dataset_report,
@@ -181,9 +181,6 @@ def build_nq_rerank(
     for rule in settings.rules:
         kept, drops[rule] = build_rows(candidates, shifts, settings.reference, settings.top_k, rule, utility)
         splits_by_rule[rule] = split_rows(kept, test_qids)
-        sparse = sparse_rule_message(rule, drops[rule], len(candidates), shifts, settings.reference)
-        if sparse:
-            log.warning(sparse)
     splits = splits_by_rule[settings.selection]
     report = {
         **dataset_report(
@@ -202,6 +199,11 @@ def build_nq_rerank(
             for rule, sp in splits_by_rule.items()
         },
     }
+    share_positive = report["by_reference"][settings.reference]["share_positive"]
+    for rule in settings.rules:
+        sparse = sparse_rule_message(RULES[rule], drops[rule], len(candidates), share_positive, settings.reference)
+        if sparse:
+            log.warning(sparse)
     key = fingerprint({"rows": splits_by_rule, "probe": probe.meta.get("activations", {}).get("key")})
     ctx.on_main(save_nq_rerank, splits_by_rule, settings.selection, report, ctx.output_dir / "nq_rerank")
     return PreferenceStage(candidates, splits, splits_by_rule, report, key, utility)
