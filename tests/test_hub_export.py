@@ -125,6 +125,21 @@ def test_model_card_needs_an_exported_model_and_table_rows(tmp_path):
         write_reranker_card(exported_folder(tmp_path), run_facts(table1=[]))
 
 
+def test_a_cross_fitted_export_gets_a_card_per_fold_and_one_at_its_top(tmp_path):
+    """`CrossFitted.export` writes one model per fold (`fold<f>/`): the task's card step used to refuse it after
+    every fold had trained (a cross-fitted `task_name=rerank` run ended in FileNotFoundError)."""
+    for f in range(3):
+        fold = tmp_path / "reranker" / f"fold{f}"
+        fold.mkdir(parents=True)
+        (fold / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+    top = write_reranker_card(tmp_path / "reranker", run_facts())
+    assert "One reranker per fold, in `fold0/` to `fold2/`" in top.read_text()
+    for f in range(3):
+        card = ModelCard.load(tmp_path / "reranker" / f"fold{f}" / "README.md")
+        assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+        assert f"This is fold{f} of 3: trained without the questions of its fold" in card.text
+
+
 def test_nq_rerank_dataset_loads_with_datasets(tmp_path):
     folder = write_dataset(ROWS, tmp_path / "nq_rerank_dataset", run_facts())
     names = sorted(p.name for p in (folder / "data").iterdir())

@@ -200,12 +200,27 @@ def dataset_card(run: RerankRun, files: Mapping[str, str]) -> str:
 
 
 def write_reranker_card(directory: str | Path, run: RerankRun) -> Path:
-    """README.md of the exported reranker folder (written beside its weights)."""
+    """README.md of the exported reranker folder (written beside its weights). A cross-fitted export (one model
+    per fold in `fold<f>/`, `CrossFitted.export`) gets the card in each fold's folder and one at its top."""
     directory = Path(directory)
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"{directory} holds no exported model (config.json); export the reranker first")
+    folds = sorted(
+        (p for p in directory.glob("fold*") if p.name[4:].isdigit() and (p / "config.json").is_file()),
+        key=lambda p: int(p.name[4:]),
+    )
+    if not (directory / "config.json").is_file() and not folds:
+        raise FileNotFoundError(
+            f"{directory} holds no exported model (config.json, or fold<f>/config.json); export the reranker first"
+        )
+    card = reranker_card(run)
+    for fold in folds:
+        note = f"This is {fold.name} of {len(folds)}: trained without the questions of its fold, the ones it scores."
+        atomic_write_text(fold / "README.md", f"{card}\n## Cross-fitted\n\n{note}\n")
+    note = (
+        f"One reranker per fold, in `fold0/` to `fold{len(folds) - 1}/` (each a model folder of its own: load the "
+        "fold's folder); each was trained without the questions of its fold, the ones it scores in the run's tables."
+    )
     path = directory / "README.md"
-    atomic_write_text(path, reranker_card(run))
+    atomic_write_text(path, f"{card}\n## Cross-fitted\n\n{note}\n" if folds else card)
     return path
 
 
