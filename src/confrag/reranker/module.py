@@ -267,3 +267,16 @@ class RerankerModule(LightningModule):
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return directory
+
+
+def fold_export(directory: str | Path, fold: int) -> Path:
+    """Where a cross-fitted export (`CrossFitted.export`) puts fold `fold`'s model."""
+    return Path(directory) / f"fold{fold}"
+
+
+def exported_folds(directory: str | Path) -> list[Path]:
+    """The fold models of a cross-fitted export in `directory`, in fold order (none for a single model)."""
+    folds: list[Path] = []
+    while (fold_export(directory, len(folds)) / "config.json").is_file():
+        folds.append(fold_export(directory, len(folds)))
+    return folds

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from confrag.reranker.module import RerankerModule
+from confrag.reranker.module import RerankerModule, fold_export
 
 
 class FoldedReranker:
@@ -52,5 +52,5 @@ class FoldedReranker:
         """Each fold's reranker to `<directory>/fold<f>/` (a plain `save_pretrained` folder each)."""
         directory = Path(directory)
         for f, module in enumerate(self.folds):
-            module.export(directory / f"fold{f}")
+            module.export(fold_export(directory, f))
         return directory
