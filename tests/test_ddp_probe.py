@@ -104,7 +104,7 @@ def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_on
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
 
-    # Same answers and states as one process, bit for bit; every shard computed once, by one rank or the other.
+    # Same answers and states as one process, bit for bit; every shard computed once (no shard twice).
     reference = shard_bytes(reference_cache)
     # Answers and states of three prompt kinds, and the dev and test questions' candidates' states (the
     # checkpoint's ranking metric).
@@ -116,7 +116,10 @@ def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_on
         for name in reference
         if not name.endswith(".digest")
     )
-    assert len({pid for *_, pid in computed}) == 2, "both ranks computed shards"
+    # Which rank computes which shard depends on when each started (under load one rank can claim all six
+    # before the other has loaded its model); the ranks' different starting shards are `spread`'s, tested
+    # in test_distributed.py. Here: computed by the launch's processes only, never by a third.
+    assert 1 <= len({pid for *_, pid in computed}) <= 2
 
     # Trained under DDP across the two ranks, one run folder, written by rank 0 only.
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in output

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from confrag.llm.config import LLMConfig, LLMNotAvailableError
 from confrag.llm.loading import load_llm
@@ -64,6 +65,26 @@ def test_tiny_models_are_deterministic_and_distinct(tiny_llama, tiny_qwen2):
     first = next(iter(tiny_llama.model.state_dict().values()))
     assert (next(iter(again.model.state_dict().values())) == first).all()
     assert again.identity == tiny_llama.identity != tiny_qwen2.identity
+
+
+def test_tiny_model_takes_a_saved_tokenizer_folder_instead_of_the_gguf(tiny_llama, tmp_path):
+    """A machine without the 98 MB GGUF (a lent GPU receives 64 MiB) loads the tiny models from the saved
+    3.5 MB tokenizer: the same token ids and weights; the identity names the tokenizer's content."""
+    folder = tmp_path / "tokenizer"
+    tiny_llama.tokenizer.save_pretrained(folder)
+    config = tiny_llm_config("llama")
+    config["tiny"]["tokenizer_dir"] = str(folder)
+    again = load_llm(config)
+    text = "Who wrote the song ‘it's my party’?"
+    assert again.tokenizer(text).input_ids == tiny_llama.tokenizer(text).input_ids
+    assert again.tokenizer.chat_template == tiny_llama.tokenizer.chat_template
+    for (name, weight), reference in zip(again.model.state_dict().items(), tiny_llama.model.state_dict().values()):
+        assert torch.equal(weight, reference), name
+    assert again.identity["ref"].startswith("tiny:llama@") and again.identity != tiny_llama.identity
+    (folder / "tokenizer.json").unlink()
+    config["tiny"]["tokenizer_dir"] = str(folder)
+    with pytest.raises(LLMNotAvailableError, match=r"llm.tiny.tokenizer_dir=.* has no tokenizer.json"):
+        load_llm(config)
 
 
 def test_prompts_follow_the_papers_figure_5_through_the_chat_template(smollm2, tiny_qwen2, templates, nq_rows):

@@ -3,6 +3,7 @@ copy and the worker scripts run in subprocesses."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 # Four layers (Layer/2 = 2), GQA with two key-value heads: small enough for CPU, shaped like the real ones.
@@ -13,4 +14,16 @@ TINY_SHAPE = dict(
 
 def tiny_llm_config(arch: str = "llama", **fields: Any) -> dict[str, Any]:
     """The `llm` config of the tiny random `arch` model (conftest's `tiny_llama` / `tiny_qwen2`), with `fields`."""
-    return dict(name=f"tiny_{arch}", source="tiny", **fields, tiny=dict(arch=arch, **TINY_SHAPE))
+    return dict(name=f"tiny_{arch}", source="tiny", **fields, tiny=tiny_spec(arch))
+
+
+def tiny_spec(arch: str = "llama") -> dict[str, Any]:
+    """`llm.tiny` of the tiny `arch` model. `CONFRAG_TINY_TOKENIZER_DIR` (a saved SmolLM2 tokenizer) stands in
+    for the GGUF on a machine that lacks it: the lent GPU, which receives 64 MiB of files."""
+    return dict(arch=arch, **TINY_SHAPE, **tokenizer_spec())
+
+
+def tokenizer_spec() -> dict[str, Any]:
+    """The `llm.tiny` keys that choose the tokenizer of the tiny and random-weight models (see `tiny_spec`)."""
+    folder = os.environ.get("CONFRAG_TINY_TOKENIZER_DIR")
+    return {"tokenizer_dir": folder} if folder else {}

@@ -62,17 +62,35 @@ def load_tiny(cfg: LLMConfig):
 
 
 def tiny_shape(cfg: LLMConfig) -> dict[str, Any]:
-    return {k: v for k, v in cfg.tiny.items() if k not in ("arch", "tokenizer")}
+    return {k: v for k, v in cfg.tiny.items() if k not in _TINY_TOKENIZER_KEYS}
 
 
 def tiny_ref(cfg: LLMConfig) -> str:
     arch = cfg.tiny.get("arch", "llama")
-    payload = json.dumps({"arch": arch, **tiny_shape(cfg), "seed": cfg.seed}, sort_keys=True)
+    identity = {"arch": arch, **tiny_shape(cfg), "seed": cfg.seed}
+    folder = cfg.tiny.get("tokenizer_dir")
+    if folder:  # another tokenizer is another vocabulary, so other weights: keyed by its content
+        identity["tokenizer"] = file_sha256(os.path.join(folder, "tokenizer.json"))[:16]
+    payload = json.dumps(identity, sort_keys=True)
     return f"tiny:{arch}@{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
 
 
+# `llm.tiny` keys that pick the tokenizer, not the network's shape.
+_TINY_TOKENIZER_KEYS = ("arch", "tokenizer", "tokenizer_package", "tokenizer_gguf", "tokenizer_dir")
+
+
 def tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
-    """Tiny models borrow SmolLM2's byte-level BPE tokenizer (a real chat tokenizer, available offline)."""
+    """Tiny models borrow SmolLM2's byte-level BPE tokenizer (a real chat tokenizer, available offline),
+    converted from its GGUF, or `llm.tiny.tokenizer_dir`: a saved tokenizer folder (`save_pretrained`), for
+    a machine that has the 3.5 MB tokenizer but not the 98 MB GGUF (e.g. a lent GPU)."""
+    folder = cfg.tiny.get("tokenizer_dir")
+    if folder:
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            raise LLMNotAvailableError(
+                f"llm.tiny.tokenizer_dir={folder!r} has no tokenizer.json; give a folder written by a "
+                "tokenizer's save_pretrained, or leave it unset to convert SmolLM2's GGUF"
+            )
+        return AutoTokenizer.from_pretrained(folder)
     source = LLMConfig(
         name="smollm2_135m",
         source="gguf",
@@ -96,7 +114,8 @@ _WEIGHT_MEMORY_SHARE = 0.9
 
 def load_random(cfg: LLMConfig):
     """A model with the layer shapes of `llm.random.shape` (`confrag.llm.shapes.PUBLISHED_SHAPES`) and seeded
-    random weights, with SmolLM2's tokenizer and chat template (nothing is downloaded). The vocabulary is
+    random weights, with SmolLM2's tokenizer and chat template (nothing is downloaded; `llm.tiny.tokenizer_dir`
+    as for the tiny models). The vocabulary is
     the tokenizer's, so every token id the prompts produce is valid; the embedding and LM head are
     therefore smaller than the published model's. `llm.random` may override other shape keys, e.g.
     `num_hidden_layers: 2` for a CPU smoke test."""
