@@ -19,6 +19,7 @@ from confrag.retrieval import (
     Corpus,
     CorpusPassage,
     DenseRetriever,
+    MeanPoolEncoder,
     corpus_from_nq,
     default_model_dir,
     load_candidates_jsonl,
@@ -220,6 +221,9 @@ def test_dense_embeddings_equal_sentence_transformers(dense_toy: DenseRetriever)
     assert ours.shape == (3, 384)
     np.testing.assert_allclose(ours, reference, atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    # The same encoder without a corpus (the base reranker's bi-encoder teacher): cosine of a query with passages.
+    cosine = MeanPoolEncoder().cosine(sentences[0], sentences[1:])
+    np.testing.assert_allclose(cosine, reference[1:] @ reference[0], atol=1e-5, rtol=0)
 
 
 def test_dense_ranks_paraphrase_first(dense_toy: DenseRetriever) -> None:

@@ -21,7 +21,7 @@ from confrag.retrieval.corpus import (
     split_passages,
     validate_corpus_jsonl,
 )
-from confrag.retrieval.dense import DenseRetriever, default_model_dir, model_fingerprint
+from confrag.retrieval.dense import DenseRetriever, MeanPoolEncoder, default_model_dir, model_fingerprint
 
 __all__ = [
     "BM25Retriever",
@@ -30,6 +30,7 @@ __all__ = [
     "Corpus",
     "CorpusPassage",
     "DenseRetriever",
+    "MeanPoolEncoder",
     "Retriever",
     "corpus_from_nq",
     "default_model_dir",

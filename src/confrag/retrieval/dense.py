@@ -97,6 +97,56 @@ def _check_mean_pooling(model_dir: Path) -> None:
         )
 
 
+class MeanPoolEncoder:
+    """A sentence-transformers bi-encoder's embeddings (Transformer → mean Pooling → Normalize) through plain
+    `transformers`: the dense retriever's encoder, and a scorer of (query, passage) pairs by cosine (the base
+    reranker's bi-encoder teacher) that needs no corpus."""
+
+    def __init__(self, model_dir: str | Path | None = None, batch_size: int = 64, device: str | None = None) -> None:
+        checks.positive_int(batch_size, "batch_size")
+        self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
+        _check_mean_pooling(self.model_dir)
+        self.batch_size = batch_size
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # fp32 always: the cache key assumes it, and it keeps embeddings equal to sentence-transformers'.
+        self.model = AutoModel.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
+        self.max_length = _max_seq_length(self.model_dir, self.tokenizer)
+        self.key = fingerprint(
+            {"model": model_fingerprint(self.model_dir), "max_length": self.max_length, "pooling": "mean"}
+        )
+
+    @torch.inference_mode()
+    def _encode_batch(self, texts: list[str]) -> np.ndarray:
+        batch = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        hidden = self.model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        # Mean over real tokens only; the clamp mirrors sentence-transformers for an all-padding row.
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
+
+    def encode(self, texts: Sequence[str], bar: tqdm | None = None) -> np.ndarray:
+        """(len(texts), dim) float32 unit vectors, in input order. Texts are batched longest first, as
+        sentence-transformers does, so each batch pads to similar lengths."""
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            out[chunk] = self._encode_batch([texts[i] for i in chunk])
+            if bar is not None:
+                bar.update(len(chunk))
+        return out
+
+    def cosine(self, query: str, passages: Sequence[str]) -> np.ndarray:
+        """The cosine similarity of `query` with each of `passages`, in their order."""
+        vectors = self.encode([query, *passages])
+        return vectors[1:] @ vectors[0]
+
+
 class DenseRetriever:
     """Bi-encoder retrieval: mean-pooled, L2-normalized embeddings; search by inner product.
 
@@ -122,23 +172,16 @@ class DenseRetriever:
     ) -> None:
         if len(corpus) == 0:
             raise ValueError("cannot build a dense index over an empty corpus")
-        checks.positive_int(batch_size, "batch_size")
         self.corpus = corpus
-        self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        if not (self.model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
-        _check_mean_pooling(self.model_dir)
-        self.batch_size = batch_size
-        self.progress = progress
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        # fp32 always: the cache key assumes it, and it keeps embeddings equal to sentence-transformers'.
-        self.model = AutoModel.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
-        self.max_length = _max_seq_length(self.model_dir, self.tokenizer)
-        self.kind = choose_index_kind(len(corpus), index)
-        self.encoder_key = fingerprint(
-            {"model": model_fingerprint(self.model_dir), "max_length": self.max_length, "pooling": "mean"}
+        self.encoder = MeanPoolEncoder(model_dir, batch_size, device)
+        self.model_dir, self.max_length, self.device = (
+            self.encoder.model_dir,
+            self.encoder.max_length,
+            self.encoder.device,
         )
+        self.progress = progress
+        self.kind = choose_index_kind(len(corpus), index)
+        self.encoder_key = self.encoder.key
         shards = self._passage_embeddings(cache_dir, shard_size)
         self._shards, self._shard_starts = shards, np.cumsum([0, *(len(s) for s in shards)])
         self.faiss: FaissIndex | None = None
@@ -148,28 +191,9 @@ class DenseRetriever:
             self.faiss = self._faiss_index(shards, cache_dir, index_path)
 
     # --- encoding -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _encode_batch(self, texts: list[str]) -> np.ndarray:
-        batch = self.tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        ).to(self.device)
-        hidden = self.model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        # Mean over real tokens only; the clamp mirrors sentence-transformers for an all-padding row.
-        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
-
     def encode(self, texts: Sequence[str], bar: tqdm | None = None) -> np.ndarray:
-        """(len(texts), dim) float32 unit vectors, in input order. Texts are batched longest first, as
-        sentence-transformers does, so each batch pads to similar lengths."""
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
-        for start in range(0, len(order), self.batch_size):
-            chunk = order[start : start + self.batch_size]
-            out[chunk] = self._encode_batch([texts[i] for i in chunk])
-            if bar is not None:
-                bar.update(len(chunk))
-        return out
+        """(len(texts), dim) float32 unit vectors, in input order (`MeanPoolEncoder.encode`)."""
+        return self.encoder.encode(texts, bar)
 
     def _encode_passages(self, start: int, stop: int, bar: tqdm) -> np.ndarray:
         return self.encode([document_text(p) for p in self.corpus.passages[start:stop]], bar)
