@@ -8,6 +8,11 @@ their top-8 BM25 candidates, beside BM25's own share. The rerankers are cached u
 
     python experiments/base_reranker_settings.py lr=6e-5 lr=3e-4 lr=3e-4,neg=3,n=240 lr=3e-4,epochs=2
     python experiments/base_reranker_settings.py lr=1e-3,neg=3,n=240,warmup=0.1
+    python experiments/base_reranker_settings.py lr=3e-4,neg=3,n=360,warmup=0.2,distill=1,dtau=0.05
+
+`distill=w` adds w x KL toward the MiniLM bi-encoder's cosine scores of each row's candidates (its teacher
+distribution softmax(cosine / dtau)) to the InfoNCE: the bi-encoder already ranks these candidates, the fresh head
+does not.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from confrag.infra.paths import register_resolvers
 from confrag.instantiators import run_context
 from confrag.recipes import rerank_recipe
 from confrag.retrieval import document_text
+from confrag.retrieval.dense import MeanPoolEncoder
 from confrag.stages.base_reranker import relevance_training_rows
 from confrag.stages.rerankers import ensure_reranker
 from confrag.stages.retrieval import build_retrieval, question_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"lr": float, "n": int, "neg": int, "epochs": int, "warmup": float}
+KEYS = {"lr": float, "n": int, "neg": int, "epochs": int, "warmup": float, "distill": float, "dtau": float}
 
 
 def setting(text: str) -> dict:
@@ -49,7 +55,8 @@ def main() -> None:
         "settings",
         nargs="+",
         type=setting,
-        help="lr=..,n=..,neg=..,epochs=..,warmup=.. (n 120, neg 7, epochs 1; warmup: model.warmup_ratio)",
+        help="lr=..,n=..,neg=..,epochs=..,warmup=..,distill=..,dtau=.. (n 120, neg 7, epochs 1; warmup: "
+        "model.warmup_ratio; distill 0: InfoNCE only)",
     )
     parser.add_argument("--cache", default=str(ROOT / ".cache" / "base_reranker_settings"))
     parser.add_argument("--seed", type=int, default=7)
@@ -68,13 +75,28 @@ def main() -> None:
     evaluated, _ = question_candidates(retrieval, [rows[i] for i in order[:150]], top_n=8)
     evaluated = [c for c in evaluated if any(c.from_gold)]  # the own paragraph among the candidates
     bm25 = float(np.mean([c.from_gold[0] for c in evaluated]))
+    encoder = MeanPoolEncoder(device="cpu")  # the bi-encoder teacher: all-MiniLM-L6-v2
+
+    def cosine(query: str, passages: list[str]) -> list[float]:
+        return [float(v) for v in encoder.cosine(query, passages)]
+
+    bi_encoder = float(
+        np.mean(
+            [c.from_gold[int(np.argmax(cosine(c.question, [document_text(p) for p in c.passages])))] for c in evaluated]
+        )
+    )
     for s in args.settings:
         n, negatives, epochs = s.get("n", 120), s.get("neg", 7), s.get("epochs", 1)
         questions = [rows[i] for i in order[150 : 150 + n]]
         candidates, _ = question_candidates(retrieval, questions, top_n=30)
         train, _ = relevance_training_rows(questions, candidates, negatives, int(recipe.retrieval.words_per_passage))
+        if s.get("distill", 0) > 0:  # FlagEmbedding's teacher-score fields, as the preference rows carry them
+            for row in train:
+                scores = cosine(row["query"], row["pos"] + row["neg"])
+                row["pos_scores"], row["neg_scores"] = scores[: len(row["pos"])], scores[len(row["pos"]) :]
         overrides = {
             "lora": None,
+            **({"distill_weight": s["distill"], "distill_tau": s.get("dtau")} if s.get("distill", 0) > 0 else {}),
             **({"lr": s["lr"]} if "lr" in s else {}),
             **({"warmup_ratio": s["warmup"]} if "warmup" in s else {}),
         }
@@ -94,6 +116,7 @@ def main() -> None:
                     "train_seconds": round(time.perf_counter() - start),
                     "own_first": round(float(np.mean(first)), 3),
                     "bm25_own_first": round(bm25, 3),
+                    "bi_encoder_own_first": round(bi_encoder, 3),
                     "n_evaluated": len(evaluated),
                 }
             ),
