@@ -225,6 +225,34 @@ def test_the_selection_keeps_the_best_weights_the_bases_included():
     assert module.w == 1.0 and selection.chosen["selected_step"] == 0  # the base's weights are kept
 
 
+def test_a_reranker_that_kept_the_bases_weights_is_the_base_and_shares_its_scores():
+    from types import SimpleNamespace
+
+    from confrag.stages.rerank import as_trained, table1_systems
+
+    calls = []
+
+    class Counting:  # scores by passage length, counting the pairs it scored
+        def score(self, queries, passages, batch_size=32):
+            calls.append(len(passages))
+            return np.array([len(p) for p in passages], dtype=np.float32)
+
+    base, trained = Counting(), Counting()
+    holder = SimpleNamespace(module=base)
+    assert as_trained(trained, {"selected_step": 0, "dev_top1": 0.4}, holder) is base  # the dev guard kept step 0
+    assert as_trained(trained, {"selected_step": 20}, holder) is trained
+    assert as_trained(trained, {"steps": 30}, holder) is trained  # no dev guard: the trained weights
+    retrieval = SimpleNamespace(corpus=SimpleNamespace(passages=[]), bm25=None, dense=None)
+    systems = table1_systems(retrieval, {"base": base, "confidence_ft.sign": base, "relevance_ft": trained}, 8)
+    first = systems["base"]("q", ["aa", "b"])
+    assert systems["confidence_ft.sign"]("q", ["aa", "b"]).tolist() == first.tolist() == [2.0, 1.0]
+    systems["relevance_ft"]("q", ["aa", "b"])
+    systems["base"]("q", ["aa", "c"])  # another candidate list: scored
+    assert calls == [2, 2, 2]  # the base once per list, whichever of its rows asked; the other model on its own
+    with pytest.raises(ValueError, match="read-only"):
+        first[0] = 5.0  # shared between rows: no caller may change it
+
+
 def test_each_folds_rerankers_keep_their_best_dev_top1_weights(cross_fitted):
     _, _, record = cross_fitted
     for fold in ("fold0", "fold1"):

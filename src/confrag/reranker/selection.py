@@ -96,6 +96,12 @@ class DevTop1Selection(Callback):
         }
 
 
+def kept_start(info: dict) -> bool:
+    """Whether the dev guard kept the weights training started from (step 0: the base's, for an aligned
+    reranker), from a training's `confrag_training.json` record."""
+    return info.get("selected_step") == 0
+
+
 def dev_set(queries: Sequence[str], passages: Sequence[Sequence[str]], correct: Sequence[Sequence[bool]]) -> DevTop1:
     return DevTop1(
         tuple(queries), tuple(tuple(p) for p in passages), tuple(tuple(bool(c) for c in cs) for cs in correct)

@@ -34,7 +34,7 @@ from confrag.reranker.metrics import ranking_table
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.preferences import relevance_rows
 from confrag.reranker.rows import candidate_lists
-from confrag.reranker.selection import DevTop1, dev_set
+from confrag.reranker.selection import DevTop1, dev_set, kept_start
 from confrag.reranker.systems import BASE, BI_ENCODER, BM25, RELEVANCE_FT, confidence_ft, labelled
 from confrag.retrieval import document_text
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
@@ -170,7 +170,12 @@ def rerank_stage(
             "the aligned rerankers of fold",
         )
         for name in by_fold[0][0]:
-            rerankers[name] = FoldedReranker([fold[0][name] for fold in by_fold], questions.fold_of_question)
+            folds = [fold[0][name] for fold in by_fold]
+            # Every fold kept the base's weights (the dev guard): the row is the base, its scores computed once.
+            if all(module is base.module for module in folds):
+                rerankers[name] = base.module
+            else:
+                rerankers[name] = FoldedReranker(folds, questions.fold_of_question)
         training.update({f"fold{f}": fold[1] for f, fold in enumerate(by_fold)})
     else:
         # Every question outside NQ_Rerank's test split (each rule keeps its own subset of them).
@@ -226,7 +231,7 @@ def aligned_rerankers(
         if settings.mix_relevance:  # the same questions' relevance rows beside the rule's
             rows = rows + relevance_rows(stage.candidates, {r["qid"] for r in rows}, settings.top_k)
         rows = teacher(rows, base.module, recipe.reranker.eval_batch_size)
-        rerankers[confidence_ft(rule)], training[rule] = ensure_reranker(
+        module, training[rule] = ensure_reranker(
             recipe.reranker,
             ctx,
             rows,
@@ -236,6 +241,7 @@ def aligned_rerankers(
             start_from=base.directory,
             dev=dev,
         )
+        rerankers[confidence_ft(rule)] = as_trained(module, training[rule], base)
     if recipe.preferences.relevance_baseline:
         # The control: the same base, the same questions, as many steps, labels from answer containment.
         # On the questions the selection rule kept rows for: the control sees what the aligned reranker saw.
@@ -244,7 +250,7 @@ def aligned_rerankers(
         # The aligned rerankers' teacher too: distilling toward the base, the control distils as they do.
         relevance = teacher(relevance, base.module, recipe.reranker.eval_batch_size)
         steps = int(training[recipe.preferences.selection].get("steps", 0))
-        rerankers[RELEVANCE_FT], training["relevance"] = ensure_reranker(
+        module, training["relevance"] = ensure_reranker(
             recipe.reranker,
             ctx,
             relevance,
@@ -255,7 +261,14 @@ def aligned_rerankers(
             trainer_settings={"max_steps": max(steps, 1), "max_epochs": -1},
             dev=dev,
         )
+        rerankers[RELEVANCE_FT] = as_trained(module, training["relevance"], base)
     return rerankers, training
+
+
+def as_trained(module: RerankerModule, info: dict[str, Any], base: BaseReranker) -> RerankerModule:
+    """The base's own module where the dev guard kept the weights training started from (the base's), so that
+    its rows share the base's scores (`table1_systems`) instead of scoring the same weights again."""
+    return base.module if kept_start(info) and base.module is not None else module
 
 
 def dev_top1_split(
@@ -309,8 +322,23 @@ def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_ba
     systems: dict[str, Scorer] = {BM25: lambda q, ps: bm25.scores(q)[corpus_indices(ps)]}
     if dense is not None:
         systems[BI_ENCODER] = lambda q, ps: dense.passage_vectors(corpus_indices(ps)) @ dense.encode([q])[0]
+    # Scores by (model, query, passages): rows that are one model (an aligned reranker whose dev guard kept the
+    # base's weights) score each question once; at full size a row of Table 1 or 2 is minutes of scoring.
+    scored: dict[tuple[int, str, tuple[str, ...]], np.ndarray] = {}
+
+    def cross_encoder(module: Reranker) -> Scorer:
+        def score(query: str, passages: list[str]) -> np.ndarray:
+            key = (id(module), query, tuple(passages))
+            if key not in scored:
+                scores = np.array(module.score([query] * len(passages), passages, batch_size=eval_batch_size))
+                scores.flags.writeable = False  # shared by every caller: none may change it in place
+                scored[key] = scores
+            return scored[key]
+
+        return score
+
     for name, module in rerankers.items():  # insertion order: the tuned rows last
-        systems[name] = lambda q, ps, m=module: m.score([q] * len(ps), ps, batch_size=eval_batch_size)
+        systems[name] = cross_encoder(module)
     return systems
 
 
