@@ -221,7 +221,7 @@ def test_dense_embeddings_equal_sentence_transformers(dense_toy: DenseRetriever)
     assert ours.shape == (3, 384)
     np.testing.assert_allclose(ours, reference, atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
-    # The same encoder without a corpus (the base reranker's bi-encoder teacher): cosine of a query with passages.
+    # The same encoder without a corpus: the cosine of a query with each passage.
     cosine = MeanPoolEncoder().cosine(sentences[0], sentences[1:])
     np.testing.assert_allclose(cosine, reference[1:] @ reference[0], atol=1e-5, rtol=0)
 

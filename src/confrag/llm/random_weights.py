@@ -115,10 +115,9 @@ _WEIGHT_MEMORY_SHARE = 0.9
 def load_random(cfg: LLMConfig):
     """A model with the layer shapes of `llm.random.shape` (`confrag.llm.shapes.PUBLISHED_SHAPES`) and seeded
     random weights, with SmolLM2's tokenizer and chat template (nothing is downloaded; `llm.tiny.tokenizer_dir`
-    as for the tiny models). The vocabulary is
-    the tokenizer's, so every token id the prompts produce is valid; the embedding and LM head are
-    therefore smaller than the published model's. `llm.random` may override other shape keys, e.g.
-    `num_hidden_layers: 2` for a CPU smoke test."""
+    as for the tiny models). The vocabulary is the tokenizer's, so every token id the prompts produce is valid;
+    the embedding and LM head are therefore smaller than the published model's. `llm.random` may override other
+    shape keys, e.g. `num_hidden_layers: 2` for a CPU smoke test."""
     spec = dict(cfg.random)
     shape = spec.pop("shape", None)
     if shape not in PUBLISHED_SHAPES:

@@ -99,8 +99,8 @@ def _check_mean_pooling(model_dir: Path) -> None:
 
 class MeanPoolEncoder:
     """A sentence-transformers bi-encoder's embeddings (Transformer → mean Pooling → Normalize) through plain
-    `transformers`: the dense retriever's encoder, and a scorer of (query, passage) pairs by cosine (the base
-    reranker's bi-encoder teacher) that needs no corpus."""
+    `transformers`: the dense retriever's encoder, and a scorer of (query, passage) pairs by cosine that needs
+    no corpus (the bi-encoder teacher of experiments/base_reranker_settings.py)."""
 
     def __init__(self, model_dir: str | Path | None = None, batch_size: int = 64, device: str | None = None) -> None:
         checks.positive_int(batch_size, "batch_size")
