@@ -116,6 +116,9 @@ def test_the_cards_state_this_run_s_facts_not_the_embedded_default_s():
     assert "Natural Questions" not in rows and "license: other" in rows and "/home/me" not in rows
     default = reranker_card(run_facts())
     assert "first trained as the base reranker" in default and "Natural Questions" in default
+    # The dev guard kept the base's weights: the card says the model scores as the base does.
+    assert "Weights kept" not in default
+    assert "**Weights kept**: the base reranker's" in reranker_card(run_facts(kept_base=True))
 
 
 def test_model_card_needs_an_exported_model_and_table_rows(tmp_path):
@@ -188,7 +191,13 @@ def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeyp
     recipe = rerank_task.check(cfg).recipe
     out = tmp_path / "out"
     exported_folder(out)
-    stage = SimpleNamespace(main="confidence_ft.sign", preferences=SimpleNamespace(splits=ROWS))
+    base, aligned = object(), object()
+    stage = SimpleNamespace(
+        main="confidence_ft.sign",
+        preferences=SimpleNamespace(splits=ROWS),
+        base=SimpleNamespace(module=base),
+        rerankers={"base": base, "confidence_ft.sign": aligned},
+    )
     pushed = []
 
     def never(*args, **kwargs):
@@ -198,7 +207,7 @@ def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeyp
     rerank_task.publish(cfg, recipe, stage, TABLE1, 1, shipped_settings(HubSettings, "hub"), out)
     card = ModelCard.load(out / "reranker" / "README.md")
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
-    assert card.text.count("python train.py") == 1
+    assert card.text.count("python train.py") == 1 and "Weights kept" not in card.text
     assert load_dataset(str(out / "nq_rerank_dataset"))["train"].num_rows == 2
     # Asked to push: each folder goes to its own repo (recorded here, never uploaded).
     monkeypatch.setattr(rerank_task, "push_folder", lambda *args: pushed.append(args) or "url")
@@ -210,3 +219,7 @@ def test_publish_writes_the_folders_and_pushes_only_when_asked(tmp_path, monkeyp
         (out / "reranker", "me/reranker", "model", True),
         (out / "nq_rerank_dataset", "me/rows", "dataset", True),
     ]
+    # The exported row is the base's module (`as_trained`: the dev guard kept the base): the card says so.
+    stage.rerankers["confidence_ft.sign"] = base
+    rerank_task.publish(cfg, recipe, stage, TABLE1, 1, shipped_settings(HubSettings, "hub"), out)
+    assert "**Weights kept**: the base reranker's" in (out / "reranker" / "README.md").read_text()

@@ -51,6 +51,8 @@ class RerankRun:
     command: str
     base_trained: bool = True  # the backbone was first trained as the base reranker (base_reranker.train)
     questions: str = "nq"  # the question set (`dataset.name`): which attribution and licence the rows carry
+    # The dev guard (preferences.select_on=dev_top1) kept the weights before fine-tuning, every fold's: the base's.
+    kept_base: bool = False
 
     @property
     def base_model(self) -> str:
@@ -123,6 +125,15 @@ def reranker_card(run: RerankRun) -> str:
                 "(first trained as the base reranker on relevance rows, then fine-tuned on NQ_Rerank)."
                 if run.base_trained
                 else "(fine-tuned on NQ_Rerank as it comes)."
+            ),
+            *(
+                [
+                    "- **Weights kept**: the base reranker's. Chosen by the dev questions' Top-1 answers "
+                    "(`preferences.select_on=dev_top1`), no step of the fine-tuning beat the weights before it, so "
+                    "those were kept: this model scores as the base does (Table 1's rows are equal)."
+                ]
+                if run.kept_base
+                else []
             ),
             f"- **Training data**: NQ_Rerank from this run ({rows} rows), labelled with {run.llm}'s confidence: "
             f"rule `{run.rule}`, reference `{run.reference}`, at most K = {run.top_k} contexts a side. "

@@ -83,6 +83,7 @@ def publish(
         command=run_command(cfg),
         base_trained=bool(recipe.base.train),
         questions=str((cfg.get("dataset") or {}).get("name") or "nq"),
+        kept_base=stage.rerankers[stage.main] is stage.base.module,  # `as_trained`: the guard kept the base
     )
     write_reranker_card(out / "reranker", run)
     write_dataset(stage.preferences.splits, out / "nq_rerank_dataset", run)
