@@ -23,7 +23,11 @@ def test_unknown_source_and_dtype_are_refused():
 
 
 def test_hub_model_missing_offline_names_the_files_and_the_fix(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import: set as well where it was read (no 20 s of retries).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(LLMNotAvailableError) as info:
         load_llm(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
