@@ -38,7 +38,16 @@ from confrag.stages.rerankers import ensure_reranker
 from confrag.stages.retrieval import build_retrieval, question_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"lr": float, "n": int, "neg": int, "epochs": int, "warmup": float, "distill": float, "dtau": float}
+KEYS = {
+    "lr": float,
+    "n": int,
+    "neg": int,
+    "epochs": int,
+    "warmup": float,
+    "distill": float,
+    "dtau": float,
+    "tau": float,
+}
 
 
 def setting(text: str) -> dict:
@@ -55,8 +64,8 @@ def main() -> None:
         "settings",
         nargs="+",
         type=setting,
-        help="lr=..,n=..,neg=..,epochs=..,warmup=..,distill=..,dtau=.. (n 120, neg 7, epochs 1; warmup: "
-        "model.warmup_ratio; distill 0: InfoNCE only)",
+        help="lr=..,n=..,neg=..,epochs=..,warmup=..,distill=..,dtau=..,tau=.. (n 120, neg 7, epochs 1; warmup: "
+        "model.warmup_ratio; distill 0: InfoNCE only; tau: the InfoNCE temperature, model.tau)",
     )
     parser.add_argument("--cache", default=str(ROOT / ".cache" / "base_reranker_settings"))
     parser.add_argument("--seed", type=int, default=7)
@@ -99,6 +108,7 @@ def main() -> None:
             **({"distill_weight": s["distill"], "distill_tau": s.get("dtau")} if s.get("distill", 0) > 0 else {}),
             **({"lr": s["lr"]} if "lr" in s else {}),
             **({"warmup_ratio": s["warmup"]} if "warmup" in s else {}),
+            **({"tau": s["tau"]} if "tau" in s else {}),
         }
         start = time.perf_counter()
         module, info = ensure_reranker(
