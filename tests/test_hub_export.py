@@ -129,7 +129,7 @@ def test_model_card_needs_an_exported_model_and_table_rows(tmp_path):
 
 
 def test_a_cross_fitted_export_gets_a_card_per_fold_and_one_at_its_top(tmp_path):
-    """`CrossFitted.export` writes one model per fold (`fold<f>/`): the task's card step used to refuse it after
+    """`FoldedReranker.export` writes one model per fold (`fold<f>/`): the task's card step used to refuse it after
     every fold had trained (a cross-fitted `task_name=rerank` run ended in FileNotFoundError)."""
     for f in range(3):
         exported_folder(tmp_path / "reranker", f"fold{f}")

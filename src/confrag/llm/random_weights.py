@@ -61,8 +61,12 @@ def load_tiny(cfg: LLMConfig):
     return place(model, cfg), tokenizer, tiny_ref(cfg)
 
 
+# `llm.tiny` keys that are not shape fields of the network's config: the architecture, and the tokenizer's source.
+_TINY_NON_SHAPE_KEYS = ("arch", "tokenizer", "tokenizer_package", "tokenizer_gguf", "tokenizer_dir")
+
+
 def tiny_shape(cfg: LLMConfig) -> dict[str, Any]:
-    return {k: v for k, v in cfg.tiny.items() if k not in _TINY_TOKENIZER_KEYS}
+    return {k: v for k, v in cfg.tiny.items() if k not in _TINY_NON_SHAPE_KEYS}
 
 
 def tiny_ref(cfg: LLMConfig) -> str:
@@ -73,10 +77,6 @@ def tiny_ref(cfg: LLMConfig) -> str:
         identity["tokenizer"] = file_sha256(os.path.join(folder, "tokenizer.json"))[:16]
     payload = json.dumps(identity, sort_keys=True)
     return f"tiny:{arch}@{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
-
-
-# `llm.tiny` keys that pick the tokenizer, not the network's shape.
-_TINY_TOKENIZER_KEYS = ("arch", "tokenizer", "tokenizer_package", "tokenizer_gguf", "tokenizer_dir")
 
 
 def tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:

@@ -213,7 +213,7 @@ def dataset_card(run: RerankRun, files: Mapping[str, str]) -> str:
 
 def write_reranker_card(directory: str | Path, run: RerankRun) -> Path:
     """README.md of the exported reranker folder (written beside its weights). A cross-fitted export (one model
-    per fold in `fold<f>/`, `CrossFitted.export`) gets the card in each fold's folder and one at its top."""
+    per fold in `fold<f>/`, `FoldedReranker.export`) gets the card in each fold's folder and one at its top."""
     directory = Path(directory)
     folds = exported_folds(directory)
     if not (directory / "config.json").is_file() and not folds:

@@ -270,7 +270,7 @@ class RerankerModule(LightningModule):
 
 
 def fold_export(directory: str | Path, fold: int) -> Path:
-    """Where a cross-fitted export (`CrossFitted.export`) puts fold `fold`'s model."""
+    """Where a cross-fitted export (`FoldedReranker.export`) puts fold `fold`'s model."""
     return Path(directory) / f"fold{fold}"
 
 

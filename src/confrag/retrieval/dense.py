@@ -174,14 +174,8 @@ class DenseRetriever:
             raise ValueError("cannot build a dense index over an empty corpus")
         self.corpus = corpus
         self.encoder = MeanPoolEncoder(model_dir, batch_size, device)
-        self.model_dir, self.max_length, self.device = (
-            self.encoder.model_dir,
-            self.encoder.max_length,
-            self.encoder.device,
-        )
         self.progress = progress
         self.kind = choose_index_kind(len(corpus), index)
-        self.encoder_key = self.encoder.key
         shards = self._passage_embeddings(cache_dir, shard_size)
         self._shards, self._shard_starts = shards, np.cumsum([0, *(len(s) for s in shards)])
         self.faiss: FaissIndex | None = None
@@ -201,7 +195,7 @@ class DenseRetriever:
     def _faiss_index(
         self, shards: list[np.ndarray], cache_dir: str | Path | None, index_path: str | Path | None
     ) -> FaissIndex:
-        key = FaissKey(corpus=self.corpus.fingerprint, encoder=self.encoder_key)
+        key = FaissKey(corpus=self.corpus.fingerprint, encoder=self.encoder.key)
         if index_path is None and cache_dir is not None:
             index_path = Path(cache_dir) / "retrieval" / "faiss" / fingerprint({**vars(key), "kind": self.kind})
         if index_path is not None and Path(index_path).is_dir():
@@ -218,9 +212,9 @@ class DenseRetriever:
                 return [self._encode_passages(0, len(self.corpus), bar)]
         spec = {
             "schema": _EMBED_SCHEMA,
-            "model": model_fingerprint(self.model_dir),
+            "model": model_fingerprint(self.encoder.model_dir),
             "corpus": self.corpus.fingerprint,
-            "max_length": self.max_length,
+            "max_length": self.encoder.max_length,
             "pooling": "mean",
             "normalize": True,
             "dtype": "float32",

@@ -268,7 +268,7 @@ def aligned_rerankers(
 def as_trained(module: RerankerModule, info: dict[str, Any], base: BaseReranker) -> RerankerModule:
     """The base's own module where the dev guard kept the weights training started from (the base's), so that
     its rows share the base's scores (`table1_systems`) instead of scoring the same weights again."""
-    return base.module if kept_start(info) and base.module is not None else module
+    return base.module if kept_start(info) else module
 
 
 def dev_top1_split(
