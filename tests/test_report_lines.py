@@ -21,6 +21,7 @@ RETRIEVAL = {"gold_retrieved": 0.875, "answer_in_candidates": 0.9, "duplicate_pa
 def test_one_wording_per_fact_in_both_reports():
     assert base_line(BASE) == "trained on 16 relevance rows of 17 questions no other stage uses, 8 steps, 13 s"
     assert base_line({"trained": False}) == "the backbone as it is"
+    assert base_line({"trained": False, "kind": "bi-encoder, cosine"}) == "the backbone as it is (bi-encoder, cosine)"
     assert retrieval_line(RETRIEVAL) == (
         "the question's gold paragraph is among them for 88 % of questions, a gold answer string for 90 %"
     )

@@ -376,5 +376,7 @@ def test_a_new_reranker_kind_is_one_registered_class(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "toy" / "config.json").read_text())["toy_kind"] is True
     with pytest.raises(ValueError, match="registered twice"):
         kinds.register_kind(ToyKind)
-    with pytest.raises(ValueError, match=r"model.kind must be one of cross_encoder, qwen3_yes_no, toy_cross_encoder"):
-        RerankerModule(kind="bi_encoder")
+    with pytest.raises(
+        ValueError, match=r"model.kind must be one of cross_encoder, qwen3_yes_no, bi_encoder, toy_cross_encoder"
+    ):
+        RerankerModule(kind="late_interaction")

@@ -195,7 +195,9 @@ def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
 
 
 def test_bad_kind_and_settings_are_named(tiny_qwen3):
-    with pytest.raises(ValueError, match="model.kind must be one of cross_encoder, qwen3_yes_no .got 'qwen3'"):
+    with pytest.raises(
+        ValueError, match="model.kind must be one of cross_encoder, qwen3_yes_no, bi_encoder .got 'qwen3'"
+    ):
         RerankerModule(backbone=str(tiny_qwen3), kind="qwen3")
     with pytest.raises(ValueError, match="model.kind must be one of"):
         PreferenceDataModule(train=toy_rows(), kind="causal")

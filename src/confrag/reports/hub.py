@@ -21,6 +21,7 @@ from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
 from confrag.infra.digests import file_digest
 from confrag.reports.tables import metric_columns
+from confrag.reranker.kinds import CrossEncoderKind, reranker_kind
 from confrag.reranker.module import exported_folds
 from confrag.reranker.systems import label
 
@@ -53,6 +54,7 @@ class RerankRun:
     questions: str = "nq"  # the question set (`dataset.name`): which attribution and licence the rows carry
     # The dev guard (preferences.select_on=dev_top1) kept the weights before fine-tuning, every fold's: the base's.
     kept_base: bool = False
+    kind: str = CrossEncoderKind.id  # model.kind: how the export loads elsewhere (the card's "Use")
 
     @property
     def base_model(self) -> str:
@@ -101,13 +103,14 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> str:
 def reranker_card(run: RerankRun) -> str:
     if not run.table1:
         raise ValueError("the model card needs the run's Table 1 rows; got none")
+    kind = reranker_kind(run.kind)
     meta = {
         "license": RERANKER_LICENSE,
         "base_model": run.base_model,
-        "library_name": "sentence-transformers",
+        "library_name": kind.library,
         "pipeline_tag": "text-ranking",
         "language": ["en"],
-        "tags": ["cross-encoder", "reranker", "rag", "confrag", f"rule-{run.rule}"],
+        "tags": [kind.noun, "reranker", "rag", "confrag", f"rule-{run.rule}"],
     }
     rows = ", ".join(f"{n} {split}" for split, n in run.rows.items())
     return "\n".join(
@@ -116,7 +119,7 @@ def reranker_card(run: RerankRun) -> str:
             "",
             f"# {label(run.exported)}: a reranker aligned with {run.llm}'s confidence",
             "",
-            'A cross-encoder fine-tuned with confrag ("Rethinking LLM Parametric Knowledge as Post-retrieval '
+            f'A {kind.noun} fine-tuned with confrag ("Rethinking LLM Parametric Knowledge as Post-retrieval '
             "Confidence for Dynamic Retrieval and Reranking\"): contexts that raise the LLM's confidence in its "
             "answer (the confidence probe's Conf(H(Q))) are ranked above those that lower it.",
             "",
@@ -146,15 +149,7 @@ def reranker_card(run: RerankRun) -> str:
             "",
             "## Use",
             "",
-            "```python",
-            "from sentence_transformers import CrossEncoder",
-            "",
-            'model = CrossEncoder("<this folder or repo id>")',
-            'scores = model.predict([("who wrote hamlet", "Hamlet is a tragedy by William Shakespeare.")])',
-            "```",
-            "",
-            "It loads as well with `transformers.AutoModelForSequenceClassification` (one logit) and with "
-            "FlagEmbedding's `FlagReranker`.",
+            *reranker_kind(run.kind).usage,
             "",
             "## Reproduce",
             "",

@@ -37,7 +37,7 @@ def rules_summary(report: dict[str, Any]) -> str:
 def base_line(info: dict[str, Any]) -> str:
     """What the base reranker is (the stage's `training["base"]`), in every report that names it."""
     if not info.get("trained"):
-        return "the backbone as it is"
+        return "the backbone as it is" + (f" ({info['kind']})" if info.get("kind") else "")
     return (
         f"trained on {info['rows']} relevance rows of {info['questions']} questions no other stage uses, "
         f"{info.get('steps', '?')} steps, {info.get('train_seconds', float('nan')):.0f} s"

@@ -121,7 +121,8 @@ class PreferenceDataModule(LightningDataModule):
         kind: str = CrossEncoderKind.id,
     ) -> None:
         super().__init__()
-        self.encode = reranker_kind(kind).encode
+        self.kind = reranker_kind(kind)
+        self.encode = self.kind.encode
         self.sources = {"train": train, "val": val, "test": test}
         self.tokenizer_name = tokenizer
         self.query_max_len = checks.positive_int(query_max_len, "data.query_max_len")
@@ -139,9 +140,7 @@ class PreferenceDataModule(LightningDataModule):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(resolve_backbone(self.tokenizer_name))
+            self._tokenizer = self.kind.load_tokenizer(resolve_backbone(self.tokenizer_name))
         return self._tokenizer
 
     @property

@@ -4,6 +4,8 @@ pairs are tokenized, one registered class per kind (as FlagEmbedding has one mod
 - `cross_encoder`: any `AutoModelForSequenceClassification` with one logit (bge-reranker-v2-m3, or an encoder
   such as all-MiniLM-L6-v2 with a freshly drawn, seeded head), pairs tokenized FlagEmbedding-style.
 - `qwen3_yes_no`: a Qwen3-Reranker causal LM scored as logit(yes) − logit(no) on its own prompt (`qwen3`).
+- `bi_encoder`: a sentence-transformers bi-encoder (all-MiniLM-L6-v2) scored by the cosine of the query's and
+  the passage's mean-pooled embeddings (`bi_encoder`): a reranker as it comes, no head to train.
 
 A new kind is a subclass with its `id`, registered with `@register_kind`: the module, the data module and
 the export ask the registry, never compare kind names.
@@ -18,13 +20,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from confrag.reranker import qwen3
+from confrag.reranker import bi_encoder, qwen3
 from confrag.reranker.tokenization import EncodedPairs, encode_pairs
 
 __all__ = [
     "RerankerKind",
     "CrossEncoderKind",
     "Qwen3YesNoKind",
+    "BiEncoderKind",
     "KINDS",
     "register_kind",
     "reranker_kind",
@@ -44,6 +47,17 @@ class RerankerKind(ABC):
     description: ClassVar[str]
     # How pairs are tokenized for this kind: (tokenizer, queries, passages, query_max_len, passage_max_len).
     encode: ClassVar[Callable[..., EncodedPairs]]
+    # The model card's: what the export is (its tag too) and the library that loads it.
+    noun: ClassVar[str]
+    library: ClassVar[str]
+    # The model card's "Use" section: how an export of this kind is loaded and scored elsewhere (markdown lines).
+    usage: ClassVar[tuple[str, ...]]
+
+    def load_tokenizer(self, path: str, trust_remote_code: bool = False) -> Any:
+        """The backbone's tokenizer, for the module and the data module alike (so both cut pairs alike)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
     @abstractmethod
     def load(self, path: str, tokenizer: Any, fresh_head: bool, seed: int, trust_remote_code: bool) -> nn.Module:
@@ -52,6 +66,10 @@ class RerankerKind(ABC):
     def check(self, fresh_head: bool) -> None:
         """Refuse settings this kind cannot honour (before any weights load); every setting is fine by default."""
         return None
+
+    def _no_head(self, fresh_head: bool, why: str) -> None:
+        if fresh_head:
+            raise ValueError(f"model.fresh_head must be false with model.kind={self.id} ({why}) (got {fresh_head!r})")
 
     def lora_settings(self, lora: dict[str, Any]) -> dict[str, Any]:
         """peft.LoraConfig fields for this kind's model, from the user's `model.lora`."""
@@ -84,7 +102,20 @@ def reranker_kind(kind: str) -> RerankerKind:
 class CrossEncoderKind(RerankerKind):
     id = "cross_encoder"
     description = "AutoModelForSequenceClassification with one logit"
+    noun, library = "cross-encoder", "sentence-transformers"
     encode = staticmethod(encode_pairs)
+
+    usage = (
+        "```python",
+        "from sentence_transformers import CrossEncoder",
+        "",
+        'model = CrossEncoder("<this folder or repo id>")',
+        'scores = model.predict([("who wrote hamlet", "Hamlet is a tragedy by William Shakespeare.")])',
+        "```",
+        "",
+        "It loads as well with `transformers.AutoModelForSequenceClassification` (one logit) and with "
+        "FlagEmbedding's `FlagReranker`.",
+    )
 
     def load(self, path: str, tokenizer: Any, fresh_head: bool, seed: int, trust_remote_code: bool) -> nn.Module:
         return load_cross_encoder(path, fresh_head=fresh_head, seed=seed, trust_remote_code=trust_remote_code)
@@ -97,20 +128,63 @@ class CrossEncoderKind(RerankerKind):
 class Qwen3YesNoKind(RerankerKind):
     id = "qwen3_yes_no"
     description = "Qwen3-Reranker causal LM, logit(yes) - logit(no)"
+    noun, library = "causal-LM reranker", "transformers"
     encode = staticmethod(qwen3.encode_yes_no_pairs)
+
+    usage = (
+        "A Qwen3 causal LM, saved as Qwen3-Reranker is released: score a pair as Qwen3-Reranker's model card does "
+        "(its yes/no prompt; confrag's score is logit(yes) − logit(no), whose sigmoid is that card's p(yes)).",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        'model = AutoModelForCausalLM.from_pretrained("<this folder or repo id>")',
+        'tokenizer = AutoTokenizer.from_pretrained("<this folder or repo id>")',
+        "```",
+    )
 
     def load(self, path: str, tokenizer: Any, fresh_head: bool, seed: int, trust_remote_code: bool) -> nn.Module:
         return qwen3.load_yes_no_scorer(path, tokenizer, trust_remote_code=trust_remote_code)
 
     def check(self, fresh_head: bool) -> None:
-        if fresh_head:
-            raise ValueError(
-                "model.fresh_head must be false with model.kind=qwen3_yes_no (its score comes from the LM head's "
-                f"yes/no rows, there is no head to redraw) (got {fresh_head!r})"
-            )
+        self._no_head(fresh_head, "its score comes from the LM head's yes/no rows, there is no head to redraw")
 
     def lora_settings(self, lora: dict[str, Any]) -> dict[str, Any]:
         return qwen3.lora_settings(lora)
+
+
+@register_kind
+class BiEncoderKind(RerankerKind):
+    id = "bi_encoder"
+    description = (
+        f"bi-encoder, {bi_encoder.SCALE:g} × the cosine of the query's and the passage's mean-pooled embeddings"
+    )
+    noun, library = "bi-encoder", "sentence-transformers"
+    encode = staticmethod(bi_encoder.encode_query_passage_pairs)
+    usage = (
+        "```python",
+        "from sentence_transformers import SentenceTransformer",
+        "",
+        'model = SentenceTransformer("<this folder or repo id>")',
+        'query, passages = "who wrote hamlet", ["Hamlet is a tragedy by William Shakespeare."]',
+        "scores = model.similarity(model.encode([query]), model.encode(passages))  # cosines; confrag's logit is "
+        f"{bi_encoder.SCALE:g} x cosine",
+        "```",
+        "",
+        "It loads as well with `transformers.AutoModel` (mean pooling over the real tokens, then L2 normalization).",
+    )
+
+    def load_tokenizer(self, path: str, trust_remote_code: bool = False) -> Any:
+        return bi_encoder.load_tokenizer(path, trust_remote_code=trust_remote_code)
+
+    def load(self, path: str, tokenizer: Any, fresh_head: bool, seed: int, trust_remote_code: bool) -> nn.Module:
+        return bi_encoder.load_bi_encoder(path, tokenizer, trust_remote_code=trust_remote_code)
+
+    def check(self, fresh_head: bool) -> None:
+        self._no_head(fresh_head, "it scores by the cosine of two embeddings, there is no head")
+
+    def lora_settings(self, lora: dict[str, Any]) -> dict[str, Any]:
+        return bi_encoder.lora_settings(lora)
 
 
 # --- the cross-encoder's backbone ------------------------------------------------------------------

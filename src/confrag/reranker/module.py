@@ -130,10 +130,8 @@ class RerankerModule(LightningModule):
         _check_settings(tau, lr, weight_decay, warmup_ratio, lora, distill_weight, distill_tau, fresh_head, kind)
         ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
         self.save_hyperparameters()
-        from transformers import AutoTokenizer
-
         path = resolve_backbone(backbone)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.tokenizer = self.kind.load_tokenizer(path, trust_remote_code)
         self.model = self.kind.load(path, self.tokenizer, fresh_head, seed, trust_remote_code)
         if lora is not None:
             self.model = apply_lora(self.model, self.kind.lora_settings(lora))

@@ -12,7 +12,6 @@ small corpus, through a FAISS index (flat, or IVF above a million passages) for 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from confrag.infra.digests import fingerprint
 from confrag.infra.sharded import ShardedArtifact
 from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.faiss_index import FaissIndex, FaissKey, choose_index_kind
+from confrag.retrieval.mean_pooling import check_mean_pooling, max_seq_length, mean_pool
 from confrag.retrieval.minilm import minilm_dir
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
 
@@ -64,39 +64,6 @@ def model_fingerprint(model_dir: str | Path) -> str:
     return fingerprint({str(p.relative_to(root)): _file_sha256(p) for p in files})
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: unreadable sentence-transformers config ({err})") from err
-
-
-def _max_seq_length(model_dir: Path, tokenizer) -> int:
-    # sentence-transformers truncates at sentence_bert_config.json's max_seq_length (256 for MiniLM),
-    # not at the tokenizer's 512; using 512 would change the embeddings of long passages.
-    config = model_dir / "sentence_bert_config.json"
-    if config.is_file():
-        value = _read_json(config).get("max_seq_length")
-        if isinstance(value, int) and value > 0:
-            return value
-    return min(int(tokenizer.model_max_length), 512)
-
-
-def _check_mean_pooling(model_dir: Path) -> None:
-    pooling = model_dir / "1_Pooling" / "config.json"
-    if not pooling.is_file():
-        return
-    config = _read_json(pooling)
-    other_modes = [
-        k for k, v in config.items() if k.startswith("pooling_mode_") and k != "pooling_mode_mean_tokens" and v
-    ]
-    if not config.get("pooling_mode_mean_tokens") or other_modes:
-        raise ValueError(
-            f"{pooling}: DenseRetriever implements mean pooling only (pooling_mode_mean_tokens: true and no "
-            f"other mode); this model asks for {other_modes or 'no mean pooling'}"
-        )
-
-
 class MeanPoolEncoder:
     """A sentence-transformers bi-encoder's embeddings (Transformer → mean Pooling → Normalize) through plain
     `transformers`: the dense retriever's encoder, and a scorer of (query, passage) pairs by cosine that needs
@@ -107,13 +74,13 @@ class MeanPoolEncoder:
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
-        _check_mean_pooling(self.model_dir)
+        check_mean_pooling(self.model_dir, "MeanPoolEncoder")
         self.batch_size = batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         # fp32 always: the cache key assumes it, and it keeps embeddings equal to sentence-transformers'.
         self.model = AutoModel.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device).eval()
-        self.max_length = _max_seq_length(self.model_dir, self.tokenizer)
+        self.max_length = max_seq_length(self.model_dir, self.tokenizer)
         self.key = fingerprint(
             {"model": model_fingerprint(self.model_dir), "max_length": self.max_length, "pooling": "mean"}
         )
@@ -123,11 +90,7 @@ class MeanPoolEncoder:
         batch = self.tokenizer(
             texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         ).to(self.device)
-        hidden = self.model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        # Mean over real tokens only; the clamp mirrors sentence-transformers for an all-padding row.
-        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
+        return mean_pool(self.model(**batch).last_hidden_state, batch["attention_mask"]).cpu().numpy()
 
     def encode(self, texts: Sequence[str], bar: tqdm | None = None) -> np.ndarray:
         """(len(texts), dim) float32 unit vectors, in input order. Texts are batched longest first, as

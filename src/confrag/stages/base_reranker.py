@@ -122,7 +122,9 @@ def ensure_base_reranker(
     """The base: trained on `rows` (questions no other stage uses) and cached by key, or the backbone."""
     recipe = recipe.with_model_settings(**BASE_MODEL_SETTINGS)
     if not settings.train:
-        return BaseReranker(recipe.make_model(), None, {"trained": False})
+        module = recipe.make_model()
+        # What the untrained base scores with, for the reports (the kind's own words, e.g. a bi-encoder's cosine).
+        return BaseReranker(module, None, {"trained": False, "kind": module.kind.description})
     start = time.perf_counter()
     candidates, stats = question_candidates(retrieval, rows, top_n=settings.negatives_top_n)
     train_rows, dropped = relevance_training_rows(

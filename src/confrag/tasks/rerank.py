@@ -84,6 +84,7 @@ def publish(
         base_trained=bool(recipe.base.train),
         questions=str((cfg.get("dataset") or {}).get("name") or "nq"),
         kept_base=stage.rerankers[stage.main] is stage.base.module,  # `as_trained`: the guard kept the base
+        kind=str(cfg.model.kind),
     )
     write_reranker_card(out / "reranker", run)
     write_dataset(stage.preferences.splits, out / "nq_rerank_dataset", run)
