@@ -6,8 +6,9 @@ base reranker and test questions, another probe) each write their rows' per-ques
 `metrics.json` (every run must hold exactly those), and prints one table: Top-K accuracy with its 95 % bootstrap
 interval, the paired difference to the base row with its interval, the exact McNemar p Holm-corrected across every
 row compared (all runs together), the smallest difference the design detects at 80 % power, and the share of
-questions whose Top-1 context is a passage of their own paragraph (when the corpus is the NQ file's own
-paragraphs, `retrieval.corpus_path` null: the column is left out otherwise). Rows that are the same system in two
+questions whose Top-1 context is a passage of their own paragraph, paired with the base row's (the questions only one
+of the two puts it first, and the exact McNemar p, uncorrected), when the corpus is the NQ file's own paragraphs
+(`retrieval.corpus_path` null: the columns are left out otherwise). Rows that are the same system in two
 runs (the base, BM25, the oracle...) must give the same answers; they are shown once.
 
     python experiments/compare_runs.py qarag=RUN_A cand=RUN_B                  # base: the first run's `base`
@@ -24,8 +25,8 @@ from omegaconf import OmegaConf
 
 from confrag.data.nq import load_nq_jsonl
 from confrag.rag.pipeline import load_outcomes_jsonl
-from confrag.rag.stats import BINARY_METRICS, paired_cell, table2_rows
-from confrag.reports.cbdr_answers import gold_in_contexts
+from confrag.rag.stats import BINARY_METRICS, mcnemar_exact, paired_cell, table2_rows
+from confrag.reports.cbdr_answers import own_paragraph_flags
 from confrag.retrieval import corpus_from_nq
 
 
@@ -80,12 +81,23 @@ def main() -> None:
     print(f"{args.dataset}, Top-{args.k} {args.metric}, n = {len(test)} test questions; Holm over {len(rows) - 1} rows")
     sources = gold_sources(args.runs[0][1]) if args.dataset == "nq" else None
     header = f"| row | Top-{args.k} [95 % CI] | − {args.base} [95 % CI] · Holm p · detectable |"
-    print(header + (" own ¶ |" if sources else ""))
-    print("| --- | ---: | --- |" + (" ---: |" if sources else ""))
+    own_header = f" own ¶ | own ¶: row alone / {args.base} alone · McNemar p |"
+    print(header + (own_header if sources else ""))
+    print("| --- | ---: | --- |" + (" ---: | --- |" if sources else ""))
+
+    def own(name: str) -> list[bool]:  # in qid order, so that rows pair by question
+        return own_paragraph_flags(sorted(rows[("-", name, args.dataset)], key=lambda o: o.qid), args.k, sources)
+
     for row in table:
         line = f"| {row['reranker']} | {row[f'top{args.k}'].format()} | {paired_cell(row, args.k)} |"
         if sources:
-            line += f" {100 * gold_in_contexts(rows[('-', row['reranker'], args.dataset)], args.k, sources):.1f} |"
+            flags = own(row["reranker"])
+            line += f" {100 * sum(flags) / len(flags):.1f} |"
+            if row["reranker"] == args.base:
+                line += " — |"
+            else:
+                pair = mcnemar_exact(flags, own(args.base))
+                line += f" {pair.only_a} / {pair.only_b} · {pair.pvalue:.3f} |"
         print(line)
 
 

@@ -49,17 +49,24 @@ def closed_book_line(runs: Outcomes, metric: str, n_resamples: int, seed: int) -
     return f"Closed-book (QA prompt, no retrieval) {metric}: " + ", ".join(parts) + "."
 
 
-def gold_in_contexts(
+def own_paragraph_flags(
     outcomes: Sequence[QuestionOutcome], k: int, gold_of: dict[str, str | None] | None = None
-) -> float:
-    """Share of questions whose own paragraph is among their Top-k contexts: a context id `<source>#<n>` whose
-    source is the question's gold document (`gold_of`, qid -> source id; without it, the question's qid)."""
+) -> list[bool]:
+    """Per question, in order: is its own paragraph among its Top-k contexts (a context id `<source>#<n>` whose
+    source is the question's gold document: `gold_of`, qid -> source id; without it, the question's qid)."""
 
     def own(o: QuestionOutcome) -> bool:
         source = gold_of.get(o.qid) if gold_of is not None else o.qid
         return source is not None and any(c.rsplit("#", 1)[0] == source for c in o.rag[k].contexts)
 
-    return float(np.mean([own(o) for o in outcomes])) if outcomes else 0.0
+    return [own(o) for o in outcomes]
+
+
+def gold_in_contexts(
+    outcomes: Sequence[QuestionOutcome], k: int, gold_of: dict[str, str | None] | None = None
+) -> float:
+    """Share of questions whose own paragraph is among their Top-k contexts (`own_paragraph_flags`)."""
+    return float(np.mean(own_paragraph_flags(outcomes, k, gold_of))) if outcomes else 0.0
 
 
 def secondary_markdown(
