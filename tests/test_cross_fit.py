@@ -233,6 +233,9 @@ def test_a_reranker_that_kept_the_bases_weights_is_the_base_and_shares_its_score
     calls = []
 
     class Counting:  # scores by passage length, counting the pairs it scored
+        def scorer_for(self, query):
+            return self
+
         def score(self, queries, passages, batch_size=32):
             calls.append(len(passages))
             return np.array([len(p) for p in passages], dtype=np.float32)
@@ -251,6 +254,17 @@ def test_a_reranker_that_kept_the_bases_weights_is_the_base_and_shares_its_score
     assert calls == [2, 2, 2]  # the base once per list, whichever of its rows asked; the other model on its own
     with pytest.raises(ValueError, match="read-only"):
         first[0] = 5.0  # shared between rows: no caller may change it
+
+    # Cross-fitted: the fold whose dev guard kept the base scores with the base's module, and shares its scores.
+    from confrag.stages.cross_fit import FoldedReranker
+
+    calls.clear()
+    folded = FoldedReranker([base, trained], {"q0": 0, "q1": 1}.get)
+    systems = table1_systems(retrieval, {"base": base, "confidence_ft.rank": folded}, 8)
+    for query in ("q0", "q1"):
+        systems["base"](query, ["aa", "b"])
+        assert systems["confidence_ft.rank"](query, ["aa", "b"]).tolist() == [2.0, 1.0]
+    assert calls == [2, 2, 2]  # q0: the base once for both rows; q1: the base, then fold 1's own reranker
 
 
 def test_each_folds_rerankers_keep_their_best_dev_top1_weights(cross_fitted):

@@ -149,7 +149,7 @@ def reranker_card(run: RerankRun) -> str:
             "",
             "## Use",
             "",
-            *reranker_kind(run.kind).usage,
+            *kind.usage,
             "",
             "## Reproduce",
             "",

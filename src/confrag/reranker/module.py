@@ -144,6 +144,10 @@ class RerankerModule(LightningModule):
         """One score (the raw logit) per (query, passage) pair."""
         return self.model(**features).logits.view(-1)
 
+    def scorer_for(self, query: str) -> RerankerModule:
+        """The reranker that scores `query`: this one (a cross-fitted reranker answers with its fold's)."""
+        return self
+
     @torch.no_grad()
     def score(self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32) -> np.ndarray:
         """Raw logits for (queries[i], passages[i]), tokenized as in training; dropout off."""

@@ -29,13 +29,21 @@ class FoldedReranker:
         self.folds = list(folds)
         self.fold_of = fold_of
 
+    def _fold(self, query: str) -> int:
+        fold = self.fold_of(query)
+        return 0 if fold is None else fold
+
+    def scorer_for(self, query: str) -> RerankerModule:
+        """The reranker that scores `query`: its fold's (the base's own module where that fold's dev guard kept
+        the base's weights, so that its scores can be shared with the base row's)."""
+        return self.folds[self._fold(query)]
+
     def score(self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32) -> np.ndarray:
         if len(queries) != len(passages):
             raise ValueError(f"{len(queries)} queries for {len(passages)} passages")
         by_fold: dict[int, list[int]] = defaultdict(list)
         for i, query in enumerate(queries):
-            fold = self.fold_of(query)
-            by_fold[0 if fold is None else fold].append(i)
+            by_fold[self._fold(query)].append(i)
         scores = np.zeros(len(queries), dtype=np.float32)
         for fold, index in by_fold.items():
             scores[index] = self.folds[fold].score(

@@ -323,11 +323,13 @@ def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_ba
     if dense is not None:
         systems[BI_ENCODER] = lambda q, ps: dense.passage_vectors(corpus_indices(ps)) @ dense.encode([q])[0]
     # Scores by (model, query, passages): rows that are one model (an aligned reranker whose dev guard kept the
-    # base's weights) score each question once; at full size a row of Table 1 or 2 is minutes of scoring.
+    # base's weights, in every fold or in the query's fold) score each question once; at full size a row of Table 1
+    # or 2 is minutes of scoring.
     scored: dict[tuple[int, str, tuple[str, ...]], np.ndarray] = {}
 
-    def cross_encoder(module: Reranker) -> Scorer:
+    def cross_encoder(row: Reranker) -> Scorer:
         def score(query: str, passages: list[str]) -> np.ndarray:
+            module = row.scorer_for(query)
             key = (id(module), query, tuple(passages))
             if key not in scored:
                 scores = np.array(module.score([query] * len(passages), passages, batch_size=eval_batch_size))
