@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,7 +28,18 @@ from helpers.runs import (
 )
 from helpers.wandb_records import logged_artifacts
 
-RUNNABLE_HERE = [name for name in EXPERIMENTS if "tiny" in name]
+# Tiny experiments whose task tests already run them end to end and check the same outputs in a module fixture
+# (check_cbdr_outputs, check_gates_outputs): run once there, not again here.
+COVERED_BY_TASK_TESTS = {"cbdr_tiny_llama": "test_cbdr_task.py", "gates_tiny_llama": "test_gates_task.py"}
+RUNNABLE_HERE = [name for name in EXPERIMENTS if "tiny" in name and name not in COVERED_BY_TASK_TESTS]
+
+
+def test_every_tiny_experiment_runs_in_some_test():
+    tests = Path(__file__).parent
+    for name, module in COVERED_BY_TASK_TESTS.items():
+        text = (tests / module).read_text()
+        assert f"+experiment={name}" in text and f"check_{name.split('_')[0]}_outputs" in text, (name, module)
+    assert {n for n in EXPERIMENTS if "tiny" in n} == set(RUNNABLE_HERE) | set(COVERED_BY_TASK_TESTS)
 
 
 def test_experiment_list_is_complete():
