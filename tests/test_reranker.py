@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from lightning import Callback, Trainer
+from lightning import Callback
 
 from confrag.reranker.data import GroupDataset, PreferenceDataModule
 from confrag.reranker.loss import distillation_kl, group_infonce
@@ -17,6 +17,7 @@ from confrag.reranker.rows import candidate_lists, load_rows, validate_rows
 from confrag.reranker.tokenization import encode_pairs
 
 from helpers.data import TOPICS
+from helpers.reranking import fast_trainer
 
 
 def toy_rows() -> list[dict]:
@@ -36,19 +37,6 @@ def toy_rows() -> list[dict]:
             }
         )
     return rows
-
-
-def fast_trainer(max_steps: int, callbacks=None) -> Trainer:
-    return Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-    )
 
 
 class BackboneModeSpy(Callback):

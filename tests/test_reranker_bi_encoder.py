@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from lightning import Trainer
 from sentence_transformers import SentenceTransformer
 
 from confrag.reports.hub import write_reranker_card
@@ -19,9 +18,9 @@ from confrag.reranker.module import RerankerModule
 from confrag.retrieval.dense import MeanPoolEncoder
 from confrag.retrieval.minilm import minilm_dir
 from test_hub_export import exported_folder, run_facts
-from test_reranker_qwen3 import mean_group_loss
 
 from helpers.data import TOPICS
+from helpers.reranking import fast_trainer, mean_group_loss
 
 KIND = "bi_encoder"
 # A passage past MiniLM's 256-token budget, so that the cut is compared too.
@@ -69,15 +68,7 @@ def test_fine_tuning_lowers_the_loss_and_the_export_loads_in_sentence_transforme
     torch.manual_seed(0)
     module = RerankerModule(backbone="minilm", kind=KIND, lr=1e-4)
     before = mean_group_loss(module, rows(), group_size=4)
-    trainer = Trainer(
-        max_steps=6,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = fast_trainer(max_steps=6)
     trainer.fit(module, datamodule=PreferenceDataModule(train=rows(), batch_size=3, group_size=4, kind=KIND))
     after = mean_group_loss(module, rows(), group_size=4)
     assert after < before - 0.5, (before, after)

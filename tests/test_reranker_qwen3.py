@@ -7,13 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from lightning import Trainer
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from confrag.llm.config import LLMConfig
 from confrag.llm.random_weights import tiny_tokenizer
-from confrag.reranker.data import GroupDataset, PreferenceDataModule
-from confrag.reranker.loss import group_infonce
+from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.qwen3 import (
     BODY,
@@ -27,6 +25,7 @@ from confrag.reranker.qwen3 import (
 from confrag.reranker.tokenization import encode_pairs
 
 from helpers.data import TOPICS as ALL_TOPICS
+from helpers.reranking import fast_trainer, mean_group_loss
 
 KIND = "qwen3_yes_no"
 TOPICS = [ALL_TOPICS[i] for i in (1, 2, 3, 5)]  # four of the shared topics
@@ -143,15 +142,6 @@ def test_datamodule_tokenizes_by_kind(tiny_qwen3):
     assert dm.truncation["train"] == {"pairs": 20, "truncated_pairs": 0, "truncated_queries": 0}
 
 
-def mean_group_loss(module: RerankerModule, rows: list[dict], group_size: int = 3) -> float:
-    dataset = GroupDataset(rows, group_size, seed=0)
-    items = [dataset[i] for i in range(len(dataset))]
-    scores = module.score(
-        [it["query"] for it in items for _ in it["passages"]], [p for it in items for p in it["passages"]]
-    )
-    return float(group_infonce(torch.from_numpy(scores).view(len(items), group_size), module.hparams.tau))
-
-
 def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     torch.manual_seed(0)
     rows = toy_rows()
@@ -162,15 +152,7 @@ def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".self_attn.")[1].split(".")[0] for n in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     before = mean_group_loss(module, rows)
-    trainer = Trainer(
-        max_steps=8,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = fast_trainer(max_steps=8)
     trainer.fit(
         module,
         datamodule=PreferenceDataModule(train=rows, tokenizer=str(tiny_qwen3), batch_size=4, group_size=3, kind=KIND),
@@ -207,13 +189,6 @@ def test_bad_kind_and_settings_are_named(tiny_qwen3):
 
 def test_a_datamodule_of_another_kind_is_refused(tiny_qwen3):
     module = RerankerModule(backbone=str(tiny_qwen3), kind=KIND)
-    trainer = Trainer(
-        max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = fast_trainer(max_steps=1)
     with pytest.raises(ValueError, match="build PreferenceDataModule with kind=model.kind"):
         trainer.fit(module, datamodule=PreferenceDataModule(train=toy_rows(), tokenizer=str(tiny_qwen3), group_size=3))

@@ -63,8 +63,9 @@ def encode_query_passage_pairs(
     )
     p_max = min(passage_max_len, limit)
     p = tokenizer(list(passages), truncation=True, max_length=p_max, padding=True, return_tensors="pt")
-    lengths = tokenizer(list(dict.fromkeys(passages)), verbose=False)["input_ids"]
-    too_long = {text for text, ids in zip(dict.fromkeys(passages), lengths) if len(ids) > p_max}
+    unique_p = list(dict.fromkeys(passages))
+    lengths = tokenizer(unique_p, verbose=False)["input_ids"]
+    too_long = {text for text, ids in zip(unique_p, lengths) if len(ids) > p_max}
     position = {text: i for i, text in enumerate(unique_q)}
     features = {
         "query_input_ids": q["input_ids"],
