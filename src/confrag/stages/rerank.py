@@ -171,7 +171,8 @@ def rerank_stage(
         )
         for name in by_fold[0][0]:
             folds = [fold[0][name] for fold in by_fold]
-            # Every fold kept the base's weights (the dev guard): the row is the base, its scores computed once.
+            # Every fold kept the base's weights (the dev guard): the row is the base (its card says so); a fold that
+            # alone kept them shares the base's scores through `scorer_for`.
             if all(module is base.module for module in folds):
                 rerankers[name] = base.module
             else:
