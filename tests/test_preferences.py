@@ -70,6 +70,16 @@ def test_gold_placement_counts_questions_with_a_retrieved_gold_passage():
     assert placement["gold_in_pos_rate"] == 0.5
 
 
+def test_gold_placement_counts_only_the_questions_trained_on():
+    """A question whose row is dropped (here: no context lowers Conf, so no negative) teaches nothing: before, its
+    gold passage counted in the rates, so a rule that drops most questions looked noisier than its rows are."""
+    sets = [candidate_set("a", 3, 0), candidate_set("b", 3, 2), candidate_set("d", 3, 1)]
+    shifts = shifts_for(sets, [0.5] * 3, [0.5] * 3, [[0.9, 0.1, 0.5], [0.9, 0.8, 0.1], [0.9, 0.8, 0.7]])
+    placement = gold_placement(sets, shifts, "qa", top_k=5)
+    assert placement["questions_with_gold"] == 2 and placement["dropped_with_gold"] == 1
+    assert placement["gold_in_pos"] == 1 and placement["gold_in_neg"] == 1 and placement["gold_in_neg_rate"] == 0.5
+
+
 def test_report_covers_both_references_and_prints_examples():
     sets = [candidate_set(q, 3, 0) for q in "abcd"]
     shifts = shifts_for(sets, [0.5] * 4, [0.7] * 4, [[0.9, 0.1, 0.6]] * 4)
