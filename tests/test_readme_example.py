@@ -10,14 +10,10 @@ import re
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
-from omegaconf import OmegaConf
 
-from confrag.infra.paths import config_dir
 from confrag.llm.hidden_states import naive_hidden_states
-from confrag.llm.loading import load_llm
-from confrag.llm.prompts import PromptTemplates, encode_prompts
+from confrag.llm.prompts import encode_prompts
 from confrag.probe.module import ProbeModule, save_probe
 from confrag.reranker.module import RerankerModule
 
@@ -41,21 +37,18 @@ def test_python_blocks_are_found_and_only_they():
     assert python_blocks(text) == ["x = 1\n", "y = 2\nz = 3\n"]
 
 
-@pytest.fixture(scope="module")
-def smollm2_llm():
-    cfg = OmegaConf.to_container(OmegaConf.load(config_dir() / "llm" / "smollm2_135m.yaml"))
-    return load_llm({**cfg, "cache_dir": None})
-
-
-def test_the_readme_example_scores_candidates_with_a_saved_probe_and_reranker(tmp_path, monkeypatch, smollm2_llm):
-    llm = smollm2_llm
-    templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(config_dir() / "prompts" / "paper.yaml")))
+def test_the_readme_example_scores_candidates_with_a_saved_probe_and_reranker(
+    tmp_path, monkeypatch, smollm2, templates
+):
+    llm = smollm2  # conftest's: conf/llm/smollm2_135m.yaml with the default cache, as the example loads it
     layer = llm.mid_layer
     # A probe for SmolLM2's Layer/2 states with random weights and a standardization, saved as a probe run saves it.
     torch.manual_seed(0)
     probe = ProbeModule(input_dim=int(llm.model.config.hidden_size), hidden_dims=[16], layer=layer)
     rng = np.random.default_rng(0)
-    probe.set_standardization(rng.normal(size=probe.hparams.input_dim), rng.uniform(0.5, 2, size=probe.hparams.input_dim))
+    probe.set_standardization(
+        rng.normal(size=probe.hparams.input_dim), rng.uniform(0.5, 2, size=probe.hparams.input_dim)
+    )
     activations = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layer": layer, "key": "readme"}
     save_probe(probe, tmp_path / "probe", activations, {})
     # An exported reranker: MiniLM with a seeded fresh head, written as a rerank run exports it.
@@ -67,13 +60,15 @@ def test_the_readme_example_scores_candidates_with_a_saved_probe_and_reranker(tm
     namespace: dict = {}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - the README's own example
+        exec(compile(code, str(README), "exec"), namespace)  # the README's own example, as written
 
     passages, question = namespace["passages"], namespace["question"]
     assert len(passages) >= 2 and len(printed.getvalue().splitlines()) == len(passages)
     # The same confidences from a plain forward per prompt, and the same scores from the module that exported them.
     prompts = [templates.rag_prompt(llm.tokenizer, question, [p]) for p in passages]
-    states = np.stack([naive_hidden_states(llm.model, ids, [layer])[0] for ids in encode_prompts(llm.tokenizer, prompts)])
+    states = np.stack(
+        [naive_hidden_states(llm.model, ids, [layer])[0] for ids in encode_prompts(llm.tokenizer, prompts)]
+    )
     np.testing.assert_allclose(namespace["confidence"], probe.confidence(states), atol=1e-4)
     texts = [f"{p.title}\n{p.text}" for p in passages]
     np.testing.assert_allclose(namespace["scores"], reranker.score([question] * len(texts), texts), atol=1e-5)

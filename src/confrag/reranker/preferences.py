@@ -5,7 +5,8 @@ For a question Q with candidate contexts C1..Cn,
     Inc(Q, Ci) = Conf(H(Q + Ci)) − Conf(H(reference)),
 
 where H(Q + Ci) is the hidden state of the RAG prompt holding Ci alone, and the reference is either
-the QA prompt (`qa`, the paper) or the RAG prompt with an empty context (`rag_empty`). Three rules
+the QA prompt (`qa`, the paper's Eq. 3) or the RAG prompt with an empty context (`rag_empty`, closest to the paper's
+appendix, which builds NQ_Rerank with the RAG prompt). Three rules
 (`preferences.selection`) turn a question's candidates into `pos` and `neg`:
 
 - `sign` (the paper): the top-K contexts with Inc > 0 are `pos`, the top-K with Inc < 0 `neg` (most

@@ -61,7 +61,7 @@ class PreferenceSettings:
 
     num_questions: int | None  # a seeded sample of the NQ questions the probe does not use; None = all
     top_k: int  # K: at most K contexts on each side
-    reference: str  # qa (the paper) | rag_empty (RAG prompt with an empty context)
+    reference: str  # qa (the paper's Eq. 3) | rag_empty (the paper's appendix: RAG prompt, empty context)
     # Where Conf comes from (confrag.reranker.confidence_sources): probe (the paper) | relevance (the control: 1 on
     # the question's own paragraph, 0 elsewhere, references 0.5)
     confidence: str
