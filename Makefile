@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The whole pipeline on the embedded default (probe, preference data, rerankers, Tables 1-3, β curve, report):
-# sized for ≤ 15 min on 2 CPU cores. demo-full runs it on all the data (hours on CPU; see README).
+# sized for ≤ 15 min on 2 CPU cores. demo-full runs it on all the data (hours on CPU; docs/results.md, the full run).
 demo: setup
 	$(PY) train.py +experiment=cbdr_smollm2 $(ARGS)
 
