@@ -140,6 +140,13 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
         check_gates_outputs(out, list(cfg.gates.names))
         return
     assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "model.safetensors").is_file()
+    # The reliability diagram beside ECE: every test example in a bin, drawn and listed in summary.txt.
+    record = json.loads((out / "metrics.json").read_text())
+    calibration = record["calibration"]
+    assert sum(b["count"] for b in calibration["bins"]) == record["nq_confidence"]["test/examples"]
+    assert calibration["ece"] is not None and len(calibration["bins"]) == 10
+    assert (out / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    assert "reliability diagram reliability.png" in (out / "summary.txt").read_text()
     info = json.loads((out / "run_info.json").read_text())
     assert info["argv"] and "commit" in info
     env = info["environment"]  # what the run's bytes depend on beyond its config
