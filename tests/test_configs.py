@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -205,6 +206,13 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     assert sorted(layers) == [1, 2, 3]
     wandb_runs = [run for job in jobs for run in (job / "wandb").glob("offline-run-*")]
     assert len(wandb_runs) == 3
+    # The sweep's table (the Hydra callback of conf/hydra/default.yaml): each job's layer and metrics.
+    (sweep,) = {job.parent for job in jobs}
+    with open(sweep / "sweep_summary.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert sorted(r["model.layer"] for r in table) == ["1", "2", "3"] and {r["status"] for r in table} == {"finished"}
+    assert all(r["test/acc"] for r in table)
+    assert "| job | status | model.layer |" in (sweep / "sweep_summary.md").read_text()
     # Each job's exported probe is an artifact of its W&B run (lineage), its files and digest included.
     for job in jobs:
         assert [a[:2] for a in logged_artifacts(job / "wandb", expected=1)] == [("probe-tiny_llama", "model")]
