@@ -206,3 +206,20 @@ def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
     assert module.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
     with pytest.raises(ValueError, match=r"data.generation: unknown key\(s\) \['static'\]"):
         NQConfidenceDataModule(**common, generation={"static": True})
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_answers_are_the_same_tokens_on_one_and_on_two_workers(request, templates, nq_rows, arch):
+    """Every core: batches decoded on parallel workers, each on one intra-op thread, give one worker's tokens."""
+    llm = request.getfixturevalue(arch)
+    ids = encode_prompts(
+        llm.tokenizer, [templates.rag_prompt(llm.tokenizer, r.question, r.contexts[:1]) for r in nq_rows[:24]]
+    )
+    pad = llm.tokenizer.eos_token_id
+    found = [
+        generate_greedy_ids(llm.model, ids, pad, 6, 4, progress=False, options=GreedyOptions(workers=workers))
+        for workers in (1, 2)
+    ]
+    assert found[0] == found[1]
+    with pytest.raises(ValueError, match=r"generation.workers must be an integer >= 1 or None"):
+        GreedyOptions(workers=0)

@@ -70,6 +70,16 @@ def test_gold_placement_counts_questions_with_a_retrieved_gold_passage():
     assert placement["gold_in_pos_rate"] == 0.5
 
 
+def test_gold_placement_counts_only_the_questions_trained_on():
+    """A question whose row is dropped (here: no context lowers Conf, so no negative) teaches nothing: before, its
+    gold passage counted in the rates, so a rule that drops most questions looked noisier than its rows are."""
+    sets = [candidate_set("a", 3, 0), candidate_set("b", 3, 2), candidate_set("d", 3, 1)]
+    shifts = shifts_for(sets, [0.5] * 3, [0.5] * 3, [[0.9, 0.1, 0.5], [0.9, 0.8, 0.1], [0.9, 0.8, 0.7]])
+    placement = gold_placement(sets, shifts, "qa", top_k=5)
+    assert placement["questions_with_gold"] == 2 and placement["dropped_with_gold"] == 1
+    assert placement["gold_in_pos"] == 1 and placement["gold_in_neg"] == 1 and placement["gold_in_neg_rate"] == 0.5
+
+
 def test_report_covers_both_references_and_prints_examples():
     sets = [candidate_set(q, 3, 0) for q in "abcd"]
     shifts = shifts_for(sets, [0.5] * 4, [0.7] * 4, [[0.9, 0.1, 0.6]] * 4)
@@ -144,3 +154,22 @@ def test_a_rule_that_drops_most_questions_is_reported_with_the_share_of_positive
     assert sparse_rule_message(RULES["rank"], rank_drops, len(sets)) is None
     half_kept = {"no_positive": 2, "no_negative": 0, "neither": 0}
     assert sparse_rule_message(RULES["sign"], half_kept, 4) is None
+
+
+def test_the_perfect_relevance_control_labels_the_own_paragraph_positive_under_both_rules():
+    """preferences.confidence=relevance: Conf 1 on the own paragraph's passages, 0 elsewhere, references 0.5. With
+    one relevant passage, sign at K = 5 keeps one positive and five negatives; rank at K = 5 must take four
+    irrelevant passages as positives too (what the rule does to a question with one relevant passage)."""
+    from confrag.reranker.confidence_sources import SOURCES, relevance_shifts
+
+    assert set(SOURCES) == {"probe", "relevance"}
+    sets = [candidate_set("a", 12, 3), candidate_set("b", 12, None)]
+    shifts = relevance_shifts(sets)
+    rows, drops = build_rows(sets, shifts, "qa", top_k=5, selection="sign")
+    assert [r["qid"] for r in rows] == ["a"] and drops["no_positive"] == 1  # b: its own paragraph not retrieved
+    assert rows[0]["pos"] == ["title a-3\ntext a-3"] and len(rows[0]["neg"]) == 5
+    assert rows[0]["pos_scores"] == [0.5] and set(rows[0]["neg_scores"]) == {-0.5}
+    ranked, _ = build_rows(sets, shifts, "qa", top_k=5, selection="rank")
+    assert len(ranked[0]["pos"]) == 5 and ranked[0]["pos"][0] == "title a-3\ntext a-3"
+    one, _ = build_rows(sets, shifts, "rag_empty", top_k=1, selection="rank")
+    assert one[0]["pos"] == ["title a-3\ntext a-3"]

@@ -328,7 +328,7 @@ def test_table2_has_cis_and_paired_tests_against_the_base_row():
         ("Llama3", "bge-base", "HotpotQA"): fake_outcomes({1: [1, 0], 3: [1, 1]}),
         ("Llama3", "bge-ft", "HotpotQA"): fake_outcomes({1: [0, 1], 3: [1, 1]}),
     }
-    rows = table2_rows(runs, base_reranker="bge-base", n_resamples=2000)
+    rows = table2_rows(runs, base_reranker="bge-base", n_resamples=2000, expected_discordance=0.07)
     ft = next(r for r in rows if r["reranker"] == "bge-ft" and r["dataset"] == "NQ")
     assert ft["top1"].value == 0.7 and (ft["top1_vs_base"].only_a, ft["top1_vs_base"].only_b) == (4, 0)
     assert ft["top1_vs_base"].pvalue == pytest.approx(0.125) and ft["top3_vs_base"].pvalue == 1.0
@@ -345,15 +345,18 @@ def test_table2_has_cis_and_paired_tests_against_the_base_row():
     # One row compared per dataset and K: Holm leaves its p as it is; the difference is paired.
     assert ft["top1_p_holm"] == pytest.approx(0.125) and ft["top1_diff"].value == pytest.approx(0.4)
     assert ft["top1_diff"].low > 0 and ft["top1_mde"] is not None
+    # The detectable difference comes from the design's discordance, not the row's own (0.4 here): before, a row
+    # that barely moved reported a small detectable difference.
+    assert ft["top1_mde"] == pytest.approx(detectable_difference(10, 0.07)) and ft["top1_discordance"] == 0.4
     assert len({tuple(r) for r in rows}) == 1  # the same keys in every row (W&B tables are columns)
     base = next(r for r in rows if r["reranker"] == "bge-base" and r["dataset"] == "NQ")
     assert base["top1_diff"] is None and base["top1_p_holm"] is None and base["top1_vs_base"] is None
     assert "NQ: n = 10" in table and "HotpotQA: n = 2" in table
     with pytest.raises(ValueError, match="eval.base_reranker='other' names no run"):
-        table2_rows(runs, base_reranker="other")
+        table2_rows(runs, base_reranker="other", expected_discordance=0.07)
     runs[("Llama3", "bge-ft", "NQ")] = fake_outcomes({1: ft_nq, 3: ft_nq}, qids=[f"z{i}" for i in range(10)])
     with pytest.raises(ValueError, match="answer different questions"):
-        table2_rows(runs, base_reranker="bge-base")
+        table2_rows(runs, base_reranker="bge-base", expected_discordance=0.07)
 
 
 def test_rows_and_candidates_joined_by_qid_must_hold_the_same_question(tiny_llama, templates, nq_rows, tmp_path):
@@ -376,9 +379,9 @@ def test_table2_pairs_runs_only_on_the_same_questions():
     other[1].question = "a question from another file"
     runs = {("Llama3", "bge-base", "NQ"): base, ("Llama3", "bge-ft", "NQ"): other}
     with pytest.raises(ValueError, match=r"hold other questions under 1 qid\(s\), e.g. 'q1'"):
-        table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)
+        table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100, expected_discordance=0.07)
     other[1].question = "Question Q1?"  # the same question up to case and punctuation
-    assert len(table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100)) == 2
+    assert len(table2_rows(runs, base_reranker="bge-base", ks=[1], n_resamples=100, expected_discordance=0.07)) == 2
 
 
 def test_a_prompt_answered_in_two_chunks_reads_the_same_everywhere(tiny_llama, templates, nq_rows, tmp_path):

@@ -31,7 +31,8 @@ def cbdr_run(folder: Path, systems: dict[str, list[bool]]) -> Path:
     """A run folder as the cbdr task leaves it: metrics.json (its test questions), the resolved config, outcomes."""
     folder.mkdir(parents=True)
     (folder / "metrics.json").write_text(json.dumps({"eval": {"test": QIDS[:10]}}))
-    (folder / "config_resolved.yaml").write_text("seed: 7\nretrieval:\n  corpus_path: corpus.jsonl\n")
+    config = "seed: 7\neval:\n  expected_discordance: 0.2\nretrieval:\n  corpus_path: corpus.jsonl\n"
+    (folder / "config_resolved.yaml").write_text(config)
     for system, right in systems.items():
         path = folder / "outcomes" / "nq" / f"{system}.jsonl"
         save_outcomes_jsonl([outcome(q, r) for q, r in zip(QIDS, right)], path)

@@ -75,3 +75,39 @@ def test_a_batch_size_other_than_the_default_keys_its_own_states(tmp_path, tiny_
     for data, batch in ((default, 16), (other, 8)):
         engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, batch_size=batch, progress=False)
         assert np.array_equal(np.asarray(data.stores["qa"].artifact.shards()[0]), engine.extract(prompts, [2]))
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_states_are_the_same_bytes_on_one_and_on_two_workers(request, templates, nq_rows, arch):
+    """Every core, same bytes: batches run on parallel workers, each on one intra-op thread, give the states of one
+    worker bit for bit (the hooks of a batch on one thread never write into another thread's batch)."""
+    llm = request.getfixturevalue(arch)
+    prompts = [templates.rag_prompt(llm.tokenizer, r.question, r.contexts[:1]) for r in nq_rows[:40]]
+    found = {}
+    for workers in (1, 2, 3):
+        engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=4, progress=False, workers=workers)
+        assert engine.workers == workers
+        found[workers] = engine.extract(prompts, [1, 2])
+    assert found[1].tobytes() == found[2].tobytes() == found[3].tobytes()
+
+
+def test_workers_default_to_the_available_cores_and_bad_counts_are_refused(tiny_llama, monkeypatch):
+    from confrag.llm import workers
+
+    monkeypatch.setattr(workers, "available_cores", lambda: 6)
+    assert HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer).workers == 6
+    assert HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, threads=2).workers == 3
+    assert HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, threads=None).workers == 1
+    with pytest.raises(ValueError, match=r"workers must be an integer >= 1 or None"):
+        HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, workers=0)
+
+
+def test_a_worker_thread_runs_on_the_fixed_intra_op_thread_count(process_threads):
+    """torch hands the process-wide count to each new thread: a worker started inside `fixed_threads` computes on
+    one intra-op thread, so its batch's bytes are one thread's."""
+    from confrag.llm.workers import run_batches
+
+    process_threads(2)
+    with fixed_threads(torch.device("cpu"), 1):
+        seen = dict(run_batches(lambda b: torch.get_num_threads(), [0, 1, 2, 3], torch.device("cpu"), workers=2))
+    assert set(seen.values()) == {1}

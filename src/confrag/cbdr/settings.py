@@ -33,6 +33,7 @@ class CBDRSettings:
     budget: float | None
     metric: str  # cbdr.metric (sweep)
     eval_metric: str  # eval.metric (Table 2)
+    expected_discordance: float  # eval.expected_discordance (Table 2's detectable difference, from the design)
     base: str  # eval.base_reranker: the id of Table 2's base row (`confrag.reranker.systems`)
     reranker: str  # cbdr.reranker: the id of the row CBDR retrieves with
     rerankers: tuple[str, ...] | None  # eval.rerankers: Table 2's rows by id (None = every Table 1 row)
@@ -85,6 +86,7 @@ def cbdr_settings(
         budget=budget,
         metric=cbdr["metric"],
         eval_metric=evaluation.metric,
+        expected_discordance=float(evaluation.expected_discordance),
         base=str(evaluation.base_reranker),
         reranker=check_reranker(cbdr["reranker"], "cbdr.reranker"),
         rerankers=evaluation.rerankers,

@@ -39,6 +39,7 @@ from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, generation_rows
 from confrag.llm.hidden_states import common_prefix_length
 from confrag.llm.prompts import encode_prompts
+from confrag.llm.workers import CPU_THREADS, fixed_threads, resolve_workers, run_batches
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class GreedyOptions:
     static_cache: bool = False
     cache_buckets: tuple[int, ...] = DEFAULT_CACHE_BUCKETS
     compile: bool = True  # with static_cache on CUDA: compile the decoding step
+    # On the CPU: batches decoded at once (None: one per available core), each on `threads` intra-op threads, so
+    # an answer does not depend on the machine's core count (confrag.llm.workers). None: the process's own count.
+    workers: int | None = None
+    threads: int | None = CPU_THREADS
 
     def __post_init__(self) -> None:
         self.check("generation")
@@ -64,6 +69,8 @@ class GreedyOptions:
         for name in ("share_prefix", "static_cache", "compile"):
             checks.flag(getattr(self, name), f"{key}.{name}")
         checks.positive_int(self.min_shared_prefix, f"{key}.min_shared_prefix")
+        checks.positive_int(self.threads, f"{key}.threads", allow_none=True, none="None", hint="(the process's own)")
+        resolve_workers(self.workers, self.threads, f"{key}.workers")
         buckets = self.cache_buckets
         if (
             not buckets
@@ -142,12 +149,19 @@ def generate_greedy_ids(
     prefix_len = _shared_prefix_length(ids, options) if options.share_prefix else 0
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     rows = generation_batch_rows(model, ids, max_new_tokens, batch_size, options, prefix_len)
-    runner = _Runner(model, ids, pad_id, max_new_tokens, prefix_len, options, rows)
     answers: list[list[int]] = [[] for _ in ids]
-    batches = [order[i : i + runner.rows] for i in range(0, len(order), runner.rows)]
-    for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress):
-        for index, tokens in zip(batch, runner.run(batch)):
-            answers[index] = tokens
+    batches = [order[i : i + rows] for i in range(0, len(order), rows)]
+    # A static cache is one buffer per shape, shared by the batches: they take turns.
+    workers = (
+        1 if options.static_cache or options.threads is None else resolve_workers(options.workers, options.threads)
+    )
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(batches), desc=desc, unit="batch", disable=not progress)
+    with bar, fixed_threads(device, options.threads):  # the shared prefix's keys/values too
+        runner = _Runner(model, ids, pad_id, max_new_tokens, prefix_len, options, rows)
+        for batch, new in run_batches(runner.run, batches, device, workers, bar):
+            for index, tokens in zip(batch, new):
+                answers[index] = tokens
     return answers
 
 

@@ -23,7 +23,9 @@ On the CPU the engine runs with a fixed number of intra-op threads (`threads`, d
 whatever the process was given: torch splits a product's reductions over its threads, so the same prompts
 summed on 1 and on 2 threads differ in the last bits, and jobs of a joblib multirun (which runs its
 workers with fewer threads than a lone process) wrote other bytes under the same cache key
-(docs/reliability.md#one-answer-however-many-workers-what-a-shards-bytes-depend-on).
+(docs/reliability.md#one-answer-however-many-workers-what-a-shards-bytes-depend-on). Every core still works:
+`workers` batches run at once (default: one per available core), each on those threads, so a state's bytes are
+those of one worker however many there were (`confrag.llm.workers`).
 """
 
 from __future__ import annotations
@@ -40,15 +42,13 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, extraction_budget
-from confrag.llm.last_token import capture, last_token_layer, plain_decoder_layer, truncated
+from confrag.llm.last_token import LastTokenCapture, last_token_layer, plain_decoder_layer, truncated
 from confrag.llm.prompts import encode_prompts
+from confrag.llm.workers import CPU_THREADS, fixed_threads, resolve_workers, run_batches
 
 log = logging.getLogger(__name__)
 
 PADDING_SIDES = ("left", "right")
-# Intra-op threads of a CPU extraction: fixed, so that a shard's bytes do not depend on the thread count of
-# the process that computed it (measured: 1 vs 2 threads changes up to 7.6e-6 in 24 of 64 SmolLM2 states).
-CPU_THREADS = 1
 
 
 # The engine's batch settings every cache key of states assumes unless it says otherwise (`extraction_key`).
@@ -71,21 +71,6 @@ def extraction_key(
         # None runs on the process's own count: the count this process has is what the bytes depend on.
         found["extract_threads"] = torch.get_num_threads() if threads is None else threads
     return found
-
-
-@contextlib.contextmanager
-def fixed_threads(device: torch.device, threads: int | None) -> Iterator[None]:
-    """Within the block, torch's intra-op thread count is `threads` when computing on the CPU (restored after);
-    on a GPU, or with `threads=None`, nothing changes."""
-    if threads is None or device.type != "cpu" or torch.get_num_threads() == threads:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def validate_layers(layers: Sequence[int], num_layers: int) -> list[int]:
@@ -125,6 +110,7 @@ class HiddenStateEngine:
         progress: bool = True,
         compile: bool = False,
         threads: int | None = CPU_THREADS,
+        workers: int | None = None,
     ) -> None:
         if padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side={padding_side!r} is not one of {PADDING_SIDES}")
@@ -145,6 +131,9 @@ class HiddenStateEngine:
         self.threads = checks.positive_int(
             threads, "threads", allow_none=True, none="None", hint="(the process's own count)"
         )
+        # CPU batches computed at once, each on `threads` intra-op threads (None: one per available core); the
+        # bytes do not depend on it (confrag.llm.workers), so no cache key records it.
+        self.workers = resolve_workers(workers, threads) if threads is not None else 1
         self._compiled: dict[int, object] = {}  # module id -> its compiled call
         self._compile_failed = self._told_cpu = False
         self.base = model.base_model
@@ -194,11 +183,15 @@ class HiddenStateEngine:
     def _extract_batches(self, ids, layers, batches, prefix_len, depth, tail, out, desc) -> None:
         with truncated(self.base, min(depth, self.num_layers)):
             prefix_cache = self._prefix_cache(ids[0][:prefix_len]) if prefix_len else None
-        with truncated(self.base, depth - 1 if tail else depth), self._compiled_blocks(depth) as compiled:
-            for batch in tqdm(batches, desc=desc, unit="batch", disable=not self.progress, leave=False):
+        captured_layers = [layer for layer in layers if layer < depth] if tail else layers
+        hooks = LastTokenCapture(self.base, captured_layers, self.num_layers, full_layer=depth - 1 if tail else None)
+        bar = tqdm(total=len(batches), desc=desc, unit="batch", disable=not self.progress, leave=False)
+        with truncated(self.base, depth - 1 if tail else depth), self._compiled_blocks(depth) as compiled, hooks, bar:
+
+            def work(batch: list[int]) -> np.ndarray:
                 suffixes = [ids[i][prefix_len:] for i in batch]
                 try:
-                    states = self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail)
+                    return self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail, hooks)
                 except Exception as err:
                     if not compiled:
                         raise
@@ -210,7 +203,9 @@ class HiddenStateEngine:
                     )
                     self._compile_failed = True
                     _eager(compiled)
-                    states = self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail)
+                    return self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail, hooks)
+
+            for batch, states in run_batches(work, batches, self.device, self.workers, bar):
                 out[:, batch, :] = states
 
     @contextlib.contextmanager
@@ -282,7 +277,7 @@ class HiddenStateEngine:
         self.base(input_ids=input_ids, past_key_values=cache, use_cache=True)
         return cache
 
-    def _run_batch(self, suffixes, prefix_len, prefix_cache, layers, tail: bool) -> np.ndarray:
+    def _run_batch(self, suffixes, prefix_len, prefix_cache, layers, tail: bool, hooks: LastTokenCapture) -> np.ndarray:
         batch = len(suffixes)
         width = max(len(seq) for seq in suffixes)
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
@@ -305,10 +300,7 @@ class HiddenStateEngine:
         device = self.device
         last, full_mask, position_ids = last.to(device), full_mask.to(device), position_ids.to(device)
         depth = max(layers)
-        captured_layers = [layer for layer in layers if layer < depth] if tail else layers
-        with capture(
-            self.base, captured_layers, self.num_layers, last, full_layer=depth - 1 if tail else None
-        ) as captured:
+        with hooks.batch(last) as captured:
             self.base(
                 input_ids=input_ids.to(device),
                 attention_mask=full_mask,

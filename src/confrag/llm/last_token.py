@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -28,35 +29,53 @@ def truncated(base: nn.Module, depth: int) -> Iterator[None]:
         base.layers = full
 
 
-@contextlib.contextmanager
-def capture(
-    base: nn.Module, layers: Sequence[int], num_layers: int, last: torch.Tensor, full_layer: int | None = None
-) -> Iterator[dict]:
-    """Forward hooks that keep, for each requested layer, the hidden state at each row's last token,
-    and (as "full") every position of `full_layer`, the input of a last-token tail layer."""
-    captured: dict = {}
-    rows = torch.arange(last.shape[0], device=last.device)
+class LastTokenCapture:
+    """Forward hooks, registered once for a call (`with LastTokenCapture(...) as capture:`), that keep for each
+    requested layer the hidden state at each row's last token, and (as "full") every position of `full_layer`,
+    the input of a last-token tail layer. Batches may run on several threads at once: each opens its own slot
+    (`with capture.batch(last) as captured:`) and the hooks write into the slot of the thread that runs them."""
 
-    def keeper(layer: int, full: bool = False):
+    def __init__(self, base: nn.Module, layers: Sequence[int], num_layers: int, full_layer: int | None = None) -> None:
+        self.base, self.layers, self.num_layers, self.full_layer = base, list(layers), num_layers, full_layer
+        self._local = threading.local()
+        self._handles: list = []
+
+    def _module(self, layer: int) -> nn.Module:
+        if layer == 0:
+            return self.base.get_input_embeddings()
+        return self.base.norm if layer == self.num_layers else self.base.layers[layer - 1]
+
+    def _hook(self, key: object, full: bool):
         def hook(_module, _inputs, output):
+            slot = getattr(self._local, "slot", None)
+            if slot is None:  # a forward outside a batch (e.g. a shared prefix's keys/values)
+                return
+            captured, rows, last = slot
             hidden = output[0] if isinstance(output, tuple) else output
-            captured["full" if full else layer] = hidden.detach() if full else hidden[rows, last].detach()
+            captured[key] = hidden.detach() if full else hidden[rows, last].detach()
 
         return hook
 
-    def module_of(layer: int) -> nn.Module:
-        if layer == 0:
-            return base.get_input_embeddings()
-        return base.norm if layer == num_layers else base.layers[layer - 1]
+    def __enter__(self) -> LastTokenCapture:
+        self._handles = [self._module(layer).register_forward_hook(self._hook(layer, False)) for layer in self.layers]
+        if self.full_layer is not None:
+            self._handles.append(self._module(self.full_layer).register_forward_hook(self._hook("full", True)))
+        return self
 
-    handles = [module_of(layer).register_forward_hook(keeper(layer)) for layer in layers]
-    if full_layer is not None:
-        handles.append(module_of(full_layer).register_forward_hook(keeper(full_layer, full=True)))
-    try:
-        yield captured
-    finally:
-        for handle in handles:
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
             handle.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def batch(self, last: torch.Tensor) -> Iterator[dict]:
+        """This thread's slot for one batch whose rows end at positions `last`."""
+        captured: dict = {}
+        self._local.slot = (captured, torch.arange(last.shape[0], device=last.device), last)
+        try:
+            yield captured
+        finally:
+            self._local.slot = None
 
 
 TAIL_MODEL_TYPES = ("llama", "qwen2")

@@ -73,6 +73,7 @@ class EvalSettings:
     hotpotqa_num_questions: int | None
     diagnostics: bool  # Table 2's probe-as-reranker and utility-oracle rows (one answer per candidate)
     nq_path: str | None  # evaluation questions from their own file (NQ format), checked disjoint from training
+    expected_discordance: float  # the design's discordance for Table 2's detectable difference (fixed beforehand)
 
     def __post_init__(self) -> None:
         checks.choice(self.metric, "eval.metric", BINARY_METRICS, hint="(the tests need 0/1 outcomes)")
@@ -85,6 +86,11 @@ class EvalSettings:
         checks.integer(self.num_questions, "eval.num_questions", 2, allow_none=True)
         checks.integer(self.hotpotqa_num_questions, "eval.hotpotqa_num_questions", 2, allow_none=True)
         checks.integer(self.n_resamples, "eval.n_resamples", 100)
+        if not 0 < self.expected_discordance <= 1:
+            raise ValueError(
+                f"eval.expected_discordance must be in (0, 1] (the share of questions a row and the base are "
+                f"expected to disagree on); got {self.expected_discordance!r}"
+            )
         check_reranker(self.base_reranker, "eval.base_reranker")
         if self.rerankers is not None:
             ids = tuple(check_reranker(r, f"eval.rerankers[{i}]") for i, r in enumerate(self.rerankers))

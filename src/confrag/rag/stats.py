@@ -177,9 +177,13 @@ def table2_rows(
     metric: str = "has_answer",
     n_resamples: int = 10_000,
     seed: int = 0,
+    *,
+    expected_discordance: float,
 ) -> list[dict[str, Any]]:
     """One dict per (LLM, reranker, dataset): accuracy with CI and McNemar vs `base_reranker` (same LLM and
-    dataset, paired by qid) for every K."""
+    dataset, paired by qid) for every K. `top{k}_mde`, the smallest difference the comparison detects at 80 %
+    power, comes from the design (`expected_discordance`, fixed before the run), not from the row's own observed
+    discordance, which would make a row that barely moves look well powered."""
     if metric not in BINARY_METRICS:
         raise ValueError(f"eval.metric={metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)")
     if not any(reranker == base_reranker for _, reranker, _ in runs):
@@ -195,7 +199,7 @@ def table2_rows(
             mine = _correct_by_qid(outcomes, k, metric, where)
             row[f"top{k}"] = accuracy_ci(list(mine.values()), n_resamples=n_resamples, seed=seed)
             # Every row holds every key (None where it is not compared): the tables logged from them are columns.
-            row.update({f"top{k}_vs_base": None, f"top{k}_diff": None, f"top{k}_mde": None, f"top{k}_p_holm": None})
+            row.update({f"top{k}_{key}": None for key in ("vs_base", "diff", "mde", "discordance", "p_holm")})
             if base is None or reranker == base_reranker:
                 continue
             theirs = _correct_by_qid(base, k, metric, f"run ({llm}, {base_reranker}, {dataset})")
@@ -217,7 +221,8 @@ def table2_rows(
             a, b = [mine[q] for q in qids], [theirs[q] for q in qids]
             row[f"top{k}_vs_base"] = test = mcnemar_exact(a, b)
             row[f"top{k}_diff"] = paired_difference(a, b, n_resamples=n_resamples, seed=seed)
-            row[f"top{k}_mde"] = detectable_difference(len(qids), (test.only_a + test.only_b) / max(len(qids), 1))
+            row[f"top{k}_mde"] = detectable_difference(len(qids), expected_discordance)
+            row[f"top{k}_discordance"] = (test.only_a + test.only_b) / max(len(qids), 1)  # observed, for the record
         rows.append(row)
     add_holm(rows, ks)
     return rows
@@ -290,7 +295,8 @@ def table2_markdown(
         f"Accuracy in % with 95 % percentile-bootstrap CI; p: exact McNemar test against "
         f"{base_reranker} on the same questions (same LLM); Top-{ks[0]} − base: paired difference in points with "
         f"its bootstrap CI over questions, the McNemar p Holm-corrected across the rows compared, and the smallest "
-        f"difference the design detects at 80 % power (α 0.05). {notes}."
+        f"difference the design detects at 80 % power (α 0.05, at the discordance expected before the run, "
+        f"eval.expected_discordance). {notes}."
         + (" own ¶: % of questions whose own (gold) paragraph is among the contexts." if any(gold.values()) else "")
     )
     return "\n".join(lines)

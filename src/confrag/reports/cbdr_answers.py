@@ -29,7 +29,15 @@ def table2(
         for dataset, by_reranker in runs.items()
         for reranker, outcomes in by_reranker.items()
     }
-    rows = table2_rows(keyed, settings.base, settings.ks, settings.eval_metric, n_resamples, seed)
+    rows = table2_rows(
+        keyed,
+        settings.base,
+        settings.ks,
+        settings.eval_metric,
+        n_resamples,
+        seed,
+        expected_discordance=settings.expected_discordance,
+    )
     for row in rows:
         sources = (gold_of or {}).get(row["dataset"])
         if sources:

@@ -22,7 +22,7 @@ def rules_summary(report: dict[str, Any]) -> str:
         lines.append(
             f"  rule {rule:8}: kept {r['kept']:4} rows{split}, gold passage in pos "
             f"{100 * r['gold']['gold_in_pos_rate']:.1f}% / neg {100 * r['gold']['gold_in_neg_rate']:.1f}% "
-            f"(of {r['gold']['questions_with_gold']} questions with gold retrieved)"
+            f"(of {r['gold']['questions_with_gold']} questions trained on with gold retrieved)"
         )
     if "utility" in report:
         u = report["utility"]
@@ -67,7 +67,7 @@ def nq_rerank_summary(report: dict[str, Any]) -> str:
         f"  reference {ref:9}: kept {r['kept']:4} rows, Inc>0 for {100 * r['share_positive']:.1f}% of contexts, "
         f"gold passage in pos {100 * r['gold']['gold_in_pos_rate']:.1f}% / "
         f"neg {100 * r['gold']['gold_in_neg_rate']:.1f}% "
-        f"(of {r['gold']['questions_with_gold']} questions with gold retrieved)"
+        f"(of {r['gold']['questions_with_gold']} questions trained on with gold retrieved)"
         for ref, r in report["by_reference"].items()
     )
     return "\n".join(

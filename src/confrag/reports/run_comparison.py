@@ -73,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--metric", default="has_answer", choices=BINARY_METRICS)
     parser.add_argument("--dataset", default="nq")
     parser.add_argument("--k", type=int, default=1)
+    parser.add_argument(
+        "--expected-discordance", type=float, default=None, help="the design's (default: the first run's eval node)"
+    )
     args = parser.parse_args(argv)
 
     first = json.loads((args.runs[0][1] / "metrics.json").read_text())
@@ -94,8 +97,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows[("-", name, args.dataset)] = outcomes
     if ("-", args.base, args.dataset) not in rows:
         raise SystemExit(f"--base {args.base!r} is not a row of {args.runs[0][0]}; rows: {[n for _, n, _ in rows]}")
-    seed = int(run_config(args.runs[0][1])["seed"])  # the run's own bootstrap draws
-    table = table2_rows(rows, args.base, ks=[args.k], metric=args.metric, seed=seed)
+    config = run_config(args.runs[0][1])
+    seed = int(config["seed"])  # the run's own bootstrap draws
+    # The design's discordance (the detectable difference): the run's own setting, unless given.
+    discordance = args.expected_discordance or (config.get("eval") or {}).get("expected_discordance")
+    if discordance is None:
+        raise SystemExit(f"{args.runs[0][0]}'s config has no eval.expected_discordance: pass --expected-discordance")
+    table = table2_rows(
+        rows, args.base, ks=[args.k], metric=args.metric, seed=seed, expected_discordance=float(discordance)
+    )
     print(f"{args.dataset}, Top-{args.k} {args.metric}, n = {len(test)} test questions; Holm over {len(rows) - 1} rows")
     sources = gold_sources(args.runs[0][1]) if args.dataset == "nq" else None
     header = f"| row | Top-{args.k} [95 % CI] | − {args.base} [95 % CI] · Holm p · detectable |"

@@ -189,11 +189,18 @@ def gold_placement(
     selection: str = "sign",
     utility: Sequence[np.ndarray] | None = None,
 ) -> dict[str, float]:
-    """Of the questions whose gold paragraph was retrieved: how often a gold passage lands in pos / neg."""
+    """Of the questions trained on (a row kept: a positive and a negative) whose gold paragraph was retrieved: how
+    often a gold passage lands in pos / neg. Questions whose row is dropped are counted apart
+    (`dropped_with_gold`): they teach nothing, and counting them made a rule that drops most questions (utility)
+    look as if its rows held the gold passage among the negatives."""
     counts = {"questions_with_gold": 0, "gold_in_pos": 0, "gold_in_neg": 0, "gold_in_neither": 0}
+    counts["dropped_with_gold"] = 0
     for cs, _, pos, neg in labelled(candidate_sets, shifts, reference, top_k, selection, utility):
         gold = {j for j, flag in enumerate(cs.from_gold) if flag}
         if not gold:
+            continue
+        if not pos or not neg:  # build_rows drops it
+            counts["dropped_with_gold"] += 1
             continue
         counts["questions_with_gold"] += 1
         key = "gold_in_pos" if gold & set(pos) else "gold_in_neg" if gold & set(neg) else "gold_in_neither"

@@ -35,11 +35,12 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
 from confrag.rag.settings import AnswerSettings
+from confrag.reranker.confidence_sources import SOURCES as CONFIDENCE_SOURCES
+from confrag.reranker.confidence_sources import ConfidenceInputs
 from confrag.reranker.label_rules import RULES
 from confrag.reranker.preferences import (
     REFERENCES,
     build_rows,
-    confidence_shifts,
     dataset_report,
     save_rows,
     split_by_question,
@@ -61,6 +62,9 @@ class PreferenceSettings:
     num_questions: int | None  # a seeded sample of the NQ questions the probe does not use; None = all
     top_k: int  # K: at most K contexts on each side
     reference: str  # qa (the paper) | rag_empty (RAG prompt with an empty context)
+    # Where Conf comes from (confrag.reranker.confidence_sources): probe (the paper) | relevance (the control: 1 on
+    # the question's own paragraph, 0 elsewhere, references 0.5)
+    confidence: str
     selection: str  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
     compare: tuple[str, ...]  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
     test_fraction: float  # questions held out for Table 1
@@ -84,6 +88,7 @@ class PreferenceSettings:
         object.__setattr__(self, "compare", tuple(self.compare or ()))
         problems = []
         collect(problems, checks.choice, self.reference, "preferences.reference", REFERENCES)
+        collect(problems, checks.choice, self.confidence, "preferences.confidence", tuple(CONFIDENCE_SOURCES))
         for key, rule in [("preferences.selection", self.selection)] + [
             ("preferences.compare", r) for r in self.compare
         ]:
@@ -159,9 +164,8 @@ def build_nq_rerank(
     llm = load_llm(llm_config)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=settings.extract_batch_size, progress=ctx.progress)
     try:
-        shifts = confidence_shifts(
-            llm, templates, probe, candidates, engine=engine, cache_dir=ctx.cache_dir, progress=ctx.progress
-        )
+        inputs = ConfidenceInputs(llm, templates, probe, engine, ctx.cache_dir, ctx.progress)
+        shifts = CONFIDENCE_SOURCES[settings.confidence](candidates, inputs)
         utility = None
         if needs_utility:
             # rag's answer settings: the same prompts get the same cached answers as Table 2's Top-1 rows.
@@ -204,7 +208,13 @@ def build_nq_rerank(
         sparse = sparse_rule_message(RULES[rule], drops[rule], len(candidates), share_positive, settings.reference)
         if sparse:
             log.warning(sparse)
-    key = fingerprint({"rows": splits_by_rule, "probe": probe.meta.get("activations", {}).get("key")})
+    key = fingerprint(
+        {
+            "rows": splits_by_rule,
+            "probe": probe.meta.get("activations", {}).get("key"),
+            "confidence": settings.confidence,
+        }
+    )
     ctx.on_main(save_nq_rerank, splits_by_rule, settings.selection, report, ctx.output_dir / "nq_rerank")
     return PreferenceStage(candidates, splits, splits_by_rule, report, key, utility)
 
