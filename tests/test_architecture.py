@@ -20,9 +20,11 @@ MODULES = sorted(
 )
 TOP = ("confrag.tasks", "confrag.train")
 # Where a Hydra / OmegaConf config object is the point: the entry point, the tasks, building objects and
-# typed settings from config nodes, the path resolver, and the run record (which saves the resolved config).
+# typed settings from config nodes, the path resolver, the run record (which saves the resolved config), and the
+# Hydra callback that summarises a multirun (it reads the sweep's Hydra config; the table itself knows no Hydra).
 CONFIG_MODULES = {
     "confrag.train",
+    "confrag.infra.sweep_callback",
     "confrag.instantiators",
     "confrag.recipes",
     "confrag.infra.paths",

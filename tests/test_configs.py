@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -140,6 +141,13 @@ def test_runnable_experiments_fast_dev_run(name, tmp_path):
         check_gates_outputs(out, list(cfg.gates.names))
         return
     assert (out / "probe" / "probe.json").is_file() and (out / "probe" / "model.safetensors").is_file()
+    # The reliability diagram beside ECE: every test example in a bin, drawn and listed in summary.txt.
+    record = json.loads((out / "metrics.json").read_text())
+    calibration = record["calibration"]
+    assert sum(b["count"] for b in calibration["bins"]) == record["nq_confidence"]["test/examples"]
+    assert calibration["ece"] is not None and len(calibration["bins"]) == 10
+    assert (out / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    assert "reliability diagram reliability.png" in (out / "summary.txt").read_text()
     info = json.loads((out / "run_info.json").read_text())
     assert info["argv"] and "commit" in info
     env = info["environment"]  # what the run's bytes depend on beyond its config
@@ -198,6 +206,13 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     assert sorted(layers) == [1, 2, 3]
     wandb_runs = [run for job in jobs for run in (job / "wandb").glob("offline-run-*")]
     assert len(wandb_runs) == 3
+    # The sweep's table (the Hydra callback of conf/hydra/default.yaml): each job's layer and metrics.
+    (sweep,) = {job.parent for job in jobs}
+    with open(sweep / "sweep_summary.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert sorted(r["model.layer"] for r in table) == ["1", "2", "3"] and {r["status"] for r in table} == {"finished"}
+    assert all(r["test/acc"] for r in table)
+    assert "| job | status | model.layer |" in (sweep / "sweep_summary.md").read_text()
     # Each job's exported probe is an artifact of its W&B run (lineage), its files and digest included.
     for job in jobs:
         assert [a[:2] for a in logged_artifacts(job / "wandb", expected=1)] == [("probe-tiny_llama", "model")]

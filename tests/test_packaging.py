@@ -63,7 +63,12 @@ def test_the_wheel_carries_every_config_and_its_layout_composes_an_experiment(tm
     wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
         shipped = {n.removeprefix("confrag/conf/") for n in archive.namelist() if n.startswith("confrag/conf/")}
+        (entry_points,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        commands = archive.read(entry_points).decode()
         archive.extractall(tmp_path / "site")
+    # The commands an installed wheel brings (the checkout's scripts are not in it).
+    for command in ("confrag-train", "confrag-cache", "confrag-sweep-summary", "confrag-compare-runs"):
+        assert f"{command} = confrag." in commands
     expected = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
     assert expected <= shipped
     # The unpacked wheel as an installed package: no pyproject.toml beside it, so its own copy of the configs.

@@ -10,7 +10,11 @@ metrics. The run context (`RunContext`: cache, seed, progress, run folder, rank)
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from types import ModuleType
 
 import lightning as L
@@ -19,7 +23,7 @@ from omegaconf import DictConfig
 
 from confrag.infra import distributed
 from confrag.infra.paths import config_dir, register_resolvers
-from confrag.infra.run_info import save_run_info
+from confrag.infra.run_info import save_failure, save_run_info
 from confrag.instantiators import run_context
 from confrag.tasks import cbdr, gates, probe, rerank
 
@@ -41,8 +45,12 @@ def run_task(cfg: DictConfig) -> float | None:
     # The ranks of a multi-process launch share one run folder: every rank computes, rank 0 writes it.
     ctx.on_main(save_run_info, cfg, ctx.output_dir)
     try:
-        computed = task.run(cfg, checked, ctx)
-        metrics = ctx.on_main(task.write, cfg, checked, ctx, computed)
+        with _sigterm_raises():
+            computed = task.run(cfg, checked, ctx)
+            metrics = ctx.on_main(task.write, cfg, checked, ctx, computed)
+    except BaseException as error:  # an interrupt too: the folder says the run did not finish, and why
+        save_failure(ctx.output_dir, error, ctx.rank.rank)
+        raise
     finally:
         _finish_wandb()
     metric_name = cfg.get("optimized_metric")
@@ -74,6 +82,24 @@ def check_launch(cfg: DictConfig, launch: distributed.RankInfo) -> None:
     if torch.cuda.is_available():
         # "cuda" without an index (a reranker placed for scoring) then means this rank's GPU, not GPU 0.
         torch.cuda.set_device(distributed.rank_device(launch))
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM (what SLURM, torchrun's agent and `kill` send) raises SystemExit instead of ending the process
+    silently, so the failure marker is written; a handler someone else installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(f"terminated by signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _finish_wandb() -> None:

@@ -50,7 +50,11 @@ def check_rerank_outputs(out: Path) -> None:
     report = json.loads((out / "nq_rerank" / "report.json").read_text())
     assert set(report["by_reference"]) == {"qa", "rag_empty"} and report["examples"]
     assert {"sign", "rank"} <= set(report["by_selection"])
-    table = json.loads((out / "metrics.json").read_text())["table1"]
+    record = json.loads((out / "metrics.json").read_text())
+    table = record["table1"]
+    # The main row's metrics, what the sweeper gets and the sweep summary reads (fractions of Table 1's percents).
+    main = next(r for r in table if r["id"] == "confidence_ft.sign")
+    assert record["metrics"] and record["metrics"]["test/MRR@5"] == main["MRR@5"] / 100
     assert [r["system"] for r in table] == [
         "BM25",
         "base reranker",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 LOCK_SUFFIX = ".lock"
 WAIT_POLL_SECONDS = 0.5  # how often a process waiting for other processes' shards looks again
 WAIT_LOG_SECONDS = 60.0  # how often it says it is still waiting
+PROGRESS_LOG_SECONDS = 60.0  # how often a shard still computing says so (train.log shows a long shard is alive)
 
 
 @contextlib.contextmanager
@@ -115,6 +117,7 @@ def compute_shards(
     rank = distributed.rank_info()
     distributed.warn_if_more_ranks_than_shards(len(todo), desc, rank)
     waiting_since = last_said = None
+    rate = Rate(desc, len(todo), sum(_items(a, i) for a, _, i in todo))
     with tqdm(total=len(todo), desc=desc, unit="shard", disable=not progress) as bar:
         while todo:
             computed_now = False
@@ -126,17 +129,25 @@ def compute_shards(
                     if artifact._readable(index):  # finished by another process since the last look
                         continue
                     started = time.monotonic()
-                    artifact.write(index, fn(*artifact.shard_range(index)))
+                    start, stop = artifact.shard_range(index)
+                    with still_computing(
+                        f"{artifact.kind} {artifact.key}: shard {index} (items [{start}, {stop}))", rate
+                    ):
+                        artifact.write(index, fn(start, stop))
                     artifact.computed.append(index)
-                    # One line per shard, naming the process: who computed what in a shared cache.
+                    seconds = time.monotonic() - started
+                    # One line per shard, naming the process (who computed what in a shared cache), with the rate.
                     log.info(
-                        "%s %s: computed shard %d (items [%d, %d)) in %.1f s [pid %d]",
+                        "%s %s: computed shard %d (items [%d, %d)) in %.1f s, %.2f items/s [pid %d]; %s",
                         artifact.kind,
                         artifact.key,
                         index,
-                        *artifact.shard_range(index),
-                        time.monotonic() - started,
+                        start,
+                        stop,
+                        seconds,
+                        (stop - start) / max(seconds, 1e-9),
                         os.getpid(),
+                        rate.done(stop - start),
                     )
                     computed_now = True
                 finally:
@@ -158,3 +169,52 @@ def compute_shards(
                     )
                     last_said = now
                 time.sleep(poll_seconds)
+
+
+def _items(artifact: Any, index: int) -> int:
+    start, stop = artifact.shard_range(index)
+    return stop - start
+
+
+class Rate:
+    """The progress of one `compute_shards` call in train.log: shards and items done by this process, the rate
+    and the time left at that rate (shards that other processes compute count as left until they appear)."""
+
+    def __init__(self, desc: str, shards: int, items: int) -> None:
+        self.desc, self.shards, self.items = desc, shards, items
+        self.shards_done = self.items_done = 0
+        self.started = time.monotonic()
+
+    def done(self, items: int) -> str:
+        self.shards_done += 1
+        self.items_done += items
+        return self.line()
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        done = f"{self.desc}: {self.shards_done} of {self.shards} shards, {self.items_done} of {self.items} items"
+        if not self.items_done:
+            return f"{done} after {elapsed:.0f} s"
+        rate = self.items_done / elapsed
+        left = (self.items - self.items_done) / rate
+        return f"{done} in {elapsed:.0f} s ({rate:.2f} items/s, about {left:.0f} s left)"
+
+
+@contextlib.contextmanager
+def still_computing(what: str, rate: Rate) -> Iterator[None]:
+    """While the block runs, a line every PROGRESS_LOG_SECONDS saying that `what` is still being computed: a
+    shard of hundreds of answers takes minutes, and train.log would otherwise say nothing until it ends."""
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(PROGRESS_LOG_SECONDS):
+            log.info("%s: still computing after %.0f s; %s", what, time.monotonic() - started, rate.line())
+
+    thread = threading.Thread(target=beat, name="shard-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -1,4 +1,4 @@
-"""The probe task's report: metrics.json, summary.txt, the per-layer scan plot, W&B tables."""
+"""The probe task's report: metrics.json, summary.txt, the reliability diagram, the per-layer scan plot, W&B."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 
 from confrag.infra.atomic import atomic_write_text
+from confrag.probe.calibration import CalibrationBin
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import metric_text, metric_value
+from confrag.reports.reliability import calibration_lines, calibration_record, plot_reliability
 from confrag.reports.tables import log_rows, wandb_loggers
 
 
@@ -22,8 +24,10 @@ def write_probe_report(
     metrics: dict[str, float],
     summary: dict[str, Any],
     scan: list[dict],
+    calibration: list[CalibrationBin],
     loggers: Sequence[Logger],
 ) -> str:
+    """`calibration`: the test split's reliability bins (confrag.probe.calibration), drawn beside the ECE."""
     # An undefined metric (AUROC of a one-class split) is null in JSON and "undefined" when printed.
     result = {
         "layer": datamodule.layer,
@@ -31,6 +35,7 @@ def write_probe_report(
         "metrics": {k: metric_value(v) for k, v in metrics.items()},
         "nq_confidence": summary,
         "layer_scan": scan,
+        "calibration": calibration_record(calibration, "test"),
     }
     atomic_write_text(out / "metrics.json", json.dumps(result, indent=2))
     requested = summary.get("questions_requested")
@@ -59,15 +64,19 @@ def write_probe_report(
             if k in metrics
         ),
     ]
+    lines += calibration_lines(calibration, "test", "reliability.png")
     lines += ranking_lines(metrics)
+    plot_reliability(calibration, out / "reliability.png", f"{llm_name}: probe reliability, test split")
     if scan:
         lines.append("  per-layer 5-fold logistic AUROC (all questions of " + "+".join(datamodule.data.stores) + "):")
         lines += [f"    layer {r['layer']:>3}: {r['auroc_mean']:.3f} ± {r['auroc_std']:.3f}" for r in scan]
         plot_layer_scan(scan, datamodule.num_layers // 2, out / "layer_scan.png", f"{llm_name}: probe AUROC by layer")
     text = "\n".join(lines)
     atomic_write_text(out / "summary.txt", text + "\n")
-    if scan:
-        for logger in wandb_loggers(loggers):
+    for logger in wandb_loggers(loggers):
+        log_rows(logger, "calibration", [b.to_dict() for b in calibration])
+        logger.log_image("reliability_diagram", [str(out / "reliability.png")])
+        if scan:
             log_rows(logger, "layer_scan", scan)
             logger.log_image("layer_scan_plot", [str(out / "layer_scan.png")])
     return text

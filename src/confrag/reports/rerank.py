@@ -88,9 +88,12 @@ def write_rerank_report(
     report: dict[str, Any],
     test_questions: int,
     rows: list[dict],
+    metrics: dict[str, float],
     training: dict[str, Any],
     loggers: Sequence[Logger],
 ) -> str:
+    """table1.md, summary.txt and metrics.json (`metrics`: the main reranker's test metrics, what a sweeper and
+    the sweep summary read, beside Table 1, the training and NQ_Rerank's report)."""
     title = (
         f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions; "
         f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})"
@@ -101,7 +104,11 @@ def write_rerank_report(
     atomic_write_text(out / "summary.txt", text + "\n")
     atomic_write_text(
         out / "metrics.json",
-        json.dumps({"table1": rows, "training": training, "nq_rerank": report}, indent=2, ensure_ascii=False),
+        json.dumps(
+            {"metrics": metrics, "table1": rows, "training": training, "nq_rerank": report},
+            indent=2,
+            ensure_ascii=False,
+        ),
     )
     for logger in wandb_loggers(loggers):
         log_rows(logger, "table1", rows)

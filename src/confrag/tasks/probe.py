@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from confrag.infra.run_context import RunContext
 from confrag.instantiators import instantiate_list, plain
+from confrag.probe.calibration import reliability_bins, split_confidences
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.layer_scan import layer_scan
 from confrag.probe.module import ProbeModule
@@ -57,8 +58,11 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, trained: Trained) 
     model, datamodule, metrics, best = trained.model, trained.datamodule, trained.metrics, trained.best
     loggers = trained.loggers
     scan = layer_scan(datamodule.data, seed=ctx.seed) if cfg.get("layer_scan") else []
+    calibration = reliability_bins(*split_confidences(model, datamodule.test_dataloader()))  # the best checkpoint
     # The run folder first: a read-only or full cache must not cost the run its metrics.
-    summary = write_probe_report(out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, loggers)
+    summary = write_probe_report(
+        out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, calibration, loggers
+    )
     save_trained_probe(model, datamodule, metrics, best, out / "probe")
     cache_trained_probe(model, datamodule, metrics, best, probe_cache_dir(ctx, datamodule, recipe), out / "probe")
     log_exports(loggers, {"probe": out / "probe"}, str(cfg.llm.name), {"layer": datamodule.layer})

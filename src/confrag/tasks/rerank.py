@@ -46,8 +46,11 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) ->
     stage.rerankers[stage.main].export(out / "reranker")
     test_rows = stage.table1_rows
     rows = table1(stage.scorers, test_rows, ctx.seed)
+    main = next(r for r in rows if r["id"] == stage.main)
+    metrics = {f"test/{k}": main[k] / 100 for k in metric_columns(main)}
+    report = stage.preferences.report
     print(
-        write_rerank_report(out, cfg.llm.name, stage.preferences.report, len(test_rows), rows, stage.training, loggers),
+        write_rerank_report(out, cfg.llm.name, report, len(test_rows), rows, metrics, stage.training, loggers),
         flush=True,
     )
     publish(cfg, recipe, stage, rows, len({r["qid"] for r in test_rows}), hub, out)
@@ -56,8 +59,7 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) ->
     if stage.probe.directory is not None:
         exports["probe"] = stage.probe.directory
     log_exports(loggers, exports, str(cfg.llm.name), {"rule": recipe.preferences.selection})
-    main = next(r for r in rows if r["id"] == stage.main)
-    return {f"test/{k}": main[k] / 100 for k in metric_columns(main)}
+    return metrics
 
 
 def publish(

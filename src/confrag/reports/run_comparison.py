@@ -1,0 +1,129 @@
+"""One Table 2 over several cbdr runs on the same evaluation questions, paired with one base row.
+
+Two runs of the same question plan (e.g. `cbdr_smollm2_full` and `cbdr_smollm2_full_candidates`: the same folds,
+base reranker and test questions, another probe) each write their rows' per-question outcomes to
+`<run>/outcomes/<dataset>/<id>.jsonl`. This script reads them, keeps the test questions of the first run's
+`metrics.json` (every run must hold exactly those), and prints one table: Top-K accuracy with its 95 % bootstrap
+interval, the paired difference to the base row with its interval, the exact McNemar p Holm-corrected across every
+row compared (all runs together), the smallest difference the design detects at 80 % power, and the share of
+questions whose Top-1 context is a passage of their own paragraph, paired with the base row's (the questions only one
+of the two puts it first, and the exact McNemar p, uncorrected), when the corpus is the NQ file's own paragraphs
+(`retrieval.corpus_path` null: the columns are left out otherwise). Rows that are the same system in two
+runs (the base, BM25, the oracle...) must give the same answers; they are shown once.
+
+    confrag-compare-runs qarag=RUN_A cand=RUN_B                  # base: the first run's `base`
+    confrag-compare-runs qarag=RUN_A cand=RUN_B --metric has_answer_dpr --dataset nq
+
+(`python experiments/compare_runs.py ...` runs the same from a checkout.) The run folders' `config_resolved.yaml`
+are read as plain YAML: the seed of the bootstrap and the corpus settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from confrag.data.nq import load_nq_jsonl
+from confrag.rag.pipeline import load_outcomes_jsonl
+from confrag.rag.stats import BINARY_METRICS, mcnemar_exact, paired_cell, table2_rows
+from confrag.reports.cbdr_answers import own_paragraph_flags
+from confrag.retrieval import corpus_from_nq
+
+
+def run_arg(text: str) -> tuple[str, Path]:
+    label, _, path = text.rpartition("=")
+    folder = Path(path)
+    if not label or not (folder / "metrics.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: give LABEL=RUN_DIR, a cbdr run folder with a metrics.json")
+    return label, folder
+
+
+def gold_sources(run: Path) -> dict[str, str] | None:
+    """qid -> the document of the question's own paragraph in the run's corpus of NQ paragraphs (None: the run
+    retrieved from a corpus file of its own, where the NQ paragraphs are not the documents)."""
+    retrieval = run_config(run).get("retrieval") or {}
+    if retrieval.get("corpus_path") or retrieval.get("words_per_passage") is None:
+        return None
+    rows = load_nq_jsonl(retrieval["nq_path"])
+    return corpus_from_nq(rows, int(retrieval["words_per_passage"])).gold_source_of
+
+
+def run_config(run: Path) -> dict:
+    """The run's resolved config (`config_resolved.yaml`, which every run writes beside run_info.json)."""
+    path = run / "config_resolved.yaml"
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise SystemExit(f"{path}: not a run's resolved config ({err})") from err
+    if not isinstance(config, dict):
+        raise SystemExit(f"{path}: not a run's resolved config (a YAML mapping)")
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="confrag-compare-runs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", type=run_arg, help="LABEL=RUN_DIR, the first one's test questions kept")
+    parser.add_argument("--base", default="base", help="the row every other is compared with (first run's)")
+    parser.add_argument("--metric", default="has_answer", choices=BINARY_METRICS)
+    parser.add_argument("--dataset", default="nq")
+    parser.add_argument("--k", type=int, default=1)
+    parser.add_argument(
+        "--expected-discordance", type=float, default=None, help="the design's (default: the first run's eval node)"
+    )
+    args = parser.parse_args(argv)
+
+    first = json.loads((args.runs[0][1] / "metrics.json").read_text())
+    test = set(first["eval"]["test"])
+    rows, shown = {}, {}
+    for label, folder in args.runs:
+        for path in sorted((folder / "outcomes" / args.dataset).glob("*.jsonl")):
+            outcomes = [o for o in load_outcomes_jsonl(path) if o.qid in test]
+            if {o.qid for o in outcomes} != test:
+                raise SystemExit(f"{path}: holds {len(outcomes)} of the first run's {len(test)} test questions")
+            system = path.stem
+            answers = [o.rag[args.k].answer for o in sorted(outcomes, key=lambda o: o.qid)]
+            if system in shown:  # the same system in another run: it must have answered the same
+                if shown[system] != answers:
+                    raise SystemExit(f"{system}: {label} answers differently from the first run that holds it")
+                continue
+            shown[system] = answers
+            name = system if label == args.runs[0][0] else f"{label}:{system}"
+            rows[("-", name, args.dataset)] = outcomes
+    if ("-", args.base, args.dataset) not in rows:
+        raise SystemExit(f"--base {args.base!r} is not a row of {args.runs[0][0]}; rows: {[n for _, n, _ in rows]}")
+    config = run_config(args.runs[0][1])
+    seed = int(config["seed"])  # the run's own bootstrap draws
+    # The design's discordance (the detectable difference): the run's own setting, unless given.
+    discordance = args.expected_discordance or (config.get("eval") or {}).get("expected_discordance")
+    if discordance is None:
+        raise SystemExit(f"{args.runs[0][0]}'s config has no eval.expected_discordance: pass --expected-discordance")
+    table = table2_rows(
+        rows, args.base, ks=[args.k], metric=args.metric, seed=seed, expected_discordance=float(discordance)
+    )
+    print(f"{args.dataset}, Top-{args.k} {args.metric}, n = {len(test)} test questions; Holm over {len(rows) - 1} rows")
+    sources = gold_sources(args.runs[0][1]) if args.dataset == "nq" else None
+    header = f"| row | Top-{args.k} [95 % CI] | − {args.base} [95 % CI] · Holm p · detectable |"
+    own_header = f" own ¶ | own ¶: row alone / {args.base} alone · McNemar p |"
+    print(header + (own_header if sources else ""))
+    print("| --- | ---: | --- |" + (" ---: | --- |" if sources else ""))
+
+    def own(name: str) -> list[bool]:  # in qid order, so that rows pair by question
+        return own_paragraph_flags(sorted(rows[("-", name, args.dataset)], key=lambda o: o.qid), args.k, sources)
+
+    for row in table:
+        line = f"| {row['reranker']} | {row[f'top{args.k}'].format()} | {paired_cell(row, args.k)} |"
+        if sources:
+            flags = own(row["reranker"])
+            line += f" {100 * sum(flags) / len(flags):.1f} |"
+            if row["reranker"] == args.base:
+                line += " — |"
+            else:
+                pair = mcnemar_exact(flags, own(args.base))
+                line += f" {pair.only_a} / {pair.only_b} · {pair.pvalue:.3f} |"
+        print(line)
