@@ -18,6 +18,7 @@ from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_datas
 from confrag.reports.rerank import write_rerank_report
 from confrag.reports.tables import metric_columns
 from confrag.reports.wandb_artifacts import log_exports
+from confrag.stages.own_rows import OwnRowsStage, check_own_rows_settings, own_rows_stage
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 Checked = Exported[RerankRecipe]
@@ -25,18 +26,23 @@ Checked = Exported[RerankRecipe]
 
 @dataclass
 class Staged:
-    stage: RerankStage
+    stage: RerankStage | OwnRowsStage
     loggers: list[Logger]
 
 
 def check(cfg: DictConfig) -> Checked:
     """Every setting of the stage, before anything runs: a typo must not surface after an hour of probing."""
-    return exported(cfg, lambda: rerank_recipe(cfg), "reranker_repo", "dataset_repo")
+    checked = exported(cfg, lambda: rerank_recipe(cfg), "reranker_repo", "dataset_repo")
+    if checked.recipe.preferences.rows_path:  # your rows: what needs the probe's candidates is refused now
+        check_own_rows_settings(checked.recipe)
+    return checked
 
 
 def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Staged:
     """The stage on the settings `check(cfg)` returned (every rank of a launch helps fill the shared caches)."""
     run_config, loggers = task_loggers(cfg)
+    if checked.recipe.preferences.rows_path:
+        return Staged(own_rows_stage(checked.recipe, ctx, loggers, run_config), loggers)
     return Staged(rerank_stage(checked.recipe, ctx, loggers, run_config), loggers)
 
 
@@ -53,7 +59,7 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) ->
     publish(cfg, recipe, stage, rows, len({r["qid"] for r in test_rows}), hub, out)
     # The probe whose confidence labelled the rows (the cached one this run used) beside the run's exports.
     exports = {"reranker": out / "reranker", "nq_rerank": out / "nq_rerank_dataset"}
-    if stage.probe.directory is not None:
+    if stage.probe is not None and stage.probe.directory is not None:
         exports["probe"] = stage.probe.directory
     log_exports(loggers, exports, str(cfg.llm.name), {"rule": recipe.preferences.selection})
     main = next(r for r in rows if r["id"] == stage.main)
