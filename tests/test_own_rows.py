@@ -65,6 +65,9 @@ def test_bad_rows_are_refused_by_file_and_line_before_anything_runs(tmp_path):
     cfg = compose_cfg(["+experiment=reranker_smollm2", f"preferences.rows_path={path}", *FAST], tmp_path)
     with pytest.raises(ValueError, match=r"base_reranker.train=true .*preferences.relevance_baseline=true"):
         run_task(cfg)
+    cfg = compose_cfg(["+experiment=cbdr_tiny_llama", f"preferences.rows_path={path}", "logger=csv"], tmp_path)
+    with pytest.raises(ValueError, match=r"the cbdr task builds its rerankers from the probe's candidates"):
+        run_task(cfg)
     assert not (tmp_path / "cache").exists()
     one = rows_file(tmp_path / "one.jsonl", rows[:1])
     with pytest.raises(
