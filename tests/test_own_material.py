@@ -20,7 +20,7 @@ from confrag.retrieval.corpus import document_text
 from confrag.retrieval.lengths import PassageTooLongError, TokenBudget, count_over, fit_passages
 from confrag.retrieval.minilm import minilm_dir
 from confrag.retrieval.prebuilt_index import PrebuiltDenseRetriever, PrebuiltIndexError
-from confrag.retrieval.ranked_ids import ranked_candidates, read_ranked_lists
+from confrag.retrieval.ranked_ids import check_questions, ranked_candidates, read_ranked_lists
 from confrag.train import run_task
 
 from helpers.runs import compose_cfg
@@ -145,6 +145,13 @@ def test_any_file_of_ranked_ids_jsonl_or_trec_run_becomes_candidates(tmp_path):
     )
     with pytest.raises(DataFormatError, match=r"ranked.jsonl, line 1: qid 'q0' asks 'who painted the mona lisa'"):
         ranked_candidates(ROWS, read_ranked_lists(ranked), corpus, "x")
+    # Before any stage: a list of a question the data does not hold (another question set) is refused.
+    ranked.write_text('{"qid": "q0", "ids": ["d1"]}\n{"qid": "x7", "ids": ["d2"]}\n')
+    with pytest.raises(
+        DataFormatError, match=r"1 of its 2 questions do not match .*line 2: qid 'x7' is not in the data"
+    ):
+        check_questions(read_ranked_lists(ranked), ROWS, "x")
+    check_questions(read_ranked_lists(ranked)[:1], ROWS, "x")
 
 
 # ---------------------------------------------------------------- a prebuilt FAISS index

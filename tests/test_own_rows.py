@@ -50,7 +50,10 @@ def test_the_rerank_task_trains_on_your_rows_split_by_query(tmp_path):
     assert "Your rows — my_rows.jsonl: 10 queries, rows train" in summary and "(split by query)" in summary
     table = json.loads((out / "metrics.json").read_text())["table1"]
     assert [r["id"] for r in table] == ["base", "own_rows_ft"]
-    assert (out / "reranker" / "config.json").is_file()
+    assert (out / "reranker" / "config.json").is_file() and not (out / "nq_rerank_dataset").exists()
+    card = (out / "reranker" / "README.md").read_text()
+    assert card.startswith("# A reranker fine-tuned with confrag on my_rows.jsonl")
+    assert "| base + FT on your rows |" in card
 
 
 def test_bad_rows_are_refused_by_file_and_line_before_anything_runs(tmp_path):

@@ -231,6 +231,31 @@ def _normal(text: str) -> str:
     return " ".join(f"{title.strip().strip(chr(34))} {body}".split())
 
 
+def check_questions(lists: Sequence[RankedList], rows: Sequence[QARow], source: str) -> None:
+    """Every list names a question of the data (by qid, or by text for a file without qids), and a list that
+    gives its question gives the data's: a file retrieved for another question set is refused before any stage
+    (naming the file, line and question). Which questions a stage draws is known later; one without a list is
+    refused there (`ranked_candidates`)."""
+    by_qid = {row.qid: row for row in rows}
+    texts = {" ".join(row.question.lower().split()) for row in rows}
+    problems = []
+    for item in lists:
+        if item.qid is None:
+            if " ".join((item.question or "").lower().split()) not in texts:
+                problems.append(f"{item.where}: question {item.question!r} is not in the data")
+        elif item.qid not in by_qid:
+            problems.append(f"{item.where}: qid {item.qid!r} is not in the data")
+        elif item.question is not None and not same_question(item.question, by_qid[item.qid].question):
+            problems.append(
+                f"{item.where}: qid {item.qid!r} asks {item.question!r}, the data {by_qid[item.qid].question!r}"
+            )
+    if problems:
+        raise DataFormatError(
+            f"{source}: {len(problems)} of its {len(lists)} questions do not match the data's "
+            f"({'; '.join(problems[:SHOWN])}); it was retrieved for another question set or version"
+        )
+
+
 def ranked_candidates(
     rows: Sequence[QARow], lists: Sequence[RankedList], corpus: Corpus, source: str
 ) -> list[Candidates]:

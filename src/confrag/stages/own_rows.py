@@ -122,3 +122,21 @@ def own_rows_stage(recipe, ctx: RunContext, loggers: list[Logger], run_config: d
     scorers = table1_systems(None, rerankers, recipe.reranker.eval_batch_size)
     training = {"base": base.info, "own_rows": info}
     return OwnRowsStage(data, base, rerankers, scorers, training, main)
+
+
+def own_rows_card(report: dict[str, Any], table1: list[dict]) -> str:
+    """README.md of the reranker exported from your rows: what it was trained on and its Table 1 rows."""
+    lines = [
+        f"# A reranker fine-tuned with confrag on {report['rows_path']}",
+        "",
+        f"Trained on {report['rows']['train']} rows and measured on {report['rows']['test']} held-out rows of other "
+        f"queries ({report['queries']} queries in all, split by query), from the base reranker below. The rows are "
+        "the user's: check their licence before sharing this model.",
+        "",
+        "| Reranker | " + " | ".join(k for k in table1[0] if k not in ("system", "id")) + " |",
+        "|---|" + "---:|" * (len(table1[0]) - 2),
+    ]
+    for row in table1:
+        values = [f"{v:.2f}" for k, v in row.items() if k not in ("system", "id")]
+        lines.append(f"| {row['system']} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"

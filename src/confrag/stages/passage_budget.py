@@ -22,7 +22,7 @@ from confrag.llm.loading import prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates, encode_prompts
 from confrag.retrieval.corpus import Corpus, CorpusPassage, located_documents, passages_fingerprint
 from confrag.retrieval.lengths import PassageTooLongError, TokenBudget, fit_passages
-from confrag.retrieval.ranked_ids import check_against_corpus, read_ranked_lists
+from confrag.retrieval.ranked_ids import check_against_corpus, check_questions, read_ranked_lists
 from confrag.stages.retrieval import RetrievalSettings, load_corpus
 
 JOIN_MARGIN = 4  # tokens kept free: a passage measured alone may tokenize a little longer inside the prompt
@@ -60,9 +60,11 @@ def llm_passage_budget(
     return TokenBudget("the LLM", tokenizer, limit, f"retrieval.max_passage_tokens={limit}")
 
 
-def checked_corpus(settings: RetrievalSettings, budget: TokenBudget) -> tuple[Corpus, dict[str, Any]]:
+def checked_corpus(
+    settings: RetrievalSettings, budget: TokenBudget, questions: Sequence[QARow]
+) -> tuple[Corpus, dict[str, Any]]:
     """The retrieval corpus with every passage checked against `budget` (refused naming file and line, or cut
-    with `retrieval.cut_passages`), a candidates file's passages and ids checked too; and the counts."""
+    with `retrieval.cut_passages`), a candidates file's passages, ids and `questions` checked too; the counts."""
     corpus = load_corpus(settings)
     passages, cut = fit_passages(corpus.passages, budget, settings.cut_passages, _locator(settings, corpus), CUT_OPTION)
     if cut:
@@ -73,7 +75,9 @@ def checked_corpus(settings: RetrievalSettings, budget: TokenBudget) -> tuple[Co
         lengths["llm"]["candidates_over_limit"] = check_candidates_file(settings, budget)
     elif kind:
         lists = read_ranked_lists(settings.candidates_path, kind)
-        check_against_corpus(lists, corpus, f"retrieval.candidates_path={settings.candidates_path}")
+        source = f"retrieval.candidates_path={settings.candidates_path}"
+        check_against_corpus(lists, corpus, source)
+        check_questions(lists, questions, source)
     return corpus, lengths
 
 
