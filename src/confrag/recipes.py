@@ -138,6 +138,12 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
 def evaluation_recipe(cfg: DictConfig) -> tuple[RerankRecipe, AnswerSettings, EvalSettings]:
     """What the cbdr and gates tasks share: the rerank stage, the answers (`rag`), the questions (`eval`)."""
     recipe = rerank_recipe(cfg)
+    if recipe.preferences.rows_path:
+        raise ValueError(
+            f"preferences.rows_path={recipe.preferences.rows_path}: your own rows train the rerank task's reranker "
+            f"(+experiment=reranker_rows); the {cfg.task_name} task builds its rerankers from the probe's candidates: "
+            "leave preferences.rows_path null here"
+        )
     return recipe, recipe.answers, settings_from(EvalSettings, cfg.eval, "eval")
 
 

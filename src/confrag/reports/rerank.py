@@ -61,6 +61,24 @@ def base_summary(info: dict[str, Any]) -> str:
     return f"  base reranker: {base_line(info)} (questions dropped: {info['dropped']}{cached})"
 
 
+def lengths_line(stats: dict[str, Any]) -> str | None:
+    """The passages' lengths against each model's budget (`question_candidates`' `passage_lengths`), if measured."""
+    lengths = stats.get("passage_lengths")
+    if not lengths:
+        return None
+    parts = []
+    if "llm" in lengths:
+        llm = lengths["llm"]
+        parts.append(f"LLM: {llm['cut']} of {llm['passages']} corpus passages cut to {llm['limit']} tokens")
+    if "dense_encoder" in lengths:
+        enc = lengths["dense_encoder"]
+        parts.append(
+            f"dense encoder: {enc['over_limit']} of {enc['passages']} candidate passages past its {enc['limit']} "
+            "tokens (cut by it)"
+        )
+    return "  passage lengths: " + "; ".join(parts) if parts else None
+
+
 def nq_rerank_summary(report: dict[str, Any]) -> str:
     """Sizes, drops, retrieval and, per reference and per rule, where the gold passage lands."""
     by_ref = "\n".join(
@@ -76,9 +94,19 @@ def nq_rerank_summary(report: dict[str, Any]) -> str:
             f"{report['rows']['test']}, dropped {report['dropped']}",
             f"  candidates: {retrieval_line(report['retrieval'])}, "
             f"{report['retrieval']['duplicate_passages_removed']} duplicate passages removed",
+            *filter(None, [lengths_line(report["retrieval"])]),
             by_ref,
             rules_summary(report),
         ]
+    )
+
+
+def own_rows_summary(report: dict[str, Any]) -> str:
+    """Your rows: the file, its queries and how they were split."""
+    scores = "with teacher scores" if report["teacher_scores"] else "without teacher scores"
+    return (
+        f"Your rows — {report['rows_path']}: {report['queries']} queries, rows train {report['rows']['train']} / "
+        f"held out {report['rows']['test']} (split by query), {scores}"
     )
 
 
@@ -94,12 +122,17 @@ def write_rerank_report(
 ) -> str:
     """table1.md, summary.txt and metrics.json (`metrics`: the main reranker's test metrics, what a sweeper and
     the sweep summary read, beside Table 1, the training and NQ_Rerank's report)."""
-    title = (
-        f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions; "
-        f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})"
-    )
+    if "rows_path" in report:  # your own rows (confrag.stages.own_rows)
+        title = f"Table 1 — held-out queries of {report['rows_path']} ({test_questions} queries)"
+        summary = own_rows_summary(report)
+    else:
+        title = (
+            f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions; "
+            f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})"
+        )
+        summary = nq_rerank_summary(report)
     table = markdown_table(rows, title)
-    text = "\n".join([nq_rerank_summary(report), base_summary(training.get("base", {})), "", table])
+    text = "\n".join([summary, base_summary(training.get("base", {})), "", table])
     atomic_write_text(out / "table1.md", table + "\n")
     atomic_write_text(out / "summary.txt", text + "\n")
     atomic_write_text(

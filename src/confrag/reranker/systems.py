@@ -18,6 +18,7 @@ BM25, BI_ENCODER = "bm25", "bi_encoder"  # the retrieval corpus's own scores
 BASE, RELEVANCE_FT = "base", "relevance_ft"  # the base reranker; the base fine-tuned on relevance labels
 CONFIDENCE_FT = "confidence_ft"  # the family `confidence_ft.<rule>`: the base fine-tuned on a label rule's rows
 PROBE, ORACLE = "probe", "oracle"  # Table 2's diagnostic rows (`stages.diagnostics`), never chosen by config
+OWN_ROWS_FT = "own_rows_ft"  # the base fine-tuned on the user's rows (preferences.rows_path; the rerank task only)
 
 # The display label of every system id but the rule family's (see `label`).
 LABELS = {
@@ -27,6 +28,7 @@ LABELS = {
     RELEVANCE_FT: "base + relevance FT",
     PROBE: "probe as reranker",
     ORACLE: "utility oracle (upper bound)",
+    OWN_ROWS_FT: "base + FT on your rows",
 }
 
 
@@ -47,7 +49,7 @@ def label(system: str) -> str:
 
 # What a config may name as a reranker (a Table 1 row): every id but the diagnostic rows'.
 TABLE1 = (BM25, BI_ENCODER, BASE, RELEVANCE_FT, *(confidence_ft(rule) for rule in RULES))
-ALL = (*TABLE1, PROBE, ORACLE)
+ALL = (*TABLE1, PROBE, ORACLE, OWN_ROWS_FT)
 
 
 def check_reranker(value: Any, key: str) -> str:

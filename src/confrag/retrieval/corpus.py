@@ -13,6 +13,9 @@ Two sources:
 Splitting follows DPR (Karpukhin et al., 2020): whitespace words in consecutive chunks of
 `words_per_passage`; the title travels with every chunk. Unlike DPR, a short tail (< 20 words) is
 merged into the chunk before it, because a 3-word passage is noise for both retrievers and the LLM.
+`words_per_passage=None` keeps each document as one passage, as given (a corpus already split, such as
+FlashRAG's wiki-18): its id is the document's id, so a candidates file or a FAISS index built on the
+corpus names the same passages.
 """
 
 from __future__ import annotations
@@ -109,21 +112,26 @@ def document_text(passage: CorpusPassage) -> str:
     return f"{passage.title}\n{passage.text}" if passage.title else passage.text
 
 
-def check_words_per_passage(words_per_passage: int) -> None:
-    checks.positive_int(words_per_passage, "retrieval.words_per_passage")
+def check_words_per_passage(words_per_passage: int | None) -> None:
+    """A positive integer, or None (each document one passage, as given)."""
+    if words_per_passage is not None:
+        checks.positive_int(words_per_passage, "retrieval.words_per_passage", hint="(or null: passages as given)")
 
 
 def split_passages(
     title: str,
     text: str,
     source_id: str,
-    words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE,
+    words_per_passage: int | None = DEFAULT_WORDS_PER_PASSAGE,
     min_last_words: int = MIN_LAST_WORDS,
 ) -> list[CorpusPassage]:
     """Consecutive chunks of `words_per_passage` whitespace words; a tail shorter than `min_last_words`
     joins the previous chunk (so the last passage holds up to words_per_passage + min_last_words - 1
-    words). Whitespace inside a chunk is collapsed to single spaces. Empty text gives no passages."""
+    words). Whitespace inside a chunk is collapsed to single spaces. Empty text gives no passages.
+    `words_per_passage=None`: the document itself, text untouched, under its own id."""
     check_words_per_passage(words_per_passage)
+    if words_per_passage is None:
+        return [CorpusPassage(pid=source_id, title=title, text=text, source_id=source_id)] if text.strip() else []
     words = text.split()
     chunks = [words[start : start + words_per_passage] for start in range(0, len(words), words_per_passage)]
     if len(chunks) > 1 and len(chunks[-1]) < min_last_words:
@@ -148,7 +156,7 @@ def _make_corpus(passages: list[CorpusPassage], gold_source_of: dict[str, str]) 
     return Corpus(passages=passages, gold_source_of=gold_source_of, fingerprint=passages_fingerprint(passages))
 
 
-def corpus_from_nq(rows: Sequence[QARow], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE) -> Corpus:
+def corpus_from_nq(rows: Sequence[QARow], words_per_passage: int | None = DEFAULT_WORDS_PER_PASSAGE) -> Corpus:
     """The gold paragraphs of `rows` as a corpus. A (title, text) paragraph that several questions
     share is one document, named after the first of them; every question maps to it in
     `gold_source_of`. A row with several paragraphs maps to the first one's document (the shared NQ
@@ -189,6 +197,13 @@ def iter_documents(path: str | os.PathLike[str], corpus_format: str = "auto") ->
     never held whole), checked as it is read; blank lines skipped. `corpus_format` is one of
     CORPUS_FORMAT_CHOICES (`auto`: the first record's). Raises DataFormatError naming the file and line
     (or parquet row) of the first bad record, the format, and both places of the first repeated id."""
+    for _, doc_id, title, text in located_documents(path, corpus_format):
+        yield doc_id, title, text
+
+
+def located_documents(path: str | os.PathLike[str], corpus_format: str = "auto") -> Iterator[tuple[str, str, str, str]]:
+    """(position, id, title, text) of every document (`iter_documents`), the position as errors name it
+    ("line N" of a JSONL file, "row N" of a parquet file)."""
     checks.choice(corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
     path = Path(path)
     if not path.is_file():
@@ -216,13 +231,13 @@ def iter_documents(path: str | os.PathLike[str], corpus_format: str = "auto") ->
                     f"{where}: duplicate id {doc_id!r} (first at {first_seen[doc_id]}); ids must be unique"
                 )
             first_seen[doc_id] = position
-            yield doc_id, title, text
+            yield position, doc_id, title, text
     if not first_seen:
         raise DataFormatError(f"{path}: no documents; each record must be {expected}")
 
 
 def iter_passages(
-    path: str | os.PathLike[str], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE, corpus_format: str = "auto"
+    path: str | os.PathLike[str], words_per_passage: int | None = DEFAULT_WORDS_PER_PASSAGE, corpus_format: str = "auto"
 ) -> Iterator[CorpusPassage]:
     """The passages of a corpus file, streamed: documents are read and split one at a time."""
     check_words_per_passage(words_per_passage)
@@ -231,7 +246,7 @@ def iter_passages(
 
 
 def load_corpus_jsonl(
-    path: str | os.PathLike[str], words_per_passage: int = DEFAULT_WORDS_PER_PASSAGE, corpus_format: str = "auto"
+    path: str | os.PathLike[str], words_per_passage: int | None = DEFAULT_WORDS_PER_PASSAGE, corpus_format: str = "auto"
 ) -> Corpus:
     """A corpus from a `.jsonl` / `.jsonl.gz` / `.parquet` file in `corpus_format` (see the module
     docstring), each document split into passages. Raises DataFormatError naming the file and line of the

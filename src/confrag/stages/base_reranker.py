@@ -69,7 +69,7 @@ class BaseReranker:
     info: dict[str, Any]  # questions, rows, drops, steps, training seconds
 
 
-def gold_passages(row: QARow, words_per_passage: int) -> list[CorpusPassage]:
+def gold_passages(row: QARow, words_per_passage: int | None) -> list[CorpusPassage]:
     """The question's own gold paragraph cut into passages as the corpus cuts it, those that hold a gold
     answer (else all of them): taken from the row itself, so a question file other than the corpus's works."""
     if not row.contexts:
@@ -80,7 +80,7 @@ def gold_passages(row: QARow, words_per_passage: int) -> list[CorpusPassage]:
 
 
 def relevance_training_rows(
-    rows: Sequence[QARow], candidates: Sequence[Candidates], negatives: int, words_per_passage: int
+    rows: Sequence[QARow], candidates: Sequence[Candidates], negatives: int, words_per_passage: int | None
 ) -> tuple[list[dict], dict[str, int]]:
     """One row per question: its gold passages as `pos`, the first `negatives` retrieved passages that are
     not from its gold paragraph and hold no answer as `neg`. Questions without a gold paragraph or without
@@ -128,7 +128,7 @@ def ensure_base_reranker(
     start = time.perf_counter()
     candidates, stats = question_candidates(retrieval, rows, top_n=settings.negatives_top_n)
     train_rows, dropped = relevance_training_rows(
-        rows, candidates, settings.negatives, int(retrieval.settings.words_per_passage)
+        rows, candidates, settings.negatives, retrieval.settings.words_per_passage
     )
     if not train_rows:
         hint = "raise base_reranker.num_questions or base_reranker.negatives_top_n"

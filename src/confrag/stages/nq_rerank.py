@@ -83,6 +83,8 @@ class PreferenceSettings:
     dev_fraction: float
     relevance_baseline: bool  # also fine-tune on relevance labels (answer in passage): the control row
     extract_batch_size: int
+    # Your own rows (FlagEmbedding's format) in place of the probe and NQ_Rerank (confrag.stages.own_rows).
+    rows_path: str | None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(self.compare or ()))

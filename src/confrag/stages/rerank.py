@@ -40,6 +40,7 @@ from confrag.retrieval import document_text
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
 from confrag.stages.cross_fit import FoldedReranker
 from confrag.stages.nq_rerank import PreferenceSettings, PreferenceStage, build_nq_rerank
+from confrag.stages.passage_budget import checked_corpus, llm_passage_budget
 from confrag.stages.probe import ProbeRecipe, ensure_probe
 from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device
 from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retrieval
@@ -120,9 +121,15 @@ def rerank_stage(
 ) -> RerankStage:
     # Every question checked against the LLM's context first, from the data settings alone: on a fresh cache
     # the probe's own stage loads the LLM.
-    rows = fitted_questions(recipe, recipe.probe.make_datamodule())
+    probe_settings = recipe.probe.make_datamodule()
+    rows = fitted_questions(recipe, probe_settings)
+    # Every passage too (corpus and candidates file, in the LLM's tokens), and a ranked-ids file's ids.
+    max_new_tokens = max(probe_settings.max_new_tokens, recipe.answers.max_new_tokens)
+    budget = llm_passage_budget(recipe.llm, recipe.templates, rows, max_new_tokens, recipe.retrieval)
+    corpus, lengths = checked_corpus(recipe.retrieval, budget, rows)
     probe, probe_data = ensure_probe(recipe.probe, ctx)
-    retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir)
+    retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir, corpus=corpus, llm_budget=budget)
+    retrieval.lengths = lengths
     questions = plan_questions(
         rows,
         probe_data.data.rows,
@@ -308,21 +315,14 @@ def planned_rows(recipe: RerankRecipe) -> list[str]:
     return rows + [confidence_ft(rule) for rule in recipe.preferences.rules]
 
 
-def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_batch_size: int) -> dict[str, Scorer]:
+def table1_systems(
+    retrieval: Retrieval | None, rerankers: dict[str, Reranker], eval_batch_size: int
+) -> dict[str, Scorer]:
     """The rows of Table 1 as scoring functions (query, passages) → scores, by id: BM25 and the bi-encoder over
-    the retrieval corpus (the passages must be in it), then each cross-encoder."""
-    index_of = {document_text(p): i for i, p in enumerate(retrieval.corpus.passages)}
-
-    def corpus_indices(passages: list[str]) -> list[int]:
-        missing = [p[:60] for p in passages if p not in index_of]
-        if missing:
-            raise ValueError(f"passages not in the retrieval corpus (BM25/bi-encoder rows need them): {missing[:2]}")
-        return [index_of[p] for p in passages]
-
-    bm25, dense = retrieval.bm25, retrieval.dense
-    systems: dict[str, Scorer] = {BM25: lambda q, ps: bm25.scores(q)[corpus_indices(ps)]}
-    if dense is not None:
-        systems[BI_ENCODER] = lambda q, ps: dense.passage_vectors(corpus_indices(ps)) @ dense.encode([q])[0]
+    the retrieval corpus (the passages must be in it; none without a corpus), then each cross-encoder."""
+    systems: dict[str, Scorer] = {}
+    if retrieval is not None:
+        systems.update(corpus_systems(retrieval))
     # Scores by (model, query, passages): rows that are one model (an aligned reranker whose dev guard kept the
     # base's weights, in every fold or in the query's fold) score each question once; at full size a row of Table 1
     # or 2 is minutes of scoring.
@@ -342,6 +342,23 @@ def table1_systems(retrieval: Retrieval, rerankers: dict[str, Reranker], eval_ba
 
     for name, module in rerankers.items():  # insertion order: the tuned rows last
         systems[name] = cross_encoder(module)
+    return systems
+
+
+def corpus_systems(retrieval: Retrieval) -> dict[str, Scorer]:
+    """BM25 and (with a dense index) the bi-encoder as Table 1 rows, over the retrieval corpus's passages."""
+    index_of = {document_text(p): i for i, p in enumerate(retrieval.corpus.passages)}
+
+    def corpus_indices(passages: list[str]) -> list[int]:
+        missing = [p[:60] for p in passages if p not in index_of]
+        if missing:
+            raise ValueError(f"passages not in the retrieval corpus (BM25/bi-encoder rows need them): {missing[:2]}")
+        return [index_of[p] for p in passages]
+
+    bm25, dense = retrieval.bm25, retrieval.dense
+    systems: dict[str, Scorer] = {BM25: lambda q, ps: bm25.scores(q)[corpus_indices(ps)]}
+    if dense is not None:
+        systems[BI_ENCODER] = lambda q, ps: dense.passage_vectors(corpus_indices(ps)) @ dense.encode([q])[0]
     return systems
 
 

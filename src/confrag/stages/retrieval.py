@@ -32,9 +32,23 @@ from confrag.retrieval import (
     validate_candidates_jsonl,
     validate_corpus_jsonl,
 )
-from confrag.retrieval.candidates import without_duplicates
-from confrag.retrieval.corpus import CORPUS_FORMAT_CHOICES
+from confrag.retrieval.candidates import make_candidates, without_duplicates
+from confrag.retrieval.corpus import CORPUS_FORMAT_CHOICES, check_words_per_passage
 from confrag.retrieval.faiss_index import DENSE_INDEX_KINDS
+from confrag.retrieval.lengths import TokenBudget, count_over, fit_passages
+from confrag.retrieval.prebuilt_index import (
+    PrebuiltDenseRetriever,
+    check_prebuilt_index,
+    encoder_dimension,
+    load_encoder,
+    read_index_header,
+)
+from confrag.retrieval.ranked_ids import (
+    CANDIDATES_FORMATS,
+    detect_candidates_format,
+    ranked_candidates,
+    read_ranked_lists,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +62,7 @@ class RetrievalSettings:
     nq_path: str
     retriever: str  # bm25 | dense (MiniLM bi-encoder, exact search)
     top_n: int
-    words_per_passage: int
+    words_per_passage: int | None  # null: the corpus's own passages, one per document (its id the passage's)
     candidates_path: str | None
     corpus_path: str | None
     questions_format: str  # confrag | flashrag | auto (confrag.data.nq.QUESTION_FORMATS)
@@ -56,6 +70,10 @@ class RetrievalSettings:
     bi_encoder: bool  # build the dense index too (Table 1's bi-encoder row)
     dense_index: str  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
     dense_index_path: str | None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
+    candidates_format: str  # auto | confrag | flashrag | ranked_ids (confrag.retrieval.ranked_ids)
+    max_passage_tokens: int | None  # a passage's LLM tokens at most; null: what one passage may hold in a prompt
+    cut_passages: bool  # a passage past that: refused (false) or cut to it
+    dense_encoder: str | None  # the sentence-transformers folder of a prebuilt FAISS index file (dense_index_path)
 
     @property
     def source(self) -> str:
@@ -73,54 +91,113 @@ class RetrievalSettings:
         collect(problems, checks.choice, self.questions_format, "retrieval.questions_format", QUESTION_FORMAT_CHOICES)
         collect(problems, checks.choice, self.corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
         collect(problems, checks.choice, self.dense_index, "retrieval.dense_index", DENSE_INDEX_KINDS)
+        collect(problems, check_words_per_passage, self.words_per_passage)
+        collect(problems, checks.choice, self.candidates_format, "retrieval.candidates_format", CANDIDATES_FORMATS)
+        collect(problems, checks.positive_int, self.max_passage_tokens, "retrieval.max_passage_tokens", allow_none=True)
+        collect(problems, checks.flag, self.cut_passages, "retrieval.cut_passages")
+        if self.dense_encoder and not self.dense_index_path:
+            problems.append(
+                "retrieval.dense_encoder names the encoder of a prebuilt FAISS index: set retrieval.dense_index_path "
+                "to that index file too"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
+    @property
+    def candidates_kind(self) -> str | None:
+        """The candidates file's format (`auto` read from the file), or None without one."""
+        if not self.candidates_path:
+            return None
+        if self.candidates_format == "auto":
+            return detect_candidates_format(self.candidates_path)
+        return self.candidates_format
+
     def check_files(self) -> None:
-        """Parse a user corpus and a candidates file whole (naming file, line and format on a bad one)
-        before anything expensive runs; nothing is built or kept."""
-        if self.corpus_path:
-            validate_corpus_jsonl(self.corpus_path, self.corpus_format)
-        if self.candidates_path:
+        """Parse a user corpus, a candidates file and a prebuilt FAISS index whole (naming file, line and format
+        on a bad one; the index's size against the corpus's, its dimension against its encoder's) before
+        anything expensive runs; nothing is built or kept."""
+        documents = validate_corpus_jsonl(self.corpus_path, self.corpus_format) if self.corpus_path else None
+        if self.candidates_kind == "confrag":
             validate_candidates_jsonl(self.candidates_path)
+        elif self.candidates_kind:
+            read_ranked_lists(self.candidates_path, self.candidates_kind)
+        if self.dense_encoder:
+            if self.words_per_passage is not None:
+                raise ValueError(
+                    "retrieval.dense_encoder (a prebuilt FAISS index: vector i is document i of the corpus) needs "
+                    "the corpus's documents as given: set retrieval.words_per_passage=null "
+                    f"(got {self.words_per_passage})"
+                )
+            index = read_index_header(self.dense_index_path)
+            dimension = encoder_dimension(load_encoder(self.dense_encoder))
+            if documents is not None:
+                check_prebuilt_index(index, self.dense_index_path, documents, dimension)
 
 
 @dataclass
 class Retrieval:
     corpus: Corpus
     bm25: BM25Retriever
-    dense: DenseRetriever | None
+    dense: DenseRetriever | PrebuiltDenseRetriever | None
     settings: RetrievalSettings
+    # What one passage may hold in the LLM's prompts, when checked (`confrag.retrieval.lengths`), and the counts.
+    llm_budget: TokenBudget | None = None
+    lengths: dict[str, Any] | None = None
 
     @property
-    def retriever(self) -> BM25Retriever | DenseRetriever:
+    def retriever(self) -> BM25Retriever | DenseRetriever | PrebuiltDenseRetriever:
         """The retriever the candidates come from."""
         return self.dense if self.settings.retriever == "dense" else self.bm25
 
 
-def build_retrieval(
-    settings: RetrievalSettings, cache_dir: str | Path, rows: Sequence[QARow] | None = None
-) -> Retrieval:
-    """The corpus (the paragraphs of `rows`, else `retrieval.corpus_path`, else every gold paragraph of the
-    NQ file), its BM25 index, and (when asked for, or for Table 1's bi-encoder row) the dense MiniLM index;
-    all cached under `cache_dir`. It takes the cache alone, not the run's context: it is also built outside
-    a run (docs/usage.md, experiments/)."""
-    words = int(settings.words_per_passage)
+def load_corpus(settings: RetrievalSettings, rows: Sequence[QARow] | None = None) -> Corpus:
+    """The corpus: the paragraphs of `rows`, else `retrieval.corpus_path`, else every gold paragraph of the
+    NQ file, split into `retrieval.words_per_passage`-word passages (null: as given)."""
+    words = settings.words_per_passage
     if rows is not None:
-        corpus = corpus_from_nq(rows, words_per_passage=words)
-    elif settings.corpus_path:
-        corpus = load_corpus_jsonl(settings.corpus_path, words_per_passage=words, corpus_format=settings.corpus_format)
-    else:
-        rows_of_file = load_nq_jsonl(settings.nq_path, questions_format=settings.questions_format)
-        corpus = corpus_from_nq(rows_of_file, words_per_passage=words)
+        return corpus_from_nq(rows, words_per_passage=words)
+    if settings.corpus_path:
+        return load_corpus_jsonl(settings.corpus_path, words_per_passage=words, corpus_format=settings.corpus_format)
+    rows_of_file = load_nq_jsonl(settings.nq_path, questions_format=settings.questions_format)
+    return corpus_from_nq(rows_of_file, words_per_passage=words)
+
+
+def build_retrieval(
+    settings: RetrievalSettings,
+    cache_dir: str | Path,
+    rows: Sequence[QARow] | None = None,
+    corpus: Corpus | None = None,
+    llm_budget: TokenBudget | None = None,
+) -> Retrieval:
+    """The corpus (given, already checked, or `load_corpus`), its BM25 index, and (when asked for, or for
+    Table 1's bi-encoder row) the dense index: the MiniLM one built here, or a prebuilt FAISS index with its
+    encoder (`retrieval.dense_encoder`); all cached under `cache_dir`. It takes the cache alone, not the run's
+    context: it is also built outside a run (docs/usage.md, experiments/)."""
+    corpus = corpus if corpus is not None else load_corpus(settings, rows)
     bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
-    dense = (
-        DenseRetriever(corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path)
-        if (settings.retriever == "dense" or settings.bi_encoder)
-        else None
-    )
+    dense: DenseRetriever | PrebuiltDenseRetriever | None = None
+    if settings.retriever == "dense" or settings.bi_encoder:
+        if settings.dense_encoder:
+            dense = PrebuiltDenseRetriever(corpus, settings.dense_index_path, settings.dense_encoder)
+        else:
+            dense = DenseRetriever(
+                corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path
+            )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
-    return Retrieval(corpus, bm25, dense, settings)
+    return Retrieval(corpus, bm25, dense, settings, llm_budget)
+
+
+def encoder_budget(retrieval: Retrieval) -> TokenBudget | None:
+    """What one passage may hold in the dense encoder's input (its tokenizer cuts the rest)."""
+    dense = retrieval.dense
+    if dense is None:
+        return None
+    if isinstance(dense, DenseRetriever):
+        tokenizer, limit = dense.encoder.tokenizer, dense.encoder.max_length
+    else:
+        tokenizer, limit = dense.tokenizer, dense.max_length
+    # The encoder's input holds the special tokens too ([CLS] ... [SEP]).
+    return TokenBudget("the dense encoder", tokenizer, limit - 2, "the encoder's max_seq_length")
 
 
 def question_candidates(
@@ -128,10 +205,14 @@ def question_candidates(
 ) -> tuple[list[Candidates], dict[str, Any]]:
     """Top-N candidates per question (N = `retrieval.top_n` unless `top_n` says otherwise): retrieved, or
     read from `candidates_path` (a prebuilt list)."""
-    if candidates_path:  # joined by qid, then checked by question text
-        found = match_candidates(
-            rows, load_candidates_jsonl(candidates_path), source=f"retrieval.candidates_path={candidates_path}"
-        )
+    source = f"retrieval.candidates_path={candidates_path}"
+    if candidates_path and retrieval.settings.candidates_kind not in (None, "confrag"):  # ranked ids of the corpus
+        lists = read_ranked_lists(candidates_path, retrieval.settings.candidates_format)
+        found = ranked_candidates(rows, lists, retrieval.corpus, source)
+    elif candidates_path:  # joined by qid, then checked by question text
+        found = match_candidates(rows, load_candidates_jsonl(candidates_path), source=source)
+        if retrieval.llm_budget is not None:  # their texts are the file's, not the checked corpus's
+            found = [fitted_candidates(c, retrieval.llm_budget, source, retrieval.settings.cut_passages) for c in found]
     else:
         found = retrieve_candidates(
             rows, retrieval.corpus, retrieval.retriever, top_n=int(top_n or retrieval.settings.top_n)
@@ -146,7 +227,34 @@ def question_candidates(
         "gold_retrieved": float(np.mean([c.gold_retrieved for c in cleaned])),
         "answer_in_candidates": float(np.mean([any(c.has_answer) for c in cleaned])),
     }
+    budget = encoder_budget(retrieval)
+    if retrieval.lengths is not None or budget is not None:
+        stats["passage_lengths"] = dict(retrieval.lengths or {})
+        if budget is not None:  # what the candidates lose to the encoder's cut
+            texts = [document_text(p) for c in cleaned for p in c.passages]
+            stats["passage_lengths"]["dense_encoder"] = count_over(budget, texts)
     return list(cleaned), stats
+
+
+def fitted_candidates(candidates: Candidates, budget: TokenBudget, source: str, cut: bool) -> Candidates:
+    """A candidates file's passages of one question checked against the LLM's budget (cut with `cut`)."""
+    passages, _ = fit_passages(
+        candidates.passages,
+        budget,
+        cut,
+        lambda indices: [f"{source}, question {candidates.qid!r}, contexts[{i}]" for i in indices],
+        "retrieval.cut_passages",
+    )
+    if passages == candidates.passages:
+        return candidates
+    return make_candidates(
+        candidates.qid,
+        candidates.question,
+        candidates.answers,
+        passages,
+        candidates.scores,
+        candidates.gold_source,
+    )
 
 
 def retrieve_fn(retrieval: Retrieval):

@@ -11,6 +11,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
+from confrag.infra.atomic import atomic_write_text
 from confrag.infra.run_context import RunContext
 from confrag.instantiators import run_command, task_loggers
 from confrag.recipes import Exported, exported, rerank_recipe
@@ -18,6 +19,7 @@ from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_datas
 from confrag.reports.rerank import write_rerank_report
 from confrag.reports.tables import metric_columns
 from confrag.reports.wandb_artifacts import log_exports
+from confrag.stages.own_rows import OwnRowsStage, check_own_rows_settings, own_rows_card, own_rows_stage
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 Checked = Exported[RerankRecipe]
@@ -25,18 +27,28 @@ Checked = Exported[RerankRecipe]
 
 @dataclass
 class Staged:
-    stage: RerankStage
+    stage: RerankStage | OwnRowsStage
     loggers: list[Logger]
 
 
 def check(cfg: DictConfig) -> Checked:
     """Every setting of the stage, before anything runs: a typo must not surface after an hour of probing."""
-    return exported(cfg, lambda: rerank_recipe(cfg), "reranker_repo", "dataset_repo")
+    checked = exported(cfg, lambda: rerank_recipe(cfg), "reranker_repo", "dataset_repo")
+    if checked.recipe.preferences.rows_path:  # your rows: what needs the probe's candidates is refused now
+        check_own_rows_settings(checked.recipe)
+        if checked.hub.push:
+            raise ValueError(
+                "hub.push=true with preferences.rows_path: the Hub cards describe NQ_Rerank and a confidence-aligned "
+                "reranker, not your rows; push the exported `reranker/` folder yourself"
+            )
+    return checked
 
 
 def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Staged:
     """The stage on the settings `check(cfg)` returned (every rank of a launch helps fill the shared caches)."""
     run_config, loggers = task_loggers(cfg)
+    if checked.recipe.preferences.rows_path:
+        return Staged(own_rows_stage(checked.recipe, ctx, loggers, run_config), loggers)
     return Staged(rerank_stage(checked.recipe, ctx, loggers, run_config), loggers)
 
 
@@ -53,10 +65,14 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) ->
         write_rerank_report(out, cfg.llm.name, report, len(test_rows), rows, metrics, stage.training, loggers),
         flush=True,
     )
-    publish(cfg, recipe, stage, rows, len({r["qid"] for r in test_rows}), hub, out)
-    # The probe whose confidence labelled the rows (the cached one this run used) beside the run's exports.
-    exports = {"reranker": out / "reranker", "nq_rerank": out / "nq_rerank_dataset"}
-    if stage.probe.directory is not None:
+    if isinstance(stage, OwnRowsStage):  # your rows: no NQ_Rerank dataset, a card that says what it is
+        atomic_write_text(out / "reranker" / "README.md", own_rows_card(stage.preferences.report, rows))
+        exports = {"reranker": out / "reranker"}
+    else:
+        publish(cfg, recipe, stage, rows, len({r["qid"] for r in test_rows}), hub, out)
+        # The probe whose confidence labelled the rows (the cached one this run used) beside the run's exports.
+        exports = {"reranker": out / "reranker", "nq_rerank": out / "nq_rerank_dataset"}
+    if stage.probe is not None and stage.probe.directory is not None:
         exports["probe"] = stage.probe.directory
     log_exports(loggers, exports, str(cfg.llm.name), {"rule": recipe.preferences.selection})
     return metrics

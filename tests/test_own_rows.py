@@ -1,0 +1,79 @@
+"""The rerank task on your own preference rows (`preferences.rows_path`, FlagEmbedding's format): checked as the
+project's rows are, split by query, the aligned reranker trained from the base, Table 1 on the held-out queries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from confrag.data import DataFormatError
+from confrag.stages.own_rows import own_rows
+from confrag.train import run_task
+
+from helpers.runs import compose_cfg
+
+TOPICS = ["Paris", "Everest", "Python", "Amazon", "Saturn", "Mozart", "Nile", "Tokyo", "Sahara", "Einstein"]
+
+
+def row(i: int, topic: str) -> dict:
+    return {
+        "query": f"tell me about {topic}",
+        "pos": [f"{topic} is described here in detail.", f"More facts about {topic}."],
+        "neg": [f"Nothing about it: filler text number {i}.", "An unrelated passage.", "Another unrelated one."],
+        "pos_scores": [0.4, 0.2],
+        "neg_scores": [-0.1, -0.3, -0.2],
+    }
+
+
+def rows_file(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+FAST = ["trainer.max_epochs=1", "data.batch_size=2", "data.group_size=3", "data.passage_max_len=32", "logger=csv"]
+
+
+def test_the_rerank_task_trains_on_your_rows_split_by_query(tmp_path):
+    # The same query twice (up to case and punctuation): both rows on one side of the split.
+    rows = [row(i, t) for i, t in enumerate(TOPICS)] + [{**row(10, "Paris"), "query": "Tell me about PARIS!"}]
+    path = rows_file(tmp_path / "my_rows.jsonl", rows)
+    data = own_rows(path, 0.3, 0)
+    assert data.report["queries"] == 10 and sum(data.report["rows"].values()) == 11
+    sides = {r["qid"]: split for split, split_rows in data.splits.items() for r in split_rows}
+    paris = [r for split_rows in data.splits.values() for r in split_rows if "paris" in r["query"].lower()]
+    assert len(paris) == 2 and len({sides[r["qid"]] for r in paris}) == 1
+    cfg = compose_cfg(["+experiment=reranker_rows", f"preferences.rows_path={path}", *FAST], tmp_path)
+    run_task(cfg)
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    assert "Your rows — my_rows.jsonl: 10 queries, rows train" in summary and "(split by query)" in summary
+    table = json.loads((out / "metrics.json").read_text())["table1"]
+    assert [r["id"] for r in table] == ["base", "own_rows_ft"]
+    assert (out / "reranker" / "config.json").is_file() and not (out / "nq_rerank_dataset").exists()
+    card = (out / "reranker" / "README.md").read_text()
+    assert card.startswith("# A reranker fine-tuned with confrag on my_rows.jsonl")
+    assert "| base + FT on your rows |" in card
+
+
+def test_bad_rows_are_refused_by_file_and_line_before_anything_runs(tmp_path):
+    rows = [row(i, t) for i, t in enumerate(TOPICS)]
+    rows[3] = {**rows[3], "neg_scores": [0.1, float("nan"), 0.2]}
+    path = rows_file(tmp_path / "bad.jsonl", rows)
+    cfg = compose_cfg(["+experiment=reranker_rows", f"preferences.rows_path={path}", *FAST], tmp_path)
+    with pytest.raises(
+        (ValueError, DataFormatError), match=r"bad.jsonl.* line 4: field 'neg_scores' item 1 must be a finite"
+    ):
+        run_task(cfg)
+    cfg = compose_cfg(["+experiment=reranker_smollm2", f"preferences.rows_path={path}", *FAST], tmp_path)
+    with pytest.raises(ValueError, match=r"base_reranker.train=true .*preferences.relevance_baseline=true"):
+        run_task(cfg)
+    cfg = compose_cfg(["+experiment=cbdr_tiny_llama", f"preferences.rows_path={path}", "logger=csv"], tmp_path)
+    with pytest.raises(ValueError, match=r"the cbdr task builds its rerankers from the probe's candidates"):
+        run_task(cfg)
+    assert not (tmp_path / "cache").exists()
+    one = rows_file(tmp_path / "one.jsonl", rows[:1])
+    with pytest.raises(
+        ValueError, match=r"1 distinct queries split by preferences.test_fraction=0.2 leave 1 to train and 0"
+    ):
+        own_rows(one, 0.2, 0)
