@@ -74,6 +74,7 @@ def cbdr_scores(outcomes: list[QuestionOutcome], k: int, beta: float) -> tuple[n
 # --- end to end ----------------------------------------------------------------------------------
 
 
+@pytest.mark.task
 def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
     check_cbdr_outputs(first.out)
     report = (first.out / "report.md").read_text()
@@ -83,6 +84,7 @@ def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
     assert first.record["chosen_beta"]["objective"] == "accuracy"
 
 
+@pytest.mark.task
 def test_the_rows_planned_at_check_time_are_the_rows_the_run_built(first):
     """`planned_rows` (what the settings check refuses against) and the stage's rows cannot drift apart."""
     from confrag.stages.rerank import planned_rows
@@ -91,6 +93,7 @@ def test_the_rows_planned_at_check_time_are_the_rows_the_run_built(first):
     assert planned == [row["id"] for row in first.record["table1"]]
 
 
+@pytest.mark.task
 def test_evaluation_questions_are_held_out_and_split(first):
     cfg = first.cfg
     probe_qids = {
@@ -101,6 +104,7 @@ def test_evaluation_questions_are_held_out_and_split(first):
     assert not (dev | test) & probe_qids
 
 
+@pytest.mark.task
 def test_sweep_arithmetic_from_the_saved_outcomes(first):
     cfg, record = first.cfg, first.record
     test = outcomes_of(first, cfg.cbdr.reranker, "test")
@@ -123,6 +127,7 @@ def test_sweep_arithmetic_from_the_saved_outcomes(first):
     assert record["conf_quantiles"] == quartiles.tolist() and set(quartiles) <= {row["beta"] for row in rows}
 
 
+@pytest.mark.task
 def test_beta_is_chosen_on_dev_and_reported_on_test(first):
     cfg, chosen = first.cfg, first.record["chosen_beta"]
     k = cfg.cbdr.top_k
@@ -136,6 +141,7 @@ def test_beta_is_chosen_on_dev_and_reported_on_test(first):
     assert chosen["test/retrieval_rate"] == pytest.approx(retrieve.mean())
 
 
+@pytest.mark.task
 def test_another_k_and_beta_grid_generate_no_answer(first):
     assert first.record["answers"]["generated"] > 0
     cfg, out, record = tiny_run(
@@ -152,6 +158,7 @@ def test_another_k_and_beta_grid_generate_no_answer(first):
     assert record["sweep"]["k"] == 1 and record["table2"] == first.record["table2"]
 
 
+@pytest.mark.task
 def test_a_rank_above_0_computes_but_writes_nothing_to_the_run_folder(first, monkeypatch):
     """Rank 1 of a two-process launch, on the first run's settings and cache: it runs the stage and the answers
     (every piece from the cache) and leaves its run folder untouched. The run record, NQ_Rerank's rows, the
@@ -346,6 +353,7 @@ def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
     assert results.at_beta["dev/retrieval_rate_at_beta"] == 1.0
 
 
+@pytest.mark.task
 def test_compare_runs_gives_a_runs_own_table2_rows(first, capsys, monkeypatch):
     """experiments/compare_runs.py (one Table 2 over runs sharing a question plan) reads the outcome files back
     to the run's own numbers: accuracy, interval, paired difference, Holm p and own-paragraph share."""
