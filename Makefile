@@ -33,9 +33,10 @@ test: setup
 	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
 
 # The inner loop (< 3 min on 2 cores): units only, without the tests that run a whole task or start a Python
-# process (marked `task` / `subprocess`; tests/conftest.py fails a test that does so without its mark).
+# process (marked `task` / `subprocess`; tests/conftest.py fails a test that does so without its mark) and the
+# units that train a model or run SmolLM2 for more than a few seconds (`heavy`).
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not gpu and not task and not subprocess" $(ARGS)
+	$(PY) -m pytest -m "not slow and not gpu and not task and not subprocess and not heavy" $(ARGS)
 
 test-all: setup
 	$(PY) -m pytest $(ARGS)

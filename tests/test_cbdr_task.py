@@ -80,6 +80,9 @@ def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
     report = (first.out / "report.md").read_text()
     assert "HotpotQA Top-1" in report and "HotpotQA: n = 3" in report  # the three fixture questions
     assert "## Phase-difference analysis" in report and "## The gate run live" in report
+    # A newcomer's report: own ¶ defined once, one p-value column (Holm), each table saying what it measures.
+    assert report.count("**Own ¶**") == 1 and report.count("p vs base") == report.count("Holm p vs base") > 0
+    assert "against the probe's labels" in report and "On average" in report and "upper bound" in report
     assert (first.out / "beta_curve.png").is_file() and (first.out / "beta_curve_full.png").is_file()
     assert first.record["chosen_beta"]["objective"] == "accuracy"
 
@@ -308,7 +311,7 @@ def test_gold_paragraph_share_counts_the_questions_own_passages():
     ]
     assert gold_in_contexts(rows, 1) == pytest.approx(1 / 3) and gold_in_contexts(rows, 3) == pytest.approx(2 / 3)
     table = secondary_markdown({"NQ": {"bm25": rows}}, (1, 3), gold_known=True).splitlines()
-    assert table[0].endswith("| gold ¶ in Top-1 | gold ¶ in Top-3 |") and table[2].endswith("| 33.3 | 66.7 |")
+    assert table[0].endswith("| own ¶ in Top-1 | own ¶ in Top-3 |") and table[2].endswith("| 33.3 | 66.7 |")
     assert table[2].startswith("| NQ | BM25 |")  # the row's label, from its id
     assert "gold" not in secondary_markdown({"NQ": {"bm25": rows}}, (1, 3))
 

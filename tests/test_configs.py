@@ -60,16 +60,17 @@ def test_every_experiment_a_command_names_exists():
     assert {name: where for name, where in named.items() if name not in EXPERIMENTS} == {}
 
 
-def test_every_task_has_a_tiny_experiment_and_every_experiment_a_task(tmp_path):
-    tasks = {name: compose_cfg([f"+experiment={name}"], tmp_path).task_name for name in EXPERIMENTS}
-    assert set(tasks.values()) <= set(TASKS), tasks
-    assert {task for name, task in tasks.items() if "tiny" in name} == set(TASKS)  # each runs on CPU in a test
+def test_every_task_has_a_tiny_experiment(tmp_path):
+    """Each task runs on CPU in a test, through its tiny experiment (every experiment's task is checked below)."""
+    tiny = {compose_cfg([f"+experiment={name}"], tmp_path).task_name for name in EXPERIMENTS if "tiny" in name}
+    assert tiny == set(TASKS)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_composes_and_resolves(name, tmp_path):
     cfg = compose_cfg([f"+experiment={name}"], tmp_path)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["task_name"] in TASKS
     # the probe a rerank or cbdr run scores with
     probe = resolved["probe"] if resolved["task_name"] in ("rerank", "cbdr", "gates") else resolved
     assert probe["data"]["layer"] == probe["model"]["layer"]
@@ -207,6 +208,7 @@ def test_probe_layer_out_of_range_lists_the_valid_range(tmp_path):
         run_task(cfg)
 
 
+@pytest.mark.task
 def test_missing_nq_file_names_the_path_and_the_setting(tmp_path):
     cfg = compose_cfg(["+experiment=probe_tiny_llama", f"paths.nq_path={tmp_path}/missing.jsonl"], tmp_path)
     with pytest.raises(Exception, match=r"missing\.jsonl[\s\S]*paths\.nq_path"):

@@ -211,6 +211,7 @@ def test_draft_signals_are_validated():
         draft([([" a"], [1.0], [0.1])], logprob=[[math.nan]])
 
 
+@pytest.mark.heavy
 def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, templates):
     prompts = [
         templates.qa_prompt(tiny_llama.tokenizer, q)

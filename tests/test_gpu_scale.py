@@ -49,6 +49,7 @@ def benchmark_module():
     return module
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("static", [False, True])
 def test_tiny_run_prints_every_ratio_and_the_paths_agree(capsys, tmp_path, static):
     # One family each: Llama with the CPU's default path, Qwen2 with the static cache (eager here).
