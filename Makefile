@@ -6,7 +6,7 @@ PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: setup demo demo-full test test-all lint bench clean
+.PHONY: setup demo demo-full test test-fast test-all lint bench clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,15 @@ demo: setup
 demo-full: setup
 	$(PY) train.py +experiment=cbdr_smollm2_full $(ARGS)
 
+# What CI runs: every test but the slow and GPU ones (~10 min on 2 cores).
 test: setup
 	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
+
+# The inner loop (< 3 min on 2 cores): units only, without the tests that run a whole task or start a Python
+# process (marked `task` / `subprocess`; tests/conftest.py fails a test that does so without its mark) and the
+# units that train a model or run SmolLM2 for more than a few seconds (`heavy`).
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not gpu and not task and not subprocess and not heavy" $(ARGS)
 
 test-all: setup
 	$(PY) -m pytest $(ARGS)

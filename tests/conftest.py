@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 
 from helpers.models import tiny_llm_config
+from helpers.tiers import TierGuard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,6 +27,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+TIERS = TierGuard()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    TIERS.item = item  # through setup (module fixtures included), call and teardown
+    yield
+    TIERS.item = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tier_marks_kept():
+    """A test that runs a task's computation or starts a Python process without its mark (`task`,
+    `subprocess`) fails: `make test-fast` leaves the marked ones out (helpers/tiers.py)."""
+    from confrag.train import TASKS
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", TIERS.popen(subprocess.Popen.__init__))
+        for name, module in TASKS.items():
+            patch.setattr(module, "run", TIERS.task_run(module.run, name))
+        yield
 
 
 @pytest.fixture(autouse=True)

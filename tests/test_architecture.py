@@ -51,6 +51,7 @@ def imports_of(name: str) -> set[str]:
     return {m for m in found if m in MODULES and m != name}
 
 
+@pytest.mark.subprocess
 def test_every_module_imports_in_a_fresh_interpreter():
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     done = subprocess.run([sys.executable, "-c", code, *MODULES], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -141,6 +142,7 @@ def test_task_modules_are_thin():
         assert len(path.read_text().splitlines()) <= 150, f"{path.name}: move stages, reports and settings out"
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(
     shutil.which("ruff") is None
     and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode != 0,

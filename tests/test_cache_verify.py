@@ -118,6 +118,7 @@ def test_a_manifest_that_does_not_match_its_directory_is_damage(cache, capsys):
     assert "unreadable manifest" in capsys.readouterr().out
 
 
+@pytest.mark.subprocess
 def test_command_line(cache, tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "confrag.infra.cache_verify", "verify", str(cache)],

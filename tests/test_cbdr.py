@@ -273,6 +273,7 @@ def test_gate_refuses_bad_input(tiny_llama, tiny_qwen2, templates, nq_rows, capl
     assert "cbdr.top_k=3 but only 1 contexts were retrieved" in caplog.text
 
 
+@pytest.mark.heavy
 def test_smollm2_skip_path_equals_plain_generation(smollm2, templates, nq_rows):
     """A real chat model on real questions: the answers end at EOS before the limit, as plain generation's do."""
     gate = ConfidenceGate(

@@ -74,15 +74,20 @@ def cbdr_scores(outcomes: list[QuestionOutcome], k: int, beta: float) -> tuple[n
 # --- end to end ----------------------------------------------------------------------------------
 
 
+@pytest.mark.task
 def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
     check_cbdr_outputs(first.out)
     report = (first.out / "report.md").read_text()
     assert "HotpotQA Top-1" in report and "HotpotQA: n = 3" in report  # the three fixture questions
     assert "## Phase-difference analysis" in report and "## The gate run live" in report
+    # A newcomer's report: own ¶ defined once, one p-value column (Holm), each table saying what it measures.
+    assert report.count("**Own ¶**") == 1 and report.count("p vs base") == report.count("Holm p vs base") > 0
+    assert "against the probe's labels" in report and "On average" in report and "upper bound" in report
     assert (first.out / "beta_curve.png").is_file() and (first.out / "beta_curve_full.png").is_file()
     assert first.record["chosen_beta"]["objective"] == "accuracy"
 
 
+@pytest.mark.task
 def test_the_rows_planned_at_check_time_are_the_rows_the_run_built(first):
     """`planned_rows` (what the settings check refuses against) and the stage's rows cannot drift apart."""
     from confrag.stages.rerank import planned_rows
@@ -91,6 +96,7 @@ def test_the_rows_planned_at_check_time_are_the_rows_the_run_built(first):
     assert planned == [row["id"] for row in first.record["table1"]]
 
 
+@pytest.mark.task
 def test_evaluation_questions_are_held_out_and_split(first):
     cfg = first.cfg
     probe_qids = {
@@ -101,6 +107,7 @@ def test_evaluation_questions_are_held_out_and_split(first):
     assert not (dev | test) & probe_qids
 
 
+@pytest.mark.task
 def test_sweep_arithmetic_from_the_saved_outcomes(first):
     cfg, record = first.cfg, first.record
     test = outcomes_of(first, cfg.cbdr.reranker, "test")
@@ -123,6 +130,7 @@ def test_sweep_arithmetic_from_the_saved_outcomes(first):
     assert record["conf_quantiles"] == quartiles.tolist() and set(quartiles) <= {row["beta"] for row in rows}
 
 
+@pytest.mark.task
 def test_beta_is_chosen_on_dev_and_reported_on_test(first):
     cfg, chosen = first.cfg, first.record["chosen_beta"]
     k = cfg.cbdr.top_k
@@ -136,6 +144,7 @@ def test_beta_is_chosen_on_dev_and_reported_on_test(first):
     assert chosen["test/retrieval_rate"] == pytest.approx(retrieve.mean())
 
 
+@pytest.mark.task
 def test_another_k_and_beta_grid_generate_no_answer(first):
     assert first.record["answers"]["generated"] > 0
     cfg, out, record = tiny_run(
@@ -152,6 +161,7 @@ def test_another_k_and_beta_grid_generate_no_answer(first):
     assert record["sweep"]["k"] == 1 and record["table2"] == first.record["table2"]
 
 
+@pytest.mark.task
 def test_a_rank_above_0_computes_but_writes_nothing_to_the_run_folder(first, monkeypatch):
     """Rank 1 of a two-process launch, on the first run's settings and cache: it runs the stage and the answers
     (every piece from the cache) and leaves its run folder untouched. The run record, NQ_Rerank's rows, the
@@ -301,7 +311,7 @@ def test_gold_paragraph_share_counts_the_questions_own_passages():
     ]
     assert gold_in_contexts(rows, 1) == pytest.approx(1 / 3) and gold_in_contexts(rows, 3) == pytest.approx(2 / 3)
     table = secondary_markdown({"NQ": {"bm25": rows}}, (1, 3), gold_known=True).splitlines()
-    assert table[0].endswith("| gold ¶ in Top-1 | gold ¶ in Top-3 |") and table[2].endswith("| 33.3 | 66.7 |")
+    assert table[0].endswith("| own ¶ in Top-1 | own ¶ in Top-3 |") and table[2].endswith("| 33.3 | 66.7 |")
     assert table[2].startswith("| NQ | BM25 |")  # the row's label, from its id
     assert "gold" not in secondary_markdown({"NQ": {"bm25": rows}}, (1, 3))
 
@@ -346,6 +356,7 @@ def test_cbdr_results_choose_beta_on_dev_only(tmp_path):
     assert results.at_beta["dev/retrieval_rate_at_beta"] == 1.0
 
 
+@pytest.mark.task
 def test_compare_runs_gives_a_runs_own_table2_rows(first, capsys, monkeypatch):
     """experiments/compare_runs.py (one Table 2 over runs sharing a question plan) reads the outcome files back
     to the run's own numbers: accuracy, interval, paired difference, Holm p and own-paragraph share."""

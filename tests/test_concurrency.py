@@ -29,6 +29,8 @@ from cache_worker import NUM_ITEMS, SHARD_SIZE, values  # noqa: E402
 NUM_SHARDS = -(-NUM_ITEMS // SHARD_SIZE)
 DEADLINE_S = 120.0
 
+pytestmark = pytest.mark.subprocess  # every test starts worker processes
+
 
 @pytest.fixture()
 def children():

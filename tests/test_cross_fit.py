@@ -116,6 +116,7 @@ def cross_fitted(tmp_path_factory):
     return cfg, out, json.loads((out / "metrics.json").read_text())
 
 
+@pytest.mark.task
 def test_every_pool_question_is_evaluated_by_rerankers_that_never_saw_it(cross_fitted):
     cfg, out, record = cross_fitted
     evaluated = set(record["eval"]["dev"]) | set(record["eval"]["test"])
@@ -128,6 +129,7 @@ def test_every_pool_question_is_evaluated_by_rerankers_that_never_saw_it(cross_f
     assert "cross-fitted over 2 folds" in report and "each by its fold's rerankers" in report
 
 
+@pytest.mark.task
 def test_the_evaluation_refuses_a_question_its_rerankers_trained_on(cross_fitted):
     from types import SimpleNamespace
 
@@ -267,6 +269,7 @@ def test_a_reranker_that_kept_the_bases_weights_is_the_base_and_shares_its_score
     assert calls == [2, 2, 2]  # q0: the base once for both rows; q1: the base, then fold 1's own reranker
 
 
+@pytest.mark.task
 def test_each_folds_rerankers_keep_their_best_dev_top1_weights(cross_fitted):
     _, _, record = cross_fitted
     for fold in ("fold0", "fold1"):

@@ -72,6 +72,8 @@ def computed_shards(output: str) -> list[tuple[str, str, int, str]]:
     ]
 
 
+@pytest.mark.subprocess
+@pytest.mark.task
 @pytest.mark.skipif(not TORCHRUN.is_file(), reason="needs torchrun")
 def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_one_run(tmp_path):
     # One process, in-process through the DataModule: the reference arrays and answers.

@@ -65,20 +65,6 @@ def training(sig: GateSignals, closed_book, rag, **fields) -> GateTrainingData:
 
 
 def test_every_shipped_config_builds_its_registered_gate_and_every_gate_has_a_config():
-    assert SHIPPED_GATES == [
-        "always",
-        "bridge",
-        "cbdr",
-        "ccsk",
-        "ctrla",
-        "dragin",
-        "entropy",
-        "max_prob",
-        "never",
-        "p_true",
-        "perplexity",
-        "skr_knn",
-    ]
     # The registry fills itself as gate classes are defined: the project's own are exactly the shipped configs.
     assert sorted(name for name, cls in GATES.items() if cls.__module__.startswith("confrag.")) == SHIPPED_GATES
     for name in SHIPPED_GATES:
@@ -225,6 +211,7 @@ def test_draft_signals_are_validated():
         draft([([" a"], [1.0], [0.1])], logprob=[[math.nan]])
 
 
+@pytest.mark.heavy
 def test_draft_token_signals_match_a_teacher_forced_forward(tiny_llama, templates):
     prompts = [
         templates.qa_prompt(tiny_llama.tokenizer, q)

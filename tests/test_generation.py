@@ -96,6 +96,7 @@ def test_end_of_sequence_and_generation_config_processors_apply_alike(tiny_llama
     release_static_caches(model)
 
 
+@pytest.mark.heavy
 def test_smollm2_answers_are_the_same_on_every_path(smollm2, templates, nq_rows):
     tok = smollm2.tokenizer
     prompts = [templates.rag_prompt(tok, r.question, r.contexts[:1]) for r in nq_rows[:2]] + [

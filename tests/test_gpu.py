@@ -202,6 +202,7 @@ def csv_columns(out: Path) -> list[str]:
     return files[-1].read_text().splitlines()[0].split(",") if files else []
 
 
+@pytest.mark.task
 def test_probe_task_trains_on_the_gpu(tmp_path, devices):
     cfg = compose_cfg(["+experiment=probe_tiny_llama", *GPU], tmp_path)
     out, record = run_timed(cfg, "probe_tiny_llama on cuda")
@@ -214,6 +215,7 @@ def test_probe_task_trains_on_the_gpu(tmp_path, devices):
     assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "probe" / "model.safetensors").is_file()
 
 
+@pytest.mark.task
 def test_rerank_task_trains_and_scores_on_the_gpu(tmp_path, devices):
     # bf16-mixed, as conf/experiment/reranker_llama3.yaml trains.
     cfg = compose_cfg(
@@ -248,6 +250,7 @@ def test_rerank_task_trains_and_scores_on_the_gpu(tmp_path, devices):
     assert difference < 1e-4
 
 
+@pytest.mark.task
 def test_cbdr_task_runs_on_the_gpu_and_beta_zero_always_retrieves(tmp_path, devices):
     cfg = compose_cfg(["+experiment=cbdr_tiny_llama", *GPU_WITH_PROBE, "trainer.max_epochs=1"], tmp_path)
     out, record = run_timed(cfg, "cbdr_tiny_llama on cuda")
@@ -276,6 +279,7 @@ def test_cbdr_task_runs_on_the_gpu_and_beta_zero_always_retrieves(tmp_path, devi
     assert (out / "report.md").is_file() and (out / "beta_curve_full.png").is_file()
 
 
+@pytest.mark.task
 def test_gates_task_runs_on_the_gpu(tmp_path, devices):
     cfg = compose_cfg(["+experiment=gates_tiny_llama", *GPU_WITH_PROBE, "trainer.fast_dev_run=true"], tmp_path)
     out, record = run_timed(cfg, "gates_tiny_llama on cuda")

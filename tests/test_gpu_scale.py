@@ -49,6 +49,7 @@ def benchmark_module():
     return module
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("static", [False, True])
 def test_tiny_run_prints_every_ratio_and_the_paths_agree(capsys, tmp_path, static):
     # One family each: Llama with the CPU's default path, Qwen2 with the static cache (eager here).
@@ -87,6 +88,7 @@ def test_bad_arguments_are_refused(capsys):
     assert "batch size must be an integer >= 1 or 'auto'" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_benchmark_imports_with_pytorch_and_transformers_alone():
     """A bare GPU image has PyTorch and transformers, not the project's config stack: the benchmark and the
     library parts it reaches import with OmegaConf, Hydra and bm25s blocked (a lent H100 refused it once)."""

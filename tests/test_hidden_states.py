@@ -47,6 +47,7 @@ def test_tiny_models_match_naive_forward(request, templates, nq_rows, arch, padd
         assert relative_error(got, reference) <= TOLERANCE
 
 
+@pytest.mark.heavy
 def test_smollm2_real_rag_prompts_match_naive_forward(smollm2, templates, nq_rows):
     prompts = rag_prompts(smollm2, templates, nq_rows[:6])
     layers = [0, 6, 15, 21, 30]

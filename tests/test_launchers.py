@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -31,6 +32,8 @@ def hydra_node(overrides: list[str]):
         return compose(config_name="train", overrides=overrides, return_hydra_config=True).hydra
 
 
+@pytest.mark.subprocess
+@pytest.mark.task
 def test_joblib_sweep_jobs_share_the_cache_and_compute_each_shard_once(tmp_path):
     """The issue's command: `-m +experiment=probe_tiny_llama model.layer=1,2 hydra/launcher=joblib
     hydra.launcher.n_jobs=2`. Both jobs need the same answers and states (all layers are extracted in one
@@ -90,6 +93,7 @@ def test_slurm_launcher_config_composes_with_one_gpu_per_job():
     assert launcher.partition == "gpu" and launcher.account is None and launcher.timeout_min == 240
 
 
+@pytest.mark.subprocess
 def test_slurm_sweep_builds_one_array_job_of_one_gpu_each(tmp_path):
     """`-m +experiment=probe_llama3 model.layer=8,16,24 hydra/launcher=slurm_gpu` up to the sbatch call:
     stand-ins for `srun` and `sbatch` record the batch script and refuse, so nothing runs or is submitted."""

@@ -194,6 +194,7 @@ def rows(nq_rows):
     return rows
 
 
+@pytest.mark.heavy
 def test_build_confidence_data_end_to_end(tiny_llama, templates, rows, tmp_path, monkeypatch):
     data = build(tiny_llama, templates, rows, tmp_path)
 
@@ -272,6 +273,7 @@ def test_build_confidence_data_rejects_bad_settings(tiny_llama, templates, rows,
     assert not list(tmp_path.iterdir())  # refused before anything was computed
 
 
+@pytest.mark.heavy
 def test_candidates_option_trains_on_every_candidate_labelled_by_its_answer(tiny_llama, templates, rows, tmp_path):
     """`candidates`: one state per (question, candidate) pair, lists of different lengths, each labelled by the
     LLM's own answer under that candidate; no QA or gold-paragraph state; splits by question."""

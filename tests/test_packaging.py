@@ -59,6 +59,7 @@ def test_a_source_checkout_finds_its_own_conf_folder() -> None:
     )
 
 
+@pytest.mark.subprocess
 def test_the_wheel_carries_every_config_and_its_layout_composes_an_experiment(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
@@ -86,6 +87,8 @@ def test_the_wheel_carries_every_config_and_its_layout_composes_an_experiment(tm
     assert cfg.llm.name == "tiny_llama" and cfg.data.nq_path == "/data/nq.jsonl"
 
 
+@pytest.mark.task
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_confrag_train_from_an_installed_wheel_runs_in_any_folder(tmp_path: Path) -> None:
     nq_path = default_nq_path()

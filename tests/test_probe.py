@@ -34,6 +34,7 @@ def test_confidence_is_softmax_of_class_one_and_ignores_dropout():
     assert probe.confidence(hidden[0]).shape == (1,)
 
 
+@pytest.mark.heavy
 def test_probe_learns_a_separable_signal():
     torch.manual_seed(0)
     rng = np.random.default_rng(0)

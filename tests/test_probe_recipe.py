@@ -166,6 +166,7 @@ def test_ranking_set_joins_parts_and_checks_its_states():
 # --- the probe task with the ranking metric, on the tiny llama -------------------------------------------
 
 
+@pytest.mark.task
 def test_probe_task_selects_on_the_dev_ranking_and_reports_the_test_ranking(tmp_path):
     import json
 
@@ -199,6 +200,7 @@ def test_probe_task_selects_on_the_dev_ranking_and_reports_the_test_ranking(tmp_
     assert "probe as reranker, dev: own paragraph first" in summary and "best dev checkpoint: epoch" in summary
 
 
+@pytest.mark.task
 def test_a_ranking_monitor_without_a_ranking_set_is_refused(tmp_path):
     from confrag.train import run_task
 

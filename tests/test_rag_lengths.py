@@ -71,6 +71,7 @@ def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path
         datamodule(tmp_path, path, train_states="qa+rag", config_node="probe.data").build()
 
 
+@pytest.mark.heavy
 def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, tiny_llama, templates):
     from confrag.probe.nq_confidence import build_confidence_data
 

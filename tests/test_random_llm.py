@@ -23,6 +23,7 @@ def random_cfg(**changes):
     return {**cfg, **changes, "random": random}
 
 
+@pytest.mark.heavy
 def test_one_llama3_layer_on_the_cpu(templates, nq_rows):
     llm = load_llm(random_cfg(dtype="bfloat16", random={"num_hidden_layers": 1}))
     config, model = llm.model.config, llm.model

@@ -54,3 +54,58 @@ def test_the_chain_says_which_rules_labels_got_no_reranker():
     text = chain_markdown(stage, [], {}, [1])
     assert "| labels: rule sign | " in text
     assert "| labels: rule rank (no reranker: not in preferences.compare) | " in text
+
+
+def test_the_chain_promises_the_probes_rows_only_when_the_run_measured_them():
+    from confrag.reports.cbdr_chain import chain_intro
+
+    without = chain_intro({})  # eval.diagnostics=false: no probe-as-reranker row, no oracle
+    assert "eval.diagnostics=true; this run left them out" in without and "upper bound" not in without
+    measured = chain_intro({"NQ": {"probe_auroc_on_candidates": 0.6}})
+    assert "does the probe's confidence under a retrieved context predict" in measured
+    assert "left them out" not in measured
+
+
+def test_the_chain_gives_the_holm_p_and_says_at_which_k_the_own_paragraph_counts():
+    from types import SimpleNamespace
+
+    from confrag.rag import accuracy_ci, mcnemar_exact
+    from confrag.reports.cbdr_chain import chain_markdown
+
+    test = mcnemar_exact([1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0])  # uncorrected p = 0.031
+    row = {"id": "base", "dataset": "NQ", "top3": accuracy_ci([1, 0]), "gold_top3": 0.5}
+    aligned = {**row, "id": "confidence_ft.sign", "top3_vs_base": test, "top3_p_holm": 0.0625}
+    stage = SimpleNamespace(preferences=SimpleNamespace(report={}))
+    text = chain_markdown(stage, [row, aligned], {}, [3])
+    assert "own ¶ in Top-3 50.0 %, Top-3 " in text and "own ¶ first" not in text  # K = 3 is not "first"
+    assert "(Holm p vs base 0.062)" in text and f"{test.pvalue:.3f}" not in text
+
+
+def test_the_reading_guide_defines_the_own_paragraph_once_and_the_one_p_value():
+    from confrag.reports.cbdr_setup import reading_guide
+
+    guide = reading_guide(gold_known=True)
+    assert guide.count("**Own ¶**") == 1 and "**own ¶ first**: K = 1" in guide
+    assert "Table 1 and Table 2 measure different things on different questions" in guide
+    assert "Holm-corrected" in guide and "only p-value" in guide
+    assert "not known for this corpus" in reading_guide(gold_known=False)
+
+
+def test_table1_says_what_its_labels_are_and_what_a_random_order_gets():
+    """Why every row can show the same P@1: most candidates are positives, and with few questions P@1 moves in
+    large steps."""
+    from types import SimpleNamespace
+
+    from confrag.reports.cbdr_setup import table1_labels_line
+
+    rows = [{"pos": ["a", "b", "c"], "neg": ["d"]}, {"pos": ["a"], "neg": ["b"]}]
+    stage = SimpleNamespace(
+        preferences=SimpleNamespace(report={"selection": "sign"}, splits={"test": rows}),
+        questions=SimpleNamespace(folds=[]),
+        table1_rows=rows,
+    )
+    line = table1_labels_line(stage)
+    assert "rule `sign` labels them (the paper: Inc > 0 pos, Inc < 0 neg;" in line
+    assert "2.0 positive and 1.0 negative a question" in line
+    assert "On average 62.5 % of a question's candidates are positive" in line  # (3/4 + 1/2) / 2
+    assert "P@1 moves in steps of 50.00 points" in line and "not with the own ¶ or the LLM's answers" in line

@@ -236,6 +236,7 @@ def trained(tmp_path_factory):
     }
 
 
+@pytest.mark.heavy
 def test_infonce_training_lowers_the_loss(trained):
     assert trained["after"] < trained["before"] - 0.1, (trained["before"], trained["after"])
     assert trained["module"].trainer.global_step == 12
@@ -244,6 +245,7 @@ def test_infonce_training_lowers_the_loss(trained):
     assert len(trained["modes"]) == 12 and all(trained["modes"])  # fine-tuned with dropout on, as FlagEmbedding does
 
 
+@pytest.mark.heavy
 def test_test_metrics_are_table_1_metrics_of_the_scores(trained):
     module, rows = trained["module"], trained["rows"]
     lists = candidate_lists(rows, seed=0)
@@ -254,6 +256,7 @@ def test_test_metrics_are_table_1_metrics_of_the_scores(trained):
     assert expected["MRR@5"] > 0.5
 
 
+@pytest.mark.heavy
 def test_export_loads_in_transformers_flagreranker_path_and_crossencoder(trained):
     from sentence_transformers import CrossEncoder
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -308,6 +311,7 @@ def test_bad_settings_name_their_key():
         PreferenceDataModule(train=toy_rows(), batch_size=0)
 
 
+@pytest.mark.heavy
 def test_lora_trains_only_adapters_and_head_and_exports_a_plain_model(tmp_path):
     from transformers import AutoModelForSequenceClassification
 

@@ -64,6 +64,7 @@ def test_scores_are_sentence_transformers_cosines(sentence_transformer):
     assert dm.tokenizer.model_max_length == module.tokenizer.model_max_length == 256
 
 
+@pytest.mark.heavy
 def test_fine_tuning_lowers_the_loss_and_the_export_loads_in_sentence_transformers(tmp_path):
     torch.manual_seed(0)
     module = RerankerModule(backbone="minilm", kind=KIND, lr=1e-4)

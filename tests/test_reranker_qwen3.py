@@ -142,6 +142,7 @@ def test_datamodule_tokenizes_by_kind(tiny_qwen3):
     assert dm.truncation["train"] == {"pairs": 20, "truncated_pairs": 0, "truncated_queries": 0}
 
 
+@pytest.mark.heavy
 def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     torch.manual_seed(0)
     rows = toy_rows()

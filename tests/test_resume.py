@@ -139,6 +139,7 @@ def logs(tmp_path):
         handle.close()
 
 
+@pytest.mark.subprocess
 def test_killed_extraction_resumes_to_identical_states(script, tmp_path, children, logs):
     killed_cache, fresh_cache = tmp_path / "killed", tmp_path / "fresh"
 

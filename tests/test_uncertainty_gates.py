@@ -278,6 +278,7 @@ def test_p_true_is_refused_for_an_llm_that_cannot_give_it():
     check_llm_signals({"entropy": EntropyGate(), "cbdr": CBDRGate()}, llm)  # the others are fine
 
 
+@pytest.mark.task
 def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_path, monkeypatch):
     """From the LLM's tokenizer alone: before, the refusal came after the probe, NQ_Rerank and the rerankers."""
     import confrag.gates.signal_maker as signal_maker

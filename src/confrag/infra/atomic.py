@@ -1,7 +1,9 @@
 """Atomic writes with the permissions `open()` / `mkdir` would give, and the read-only cache's error.
 
 Every file is written to a temp file beside its place, flushed, and renamed over it (`os.replace`), so a
-reader, or a run killed at any moment, sees the old file or the new one, never half of one. Files get
+reader, or a run killed at any moment, sees the old file or the new one, never half of one. A folder is
+built beside its place and exchanged with the old one in one step (`swapped_in`, `replace_folder`), with the
+same promise for the whole folder. Files get
 the permissions `open()` would give them (0666 less the umask), directories those of `mkdir` (0777 less
 the umask), so a cache on a shared disk is readable by whom the umask allows.
 """
@@ -9,11 +11,17 @@ the umask), so a cache on a shared disk is readable by whom the umask allows.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import io
+import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +145,86 @@ def atomic_save_npy(path: Path, array: np.ndarray) -> None:
 
 
 def replace_folder(built: Path | str, directory: Path | str) -> None:
-    """Put the finished folder `built` (made beside `directory` by `make_temp_dir`) in `directory`'s place:
-    an existing one is first renamed aside, then removed, so a reader finds the old folder or the new one,
-    never a mix. Callers hold a lock on `directory` (two renames into one place would collide)."""
+    """Put the finished folder `built` (made beside `directory` by `make_temp_dir`) in `directory`'s place, so
+    that at every moment, a killed writer included, `directory` is the old folder or the new one, whole: an
+    existing folder is exchanged with `built` in one step (`renameat2(RENAME_EXCHANGE)` on Linux,
+    `renamex_np(RENAME_SWAP)` on macOS), then removed from where `built` was. Where the file system cannot
+    exchange, the old folder is renamed aside first and there is a moment without one (logged once).
+    Callers hold a lock on `directory`, so that no other writer takes its place in between."""
     built, directory = Path(built), Path(directory)
-    old = None
-    if directory.exists():
-        old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
-        os.replace(directory, old)
+    try:
+        os.rename(built, directory)  # no folder there yet (or an empty one): nothing to swap
+        return
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+    if _exchange(built, directory):
+        _remove(built)  # now the old folder
+        return
+    old = directory.with_name(f".old-{directory.name}-{os.getpid()}")
+    os.replace(directory, old)
     os.replace(built, directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+@contextlib.contextmanager
+def swapped_in(directory: Path | str) -> Iterator[Path]:
+    """Build a folder for `directory` and swap it into place (`replace_folder`): the body writes into the
+    temporary folder this yields, beside `directory`; when it returns, the folder gets the permissions `mkdir`
+    / `open()` would give and takes `directory`'s place. When it raises, `directory` is left as it was and the
+    temporary folder removed. Callers hold a lock on `directory` where two processes may write it."""
+    directory = Path(directory)
+    tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
+    try:
+        yield tmp
+        honour_umask(tmp)
+        replace_folder(tmp, directory)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+_AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
+_RENAME_EXCHANGE = 2  # Linux <linux/fs.h>
+_RENAME_SWAP = 2  # macOS <stdio.h>
+_exchange_warned = False
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Exchange the two paths in one step; False where this system or file system cannot (e.g. NFS)."""
+    global _exchange_warned
+    libc = _libc()
+    name = {"linux": "renameat2", "darwin": "renamex_np"}.get(sys.platform)
+    function = getattr(libc, name, None) if libc is not None and name else None
+    if function is not None:
+        if sys.platform == "linux":
+            done = function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+        else:
+            done = function(os.fsencode(a), os.fsencode(b), _RENAME_SWAP)
+        if done == 0:
+            return True
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise OSError(code, os.strerror(code), str(a), None, str(b))
+    if not _exchange_warned:
+        _exchange_warned = True
+        logging.getLogger(__name__).warning(
+            "This file system cannot exchange two folders in one step: a folder being replaced is briefly absent"
+        )
+    return False
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None

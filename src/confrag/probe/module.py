@@ -19,7 +19,6 @@ import inspect
 import json
 import logging
 import math
-import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from torch import nn
 from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
-from confrag.infra.atomic import honour_umask, make_temp_dir, replace_folder
+from confrag.infra.atomic import swapped_in
 from confrag.infra.digests import require_whole_folder, write_folder_digest
 from confrag.infra.finite import require_finite
 from confrag.infra.locks import exclusive
@@ -296,16 +295,10 @@ def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str
         **extra,
     }
     with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory}"):
-        tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
-        try:
+        with swapped_in(directory) as tmp:
             network.save_pretrained(tmp)
             (tmp / RECORD).write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
             write_folder_digest(tmp)  # again: now with the run record
-            honour_umask(tmp)
-            replace_folder(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return directory
 
 

@@ -15,8 +15,8 @@ from lightning.pytorch.loggers import Logger
 from confrag.cbdr import flips_markdown, plot_beta_curve
 from confrag.cbdr.analysis import CBDRResults
 from confrag.cbdr.settings import CBDRSettings
-from confrag.reports.cbdr_chain import chain_markdown
-from confrag.reports.cbdr_setup import evaluation_pool_line, stage_line
+from confrag.reports.cbdr_chain import chain_intro, chain_markdown
+from confrag.reports.cbdr_setup import evaluation_pool_line, reading_guide, stage_line, table1_labels_line
 from confrag.reports.rerank import base_line, retrieval_line
 from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
 from confrag.reranker.systems import label
@@ -171,15 +171,19 @@ def report_markdown(
         "",
         stage_line(stage),
         "",
-        "## Table 1 — reranking on the NQ_Rerank test split"
+        reading_guide(run.gold_known or any(f"gold_top{settings.ks[0]}" in r for r in rows2)),
+        "",
+        "## Table 1 — reranking NQ_Rerank's test questions against the probe's labels"
         + (" (cross-fitted: every question, each by its fold's rerankers)" if stage.questions.folds else ""),
         "",
-        f"Labels of rule {stage.preferences.report.get('selection', 'sign')}; base reranker: "
-        f"{base_line(stage.training.get('base', {}))}.",
+        f"{table1_labels_line(stage)} Base reranker: {base_line(stage.training.get('base', {}))}.",
         "",
         markdown_table(rows1, f"{run.llm_name}, {n_pref} questions (P/R/MRR @K, %)"),
         "",
-        "## Table 2 — end-to-end accuracy (has_answer unless eval.metric says otherwise)",
+        f"## Table 2 — the LLM's answers on the evaluation test questions ({settings.eval_metric})",
+        "",
+        f"Each row gives the LLM a ranker's Top-K passages as contexts and scores its answer ({settings.eval_metric}); "
+        "the questions are the evaluation's test questions, none of Table 1's.",
         "",
         table2_md,
         "",
@@ -187,15 +191,12 @@ def report_markdown(
         "",
         "## From probe to answer",
         "",
-        "Each link of the method measured on the same test questions: does the probe's confidence under a "
-        "retrieved context predict the LLM's answer, does it rank the question's own paragraph first, do the "
-        "labels built from it put that paragraph among the positives, and what the rankers trained on them "
-        "give as answers. The utility oracle is an upper bound, not a method.",
+        chain_intro(record.get("diagnostics", {})),
         "",
         chain,
         "",
-        "has_answer / exact match / token F1 (%), same questions; gold ¶: the "
-        "question's own paragraph among the contexts (%), when the corpus is cut from the questions' paragraphs:",
+        "has_answer / exact match / token F1 (%), same questions"
+        + ("; own ¶ in Top-K as above:" if run.gold_known else ":"),
         "",
         secondary_md,
         "",

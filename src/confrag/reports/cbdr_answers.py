@@ -83,7 +83,7 @@ def secondary_markdown(
     """has_answer beside exact match and token F1 (means, %), per dataset, reranker and K; with `gold_known`
     (passages cut from the questions' own paragraphs, ids `<qid>#<n>`) also how often the question's own
     paragraph is among the K contexts."""
-    header = [f"Top-{k} has_answer / EM / F1" for k in ks] + ([f"gold ¶ in Top-{k}" for k in ks] if gold_known else [])
+    header = [f"Top-{k} has_answer / EM / F1" for k in ks] + ([f"own ¶ in Top-{k}" for k in ks] if gold_known else [])
     lines = ["| Dataset | Reranker | " + " | ".join(header) + " |", "|" + " --- |" * (2 + len(header))]
     for dataset, by_reranker in runs.items():
         for reranker, outcomes in by_reranker.items():

@@ -15,6 +15,23 @@ def pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f} %"
 
 
+def chain_intro(diagnostics: dict[str, dict[str, Any]], dataset: str = NQ) -> str:
+    """What the chain below measures: the probe's own links and the oracle only where the run measured them."""
+    if diagnostics.get(dataset):
+        return (
+            "Each link of the method measured on the same test questions: does the probe's confidence under a "
+            "retrieved context predict the LLM's answer, does it rank the question's own ¶ first, do the labels "
+            "built from it put the own ¶ among the positives, and what the rankers trained on them give as answers. "
+            "The utility oracle is an upper bound, not a method."
+        )
+    return (
+        "Each link of the method this run measured: do the labels built from the probe's confidence put the "
+        "question's own ¶ among the positives, and what the rankers trained on them give as answers on the test "
+        "questions. The probe's own links (its AUROC on retrieved contexts, the probe as a reranker) and the utility "
+        "oracle are measured with eval.diagnostics=true; this run left them out."
+    )
+
+
 def chain_markdown(
     stage: RerankStage, rows2: list[dict], diagnostics: dict[str, dict[str, Any]], ks: Sequence[int], dataset: str = NQ
 ) -> str:
@@ -27,11 +44,9 @@ def chain_markdown(
         row = by_id.get(system)
         if row is None:
             return "not in Table 2"
-        gold = f"own ¶ first {pct(row.get(f'gold_top{k1}'))}, " if f"gold_top{k1}" in row else ""
-        test = row.get(f"top{k1}_vs_base")
-        return f"{gold}Top-{k1} {row[f'top{k1}'].format()}" + (
-            "" if test is None else f" (p vs base {test.pvalue:.3f})"
-        )
+        gold = f"own ¶ in Top-{k1} {pct(row.get(f'gold_top{k1}'))}, " if f"gold_top{k1}" in row else ""
+        held = row.get(f"top{k1}_p_holm")
+        return f"{gold}Top-{k1} {row[f'top{k1}'].format()}" + ("" if held is None else f" (Holm p vs base {held:.3f})")
 
     d = diagnostics.get(dataset, {})
     report = stage.preferences.report

@@ -7,9 +7,7 @@ YAML front matter, read by the Hugging Face Hub and `huggingface_hub.ModelCard`)
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +16,7 @@ from typing import Any
 import yaml
 
 from confrag.infra import checks
-from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.atomic import atomic_write_text, swapped_in
 from confrag.infra.digests import file_digest
 from confrag.reports.tables import metric_columns
 from confrag.reranker.kinds import CrossEncoderKind, reranker_kind
@@ -240,8 +238,7 @@ def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: 
     if not kept:
         raise ValueError("NQ_Rerank has no rows in any split; nothing to write as a dataset")
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
-    try:
+    with swapped_in(directory) as tmp:
         (tmp / "data").mkdir()
         files = {}
         for split, rows in kept.items():
@@ -250,12 +247,6 @@ def write_dataset(splits: Mapping[str, Sequence[Mapping[str, Any]]], directory: 
             files[split] = f"data/{split}-{file_digest(built)[0][:16]}.parquet"
             built.rename(tmp / files[split])
         (tmp / "README.md").write_text(dataset_card(run, files), encoding="utf-8")
-        honour_umask(tmp)
-        shutil.rmtree(directory, ignore_errors=True)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
 
 

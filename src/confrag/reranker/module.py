@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import torch
 from lightning import LightningModule
 from torch import nn
 
-from confrag.infra.atomic import honour_umask, make_temp_dir, replace_folder
+from confrag.infra.atomic import swapped_in
 from confrag.infra.digests import write_folder_digest
 from confrag.infra.finite import require_finite
 from confrag.infra.locks import exclusive
@@ -258,16 +257,10 @@ class RerankerModule(LightningModule):
         model = self.plain_model()
         self.kind.prepare_export(model)  # a cross-encoder's config tells sentence-transformers to score raw logits
         with exclusive(directory.parent / f".{directory.name}.lock", f"the export to {directory}"):
-            tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
-            try:
+            with swapped_in(directory) as tmp:
                 model.save_pretrained(str(tmp))
                 self.tokenizer.save_pretrained(str(tmp))
                 write_folder_digest(tmp)  # checked where the export is read (`resolve_backbone`)
-                honour_umask(tmp)
-                replace_folder(tmp, directory)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
         return directory
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from confrag.infra.activation_store import ActivationStore
-from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.atomic import atomic_write_text, swapped_in
 from confrag.infra.digests import fingerprint, write_folder_digest
 from confrag.infra.finite import require_finite
 from confrag.llm.hidden_states import HiddenStateEngine
@@ -318,17 +316,9 @@ def save_rows(splits: dict[str, list[dict]], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for split, rows in splits.items():
         atomic_write_text(directory / f"{split}.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        if rows:  # written beside, then renamed: a killed run never leaves half a dataset
-            target = directory / f"{split}_arrow"
-            tmp = make_temp_dir(directory, f".tmp-{split}_arrow-")
-            try:
+        if rows:  # built beside, then swapped in: a killed run never leaves half a dataset, nor none
+            with swapped_in(directory / f"{split}_arrow") as tmp:
                 Dataset.from_list(rows).save_to_disk(str(tmp))
-                honour_umask(tmp)
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(tmp, target)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
     # Over what this call wrote only: a rule's rows saved into a subfolder later carry their own digest.
     written = [f"{split}.jsonl" for split in splits] + [f"{split}_arrow" for split, rows in splits.items() if rows]
     write_folder_digest(directory, written)
