@@ -73,6 +73,7 @@ def test_bf16_likelihood_stays_near_fp32(tiny_pair, templates, nq_rows):
     assert np.abs(ell["bfloat16"] - ell["float32"]).max() <= 0.05
 
 
+@pytest.mark.heavy
 def test_bf16_greedy_answers_of_smollm2_agree_with_fp32(smollm2, smollm2_bf16, templates, nq_rows):
     """Greedy decoding of the real model in bf16: the same answer text as fp32 for most prompts (a near-tie may
     flip; measured on 500 + 300 prompts: benchmarks/bf16_agreement.py)."""
