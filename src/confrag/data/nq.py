@@ -186,10 +186,26 @@ class _RowCollector:
         self.rows.append(row)
 
 
+def _check_parquet_not_empty(path: Path) -> None:
+    """An empty file (0 bytes) or a parquet file of no rows named as empty: pyarrow and `datasets` report both as
+    an unreadable file ("Parquet file size is 0 bytes", "BatchSize must be greater than 0")."""
+    if path.stat().st_size == 0:
+        raise DataFormatError(f"{path}: the file is empty (0 bytes); a .parquet file of records is expected")
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except Exception as exc:  # not parquet at all: named as such below, by the reader
+        raise DataFormatError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from exc
+    if rows == 0:
+        raise DataFormatError(f"{path}: the parquet file is empty (0 rows)")
+
+
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     # Streaming: rows are read batch by batch from the file, nothing is copied into the datasets cache.
     from datasets import load_dataset
 
+    _check_parquet_not_empty(path)
     try:
         stream = load_dataset("parquet", data_files=str(path), split="train", streaming=True)
         for index, record in enumerate(stream, start=1):
