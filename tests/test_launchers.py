@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
