@@ -23,6 +23,7 @@ def write_probe_report(
     summary: dict[str, Any],
     scan: list[dict],
     loggers: Sequence[Logger],
+    scan_skipped: str | None = None,
 ) -> str:
     # An undefined metric (AUROC of a one-class split) is null in JSON and "undefined" when printed.
     result = {
@@ -31,6 +32,7 @@ def write_probe_report(
         "metrics": {k: metric_value(v) for k, v in metrics.items()},
         "nq_confidence": summary,
         "layer_scan": scan,
+        **({"layer_scan_skipped": scan_skipped} if scan_skipped else {}),
     }
     atomic_write_text(out / "metrics.json", json.dumps(result, indent=2))
     requested = summary.get("questions_requested")
@@ -60,6 +62,8 @@ def write_probe_report(
         ),
     ]
     lines += ranking_lines(metrics)
+    if scan_skipped:
+        lines.append(f"  per-layer scan skipped: {scan_skipped}")
     if scan:
         lines.append("  per-layer 5-fold logistic AUROC (all questions of " + "+".join(datamodule.data.stores) + "):")
         lines += [f"    layer {r['layer']:>3}: {r['auroc_mean']:.3f} ± {r['auroc_std']:.3f}" for r in scan]

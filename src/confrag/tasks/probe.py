@@ -6,13 +6,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from confrag.infra.run_context import RunContext
 from confrag.instantiators import instantiate_list, plain
 from confrag.probe.datamodule import NQConfidenceDataModule
-from confrag.probe.layer_scan import layer_scan
+from confrag.probe.layer_scan import layer_scan, skip_reason
 from confrag.probe.module import ProbeModule
 from confrag.recipes import Exported, exported, probe_recipe
 from confrag.reports.hub import push_folder
@@ -57,8 +58,11 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, trained: Trained) 
     model, datamodule, metrics, best = trained.model, trained.datamodule, trained.metrics, trained.best
     loggers = trained.loggers
     scan = layer_scan(datamodule.data, seed=ctx.seed) if cfg.get("layer_scan") else []
+    skipped = skip_reason(all_labels(datamodule)) if cfg.get("layer_scan") and not scan else None
     # The run folder first: a read-only or full cache must not cost the run its metrics.
-    summary = write_probe_report(out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, loggers)
+    summary = write_probe_report(
+        out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, loggers, scan_skipped=skipped
+    )
     save_trained_probe(model, datamodule, metrics, best, out / "probe")
     cache_trained_probe(model, datamodule, metrics, best, probe_cache_dir(ctx, datamodule, recipe), out / "probe")
     log_exports(loggers, {"probe": out / "probe"}, str(cfg.llm.name), {"layer": datamodule.layer})
@@ -67,3 +71,8 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, trained: Trained) 
         print(f"Pushed {out / 'probe'} to model repo {hub.probe_repo}: {url}", flush=True)
     print(summary, flush=True)
     return metrics
+
+
+def all_labels(datamodule: NQConfidenceDataModule) -> np.ndarray:
+    """Every cached state's label, of every prompt kind: what the layer scan runs on."""
+    return np.concatenate([datamodule.data.labels[k] for k in datamodule.data.stores])
