@@ -12,12 +12,14 @@ Files are `.jsonl` / `.jsonl.gz` (errors name the line) or `.parquet` (read with
 in streaming mode; errors name the 1-based row).
 
 An optional "id" field (str or int) becomes the row's qid; otherwise the qid is "nq-" and the row's
-0-based position among non-blank lines (or records), zero-padded. Extra fields are ignored.
+0-based position among non-blank lines (or records), zero-padded. Extra fields are ignored. A second file read
+beside the first (`eval.nq_path`) gets an `id_prefix`, so that its qids never equal the first file's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -231,11 +233,12 @@ def _check_limit(limit: int | None) -> None:
 
 
 def load_nq_jsonl(
-    path: str | os.PathLike[str], limit: int | None = None, questions_format: str = "auto"
+    path: str | os.PathLike[str], limit: int | None = None, questions_format: str = "auto", id_prefix: str = ""
 ) -> list[QARow]:
     """Rows of a question file (`.jsonl`, `.jsonl.gz` or `.parquet`), in file order; `limit` keeps the first
     N. `questions_format` is one of QUESTION_FORMAT_CHOICES; `auto` takes the format of the first record,
-    and every later record must be in it (errors name the format and where it was detected)."""
+    and every later record must be in it (errors name the format and where it was detected). `id_prefix` is put
+    before every qid (an "id" field's or the position's)."""
     _check_limit(limit)
     checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
     path = Path(path)
@@ -258,7 +261,7 @@ def load_nq_jsonl(
                 row = _row_from_mapping(obj, len(collector.rows), where, fmt)
             except DataFormatError as exc:
                 raise DataFormatError(f"{exc} ({chosen})") from None
-            collector.add(row, where)
+            collector.add(dataclasses.replace(row, qid=id_prefix + row.qid) if id_prefix else row, where)
             if limit is not None and len(collector.rows) >= limit:
                 break  # before reading another record: what lies beyond the limit is never parsed
     if not collector.rows:

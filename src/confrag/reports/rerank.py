@@ -47,9 +47,16 @@ def base_line(info: dict[str, Any]) -> str:
 def retrieval_line(stats: dict[str, Any]) -> str:
     """How often the retrieved candidates hold the question's gold paragraph and a gold answer (the retrieval
     stage's `question_candidates` statistics), in every report that states it."""
+    joined = stats.get("eval_file")  # eval.nq_path: its paragraphs joined the corpus (stages.retrieval)
     return (
         f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
         f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
+    ) + (
+        f" (the evaluation file's paragraphs joined the corpus: {joined['with_paragraph']} of its "
+        f"{joined['questions']} questions have one, {joined['documents_added']} documents added, the rest already "
+        "there)"
+        if joined
+        else ""
     )
 
 

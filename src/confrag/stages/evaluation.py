@@ -31,7 +31,7 @@ from confrag.cbdr import ConfidenceGate, SweepData, question_confidences
 from confrag.cbdr.gate import gate_check
 from confrag.cbdr.settings import CBDRSettings
 from confrag.data.hotpotqa import load_hotpotqa
-from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.data.nq import QARow
 from confrag.data.splits import check_disjoint, select_questions, split_dev_test
 from confrag.infra.run_context import RunContext
 from confrag.llm.loading import LoadedLLM, load_llm
@@ -41,7 +41,7 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.retrieval import Candidates
 from confrag.stages.diagnostics import candidate_diagnostics
 from confrag.stages.rerank import RerankStage, Scorer, table1_systems
-from confrag.stages.retrieval import build_retrieval, question_candidates, retrieve_fn
+from confrag.stages.retrieval import build_retrieval, evaluation_file_rows, question_candidates, retrieve_fn
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def evaluation_rows(
 ) -> list[QARow]:
     """A seeded sample of the NQ questions no stage trained on; with `nq_path` (`eval.nq_path`), of that
     file's questions instead, each checked by normalized text against every training pool."""
-    pool = load_nq_jsonl(nq_path) if nq_path else stage.questions.evaluation_pool
+    pool = evaluation_file_rows(nq_path) if nq_path else stage.questions.evaluation_pool
     rows = select_questions(pool, num_questions, seed)
     check_held_out(stage, rows)
     return rows
@@ -230,6 +230,8 @@ def evaluate(
     eval_rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.nq_path)
     splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), ctx.seed)
     candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
+    if stage.retrieval.joined:  # the evaluation file's paragraphs in the corpus (the report says how many)
+        stats["eval_file"] = dict(stage.retrieval.joined)
     sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
     hotpot = hotpotqa_eval_set(evaluation, stage, settings, eval_batch_size, ctx)
     sets += [hotpot] if hotpot else []

@@ -2,14 +2,17 @@
 
 The corpus is every gold paragraph of the NQ file split into passages (or `retrieval.corpus_path`, a
 JSONL of documents); candidates are the retriever's top N with repeated texts removed, or a prebuilt
-list read from `retrieval.candidates_path`.
+list read from `retrieval.candidates_path`. An evaluation file of its own (`eval.nq_path`, read here as
+`retrieval.eval_questions_path`) adds its questions' gold paragraphs to the NQ paragraphs, as the NQ file's
+held-out questions have theirs there; its qids carry the prefix `EVAL_IDS`, so that "own paragraph" is never
+looked up under another file's question.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,13 @@ from confrag.retrieval.faiss_index import DENSE_INDEX_KINDS
 log = logging.getLogger(__name__)
 
 RETRIEVERS = ("bm25", "dense")
+EVAL_IDS = "eval:"  # the qid prefix of the evaluation file's questions (`evaluation_file_rows`)
+
+
+def evaluation_file_rows(path: str | Path) -> list[QARow]:
+    """The questions of the evaluation file (`eval.nq_path`), each qid prefixed with `EVAL_IDS`: a file without
+    ids numbers its rows as the NQ file does (`nq-00000`), and these must name other questions."""
+    return load_nq_jsonl(path, id_prefix=EVAL_IDS)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class RetrievalSettings:
     bi_encoder: bool  # build the dense index too (Table 1's bi-encoder row)
     dense_index: str  # auto | exact | flat | ivf (confrag.retrieval.faiss_index.choose_index_kind)
     dense_index_path: str | None  # where the FAISS index is kept; a prebuilt one must match corpus and encoder
+    eval_questions_path: str | None  # `eval.nq_path`: its gold paragraphs join the NQ paragraphs' corpus
 
     @property
     def source(self) -> str:
@@ -91,6 +102,9 @@ class Retrieval:
     bm25: BM25Retriever
     dense: DenseRetriever | None
     settings: RetrievalSettings
+    # The evaluation file's paragraphs in the corpus: its questions, those with a paragraph, the documents they
+    # added (a paragraph the NQ file already has is kept once); empty without `retrieval.eval_questions_path`.
+    joined: dict[str, int] = field(default_factory=dict)
 
     @property
     def retriever(self) -> BM25Retriever | DenseRetriever:
@@ -106,13 +120,24 @@ def build_retrieval(
     all cached under `cache_dir`. It takes the cache alone, not the run's context: it is also built outside
     a run (docs/usage.md, experiments/)."""
     words = int(settings.words_per_passage)
+    joined: dict[str, int] = {}
     if rows is not None:
         corpus = corpus_from_nq(rows, words_per_passage=words)
     elif settings.corpus_path:
         corpus = load_corpus_jsonl(settings.corpus_path, words_per_passage=words, corpus_format=settings.corpus_format)
+        if settings.eval_questions_path:
+            log.info("The evaluation file's paragraphs stay out of the corpus retrieval.corpus_path (used as given)")
     else:
         rows_of_file = load_nq_jsonl(settings.nq_path, questions_format=settings.questions_format)
-        corpus = corpus_from_nq(rows_of_file, words_per_passage=words)
+        extra = evaluation_file_rows(settings.eval_questions_path) if settings.eval_questions_path else []
+        corpus = corpus_from_nq([*rows_of_file, *extra], words_per_passage=words)
+        if extra:
+            joined = {
+                "questions": len(extra),
+                "with_paragraph": sum(1 for r in extra if r.contexts),
+                "documents_added": len({p.source_id for p in corpus.passages if p.source_id.startswith(EVAL_IDS)}),
+            }
+            log.info("The evaluation file's paragraphs joined the corpus: %s", joined)
     bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
     dense = (
         DenseRetriever(corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path)
@@ -120,7 +145,7 @@ def build_retrieval(
         else None
     )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
-    return Retrieval(corpus, bm25, dense, settings)
+    return Retrieval(corpus, bm25, dense, settings, joined)
 
 
 def question_candidates(
