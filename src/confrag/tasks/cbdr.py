@@ -28,6 +28,7 @@ from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
 from confrag.stages.evaluation import RagEvaluation, check_chosen_rows, confidence_gate, evaluate
+from confrag.stages.question_budget import check_recipe_questions
 from confrag.stages.rerank import RerankRecipe, RerankStage, planned_rows, rerank_stage, table1
 
 
@@ -46,6 +47,7 @@ def check(cfg: DictConfig) -> Checked:
         plain(cfg.cbdr), answers, evaluation, recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )
     check_chosen_rows(settings, planned_rows(recipe))  # a row this run does not build: refused before it runs
+    check_recipe_questions(recipe, evaluation, int(cfg.seed))  # the question budget, the evaluation file's overlap
     return Checked(recipe, answers, evaluation, settings)
 
 

@@ -18,6 +18,7 @@ from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_datas
 from confrag.reports.rerank import write_rerank_report
 from confrag.reports.tables import metric_columns
 from confrag.reports.wandb_artifacts import log_exports
+from confrag.stages.question_budget import check_recipe_questions
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 Checked = Exported[RerankRecipe]
@@ -31,7 +32,9 @@ class Staged:
 
 def check(cfg: DictConfig) -> Checked:
     """Every setting of the stage, before anything runs: a typo must not surface after an hour of probing."""
-    return exported(cfg, lambda: rerank_recipe(cfg), "reranker_repo", "dataset_repo")
+    checked = exported(cfg, lambda: rerank_recipe(cfg), "reranker_repo", "dataset_repo")
+    check_recipe_questions(checked.recipe, None, int(cfg.seed))  # the question budget, before any stage
+    return checked
 
 
 def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Staged:
