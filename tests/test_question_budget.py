@@ -102,3 +102,30 @@ def test_an_evaluation_file_sharing_a_training_question_is_refused_before_any_st
     clean = write_questions(tmp_path / "clean.jsonl", fresh)
     cfg.eval.nq_path = clean
     task.check(cfg)
+
+
+def test_the_reports_name_the_question_set_by_its_dataset_or_file(tmp_path):
+    """The report called every question set "NQ" (FlashRAG's PopQA included, and an eval.nq_path file)."""
+    from types import SimpleNamespace
+
+    from confrag.instantiators import question_set_label
+    from confrag.reports.cbdr_setup import evaluation_pool_line
+    from confrag.stages.evaluation import NQ, RagEvaluation
+
+    assert question_set_label(compose_cfg(["+experiment=cbdr_tiny_llama"], tmp_path)) == "NQ"
+    assert question_set_label(compose_cfg(["+experiment=cbdr_tiny_llama", "dataset=popqa"], tmp_path)) == "PopQA"
+    mine = write_questions(tmp_path / "mine.jsonl", load_nq_jsonl(default_nq_path(), limit=2))
+    assert question_set_label(compose_cfg(["+experiment=cbdr_tiny_llama", f"eval.nq_path={mine}"], tmp_path)) == (
+        "mine.jsonl"
+    )
+    # The fixture's HotpotQA set beside a HotpotQA dataset: two names, not one key for both.
+    both = compose_cfg(["+experiment=cbdr_tiny_llama", "dataset=hotpotqa"], tmp_path)
+    assert question_set_label(both) == "HotpotQA (dataset)"
+
+    outcome = SimpleNamespace(qid="q1")
+    run = SimpleNamespace(outcomes=[outcome])
+    evaluation = RagEvaluation({"dev": [], "test": [SimpleNamespace(qid="q1")]}, [], {NQ: {"bm25": run}}, {}, {})
+    evaluation.names = {NQ: "PopQA"}
+    assert evaluation.tables() == {"PopQA": {"bm25": [outcome]}}
+    stage = SimpleNamespace(questions=SimpleNamespace(folds=()))
+    assert evaluation_pool_line(stage, "mine.jsonl").startswith("from the evaluation file mine.jsonl (eval.nq_path)")

@@ -191,15 +191,24 @@ class RagEvaluation:
     gate_check: dict[str, Any]
     diagnostics: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # dataset -> summary
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time by part of the run
+    # How the tables name each set (`tables`, `gold_sources`): the main set's key is NQ whatever the questions are;
+    # the task names it by its dataset or file (`instantiators.question_set_label`).
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def name(self, dataset: str) -> str:
+        return self.names.get(dataset, dataset)
 
     def gold_sources(self) -> dict[str, dict[str, str | None]]:
         """dataset -> qid -> the source id of the question's own (gold) paragraph in its corpus."""
-        return {s.dataset: {c.qid: c.gold_source for c in s.candidates} for s in self.sets}
+        return {self.name(s.dataset): {c.qid: c.gold_source for c in s.candidates} for s in self.sets}
 
     def tables(self) -> dict[str, dict[str, list[QuestionOutcome]]]:
         """Table 2's outcomes: NQ test; HotpotQA (Table 2 only) all its sampled questions."""
-        tables = {NQ: {name: only(r.outcomes, self.splits["test"]) for name, r in self.runs[NQ].items()}}
-        tables.update({d: {name: r.outcomes for name, r in by.items()} for d, by in self.runs.items() if d != NQ})
+        main = {name: only(r.outcomes, self.splits["test"]) for name, r in self.runs[NQ].items()}
+        tables = {self.name(NQ): main}
+        tables.update(
+            {self.name(d): {name: r.outcomes for name, r in by.items()} for d, by in self.runs.items() if d != NQ}
+        )
         return tables
 
     def sweep_data(self, settings: CBDRSettings) -> tuple[SweepData, SweepData, SweepData]:
