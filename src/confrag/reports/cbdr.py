@@ -18,6 +18,7 @@ from confrag.cbdr.settings import CBDRSettings
 from confrag.reports.cbdr_chain import chain_markdown
 from confrag.reports.cbdr_setup import evaluation_pool_line, stage_line
 from confrag.reports.rerank import base_line, retrieval_line
+from confrag.reports.small_samples import small_mark
 from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
 from confrag.reranker.systems import label
 from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
@@ -180,7 +181,7 @@ def report_markdown(
         f"Labels of rule {stage.preferences.report.get('selection', 'sign')}; base reranker: "
         f"{base_line(stage.training.get('base', {}))}.",
         "",
-        markdown_table(rows1, f"{run.llm_name}, {n_pref} questions (P/R/MRR @K, %)"),
+        markdown_table(rows1, f"{run.llm_name}, {n_pref} questions{small_mark(n_pref)} (P/R/MRR @K, %)"),
         "",
         "## Table 2 — end-to-end accuracy (has_answer unless eval.metric says otherwise)",
         "",

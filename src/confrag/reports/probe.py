@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import Logger
 from confrag.infra.atomic import atomic_write_text
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import metric_text, metric_value
+from confrag.reports.small_samples import SMALL_N, auroc_interval, is_small, proportion_text, sample_mark, wilson
 from confrag.reports.tables import log_rows, wandb_loggers
 
 
@@ -32,6 +33,7 @@ def write_probe_report(
         "metrics": {k: metric_value(v) for k, v in metrics.items()},
         "nq_confidence": summary,
         "layer_scan": scan,
+        "test_intervals": small_split_intervals(metrics, int(summary["test/examples"]), int(summary["test/positives"])),
         **({"layer_scan_skipped": scan_skipped} if scan_skipped else {}),
     }
     atomic_write_text(out / "metrics.json", json.dumps(result, indent=2))
@@ -54,12 +56,7 @@ def write_probe_report(
         + ", ".join(
             f"{s} {summary[f'{s}/examples']} ({summary[f'{s}/positives']} positive)" for s in ("train", "dev", "test")
         ),
-        "  test: "
-        + ", ".join(
-            f"{k.split('/')[1]} {metric_text(metrics[k])}"
-            for k in ("test/acc", "test/auroc", "test/ece")
-            if k in metrics
-        ),
+        metrics_line(metrics, int(summary["test/examples"]), int(summary["test/positives"])),
     ]
     lines += ranking_lines(metrics)
     if scan_skipped:
@@ -77,6 +74,35 @@ def write_probe_report(
     return text
 
 
+def small_split_intervals(metrics: dict[str, float], n: int, positives: int) -> dict[str, list[float] | None]:
+    """95 % intervals of the test accuracy (Wilson) and AUROC (Hanley-McNeil; None on one class) when the test split
+    is small (`small_samples.is_small`); empty otherwise."""
+    if not is_small(n, positives):
+        return {}
+    found: dict[str, list[float] | None] = {}
+    acc, auroc = metric_value(metrics.get("test/acc")), metric_value(metrics.get("test/auroc"))
+    if acc is not None:
+        found["test/acc"] = list(wilson(acc * n, n))
+    if "test/auroc" in metrics:
+        two_classes = auroc is not None and 0 < positives < n
+        found["test/auroc"] = list(auroc_interval(auroc, positives, n - positives)) if two_classes else None
+    return found
+
+
+def metrics_line(metrics: dict[str, float], n: int, positives: int) -> str:
+    """The test metrics; on a small test split (or one class) marked with the counts, with their intervals."""
+    names = [k for k in ("test/acc", "test/auroc", "test/ece") if k in metrics]
+    if not is_small(n, positives):
+        return "  test: " + ", ".join(f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in names)
+    intervals = small_split_intervals(metrics, n, positives)
+    parts = []
+    for k in names:
+        bounds = intervals.get(k)
+        extra = f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds else ""
+        parts.append(f"{k.split('/')[1]} {metric_text(metrics[k])}{extra}")
+    return f"  test ({sample_mark(n, positives)}): " + ", ".join(parts)
+
+
 def ranking_lines(metrics: dict[str, float]) -> list[str]:
     """The probe as a reranker of its dev and test questions' candidates, and where its best checkpoint was."""
     lines = []
@@ -86,9 +112,10 @@ def ranking_lines(metrics: dict[str, float]) -> list[str]:
             continue
         n = metrics.get(f"{stage}/questions")
         chance = metrics.get(f"{stage}/chance_gold_first")
+        first_text = proportion_text(first, int(n), 1, 100.0) if n else f"{100 * first:.1f}"
         lines.append(
-            f"  probe as reranker, {name}: own paragraph first {100 * first:.1f} %, MRR {mrr:.3f}"
-            + (f" over {int(n)} questions" if n else "")
+            f"  probe as reranker, {name}: own paragraph first {first_text} %, MRR {mrr:.3f}"
+            + (f" over {int(n)} questions" + (f" (below {SMALL_N})" if n < SMALL_N else "") if n else "")
             + (f" (chance {100 * chance:.1f} %)" if chance is not None else "")
         )
     if "best_epoch" in metrics:

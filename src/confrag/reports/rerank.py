@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 
 from confrag.infra.atomic import atomic_write_text
+from confrag.reports.small_samples import small_mark
 from confrag.reports.tables import log_rows, markdown_table, wandb_loggers
 
 
@@ -99,7 +100,7 @@ def write_rerank_report(
     loggers: Sequence[Logger],
 ) -> str:
     title = (
-        f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions; "
+        f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions{small_mark(test_questions)}; "
         f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})"
     )
     table = markdown_table(rows, title)
