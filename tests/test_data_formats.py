@@ -203,3 +203,21 @@ def test_reports_name_where_the_candidates_come_from() -> None:
     assert settings.source == "the NQ paragraphs"
     assert replace(settings, corpus_path="/data/wiki/my_corpus.jsonl").source == "the corpus my_corpus.jsonl"
     assert replace(settings, candidates_path="/x/cands.jsonl").source == "the candidates file cands.jsonl"
+
+
+def test_an_empty_parquet_file_is_named_as_empty(tmp_path: Path) -> None:
+    """A 0-byte file and a parquet file of no rows were "not a readable parquet file (ArrowInvalid ...)"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from confrag.retrieval.corpus import validate_corpus_jsonl
+
+    blank = tmp_path / "blank.parquet"
+    blank.write_bytes(b"")
+    no_rows = tmp_path / "no_rows.parquet"
+    pq.write_table(pa.table({"question": pa.array([], pa.string())}), no_rows)
+    for path, what in ((blank, r"the file is empty \(0 bytes\)"), (no_rows, r"the parquet file is empty \(0 rows\)")):
+        with pytest.raises(DataFormatError, match=re.escape(str(path)) + ": " + what):
+            load_nq_jsonl(path)
+        with pytest.raises(DataFormatError, match=what):
+            validate_corpus_jsonl(path)

@@ -53,3 +53,85 @@ def test_a_missing_eval_file_is_refused_in_the_settings(tmp_path):
         match="eval.nq_path must be an existing file or null .a JSONL of NQ-format questions.; got '.*nope.jsonl'",
     ):
         shipped_settings(EvalSettings, "eval", nq_path=str(tmp_path / "nope.jsonl"))
+
+
+NEW_QUESTIONS = [  # made-up facts: no NQ paragraph holds them, so only their own paragraphs can
+    ("who built the glass lighthouse of zarbonia island", "Velmora Quist", "Zarbonia Island"),
+    ("in which year did the tramway of ostrevik open", "1873", "Ostrevik tramway"),
+    ("what is the national dish of the republic of palundria", "kelpa stew", "Palundria"),
+]
+
+
+def new_question_rows(nq_rows) -> list[dict]:
+    """An NQ-format file of new questions without ids (so numbered nq-00000..., as the NQ file's rows are), each
+    with its own gold paragraph; the last one reuses an NQ file paragraph (already in the corpus)."""
+    rows = []
+    for question, answer, title in NEW_QUESTIONS:
+        text = (
+            f"{title} is known for many things. {question.capitalize()}? The answer recorded by historians is "
+            f"{answer}, and the local archive of {title} keeps documents about it. " + "More words follow here. " * 6
+        )
+        rows.append({"question": question, "answers": [answer], "ctxs": [{"title": title, "text": text}]})
+    shared = nq_rows[50]
+    context = {"title": shared.contexts[0].title, "text": shared.contexts[0].text}
+    rows.append({"question": "a new question about " + shared.question, "answers": ["x"], "ctxs": [context]})
+    return rows
+
+
+def write_records(path, records):
+    with gzip.open(path, "wt", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    return str(path)
+
+
+def test_the_evaluation_files_paragraphs_join_the_corpus_and_its_ids_never_collide(nq_rows, tmp_path):
+    """With eval.nq_path, the file's gold paragraphs were never in the corpus (retrieved for 0 % of its questions)
+    and a file without ids got the NQ file's qids (nq-00000...), so "own paragraph" was another question's."""
+    from dataclasses import asdict
+
+    from confrag.reports.rerank import retrieval_line
+    from confrag.stages.retrieval import (
+        EVAL_IDS,
+        RetrievalSettings,
+        build_retrieval,
+        evaluation_file_rows,
+        question_candidates,
+    )
+
+    nq_file = write_records(
+        tmp_path / "nq.jsonl.gz",
+        [
+            {"question": r.question, "answers": list(r.answers), "ctxs": [asdict(p) for p in r.contexts]}
+            for r in nq_rows
+        ],
+    )
+    new_file = write_records(tmp_path / "new.jsonl.gz", new_question_rows(nq_rows))
+    settings = shipped_settings(
+        RetrievalSettings, "retrieval", nq_path=nq_file, eval_questions_path=new_file, bi_encoder=False, top_n=5
+    )
+    assert shipped_settings(RetrievalSettings, "retrieval").eval_questions_path is None  # no eval node: none
+    retrieval = build_retrieval(settings, tmp_path / "cache")
+    rows = evaluation_file_rows(new_file)
+    assert [r.qid for r in rows] == [f"{EVAL_IDS}nq-{i:05d}" for i in range(4)]
+    assert not {r.qid for r in rows} & {r.qid for r in nq_rows}
+    assert retrieval.joined == {"questions": 4, "with_paragraph": 4, "documents_added": 3}
+    candidates, stats = question_candidates(retrieval, rows)
+    # Every new question's own paragraph is retrieved, and "own" is its own document, not an NQ question's.
+    assert stats["gold_retrieved"] == 1.0
+    for row, found in zip(rows, candidates):
+        own = [p for p, gold in zip(found.passages, found.from_gold) if gold]
+        assert own and all(
+            (p.title, p.text.split()[:5]) == (row.contexts[0].title, row.contexts[0].text.split()[:5]) for p in own
+        )
+    assert [c.gold_source for c in candidates[:3]] == [r.qid for r in rows[:3]]
+    assert candidates[3].gold_source == retrieval.corpus.gold_source_of[nq_rows[50].qid]  # the shared paragraph
+    # Without the file, the same questions find no paragraph of theirs (the issue's 0 %).
+    plain = build_retrieval(
+        shipped_settings(RetrievalSettings, "retrieval", nq_path=nq_file, bi_encoder=False, top_n=5), tmp_path / "cache"
+    )
+    assert question_candidates(plain, rows[:3])[1]["gold_retrieved"] == 0.0
+    line = retrieval_line({**stats, "eval_file": retrieval.joined})
+    assert (
+        "the evaluation file's paragraphs joined the corpus: 4 of its 4 questions have one, 3 documents added" in line
+    )

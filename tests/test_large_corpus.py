@@ -17,6 +17,7 @@ from confrag.retrieval.faiss_index import (
     EXACT_MAX_PASSAGES,
     FLAT_MAX_PASSAGES,
     FaissIndex,
+    FaissIndexDamaged,
     FaissIndexMismatch,
     FaissKey,
     choose_index_kind,
@@ -117,7 +118,7 @@ def test_a_faiss_index_is_refused_for_another_corpus_or_encoder(tmp_path: Path) 
             FaissIndex.load(saved, other)
     index_file = saved / "index.faiss"
     index_file.write_bytes(index_file.read_bytes()[:-4] + b"\0\0\0\0")
-    with pytest.raises(ValueError, match=r"index\.faiss: missing, or its content differs"):
+    with pytest.raises(FaissIndexDamaged, match=r"index\.faiss: checksum mismatch"):
         FaissIndex.load(saved, FaissKey(corpus="c1", encoder="e1"))
 
 
@@ -134,3 +135,30 @@ def test_dense_retriever_through_faiss_matches_exact_search_and_refuses_another_
     fewer = Corpus(passages[:4], {}, passages_fingerprint(passages[:4]))
     with pytest.raises(FaissIndexMismatch, match="this FAISS index was built for corpus"):
         DenseRetriever(fewer, progress=False, index="flat", index_path=tmp_path / "faiss")
+
+
+def test_a_damaged_faiss_index_is_rebuilt_and_seen_by_cache_verify(tmp_path: Path, caplog) -> None:
+    """A damaged FAISS index was refused but not rebuilt, the message said nothing of what to delete, and
+    `cache_verify` reported the cache clean (it read confrag.digest.json; the index kept only meta.json)."""
+    from confrag.infra.cache_verify import verify_cache
+
+    passages = [CorpusPassage(pid=f"d{i}#0", title="", text=t, source_id=f"d{i}") for i, t in enumerate(TEXTS)]
+    corpus = Corpus(passages, {}, passages_fingerprint(passages))
+    cache = tmp_path / "cache"
+    first = DenseRetriever(corpus, cache_dir=cache, progress=False, index="flat")
+    (folder,) = (cache / "retrieval" / "faiss").iterdir()
+    assert [(c.single, c.problem, c.legacy) for c in verify_cache(cache) if c.directory == folder] == [(True, "", [])]
+    index_file = folder / "index.faiss"
+    index_file.write_bytes(index_file.read_bytes()[:-4] + b"\0\0\0\0")
+    damaged = [c for c in verify_cache(cache) if c.directory == folder]
+    assert damaged and "index.faiss" in damaged[0].problem
+    with caplog.at_level("WARNING"):
+        again = DenseRetriever(corpus, cache_dir=cache, progress=False, index="flat")
+    assert f"FAISS index {folder}:" in caplog.text and "rebuilding it" in caplog.text
+    assert again.search(QUERIES, 3) == first.search(QUERIES, 3)
+    assert all(not c.is_damaged for c in verify_cache(cache))
+    # A folder holding other files too is not deleted: refused, saying what to delete.
+    (folder / "notes.txt").write_text("mine")
+    (folder / "meta.json").write_text("{")
+    with pytest.raises(FaissIndexDamaged, match=r"also holds \['notes.txt'\].*delete the folder"):
+        DenseRetriever(corpus, cache_dir=cache, progress=False, index="flat")

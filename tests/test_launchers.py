@@ -132,3 +132,30 @@ def test_slurm_sweep_builds_one_array_job_of_one_gpu_each(tmp_path):
     ):
         assert line in script, script
     assert "-m submitit.core._submit" in script
+
+
+def test_task_name_is_checked_where_hydra_resolves_the_run_folder(tmp_path):
+    """`task_name=../../escape` made a folder outside paths.log_dir before the task refused it: the run folder's
+    task part is now a resolver (`confrag_task`) that refuses a path or an unknown task as Hydra resolves it."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    import confrag.train  # noqa: F401 (the entry point's resolver, which knows the task names)
+
+    for name, message in (("../../escape", "must be a plain folder name"), ("cdbr", "is not one of")):
+        node = hydra_node([f"task_name={name}", f"paths.log_dir={tmp_path / 'logs'}"])
+        with pytest.raises(InterpolationResolutionError, match=re.escape(f"task_name={name!r} ") + message):
+            str(node.run.dir)
+        with pytest.raises(InterpolationResolutionError, match="cbdr"):
+            str(node.sweep.dir)
+    assert str(hydra_node(["task_name=cbdr", f"paths.log_dir={tmp_path}"]).run.dir).startswith(f"{tmp_path}/cbdr/runs/")
+
+
+@pytest.mark.slow
+def test_an_escaping_task_name_makes_no_folder(tmp_path):
+    """The issue's command through train.py: refused, and no folder exists anywhere under tmp_path."""
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    command = [sys.executable, str(ROOT / "train.py"), "task_name=../../escape", f"paths.log_dir={work / 'logs'}"]
+    done = subprocess.run(command, cwd=work, env=environment(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "must be a plain folder name" in done.stderr
+    assert [p for p in tmp_path.rglob("*")] == [tmp_path / "a", work]

@@ -74,3 +74,74 @@ def test_missing_probe_directory_says_how_to_make_one(tmp_path):
 def test_bad_hyperparameters_are_refused():
     with pytest.raises(ValueError, match="dropout"):
         ProbeModule(input_dim=8, dropout=1.5)
+
+
+def one_class_datamodule(train_positives: int, dev_positives: int, allow: bool):
+    from types import SimpleNamespace
+
+    summary = {"train/examples": 40, "train/positives": train_positives, "dev/examples": 10}
+    summary["dev/positives"] = dev_positives
+    return SimpleNamespace(
+        data=SimpleNamespace(summary=lambda: summary),
+        config_node="probe.data",
+        allow_one_class=allow,
+        input_dim=4,
+        layer=1,
+    )
+
+
+@pytest.mark.parametrize(
+    "train, dev, message",
+    [
+        (0, 3, r"the train split has 40 examples and no positive \(a right answer\)"),
+        (40, 3, r"the train split has 40 examples and no negative \(a wrong answer\)"),
+        (5, 0, r"the dev split has 10 examples and no positive"),
+    ],
+)
+def test_a_probe_without_one_class_in_train_or_dev_is_refused_before_training(train, dev, message):
+    """A probe trained with 0 positives was exported with only repeated 'val/auroc is undefined' warnings."""
+    from types import SimpleNamespace
+
+    from confrag.stages.probe import fit_probe
+
+    def no_model(**kwargs):
+        raise AssertionError("the probe was built although a split has one class")
+
+    recipe = SimpleNamespace(make_model=no_model)
+    with pytest.raises(ValueError, match=message + r".*set probe\.data\.allow_one_class=true"):
+        fit_probe(recipe, [], [], datamodule=one_class_datamodule(train, dev, allow=False))
+    # The explicit override trains it anyway (here: reaches the model), with a warning.
+    with pytest.raises(AssertionError, match="the probe was built"):
+        fit_probe(recipe, [], [], datamodule=one_class_datamodule(train, dev, allow=True))
+
+
+def test_the_one_class_override_is_a_flag(templates):
+    from dataclasses import asdict
+
+    from confrag.probe.datamodule import NQConfidenceDataModule
+
+    from helpers.models import tiny_llm_config
+
+    with pytest.raises(ValueError, match=r"data.allow_one_class must be true or false; got 'yes'"):
+        NQConfidenceDataModule(tiny_llm_config(), asdict(templates), nq_path="x", allow_one_class="yes")
+
+
+def test_a_skipped_layer_scan_says_why(caplog, tmp_path):
+    """`layer_scan=true` was skipped without a line when a class had fewer than 5 examples."""
+    import json
+    from types import SimpleNamespace
+
+    from confrag.probe.layer_scan import layer_scan
+    from confrag.reports.probe import write_probe_report
+
+    labels = np.array([1, 1, 0, 0, 0, 0, 0, 0, 0, 0])
+    data = SimpleNamespace(stores={"qa": None}, labels={"qa": labels}, layers=[1, 2])
+    with caplog.at_level("WARNING"):
+        assert layer_scan(data) == []
+    why = "2 positive and 8 negative examples; 5-fold cross-validation needs at least 5 of each class"
+    assert f"layer_scan skipped: {why}" in caplog.text
+    summary = {"questions": 10, **{f"{s}/{k}": 1 for s in ("train", "dev", "test") for k in ("examples", "positives")}}
+    datamodule = SimpleNamespace(layer=1, train_states="qa", balance=True, data=data, num_layers=2)
+    text = write_probe_report(tmp_path, "tiny", datamodule, {}, summary, [], [], scan_skipped=why)
+    assert f"per-layer scan skipped: {why}" in text
+    assert json.loads((tmp_path / "metrics.json").read_text())["layer_scan_skipped"] == why

@@ -109,3 +109,13 @@ def run_command(cfg: DictConfig) -> str:
 def config_yaml(cfg: DictConfig) -> str:
     """The resolved config as YAML, for reports."""
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def question_set_label(cfg: DictConfig) -> str:
+    """How the reports name the evaluation's question set: the evaluation file's name (`eval.nq_path`), else the
+    dataset's label (`dataset.label`: NQ, PopQA, ...); never the HotpotQA set's name beside it."""
+    evaluation, dataset = cfg.get("eval") or {}, cfg.get("dataset") or {}
+    if evaluation.get("nq_path"):
+        return Path(str(evaluation.nq_path)).name
+    label = str(dataset.get("label") or dataset.get("name") or "NQ")
+    return f"{label} (dataset)" if label == "HotpotQA" and evaluation.get("hotpotqa_path") else label

@@ -19,15 +19,19 @@ from types import ModuleType
 
 import lightning as L
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from confrag.infra import distributed
-from confrag.infra.paths import config_dir, register_resolvers
+from confrag.infra.paths import config_dir, register_resolvers, task_folder
 from confrag.infra.run_info import save_failure, save_run_info
 from confrag.instantiators import run_context
 from confrag.tasks import cbdr, gates, probe, rerank
 
 TASKS: dict[str, ModuleType] = {"probe": probe, "rerank": rerank, "cbdr": cbdr, "gates": gates}
+
+# Both entry points (train.py, confrag-train) import this module before Hydra resolves the run folder: there the
+# folder's task part must be one of these tasks (conf/hydra/default.yaml), checked before any folder is made.
+OmegaConf.register_new_resolver("confrag_task", lambda name: task_folder(name, TASKS), replace=True)
 
 
 def run_task(cfg: DictConfig) -> float | None:

@@ -12,12 +12,14 @@ Files are `.jsonl` / `.jsonl.gz` (errors name the line) or `.parquet` (read with
 in streaming mode; errors name the 1-based row).
 
 An optional "id" field (str or int) becomes the row's qid; otherwise the qid is "nq-" and the row's
-0-based position among non-blank lines (or records), zero-padded. Extra fields are ignored.
+0-based position among non-blank lines (or records), zero-padded. Extra fields are ignored. A second file read
+beside the first (`eval.nq_path`) gets an `id_prefix`, so that its qids never equal the first file's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -186,10 +188,26 @@ class _RowCollector:
         self.rows.append(row)
 
 
+def _check_parquet_not_empty(path: Path) -> None:
+    """An empty file (0 bytes) or a parquet file of no rows named as empty: pyarrow and `datasets` report both as
+    an unreadable file ("Parquet file size is 0 bytes", "BatchSize must be greater than 0")."""
+    if path.stat().st_size == 0:
+        raise DataFormatError(f"{path}: the file is empty (0 bytes); a .parquet file of records is expected")
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except Exception as exc:  # not parquet at all: named as such below, by the reader
+        raise DataFormatError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from exc
+    if rows == 0:
+        raise DataFormatError(f"{path}: the parquet file is empty (0 rows)")
+
+
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     # Streaming: rows are read batch by batch from the file, nothing is copied into the datasets cache.
     from datasets import load_dataset
 
+    _check_parquet_not_empty(path)
     try:
         stream = load_dataset("parquet", data_files=str(path), split="train", streaming=True)
         for index, record in enumerate(stream, start=1):
@@ -215,11 +233,12 @@ def _check_limit(limit: int | None) -> None:
 
 
 def load_nq_jsonl(
-    path: str | os.PathLike[str], limit: int | None = None, questions_format: str = "auto"
+    path: str | os.PathLike[str], limit: int | None = None, questions_format: str = "auto", id_prefix: str = ""
 ) -> list[QARow]:
     """Rows of a question file (`.jsonl`, `.jsonl.gz` or `.parquet`), in file order; `limit` keeps the first
     N. `questions_format` is one of QUESTION_FORMAT_CHOICES; `auto` takes the format of the first record,
-    and every later record must be in it (errors name the format and where it was detected)."""
+    and every later record must be in it (errors name the format and where it was detected). `id_prefix` is put
+    before every qid (an "id" field's or the position's)."""
     _check_limit(limit)
     checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
     path = Path(path)
@@ -242,7 +261,7 @@ def load_nq_jsonl(
                 row = _row_from_mapping(obj, len(collector.rows), where, fmt)
             except DataFormatError as exc:
                 raise DataFormatError(f"{exc} ({chosen})") from None
-            collector.add(row, where)
+            collector.add(dataclasses.replace(row, qid=id_prefix + row.qid) if id_prefix else row, where)
             if limit is not None and len(collector.rows) >= limit:
                 break  # before reading another record: what lies beyond the limit is never parsed
     if not collector.rows:

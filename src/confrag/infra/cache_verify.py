@@ -1,5 +1,5 @@
 """Check a whole cache: every sharded artifact's manifest, every shard against its digest, shape, length and
-finiteness, and every single result (converted model, probe, reranker, BM25 index) against its folder digest.
+finiteness, and every single result (converted model, probe, reranker, BM25 and FAISS index) against its folder digest.
 
     python -m confrag.infra.cache_verify verify [--adopt] [CACHE_DIR]     (installed as: confrag-cache verify ...)
 
@@ -49,6 +49,7 @@ SINGLE_RESULTS = {
     "probes": "probe.json",
     "rerankers": "config.json",
     "retrieval/bm25": "params.index.json",
+    "retrieval/faiss": "meta.json",  # a FAISS index (index.faiss + meta.json), rebuilt by the run when damaged
 }
 
 

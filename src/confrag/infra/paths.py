@@ -10,7 +10,12 @@ are set on the command line or through their environment variables (docs/usage.m
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Collection
 from pathlib import Path
+
+# A run folder's name part taken from the config (`task_name`): one plain folder name, never a path.
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def source_checkout() -> Path | None:
@@ -45,6 +50,21 @@ def default_cache_dir() -> Path:
     return Path(env) if env else project_root() / ".cache"
 
 
+def task_folder(name: object, tasks: Collection[str] | None = None) -> str:
+    """`task_name` as the run folder's part (`${confrag_task:${task_name}}` in conf/hydra/default.yaml): Hydra
+    resolves it before it makes the folder, so a name that is not one plain folder name (`../../escape`), or not
+    one of `tasks` where the entry point knows them, is refused before any folder exists."""
+    text = str(name)
+    if not _FOLDER_NAME.fullmatch(text) or ".." in text:
+        raise ValueError(
+            f"task_name={text!r} must be a plain folder name (letters, digits, '_', '-', '.'; no path)"
+            + (f": one of {sorted(tasks)}" if tasks else "")
+        )
+    if tasks is not None and text not in tasks:
+        raise ValueError(f"task_name={text!r} is not one of {sorted(tasks)}")
+    return text
+
+
 def register_resolvers() -> None:
     """The configs' own resolvers: `${confrag_root:}` (conf/paths/default.yaml), the project root wherever
     Python runs; `${confrag_run_stamp:...}` and `${confrag_rank_suffix:}` (conf/hydra/default.yaml)."""
@@ -65,6 +85,10 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("confrag_run_stamp"):
         OmegaConf.register_new_resolver("confrag_run_stamp", launch_stamp, use_cache=True)
     # `${confrag_rank_suffix:}`: "" in rank 0, "_rank<r>" in the others (per-rank log and config files).
+    # `${confrag_task:${task_name}}`: the task's part of the run folder, checked (`task_folder`); the entry point
+    # (confrag.train) replaces it with one that also knows the task names.
+    if not OmegaConf.has_resolver("confrag_task"):
+        OmegaConf.register_new_resolver("confrag_task", task_folder)
     if not OmegaConf.has_resolver("confrag_rank_suffix"):
         OmegaConf.register_new_resolver("confrag_rank_suffix", lambda: rank_suffix(), use_cache=True)
 

@@ -113,6 +113,7 @@ class NQConfidenceDataModule(LightningDataModule):
         ranking_test_questions: int = 0,
         truncate_questions: bool = False,
         truncate_passages: bool = False,
+        allow_one_class: bool = False,
         questions_format: str = "auto",
         config_node: str = "data",
     ) -> None:
@@ -152,6 +153,7 @@ class NQConfidenceDataModule(LightningDataModule):
         self.batch_size, self.num_workers, self.cache_dir, self.progress = batch_size, num_workers, cache_dir, progress
         self.truncate_questions = bool(truncate_questions)
         self.truncate_passages = bool(truncate_passages)
+        self.allow_one_class = checks.flag(allow_one_class, f"{self.config_node}.allow_one_class")
         self.data: ConfidenceData | None = None
         self.layer: int | None = None
         self.llm_identity: dict[str, Any] | None = None

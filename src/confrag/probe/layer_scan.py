@@ -6,6 +6,7 @@ where the confidence signal lives, so a sweep can be aimed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,13 +18,17 @@ from sklearn.preprocessing import StandardScaler
 
 from confrag.probe.nq_confidence import ConfidenceData
 
+log = logging.getLogger(__name__)
+
 
 def layer_scan(data: ConfidenceData, kinds: Sequence[str] | None = None, folds: int = 5, seed: int = 0) -> list[dict]:
-    """Mean and std over folds of held-out AUROC for each cached layer, on all questions of `kinds`."""
+    """Mean and std over folds of held-out AUROC for each cached layer, on all questions of `kinds`; none, with a
+    warning saying why (`skip_reason`), when a class has fewer examples than folds."""
     kinds = list(kinds or data.stores)
     labels = np.concatenate([data.labels[k] for k in kinds])
-    minority = int(min(labels.sum(), len(labels) - labels.sum()))
-    if minority < folds:
+    reason = skip_reason(labels, folds)
+    if reason:
+        log.warning("layer_scan skipped: %s", reason)
         return []
     splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
     results = []
@@ -44,3 +49,15 @@ def layer_scan(data: ConfidenceData, kinds: Sequence[str] | None = None, folds: 
             }
         )
     return results
+
+
+def skip_reason(labels: np.ndarray, folds: int = 5) -> str | None:
+    """Why the scan cannot run on `labels` (a class with fewer examples than folds), or None when it can."""
+    positives = int(labels.sum())
+    negatives = len(labels) - positives
+    if min(positives, negatives) >= folds:
+        return None
+    return (
+        f"{positives} positive and {negatives} negative examples; {folds}-fold cross-validation needs at least "
+        f"{folds} of each class (raise data.num_questions, or set layer_scan=false)"
+    )

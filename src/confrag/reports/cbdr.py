@@ -18,6 +18,7 @@ from confrag.cbdr.settings import CBDRSettings
 from confrag.reports.cbdr_chain import chain_intro, chain_markdown
 from confrag.reports.cbdr_setup import evaluation_pool_line, reading_guide, stage_line, table1_labels_line
 from confrag.reports.rerank import base_line, retrieval_line
+from confrag.reports.small_samples import small_mark
 from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
 from confrag.reranker.systems import label
 from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
@@ -37,6 +38,8 @@ class ReportHeader:
     config_yaml: str
     gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
     candidates_source: str  # where the candidates come from (RetrievalSettings.source)
+    questions: str = NQ  # the evaluation's question set, by its dataset (NQ, PopQA, ...) or file
+    eval_file: str | None = None  # the evaluation file's name (`eval.nq_path`), when the questions come from one
 
 
 def run_record(
@@ -107,9 +110,9 @@ def dev_accuracy(evaluation: RagEvaluation, settings: CBDRSettings) -> dict[str,
     return out
 
 
-def write_plots(out: Path, llm_name: str, results: CBDRResults) -> dict[str, Path]:
+def write_plots(out: Path, llm_name: str, results: CBDRResults, questions: str = NQ) -> dict[str, Path]:
     """Figure 8's range (0.90-1.00), the whole [0, 1], and (with cbdr.conf_quantiles) the probe's band."""
-    title = f"{llm_name}: CBDR on NQ test (n = {results.grid.n})"  # the reranker is named in the report
+    title = f"{llm_name}: CBDR on {questions} test (n = {results.grid.n})"  # the reranker is named in the report
     plots = {}
     if ((results.grid.betas >= CURVE_RANGE[0] - 1e-12) & (results.grid.betas <= CURVE_RANGE[1] + 1e-12)).any():
         plots["beta_curve"] = plot_beta_curve(results.grid, out / "beta_curve.png", CURVE_RANGE, title)
@@ -155,7 +158,8 @@ def report_markdown(
         f"{record['seconds']['answers']:.0f} s); answers generated {record['answers']['generated']}, read from "
         f"the cache {record['answers']['reused']}.",
         "",
-        f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} NQ questions {evaluation_pool_line(stage)}: "
+        f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} {run.questions} questions "
+        f"{evaluation_pool_line(stage, run.eval_file)}: "
         f"dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by "
         f"{run.retriever} over {run.candidates_source}; {retrieval_line(ev['retrieval'][NQ])}.",
         *(
@@ -178,7 +182,7 @@ def report_markdown(
         "",
         f"{table1_labels_line(stage)} Base reranker: {base_line(stage.training.get('base', {}))}.",
         "",
-        markdown_table(rows1, f"{run.llm_name}, {n_pref} questions (P/R/MRR @K, %)"),
+        markdown_table(rows1, f"{run.llm_name}, {n_pref} questions{small_mark(n_pref)} (P/R/MRR @K, %)"),
         "",
         f"## Table 2 — the LLM's answers on the evaluation test questions ({settings.eval_metric})",
         "",
@@ -200,7 +204,8 @@ def report_markdown(
         "",
         secondary_md,
         "",
-        f"## Table 3 — CBDR on NQ test ({settings.metric}, {label(settings.reranker)} retrieving when it does)",
+        f"## Table 3 — CBDR on {run.questions} test ({settings.metric}, {label(settings.reranker)} retrieving when "
+        "it does)",
         "",
         results.table3,
         "",
@@ -222,7 +227,7 @@ def report_markdown(
         f"At cbdr.beta = {settings.beta:g}: test accuracy {100 * results.at_beta['test/accuracy_at_beta']:.2f} %, "
         f"retrieval rate {100 * results.at_beta['test/retrieval_rate_at_beta']:.2f} %.",
         "",
-        "## Phase-difference analysis (appendix F), NQ test",
+        f"## Phase-difference analysis (appendix F), {run.questions} test",
         "",
         *[flips_markdown(f) for f in results.flips],
     ]

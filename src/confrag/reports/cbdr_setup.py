@@ -54,8 +54,14 @@ def stage_line(stage: RerankStage) -> str:
     )
 
 
-def evaluation_pool_line(stage: RerankStage) -> str:
-    """Which questions the evaluation drew from, and why none of them trained what answers it."""
+def evaluation_pool_line(stage: RerankStage, eval_file: str | None = None) -> str:
+    """Which questions the evaluation drew from, and why none of them trained what answers it (`eval_file`: the
+    file's name when they come from `eval.nq_path`)."""
+    if eval_file:
+        return (
+            f"from the evaluation file {eval_file} (eval.nq_path), checked before the run against every question "
+            "the probe, the base reranker and the rerankers train on"
+        )
     folds = stage.questions.folds
     if not folds:
         return "no stage trained on (not the probe's, not the preference questions, not the base reranker's)"

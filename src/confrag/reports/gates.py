@@ -81,7 +81,8 @@ def report_markdown(
         f"Run folder: `{run_folder}`; wall time {seconds:.0f} s; answers generated "
         f"{answers['generated']}, read from the cache {answers['reused']}.",
         "",
-        f"Questions: {sets['evaluation_questions']} NQ questions the probe never saw (the cbdr task's evaluation "
+        f"Questions: {sets['evaluation_questions']} {sets.get('questions', 'NQ')} questions the probe never saw (the "
+        "cbdr task's evaluation "
         f"questions), split by question: the gates are trained on {sets['train']} (training split: cached "
         f"closed-book / RAG outcomes with clean contexts) and evaluated on the {sets['test']} of the other "
         f"{sets['test_all']} that have a conflicting version (skipped: {sets['conflicts_skipped'] or 'none'}).",

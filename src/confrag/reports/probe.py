@@ -14,6 +14,7 @@ from confrag.probe.calibration import CalibrationBin
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import metric_text, metric_value
 from confrag.reports.reliability import calibration_lines, calibration_record, plot_reliability
+from confrag.reports.small_samples import SMALL_N, auroc_interval, is_small, proportion_text, sample_mark, wilson
 from confrag.reports.tables import log_rows, wandb_loggers
 
 
@@ -26,6 +27,7 @@ def write_probe_report(
     scan: list[dict],
     calibration: list[CalibrationBin],
     loggers: Sequence[Logger],
+    scan_skipped: str | None = None,
 ) -> str:
     """`calibration`: the test split's reliability bins (confrag.probe.calibration), drawn beside the ECE."""
     # An undefined metric (AUROC of a one-class split) is null in JSON and "undefined" when printed.
@@ -36,6 +38,8 @@ def write_probe_report(
         "nq_confidence": summary,
         "layer_scan": scan,
         "calibration": calibration_record(calibration, "test"),
+        "test_intervals": small_split_intervals(metrics, int(summary["test/examples"]), int(summary["test/positives"])),
+        **({"layer_scan_skipped": scan_skipped} if scan_skipped else {}),
     }
     atomic_write_text(out / "metrics.json", json.dumps(result, indent=2))
     requested = summary.get("questions_requested")
@@ -57,16 +61,13 @@ def write_probe_report(
         + ", ".join(
             f"{s} {summary[f'{s}/examples']} ({summary[f'{s}/positives']} positive)" for s in ("train", "dev", "test")
         ),
-        "  test: "
-        + ", ".join(
-            f"{k.split('/')[1]} {metric_text(metrics[k])}"
-            for k in ("test/acc", "test/auroc", "test/ece")
-            if k in metrics
-        ),
+        metrics_line(metrics, int(summary["test/examples"]), int(summary["test/positives"])),
     ]
     lines += calibration_lines(calibration, "test", "reliability.png")
     lines += ranking_lines(metrics)
     plot_reliability(calibration, out / "reliability.png", f"{llm_name}: probe reliability, test split")
+    if scan_skipped:
+        lines.append(f"  per-layer scan skipped: {scan_skipped}")
     if scan:
         lines.append("  per-layer 5-fold logistic AUROC (all questions of " + "+".join(datamodule.data.stores) + "):")
         lines += [f"    layer {r['layer']:>3}: {r['auroc_mean']:.3f} ± {r['auroc_std']:.3f}" for r in scan]
@@ -82,6 +83,35 @@ def write_probe_report(
     return text
 
 
+def small_split_intervals(metrics: dict[str, float], n: int, positives: int) -> dict[str, list[float] | None]:
+    """95 % intervals of the test accuracy (Wilson) and AUROC (Hanley-McNeil; None on one class) when the test split
+    is small (`small_samples.is_small`); empty otherwise."""
+    if not is_small(n, positives):
+        return {}
+    found: dict[str, list[float] | None] = {}
+    acc, auroc = metric_value(metrics.get("test/acc")), metric_value(metrics.get("test/auroc"))
+    if acc is not None:
+        found["test/acc"] = list(wilson(acc * n, n))
+    if "test/auroc" in metrics:
+        two_classes = auroc is not None and 0 < positives < n
+        found["test/auroc"] = list(auroc_interval(auroc, positives, n - positives)) if two_classes else None
+    return found
+
+
+def metrics_line(metrics: dict[str, float], n: int, positives: int) -> str:
+    """The test metrics; on a small test split (or one class) marked with the counts, with their intervals."""
+    names = [k for k in ("test/acc", "test/auroc", "test/ece") if k in metrics]
+    if not is_small(n, positives):
+        return "  test: " + ", ".join(f"{k.split('/')[1]} {metric_text(metrics[k])}" for k in names)
+    intervals = small_split_intervals(metrics, n, positives)
+    parts = []
+    for k in names:
+        bounds = intervals.get(k)
+        extra = f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds else ""
+        parts.append(f"{k.split('/')[1]} {metric_text(metrics[k])}{extra}")
+    return f"  test ({sample_mark(n, positives)}): " + ", ".join(parts)
+
+
 def ranking_lines(metrics: dict[str, float]) -> list[str]:
     """The probe as a reranker of its dev and test questions' candidates, and where its best checkpoint was."""
     lines = []
@@ -91,9 +121,10 @@ def ranking_lines(metrics: dict[str, float]) -> list[str]:
             continue
         n = metrics.get(f"{stage}/questions")
         chance = metrics.get(f"{stage}/chance_gold_first")
+        first_text = proportion_text(first, int(n), 1, 100.0) if n else f"{100 * first:.1f}"
         lines.append(
-            f"  probe as reranker, {name}: own paragraph first {100 * first:.1f} %, MRR {mrr:.3f}"
-            + (f" over {int(n)} questions" if n else "")
+            f"  probe as reranker, {name}: own paragraph first {first_text} %, MRR {mrr:.3f}"
+            + (f" over {int(n)} questions" + (f" (below {SMALL_N})" if n < SMALL_N else "") if n else "")
             + (f" (chance {100 * chance:.1f} %)" if chance is not None else "")
         )
     if "best_epoch" in metrics:

@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch.loggers import Logger
 
 from confrag.infra.atomic import atomic_write_text
+from confrag.reports.small_samples import small_mark
 from confrag.reports.tables import log_rows, markdown_table, wandb_loggers
 
 
@@ -47,9 +48,16 @@ def base_line(info: dict[str, Any]) -> str:
 def retrieval_line(stats: dict[str, Any]) -> str:
     """How often the retrieved candidates hold the question's gold paragraph and a gold answer (the retrieval
     stage's `question_candidates` statistics), in every report that states it."""
+    joined = stats.get("eval_file")  # eval.nq_path: its paragraphs joined the corpus (stages.retrieval)
     return (
         f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
         f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
+    ) + (
+        f" (the evaluation file's paragraphs joined the corpus: {joined['with_paragraph']} of its "
+        f"{joined['questions']} questions have one, {joined['documents_added']} documents added, the rest already "
+        "there)"
+        if joined
+        else ""
     )
 
 
@@ -127,7 +135,7 @@ def write_rerank_report(
         summary = own_rows_summary(report)
     else:
         title = (
-            f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions; "
+            f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions{small_mark(test_questions)}; "
             f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})"
         )
         summary = nq_rerank_summary(report)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,10 +23,10 @@ from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer
 
 from confrag.infra import checks
-from confrag.infra.digests import fingerprint
+from confrag.infra.digests import FOLDER_DIGEST, fingerprint
 from confrag.infra.sharded import ShardedArtifact
 from confrag.retrieval.corpus import Corpus, document_text
-from confrag.retrieval.faiss_index import FaissIndex, FaissKey, choose_index_kind
+from confrag.retrieval.faiss_index import INDEX_FILES, FaissIndex, FaissIndexDamaged, FaissKey, choose_index_kind
 from confrag.retrieval.mean_pooling import check_mean_pooling, max_seq_length, mean_pool
 from confrag.retrieval.minilm import minilm_dir
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
@@ -162,7 +163,10 @@ class DenseRetriever:
         if index_path is None and cache_dir is not None:
             index_path = Path(cache_dir) / "retrieval" / "faiss" / fingerprint({**vars(key), "kind": self.kind})
         if index_path is not None and Path(index_path).is_dir():
-            return FaissIndex.load(index_path, key)  # refused, not used, if built for another corpus or encoder
+            try:
+                return FaissIndex.load(index_path, key)  # refused, not used, if built for another corpus or encoder
+            except FaissIndexDamaged as err:
+                discard_damaged_index(Path(index_path), err)
         built = FaissIndex.build(shards, key, self.kind)
         if index_path is not None:
             built.save(index_path)
@@ -215,3 +219,18 @@ class DenseRetriever:
             scores = query_vectors @ self.passage_embeddings.T
             hits.extend(top_n_hits(row, top_n) for row in scores)
         return hits
+
+
+def discard_damaged_index(directory: Path, err: FaissIndexDamaged) -> None:
+    """Remove a damaged FAISS index folder so that it is rebuilt there (with a warning naming it and what is wrong),
+    as a damaged BM25 index is; a folder holding anything but the index's own files is left alone and refused,
+    naming what to delete."""
+    own = {*INDEX_FILES, FOLDER_DIGEST}
+    others = sorted(p.name for p in directory.iterdir() if p.name not in own)
+    if others:
+        raise FaissIndexDamaged(
+            f"{err}; {directory} also holds {others[:3]}, so it is not rebuilt there: delete the folder (or point "
+            "retrieval.dense_index_path at a new one) to rebuild the index"
+        ) from err
+    log.warning("FAISS index %s: %s; rebuilding it.", directory, err)
+    shutil.rmtree(directory)

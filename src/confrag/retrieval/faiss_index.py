@@ -8,7 +8,10 @@ approximate, searching `nprobe` of its `nlist` lists.
 
 An index answers only for the passages and the encoder it was built from: it is saved with its key (the
 corpus fingerprint and the encoder's identity) and a digest of its file, and `FaissIndex.load` refuses an
-index whose key differs, naming both, rather than returning neighbours of other passages.
+index whose key differs, naming both, rather than returning neighbours of other passages. The folder also
+carries a folder digest (`confrag.digest.json`, as every single result of the cache), so that `cache_verify`
+checks it; a damaged index (or one saved without that digest) is `FaissIndexDamaged`, which the dense retriever
+rebuilds, as the BM25 index is rebuilt.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import faiss
 import numpy as np
 
 from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
-from confrag.infra.digests import file_digest
+from confrag.infra.digests import file_digest, folder_problem, write_folder_digest
 from confrag.retrieval.ranking import Hits, check_top_n
 
 EXACT_MAX_PASSAGES = 100_000
@@ -39,6 +42,13 @@ _SCHEMA = "confrag.retrieval.faiss.v1"
 
 class FaissIndexMismatch(ValueError):
     """A saved FAISS index was built for other passages or another encoder than the ones asked for."""
+
+
+class FaissIndexDamaged(ValueError):
+    """A saved FAISS index whose files are not whole (or that has no digest to show it): rebuild it."""
+
+
+INDEX_FILES = (_INDEX_FILE, _META_FILE)  # what `save` writes beside the folder digest
 
 
 def choose_index_kind(count: int, requested: str = "auto") -> str:
@@ -120,6 +130,7 @@ class FaissIndex:
             meta = {"schema": _SCHEMA, **asdict(self.key), "kind": self.kind, "count": self.count}
             meta["file"] = {"digest": digest, "bytes": size}
             atomic_write_text(tmp / _META_FILE, json.dumps(meta, indent=1, sort_keys=True))
+            write_folder_digest(tmp)
             honour_umask(tmp)
             tmp.rename(directory)
         except OSError:
@@ -132,28 +143,36 @@ class FaissIndex:
     @classmethod
     def load(cls, directory: str | Path, key: FaissKey) -> FaissIndex:
         """The index saved in `directory`, refused (FaissIndexMismatch) unless it was built for `key`'s corpus
-        and encoder, and (ValueError) unless its file matches the recorded digest."""
+        and encoder, and (FaissIndexDamaged) unless its files match their digests."""
         directory = Path(directory)
         meta_path = directory / _META_FILE
         try:
             meta = json.loads(meta_path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{meta_path}: not a readable FAISS index record ({err})") from err
+            raise FaissIndexDamaged(f"{meta_path}: not a readable FAISS index record ({err})") from err
         if meta.get("schema") != _SCHEMA:
-            raise ValueError(f"{meta_path}: schema {meta.get('schema')!r}, expected {_SCHEMA!r}")
+            raise FaissIndexDamaged(f"{meta_path}: schema {meta.get('schema')!r}, expected {_SCHEMA!r}")
         saved = FaissKey(corpus=meta.get("corpus"), encoder=meta.get("encoder"))
         if saved != key:
             raise FaissIndexMismatch(
                 f"{directory}: this FAISS index was built for corpus {saved.corpus} with encoder {saved.encoder}, "
                 f"not for corpus {key.corpus} with encoder {key.encoder}; point retrieval.dense_index_path at "
-                "the index of this corpus and encoder, or at a new folder to build one"
+                f"the index of this corpus and encoder, or at a new folder to build one (or delete {directory})"
             )
+        problem = folder_problem(directory)
+        if problem:
+            raise FaissIndexDamaged(f"{directory}: {problem}")
         index_path = directory / _INDEX_FILE
         if not index_path.is_file() or list(file_digest(index_path)) != [meta["file"]["digest"], meta["file"]["bytes"]]:
-            raise ValueError(f"{index_path}: missing, or its content differs from the digest in {_META_FILE}")
-        index = faiss.read_index(str(index_path))
+            raise FaissIndexDamaged(f"{index_path}: missing, or its content differs from the digest in {_META_FILE}")
+        try:
+            index = faiss.read_index(str(index_path))
+        except RuntimeError as err:  # FAISS's own reader on bytes it cannot parse
+            raise FaissIndexDamaged(f"{index_path}: not a readable FAISS index ({err})") from err
         if index.ntotal != meta.get("count"):
-            raise ValueError(f"{index_path}: holds {index.ntotal} vectors, {_META_FILE} says {meta.get('count')}")
+            raise FaissIndexDamaged(
+                f"{index_path}: holds {index.ntotal} vectors, {_META_FILE} says {meta.get('count')}"
+            )
         return cls(index, key, meta["kind"])
 
     def search(self, query_vectors: np.ndarray, top_n: int) -> list[Hits]:

@@ -31,7 +31,7 @@ from confrag.cbdr import ConfidenceGate, SweepData, question_confidences
 from confrag.cbdr.gate import gate_check
 from confrag.cbdr.settings import CBDRSettings
 from confrag.data.hotpotqa import load_hotpotqa
-from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.data.nq import QARow
 from confrag.data.splits import check_disjoint, select_questions, split_dev_test
 from confrag.infra.run_context import RunContext
 from confrag.llm.loading import LoadedLLM, load_llm
@@ -41,7 +41,7 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.retrieval import Candidates
 from confrag.stages.diagnostics import candidate_diagnostics
 from confrag.stages.rerank import RerankStage, Scorer, table1_systems
-from confrag.stages.retrieval import build_retrieval, question_candidates, retrieve_fn
+from confrag.stages.retrieval import build_retrieval, evaluation_file_rows, question_candidates, retrieve_fn
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def evaluation_rows(
 ) -> list[QARow]:
     """A seeded sample of the NQ questions no stage trained on; with `nq_path` (`eval.nq_path`), of that
     file's questions instead, each checked by normalized text against every training pool."""
-    pool = load_nq_jsonl(nq_path) if nq_path else stage.questions.evaluation_pool
+    pool = evaluation_file_rows(nq_path) if nq_path else stage.questions.evaluation_pool
     rows = select_questions(pool, num_questions, seed)
     check_held_out(stage, rows)
     return rows
@@ -191,15 +191,24 @@ class RagEvaluation:
     gate_check: dict[str, Any]
     diagnostics: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # dataset -> summary
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time by part of the run
+    # How the tables name each set (`tables`, `gold_sources`): the main set's key is NQ whatever the questions are;
+    # the task names it by its dataset or file (`instantiators.question_set_label`).
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def name(self, dataset: str) -> str:
+        return self.names.get(dataset, dataset)
 
     def gold_sources(self) -> dict[str, dict[str, str | None]]:
         """dataset -> qid -> the source id of the question's own (gold) paragraph in its corpus."""
-        return {s.dataset: {c.qid: c.gold_source for c in s.candidates} for s in self.sets}
+        return {self.name(s.dataset): {c.qid: c.gold_source for c in s.candidates} for s in self.sets}
 
     def tables(self) -> dict[str, dict[str, list[QuestionOutcome]]]:
         """Table 2's outcomes: NQ test; HotpotQA (Table 2 only) all its sampled questions."""
-        tables = {NQ: {name: only(r.outcomes, self.splits["test"]) for name, r in self.runs[NQ].items()}}
-        tables.update({d: {name: r.outcomes for name, r in by.items()} for d, by in self.runs.items() if d != NQ})
+        main = {name: only(r.outcomes, self.splits["test"]) for name, r in self.runs[NQ].items()}
+        tables = {self.name(NQ): main}
+        tables.update(
+            {self.name(d): {name: r.outcomes for name, r in by.items()} for d, by in self.runs.items() if d != NQ}
+        )
         return tables
 
     def sweep_data(self, settings: CBDRSettings) -> tuple[SweepData, SweepData, SweepData]:
@@ -230,6 +239,8 @@ def evaluate(
     eval_rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.nq_path)
     splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), ctx.seed)
     candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
+    if stage.retrieval.joined:  # the evaluation file's paragraphs in the corpus (the report says how many)
+        stats["eval_file"] = dict(stage.retrieval.joined)
     sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
     hotpot = hotpotqa_eval_set(evaluation, stage, settings, eval_batch_size, ctx)
     sets += [hotpot] if hotpot else []

@@ -113,6 +113,7 @@ def fit_probe(
     datamodule = datamodule or prepared_datamodule(recipe)
     summary = datamodule.data.summary()
     log.info("NQ_Confidence summary: %s", summary)
+    check_classes(summary, datamodule.config_node, datamodule.allow_one_class)
     model = recipe.make_model(input_dim=datamodule.input_dim, layer=datamodule.layer)
     model.set_standardization(*datamodule.feature_stats())
     model.set_class_weights([e.label for e in datamodule.data.examples["train"]])
@@ -137,6 +138,28 @@ def fit_probe(
     metrics.update({k: float(v) for k, v in {**trainer.callback_metrics, **test_metrics}.items()})
     metrics.update(ranking_results(model, datamodule))
     return model, datamodule, metrics, best
+
+
+def check_classes(summary: dict[str, Any], node: str, allow_one_class: bool) -> None:
+    """A train or dev split without one of the two classes (no answer right, or none wrong) trains a probe that
+    says one thing and a checkpoint chosen on nothing: refused before training, naming the split and its counts,
+    unless `<node>.allow_one_class` (then a warning)."""
+    problems = []
+    for split in ("train", "dev"):
+        examples, positives = int(summary[f"{split}/examples"]), int(summary[f"{split}/positives"])
+        if positives == 0 or positives == examples:
+            missing = "positive (a right answer)" if positives == 0 else "negative (a wrong answer)"
+            problems.append(f"the {split} split has {examples} examples and no {missing}")
+    if not problems:
+        return
+    text = "; ".join(problems)
+    if allow_one_class:
+        log.warning("The probe trains on one class (%s.allow_one_class=true): %s; its scores mean nothing", node, text)
+        return
+    raise ValueError(
+        f"{text}: a probe needs both classes in train and dev. Raise {node}.num_questions, use another LLM or "
+        f"{node}.train_states, or set {node}.allow_one_class=true to train it anyway (a smoke test)"
+    )
 
 
 def best_epoch_metrics(best: str, trainer: Trainer) -> dict[str, float]:

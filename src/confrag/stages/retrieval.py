@@ -2,14 +2,17 @@
 
 The corpus is every gold paragraph of the NQ file split into passages (or `retrieval.corpus_path`, a
 JSONL of documents); candidates are the retriever's top N with repeated texts removed, or a prebuilt
-list read from `retrieval.candidates_path`.
+list read from `retrieval.candidates_path`. An evaluation file of its own (`eval.nq_path`, read here as
+`retrieval.eval_questions_path`) adds its questions' gold paragraphs to the NQ paragraphs, as the NQ file's
+held-out questions have theirs there; its qids carry the prefix `EVAL_IDS`, so that "own paragraph" is never
+looked up under another file's question.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,13 @@ from confrag.retrieval.ranked_ids import (
 log = logging.getLogger(__name__)
 
 RETRIEVERS = ("bm25", "dense")
+EVAL_IDS = "eval:"  # the qid prefix of the evaluation file's questions (`evaluation_file_rows`)
+
+
+def evaluation_file_rows(path: str | Path) -> list[QARow]:
+    """The questions of the evaluation file (`eval.nq_path`), each qid prefixed with `EVAL_IDS`: a file without
+    ids numbers its rows as the NQ file does (`nq-00000`), and these must name other questions."""
+    return load_nq_jsonl(path, id_prefix=EVAL_IDS)
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,7 @@ class RetrievalSettings:
     max_passage_tokens: int | None  # a passage's LLM tokens at most; null: what one passage may hold in a prompt
     cut_passages: bool  # a passage past that: refused (false) or cut to it
     dense_encoder: str | None  # the sentence-transformers folder of a prebuilt FAISS index file (dense_index_path)
+    eval_questions_path: str | None  # `eval.nq_path`: its gold paragraphs join the NQ paragraphs' corpus
 
     @property
     def source(self) -> str:
@@ -143,6 +154,9 @@ class Retrieval:
     # What one passage may hold in the LLM's prompts, when checked (`confrag.retrieval.lengths`), and the counts.
     llm_budget: TokenBudget | None = None
     lengths: dict[str, Any] | None = None
+    # The evaluation file's paragraphs in the corpus: its questions, those with a paragraph, the documents they
+    # added (a paragraph the NQ file already has is kept once); empty without `retrieval.eval_questions_path`.
+    joined: dict[str, int] = field(default_factory=dict)
 
     @property
     def retriever(self) -> BM25Retriever | DenseRetriever | PrebuiltDenseRetriever:
@@ -151,15 +165,36 @@ class Retrieval:
 
 
 def load_corpus(settings: RetrievalSettings, rows: Sequence[QARow] | None = None) -> Corpus:
-    """The corpus: the paragraphs of `rows`, else `retrieval.corpus_path`, else every gold paragraph of the
-    NQ file, split into `retrieval.words_per_passage`-word passages (null: as given)."""
+    """The corpus: the paragraphs of `rows`, else `retrieval.corpus_path` (used as given), else every gold paragraph
+    of the NQ file and of the evaluation file (`retrieval.eval_questions_path`), split into
+    `retrieval.words_per_passage`-word passages (null: as given)."""
     words = settings.words_per_passage
     if rows is not None:
         return corpus_from_nq(rows, words_per_passage=words)
     if settings.corpus_path:
+        if settings.eval_questions_path:
+            log.info("The evaluation file's paragraphs stay out of the corpus retrieval.corpus_path (used as given)")
         return load_corpus_jsonl(settings.corpus_path, words_per_passage=words, corpus_format=settings.corpus_format)
     rows_of_file = load_nq_jsonl(settings.nq_path, questions_format=settings.questions_format)
-    return corpus_from_nq(rows_of_file, words_per_passage=words)
+    extra = evaluation_file_rows(settings.eval_questions_path) if settings.eval_questions_path else []
+    return corpus_from_nq([*rows_of_file, *extra], words_per_passage=words)
+
+
+def joined_counts(settings: RetrievalSettings, corpus: Corpus, rows: Sequence[QARow] | None) -> dict[str, int]:
+    """The evaluation file's paragraphs in the NQ paragraphs' corpus: its questions, those with a paragraph, the
+    documents they added (empty when no evaluation file joined)."""
+    if rows is not None or settings.corpus_path or not settings.eval_questions_path:
+        return {}
+    extra = evaluation_file_rows(settings.eval_questions_path)
+    if not extra:
+        return {}
+    joined = {
+        "questions": len(extra),
+        "with_paragraph": sum(1 for r in extra if r.contexts),
+        "documents_added": len({p.source_id for p in corpus.passages if p.source_id.startswith(EVAL_IDS)}),
+    }
+    log.info("The evaluation file's paragraphs joined the corpus: %s", joined)
+    return joined
 
 
 def build_retrieval(
@@ -174,6 +209,7 @@ def build_retrieval(
     encoder (`retrieval.dense_encoder`); all cached under `cache_dir`. It takes the cache alone, not the run's
     context: it is also built outside a run (docs/usage.md, experiments/)."""
     corpus = corpus if corpus is not None else load_corpus(settings, rows)
+    joined = joined_counts(settings, corpus, rows)
     bm25 = BM25Retriever(corpus, cache_dir=cache_dir)
     dense: DenseRetriever | PrebuiltDenseRetriever | None = None
     if settings.retriever == "dense" or settings.bi_encoder:
@@ -184,7 +220,7 @@ def build_retrieval(
                 corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path
             )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
-    return Retrieval(corpus, bm25, dense, settings, llm_budget)
+    return Retrieval(corpus, bm25, dense, settings, llm_budget, joined=joined)
 
 
 def encoder_budget(retrieval: Retrieval) -> TokenBudget | None:

@@ -21,13 +21,14 @@ from confrag.cbdr.settings import CBDRSettings, cbdr_settings
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.run_context import RunContext
 from confrag.infra.timing import StageTimer
-from confrag.instantiators import config_yaml, plain, run_context, task_loggers
+from confrag.instantiators import config_yaml, plain, question_set_label, run_context, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
-from confrag.stages.evaluation import RagEvaluation, check_chosen_rows, confidence_gate, evaluate
+from confrag.stages.evaluation import NQ, RagEvaluation, check_chosen_rows, confidence_gate, evaluate
+from confrag.stages.question_budget import check_recipe_questions
 from confrag.stages.rerank import RerankRecipe, RerankStage, planned_rows, rerank_stage, table1
 
 
@@ -46,6 +47,7 @@ def check(cfg: DictConfig) -> Checked:
         plain(cfg.cbdr), answers, evaluation, recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )
     check_chosen_rows(settings, planned_rows(recipe))  # a row this run does not build: refused before it runs
+    check_recipe_questions(recipe, evaluation, int(cfg.seed))  # the question budget, the evaluation file's overlap
     return Checked(recipe, answers, evaluation, settings)
 
 
@@ -80,6 +82,7 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Evaluated:
             ctx,
         )
     evaluation.seconds = timer.seconds()
+    evaluation.names = {NQ: question_set_label(cfg)}  # the report names the questions by their dataset or file
     return Evaluated(stage, rows1, evaluation, timer, loggers, start)
 
 
@@ -92,7 +95,7 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -
         cfg.llm.name, tables, settings, n_resamples, ctx.seed, evaluation.gold_sources()
     )
     results = cbdr_results(settings, *evaluation.sweep_data(settings))
-    plots = report.write_plots(out, cfg.llm.name, results)
+    plots = report.write_plots(out, cfg.llm.name, results, evaluation.name(NQ))
     record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - done.start)
     record["stages"] = done.timer.stages
     record["training"] = stage.training  # every fine-tuning's rows, steps and seconds (per fold when cross-fitted)
@@ -106,6 +109,8 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -
         config_yaml(cfg),
         gold_known=not (recipe.retrieval.corpus_path or recipe.retrieval.candidates_path),
         candidates_source=recipe.retrieval.source,
+        questions=evaluation.name(NQ),
+        eval_file=Path(checked.evaluation.nq_path).name if checked.evaluation.nq_path else None,
     )
     secondary = [
         cbdr_answers.closed_book_line(tables, settings.eval_metric, n_resamples, ctx.seed),

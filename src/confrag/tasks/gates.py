@@ -20,7 +20,7 @@ from confrag.gates.evaluation import plot_gates
 from confrag.gates.settings import GateSettings, gate_settings
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.run_context import RunContext
-from confrag.instantiators import config_yaml, task_loggers
+from confrag.instantiators import config_yaml, question_set_label, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe
@@ -29,6 +29,7 @@ from confrag.stages.evaluation import check_row, evaluation_rows
 from confrag.stages.gate_comparison import GateEvaluation, prepare_gate_evaluation
 from confrag.stages.gate_questions import check_before_any_stage
 from confrag.stages.gate_scoring import run_gates, threshold_curves
+from confrag.stages.question_budget import check_recipe_questions
 from confrag.stages.rerank import RerankRecipe, planned_rows, rerank_stage
 
 
@@ -47,6 +48,7 @@ def check(cfg: DictConfig) -> Checked:
         cfg.get("gates"), cfg.get("gate"), recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )
     check_row("gates.reranker", gates.reranker, planned_rows(recipe))  # refused before anything runs
+    check_recipe_questions(recipe, evaluation, int(cfg.seed))  # the question budget, the evaluation file's overlap
     return Checked(recipe, answers, evaluation, gates)
 
 
@@ -92,8 +94,12 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, prepared: Prepared
     answers = {"generated": evaluation.store.generated, "reused": evaluation.store.reused}
     evaluation.store = evaluation.maker = None  # the LLM is not needed any more: free it before reporting
     gc.collect()
+    questions = evaluation.sets.report["questions"] = question_set_label(cfg)  # by its dataset or file
     plot = plot_gates(
-        results.rows, curves, out / "gates.png", f"{cfg.llm.name}: retrieval gates on NQ test ({settings.metric})"
+        results.rows,
+        curves,
+        out / "gates.png",
+        f"{cfg.llm.name}: retrieval gates on {questions} test ({settings.metric})",
     )
     record = report.gate_record(settings, evaluation, results, curves, answers, time.perf_counter() - start)
     atomic_write_text(out / "metrics.json", json.dumps(record, indent=2, ensure_ascii=False, default=float))

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
@@ -13,7 +14,7 @@ from confrag.infra.run_context import RunContext
 from confrag.instantiators import instantiate_list, plain
 from confrag.probe.calibration import reliability_bins, split_confidences
 from confrag.probe.datamodule import NQConfidenceDataModule
-from confrag.probe.layer_scan import layer_scan
+from confrag.probe.layer_scan import layer_scan, skip_reason
 from confrag.probe.module import ProbeModule
 from confrag.recipes import Exported, exported, probe_recipe
 from confrag.reports.hub import push_folder
@@ -59,9 +60,18 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, trained: Trained) 
     loggers = trained.loggers
     scan = layer_scan(datamodule.data, seed=ctx.seed) if cfg.get("layer_scan") else []
     calibration = reliability_bins(*split_confidences(model, datamodule.test_dataloader()))  # the best checkpoint
+    skipped = skip_reason(all_labels(datamodule)) if cfg.get("layer_scan") and not scan else None
     # The run folder first: a read-only or full cache must not cost the run its metrics.
     summary = write_probe_report(
-        out, cfg.llm.name, datamodule, metrics, datamodule.data.summary(), scan, calibration, loggers
+        out,
+        cfg.llm.name,
+        datamodule,
+        metrics,
+        datamodule.data.summary(),
+        scan,
+        calibration,
+        loggers,
+        scan_skipped=skipped,
     )
     save_trained_probe(model, datamodule, metrics, best, out / "probe")
     cache_trained_probe(model, datamodule, metrics, best, probe_cache_dir(ctx, datamodule, recipe), out / "probe")
@@ -71,3 +81,8 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, trained: Trained) 
         print(f"Pushed {out / 'probe'} to model repo {hub.probe_repo}: {url}", flush=True)
     print(summary, flush=True)
     return metrics
+
+
+def all_labels(datamodule: NQConfidenceDataModule) -> np.ndarray:
+    """Every cached state's label, of every prompt kind: what the layer scan runs on."""
+    return np.concatenate([datamodule.data.labels[k] for k in datamodule.data.stores])

@@ -20,6 +20,7 @@ from confrag.reports.rerank import write_rerank_report
 from confrag.reports.tables import metric_columns
 from confrag.reports.wandb_artifacts import log_exports
 from confrag.stages.own_rows import OwnRowsStage, check_own_rows_settings, own_rows_card, own_rows_stage
+from confrag.stages.question_budget import check_recipe_questions
 from confrag.stages.rerank import RerankRecipe, RerankStage, rerank_stage, table1
 
 Checked = Exported[RerankRecipe]
@@ -41,6 +42,8 @@ def check(cfg: DictConfig) -> Checked:
                 "hub.push=true with preferences.rows_path: the Hub cards describe NQ_Rerank and a confidence-aligned "
                 "reranker, not your rows; push the exported `reranker/` folder yourself"
             )
+    else:
+        check_recipe_questions(checked.recipe, None, int(cfg.seed))  # the question budget, before any stage
     return checked
 
 

@@ -1,0 +1,53 @@
+"""Metrics on fewer than 30 examples, or on one class, carry their interval or are marked in every printed line."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from confrag.reports.probe import metrics_line, ranking_lines, write_probe_report
+from confrag.reports.rerank import write_rerank_report
+from confrag.reports.small_samples import auroc_interval, small_mark, wilson
+
+
+def test_the_closed_form_intervals():
+    low, high = wilson(1, 8)  # 1 of 8: Wilson's interval (0.022, 0.471)
+    assert low == pytest.approx(0.0224, abs=1e-3) and high == pytest.approx(0.4709, abs=1e-3)
+    assert wilson(8, 8)[1] == 1.0 and wilson(0, 8)[0] == 0.0
+    # Hanley-McNeil: an AUROC of 1.0 from 1 positive and 7 negatives has no width (its formula's limit), 0.8 has.
+    low, high = auroc_interval(0.8, 10, 10)
+    assert 0.55 < low < 0.65 and 0.95 < high <= 1.0
+
+
+def test_a_small_or_one_class_test_split_is_marked_with_its_intervals(tmp_path):
+    """ "test auroc 1.000" was reported from 8 examples with 1 positive, without an interval."""
+    metrics = {"test/acc": 0.75, "test/auroc": 0.9, "test/ece": 0.2}
+    line = metrics_line(metrics, 8, 3)
+    low, high = wilson(6, 8)
+    assert line.startswith("  test (8 examples, 3 positive: below 30, 95 % intervals): ")
+    assert f"acc 0.750 [{low:.3f}, {high:.3f}]" in line and "auroc 0.900 [" in line
+    one_class = metrics_line({"test/acc": 0.75, "test/auroc": float("nan")}, 40, 0)
+    low, high = wilson(30, 40)
+    mark = "  test (40 examples, 0 positive: one class only, not a result)"
+    assert one_class == f"{mark}: acc 0.750 [{low:.3f}, {high:.3f}], auroc undefined"
+    assert metrics_line(metrics, 300, 100) == "  test: acc 0.750, auroc 0.900, ece 0.200"  # large: as before
+    ranking = ranking_lines({"test/gold_first": 2 / 13, "test/gold_mrr": 0.3, "test/questions": 13})
+    assert ranking[0].startswith("  probe as reranker, test: own paragraph first 15.4 [") and "(below 30)" in ranking[0]
+    summary = {"questions": 10, "test/examples": 8, "test/positives": 3}
+    summary.update({f"{s}/{k}": 4 for s in ("train", "dev") for k in ("examples", "positives")})
+    datamodule = SimpleNamespace(layer=1, train_states="qa", balance=True, data=None, num_layers=2)
+    write_probe_report(tmp_path, "tiny", datamodule, metrics, summary, [], [])
+    intervals = json.loads((tmp_path / "metrics.json").read_text())["test_intervals"]
+    assert intervals["test/acc"] == pytest.approx(list(wilson(6, 8))) and len(intervals["test/auroc"]) == 2
+
+
+def test_table_1_on_few_questions_is_marked(tmp_path):
+    report = {"questions": 12, "rows": {"train": 9, "test": 3}, "dropped": 0, "reference": "qa", "top_k": 2}
+    report.update(by_reference={}, retrieval={"gold_retrieved": 1.0, "answer_in_candidates": 1.0})
+    report["retrieval"]["duplicate_passages_removed"] = 0
+    rows = [{"system": "BM25", "P@1": 50.0}]
+    text = write_rerank_report(tmp_path, "tiny", report, 3, rows, {}, [])
+    assert "3 questions (below 30 questions: no interval, not a result)" in text
+    assert small_mark(30) == ""
