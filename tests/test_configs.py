@@ -211,8 +211,10 @@ def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):
     assert "| job | status | model.layer |" in (sweep / "sweep_summary.md").read_text()
     # Each job's exported probe is an artifact of its W&B run (lineage), its files and digest included.
     for job in jobs:
-        assert [a[:2] for a in logged_artifacts(job / "wandb", expected=1)] == [("probe-tiny_llama", "model")]
-        assert "confrag.digest.json" in logged_artifacts(job / "wandb")[0][2]
+        # Besides the probe, a run logs its reliability diagram's table (a run_table artifact).
+        models = [a for a in logged_artifacts(job / "wandb", expected=2) if a[1] == "model"]
+        assert [a[:2] for a in models] == [("probe-tiny_llama", "model")]
+        assert "confrag.digest.json" in models[0][2]
 
 
 def test_probe_layer_out_of_range_lists_the_valid_range(tmp_path):

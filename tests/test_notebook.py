@@ -43,6 +43,7 @@ def outputs(notebook: Path) -> str:
     return "\n".join(o.get("text", "") for c in cells if c.cell_type == "code" for o in c.outputs)
 
 
+@pytest.mark.subprocess
 def test_the_notebook_executes_on_the_runs_folder_it_is_given(tmp_path):
     runs = tmp_path / "my_runs"
     probe_run(runs / "runs" / "2026-01-01_00-00-00", 4, None, calibration=True)  # one-class test split: null

@@ -216,6 +216,7 @@ def no_llm(monkeypatch):
     monkeypatch.setattr(nq_rerank, "load_llm", refuse)
 
 
+@pytest.mark.task
 def test_a_1mb_passage_without_whitespace_is_refused_before_the_llm_loads(tmp_path, no_llm):
     corpus_path = tmp_path / "corpus.jsonl"
     flashrag_corpus(corpus_path, [*DOCS[:2], ("huge", "Huge", "x" * 1_000_000), *DOCS[2:]])

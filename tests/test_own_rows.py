@@ -34,6 +34,7 @@ def rows_file(path, rows):
 FAST = ["trainer.max_epochs=1", "data.batch_size=2", "data.group_size=3", "data.passage_max_len=32", "logger=csv"]
 
 
+@pytest.mark.task
 def test_the_rerank_task_trains_on_your_rows_split_by_query(tmp_path):
     # The same query twice (up to case and punctuation): both rows on one side of the split.
     rows = [row(i, t) for i, t in enumerate(TOPICS)] + [{**row(10, "Paris"), "query": "Tell me about PARIS!"}]
@@ -56,6 +57,7 @@ def test_the_rerank_task_trains_on_your_rows_split_by_query(tmp_path):
     assert "| base + FT on your rows |" in card
 
 
+@pytest.mark.task
 def test_bad_rows_are_refused_by_file_and_line_before_anything_runs(tmp_path):
     rows = [row(i, t) for i, t in enumerate(TOPICS)]
     rows[3] = {**rows[3], "neg_scores": [0.1, float("nan"), 0.2]}

@@ -8,6 +8,7 @@ import torch
 from lightning import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+from confrag.probe.calibration import reliability_bins
 from confrag.probe.module import ProbeMismatchError, ProbeModule, load_probe, save_probe
 
 
@@ -142,6 +143,16 @@ def test_a_skipped_layer_scan_says_why(caplog, tmp_path):
     assert f"layer_scan skipped: {why}" in caplog.text
     summary = {"questions": 10, **{f"{s}/{k}": 1 for s in ("train", "dev", "test") for k in ("examples", "positives")}}
     datamodule = SimpleNamespace(layer=1, train_states="qa", balance=True, data=data, num_layers=2)
-    text = write_probe_report(tmp_path, "tiny", datamodule, {}, summary, [], [], scan_skipped=why)
+    text = write_probe_report(
+        tmp_path,
+        "tiny",
+        datamodule,
+        {},
+        summary,
+        [],
+        reliability_bins(np.array([0.2, 0.9]), np.array([0, 1])),
+        [],
+        scan_skipped=why,
+    )
     assert f"per-layer scan skipped: {why}" in text
     assert json.loads((tmp_path / "metrics.json").read_text())["layer_scan_skipped"] == why

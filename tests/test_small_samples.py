@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from confrag.probe.calibration import reliability_bins
 from confrag.reports.probe import metrics_line, ranking_lines, write_probe_report
 from confrag.reports.rerank import write_rerank_report
 from confrag.reports.small_samples import auroc_interval, small_mark, wilson
@@ -38,7 +40,9 @@ def test_a_small_or_one_class_test_split_is_marked_with_its_intervals(tmp_path):
     summary = {"questions": 10, "test/examples": 8, "test/positives": 3}
     summary.update({f"{s}/{k}": 4 for s in ("train", "dev") for k in ("examples", "positives")})
     datamodule = SimpleNamespace(layer=1, train_states="qa", balance=True, data=None, num_layers=2)
-    write_probe_report(tmp_path, "tiny", datamodule, metrics, summary, [], [])
+    write_probe_report(
+        tmp_path, "tiny", datamodule, metrics, summary, [], reliability_bins(np.array([0.2, 0.9]), np.array([0, 1])), []
+    )
     intervals = json.loads((tmp_path / "metrics.json").read_text())["test_intervals"]
     assert intervals["test/acc"] == pytest.approx(list(wilson(6, 8))) and len(intervals["test/auroc"]) == 2
 
@@ -48,6 +52,6 @@ def test_table_1_on_few_questions_is_marked(tmp_path):
     report.update(by_reference={}, retrieval={"gold_retrieved": 1.0, "answer_in_candidates": 1.0})
     report["retrieval"]["duplicate_passages_removed"] = 0
     rows = [{"system": "BM25", "P@1": 50.0}]
-    text = write_rerank_report(tmp_path, "tiny", report, 3, rows, {}, [])
+    text = write_rerank_report(tmp_path, "tiny", report, 3, rows, {}, {}, [])
     assert "3 questions (below 30 questions: no interval, not a result)" in text
     assert small_mark(30) == ""

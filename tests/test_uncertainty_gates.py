@@ -304,9 +304,14 @@ def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_
     monkeypatch.setattr(gates_task, "rerank_stage", no_stage)
     monkeypatch.setattr(gates_task, "load_llm", no_stage)
     path = tmp_path / "popqa.jsonl"
-    path.write_text('{"id": "p0", "question": "Who wrote it?", "golden_answers": ["Someone"]}\n')
+    # Enough questions for the question budget (checked first), none with a paragraph.
+    path.write_text(
+        "".join(
+            f'{{"id": "p{i}", "question": "Who wrote part {i}?", "golden_answers": ["Someone"]}}\n' for i in range(120)
+        )
+    )
     cfg = compose_cfg(["+experiment=gates_tiny_llama", f"dataset.questions_path={path}"], tmp_path)
-    with pytest.raises(ValueError, match=r"none of the 1 questions has a gold paragraph .*the cbdr task runs"):
+    with pytest.raises(ValueError, match=r"none of the \d+ questions has a gold paragraph .*the cbdr task runs"):
         gates_task.run(cfg, gates_task.check(cfg), run_context(cfg))
 
 
