@@ -47,7 +47,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 bench: setup
-	for b in extraction preferences reranker cbdr_latency checksums; do $(PY) benchmarks/$$b.py || exit 1; done
+	for b in extraction preferences cpu_llm reranker cbdr_latency checksums; do $(PY) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .cache logs

@@ -39,7 +39,7 @@ from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, generation_rows
 from confrag.llm.hidden_states import common_prefix_length
 from confrag.llm.prompts import encode_prompts
-from confrag.llm.workers import CPU_THREADS, fixed_threads, resolve_workers, run_batches
+from confrag.llm.workers import CPU_THREADS, fixed_threads, longest_first, resolve_workers, run_batches
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,8 @@ def generate_greedy_ids(
     bar = tqdm(total=len(batches), desc=desc, unit="batch", disable=not progress)
     with bar, fixed_threads(device, options.threads):  # the shared prefix's keys/values too
         runner = _Runner(model, ids, pad_id, max_new_tokens, prefix_len, options, rows)
-        for batch, new in run_batches(runner.run, batches, device, workers, bar):
+        ordered = longest_first(batches, lambda batch: max(len(ids[i]) for i in batch) * len(batch))
+        for batch, new in run_batches(runner.run, ordered, device, workers, bar):
             for index, tokens in zip(batch, new):
                 answers[index] = tokens
     return answers

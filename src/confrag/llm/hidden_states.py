@@ -44,7 +44,7 @@ from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, extraction_budget
 from confrag.llm.last_token import LastTokenCapture, last_token_layer, plain_decoder_layer, truncated
 from confrag.llm.prompts import encode_prompts
-from confrag.llm.workers import CPU_THREADS, fixed_threads, resolve_workers, run_batches
+from confrag.llm.workers import CPU_THREADS, fixed_threads, longest_first, resolve_workers, run_batches
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,10 @@ class HiddenStateEngine:
                     _eager(compiled)
                     return self._run_batch(suffixes, prefix_len, prefix_cache, layers, tail, hooks)
 
-            for batch, states in run_batches(work, batches, self.device, self.workers, bar):
+            widths = [max(len(ids[i]) for i in batch) * len(batch) for batch in batches]
+            order = longest_first(range(len(batches)), lambda b: widths[b])
+            ordered = [batches[b] for b in order]
+            for batch, states in run_batches(work, ordered, self.device, self.workers, bar):
                 out[:, batch, :] = states
 
     @contextlib.contextmanager

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length, validate_layers
 from confrag.llm.last_token import LastTokenCapture
 from confrag.llm.prompts import encode_prompts
-from confrag.llm.workers import fixed_threads, run_batches
+from confrag.llm.workers import fixed_threads, longest_first, run_batches
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,9 @@ class AnswerLikelihood:
             def work(batch: list[int]) -> tuple[np.ndarray, np.ndarray]:
                 return self._run_batch([pairs[j] for j in batch], prefix_len, prefix, layers, hooks)
 
-            for batch, (batch_ell, batch_states) in run_batches(work, batches, device, engine.workers, bar):
+            size = {id(b): max(len(pairs[j][1]) + len(pairs[j][2]) for j in b) * len(b) for b in batches}
+            ordered = longest_first(batches, lambda b: size[id(b)])
+            for batch, (batch_ell, batch_states) in run_batches(work, ordered, device, engine.workers, bar):
                 for row, j in enumerate(batch):
                     i = pairs[j][0]
                     ell[i] = max(ell[i], float(batch_ell[row]))
