@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length, validate_layers
+from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
 from confrag.llm.last_token import LastTokenCapture
 from confrag.llm.prompts import encode_prompts
 from confrag.llm.workers import fixed_threads, longest_first, run_batches
@@ -79,7 +79,7 @@ class AnswerLikelihood:
         for at, (i, _, _) in enumerate(pairs):
             first.setdefault(i, at)
         engine = self.engine
-        prefix_len = self._prefix_length(prompt_ids)
+        prefix_len = engine._shared_prefix_length(prompt_ids)  # every prompt keeps its last token
         rows, tokens = engine.batch_limits(engine.num_layers, max(len(p) + len(a) for _, p, a in pairs))
         batches = engine.length_batches([len(p) + len(a) - prefix_len for _, p, a in pairs], rows, tokens)
         device = engine.device
@@ -103,13 +103,6 @@ class AnswerLikelihood:
                     if layers and first[i] == j:
                         states[:, i, :] = batch_states[:, row, :]
         return PromptLikelihood(ell.astype(np.float32), states)
-
-    def _prefix_length(self, prompt_ids: Sequence[Sequence[int]]) -> int:
-        if not self.engine.share_prefix or len(prompt_ids) < 2:
-            return 0
-        # Every prompt keeps at least one token of its own: its last token is where the states are read.
-        length = min(common_prefix_length(prompt_ids), min(len(seq) for seq in prompt_ids) - 1)
-        return length if length >= self.engine.min_shared_prefix else 0
 
     def _run_batch(self, pairs, prefix_len: int, prefix, layers, hooks: LastTokenCapture):
         batch = len(pairs)
