@@ -97,3 +97,20 @@ def test_an_empty_nq_rerank_split_names_the_rule_the_confidence_source_and_the_c
         "NQ_Rerank has 0 train and 0 test rows: label rule preferences.selection=sign on Conf from "
         "preferences.confidence=probe kept 0 of its 24 questions (dropped: {'no_positive': 0, 'no_negative': 24})"
     )
+
+
+def test_a_selection_rule_without_training_rows_is_named_not_left_to_fail_later():
+    """The fold's selection rule kept no row: its reranker was skipped like a compared rule's, and the run failed later
+    looking it up."""
+    from types import SimpleNamespace
+
+    from confrag.stages.rerank import aligned_rerankers
+
+    recipe = SimpleNamespace(preferences=settings(), reranker=SimpleNamespace(eval_batch_size=2))
+    stage = SimpleNamespace(splits_by_rule={"sign": {"train": [{"qid": "q9"}], "test": []}}, candidates=[])
+    with pytest.raises(ValueError) as err:
+        aligned_rerankers(recipe, None, stage, {"q1", "q2"}, None, "_fold1", [], None)
+    assert str(err.value).startswith(
+        "label rule preferences.selection=sign on Conf from preferences.confidence=probe kept no row among the 2 "
+        "training questions of fold 1: "
+    )

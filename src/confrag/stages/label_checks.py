@@ -136,6 +136,18 @@ def empty_split_message(settings: PreferenceSettings, questions: int, rows: dict
     )
 
 
+def no_training_rows_message(settings: PreferenceSettings, questions: int, suffix: str = "") -> str:
+    """The selection rule kept no row among an aligned reranker's training questions (a fold's, or what the dev
+    split left): the rule, its confidence source and the count."""
+    where = f" of fold {suffix.removeprefix('_fold')}" if suffix else ""
+    return (
+        f"label rule preferences.selection={settings.selection} on Conf from preferences.confidence="
+        f"{settings.confidence} kept no row among the {questions} training questions{where}: raise "
+        "preferences.num_questions, lower preferences.cross_fit or preferences.dev_fraction, or try another "
+        "preferences.selection"
+    )
+
+
 def relevance_control_rows(
     candidates: Sequence[Candidates], qids: set[str], top_k: int, rule: str, suffix: str = ""
 ) -> list[dict]:

@@ -247,6 +247,8 @@ def aligned_rerankers(
     for rule in settings.rules:
         rows = [r for split in stage.splits_by_rule[rule].values() for r in split if r["qid"] in train_qids]
         if not rows:  # a compared rule that keeps no row: reported, not trained
+            if rule == settings.selection:  # the reranker the run exports and CBDR uses: named, with the counts
+                raise ValueError(label_checks.no_training_rows_message(settings, len(train_qids), suffix))
             training[rule] = {"train_rows": 0}
             continue
         if settings.mix_relevance:  # the same questions' relevance rows beside the rule's
