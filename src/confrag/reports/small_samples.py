@@ -74,4 +74,6 @@ def interval_note(values: Sequence[tuple[str, float]], n: int, what: str = "ques
 def interval_fields(values: dict[str, float], n: int) -> dict[str, list[float]]:
     """`<name>_ci` = [low, high] (Wilson) for each proportion of `values` over `n` when n is below SMALL_N (the
     machine-readable rows' version of `interval_note`); empty for larger samples."""
-    return {f"{name}_ci": list(wilson(value * n, n)) for name, value in values.items()} if n < SMALL_N else {}
+    if n >= SMALL_N:
+        return {}
+    return {f"{name}_ci": [round(bound, 6) for bound in wilson(value * n, n)] for name, value in values.items()}
