@@ -22,8 +22,8 @@ across every row compared with the base; detectable difference from the expected
 `eval.expected_discordance` default), not from each row's own; token F1 and EM beside it; the spread over
 `--seeds` seeds beside `lsr` and `relevance`. Cross-fitting: the test questions fall into `--folds` folds; a fold's
 students train on the other folds' test questions only (asserted disjoint); the dev questions are never trained
-on or reported: τ_T and λ (query tower) and w (residual head) are chosen on their Top-1 has_answer with the
-students of fold 0's training questions.
+on or reported: lr, λ and τ_T (query tower) and w (residual head) are chosen on their Top-1 has_answer with the
+students of fold 0's training questions, a tie going to the smaller change (lower lr, larger λ).
 
     python experiments/likelihood_training.py --questions 600 --dev 100 [--folds 5] [--seeds 3] [--out DIR]
         [--export-rows rows.jsonl]   # every question's graded ℓ list, FlagEmbedding's fields
@@ -63,8 +63,11 @@ TOWER = ListwiseSettings(
     anchor=0.0, seed=0,
 )  # fmt: skip
 HEAD = replace(TOWER, student="residual_head", lr=0.01, weight_decay=0.0)
-TEACHER_TAUS = (0.5, 2.0)
-ANCHORS = (0.0, 1.0)
+# The dev grid, smallest change first: a tie keeps the earlier setting (lower lr, larger anchor), the one nearer
+# the base, since 100 dev questions separate settings by a few questions at most.
+LEARNING_RATES = (3e-6, 1e-5, 3e-5)
+ANCHORS = (1.0, 0.0)
+TEACHER_TAUS = (2.0, 0.5)
 HEAD_WEIGHTS = (0.5, 1.0, 2.0)
 
 
@@ -122,11 +125,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the study's question permutation")
     parser.add_argument("--cache", default=str(ROOT / ".cache"))
     parser.add_argument("--out", default=str(ROOT / "logs" / "likelihood_training"))
+    parser.add_argument("--steps", type=int, default=TOWER.steps, help="optimizer steps of every student")
+    parser.add_argument("--learning-rates", type=float, nargs="+", default=list(LEARNING_RATES))
     parser.add_argument("--export-rows", default=None, help="also write every question's ℓ list as FlagEmbedding rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = time.time()
     study = load_study(args.questions, args.dev, args.seed, "float32", args.cache)
+    tower0, head0 = replace(TOWER, steps=args.steps), replace(HEAD, steps=args.steps)
     sets = study.candidate_sets
     ell = likelihoods(study, args.block, args.cache)
     data = embeddings(study)
@@ -157,15 +163,17 @@ def main() -> None:
     choice, best = None, -1.0
     dev_log = [{"student": "base", "dev_has_answer": dev_right(data.base_scores)}]
     log.info("dev: base has_answer %.3f", dev_log[0]["dev_has_answer"])
-    for tau_t, anchor in itertools.product(TEACHER_TAUS, ANCHORS):
-        student, _ = train(replace(TOWER, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
+    for lr, anchor, tau_t in itertools.product(args.learning_rates, ANCHORS, TEACHER_TAUS):
+        settings = replace(tower0, lr=lr, anchor=anchor)
+        student, _ = train(settings, "likelihood", tau_t, data, inputs, fold_train(0))
         right = dev_right(student.score(data))
-        dev_log.append({"student": "query_tower", "tau_t": tau_t, "anchor": anchor, "dev_has_answer": right})
-        log.info("dev: query tower τ_T=%.2f λ=%.1f has_answer %.3f", tau_t, anchor, right)
+        dev_log.append({"student": "query_tower", "lr": lr, "tau_t": tau_t, "anchor": anchor, "dev_has_answer": right})
+        log.info("dev: query tower lr=%g λ=%.1f τ_T=%.2f has_answer %.3f", lr, anchor, tau_t, right)
         if right > best:
-            choice, best = (tau_t, anchor), right
-    tau_t, anchor = choice
-    head, _ = train(replace(HEAD, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
+            choice, best = (lr, anchor, tau_t), right
+    lr, anchor, tau_t = choice
+    tower = replace(tower0, lr=lr, anchor=anchor)
+    head, _ = train(replace(head0, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
     w, best = None, -1.0
     for weight in HEAD_WEIGHTS:
         head.weight_at_scoring = weight
@@ -174,18 +182,19 @@ def main() -> None:
         log.info("dev: residual head w=%.1f has_answer %.3f", weight, right)
         if right > best:
             w, best = weight, right
-    log.info("dev chose τ_T=%.2f λ=%.1f w=%.1f (%.0f s)", tau_t, anchor, w, time.time() - start)
+    log.info("dev chose lr=%g τ_T=%.2f λ=%.1f w=%.1f (%.0f s)", lr, tau_t, anchor, w, time.time() - start)
 
     # ---- cross-fitted rows
     rows = {  # name -> (settings, teacher, seeds)
-        "lsr": (replace(TOWER, anchor=anchor), "likelihood", args.seeds),
-        "relevance": (replace(TOWER, anchor=anchor), "relevance", args.seeds),
-        "answer_bearing": (replace(TOWER, anchor=anchor), "answer_bearing", 1),
-        "residual": (replace(HEAD, anchor=anchor), "likelihood", 1),
+        "lsr": (tower, "likelihood", args.seeds),
+        "relevance": (tower, "relevance", args.seeds),
+        "answer_bearing": (tower, "answer_bearing", 1),
+        "residual": (replace(head0, anchor=anchor), "likelihood", 1),
     }
     scores = {name: [np.full(data.mask.shape, -np.inf, dtype=np.float32) for _ in range(n)]
               for name, (_, _, n) in rows.items()}  # fmt: skip
     missing = {name: 0 for name in rows}
+    fitted: dict[str, list] = {"lsr": [], "relevance": []}
     for k in range(args.folds):
         train_rows = fold_train(k)
         for name, (settings, teacher, n_seeds) in rows.items():
@@ -195,6 +204,8 @@ def main() -> None:
                     student.weight_at_scoring = w
                 missing[name] += lacking if seed == 0 else 0
                 scores[name][seed][folds[k]] = student.score(data.subset(folds[k]))
+                if seed == 0 and name in ("lsr", "relevance"):  # the student on the questions it trained on
+                    fitted[name].append((train_rows, student.score(data.subset(train_rows))))
         log.info("fold %d of %d trained (%.0f s)", k + 1, args.folds, time.time() - start)
 
     picks = {"base": top1(data.base_scores, test_at), "likelihood_oracle": [int(np.argmax(ell[i])) for i in test_at]}
@@ -202,8 +213,35 @@ def main() -> None:
         for seed, s in enumerate(per_seed):
             picks[f"{name}@{seed}"] = top1(s, test_at)
     results = {name: outcomes(test_at, p) for name, p in picks.items()}
-    report(args, study, ell, test_at, picks, results, missing, {"tau_t": tau_t, "anchor": anchor, "w": w},
-           dev_log, time.time() - start)  # fmt: skip
+    fit = fit_lines(study, ell, data, fitted, scores, folds)
+    chosen = {"lr": lr, "tau_t": tau_t, "anchor": anchor, "w": w}
+    report(args, study, ell, test_at, picks, results, missing, chosen, dev_log + fit, time.time() - start)
+
+
+def fit_lines(study: Study, ell, data, fitted, scores, folds) -> list[dict]:
+    """In-sample against held-out, fold 0-k students of `lsr` (agreement with ℓ's top-1) and `relevance` (own
+    paragraph first), each beside the base on the same questions: did the student learn its target, and does
+    what it learned carry to questions it did not see?"""
+    sets = study.candidate_sets
+
+    def measure(name: str, rows: list[int], s: np.ndarray) -> float:
+        if name == "lsr":
+            return float(np.mean([np.argmax(s[r]) == np.argmax(ell[i]) for r, i in enumerate(rows)]))
+        own = [sets[i].from_gold[int(np.argmax(s[r]))] for r, i in enumerate(rows) if sets[i].gold_retrieved]
+        return float(np.mean(own))
+
+    out = []
+    for name, per_fold in fitted.items():
+        trained = [measure(name, rows, s) for rows, s in per_fold]
+        trained_base = [measure(name, rows, data.base_scores[rows]) for rows, _ in per_fold]
+        held_rows = [i for fold in folds for i in fold]
+        held = measure(name, held_rows, scores[name][0][held_rows])
+        held_base = measure(name, held_rows, data.base_scores[held_rows])
+        what = "= ℓ's top-1" if name == "lsr" else "own ¶ first"
+        out.append({"student": f"{name}@0 fit", "measure": what, "training_questions": float(np.mean(trained)),
+                    "training_questions_base": float(np.mean(trained_base)), "held_out": held,
+                    "held_out_base": held_base})  # fmt: skip
+    return out
 
 
 def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, seconds) -> None:
@@ -234,9 +272,10 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
     lines = [
         f"# Rerankers trained on the LLM's likelihood: {n} test questions in {args.folds} cross-fitted folds",
         "",
-        f"Dev ({len(study.dev_ids)} questions) chose τ_T = {chosen['tau_t']}, λ = {chosen['anchor']}, residual "
-        f"w = {chosen['w']}. Every student: {TOWER.steps} steps of {TOWER.batch_size} questions, warmup "
-        f"{TOWER.warmup_ratio}, lr {TOWER.lr} (query tower) / {HEAD.lr} (head).",
+        f"Dev ({len(study.dev_ids)} questions; base {100 * dev_log[0]['dev_has_answer']:.0f} %) chose lr = "
+        f"{chosen['lr']}, τ_T = {chosen['tau_t']}, λ = {chosen['anchor']}, residual w = {chosen['w']}. Every "
+        f"student: {args.steps} steps of {TOWER.batch_size} questions, warmup {TOWER.warmup_ratio}, the query "
+        f"tower's lr for every query-tower row, {HEAD.lr} for the head.",
         f"Primary (fixed before the run): `lsr@0` vs `base`, Top-1 has_answer, exact McNemar, Holm over the "
         f"{len(shown)} rows compared. Design's detectable difference at 80 % power: "
         f"{100 * detectable_difference(n, EXPECTED_DISCORDANCE):.1f} points (expected discordance "
@@ -263,6 +302,12 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
         )
         row["has_answer"] = [row["has_answer"].value, row["has_answer"].low, row["has_answer"].high]
         metrics[name] = row
+    for entry in (e for e in dev_log if e["student"].endswith(" fit")):
+        lines.append(
+            f"- {entry['student']}, {entry['measure']}: {100 * entry['training_questions']:.1f} % on its training "
+            f"questions (base {100 * entry['training_questions_base']:.1f} %), {100 * entry['held_out']:.1f} % held "
+            f"out (base {100 * entry['held_out_base']:.1f} %)."
+        )
     lines += [
         "",
         f"Questions without a positive, left out of training (fold by fold, summed): {missing}.",
