@@ -51,6 +51,9 @@ def test_a_corpus_without_the_questions_paragraphs_or_answers_is_refused_naming_
         "your own names no question's paragraph)"
     )
     assert "or set preferences.confidence=probe" in message
+    assert "gold_source field, docs/usage.md#your-candidates" in message
+    # Nothing names a gold paragraph: more candidates cannot help, so the message does not offer them.
+    assert "relevance needs" in message and "or a larger retrieval.top_n" not in message.split("; ")[0]
     assert (
         "preferences.relevance_baseline=true (the control fine-tuned on relevance labels: a candidate holding a gold "
         "answer is positive) has no row: of the 8 NQ_Rerank questions, 8 have no candidate holding a gold answer and "

@@ -109,3 +109,13 @@ def test_table1_says_what_its_labels_are_and_what_a_random_order_gets():
     assert "2.0 positive and 1.0 negative a question" in line
     assert "On average 62.5 % of a question's candidates are positive" in line  # (3/4 + 1/2) / 2
     assert "P@1 moves in steps of 50.00 points" in line and "not with the own ¶ or the LLM's answers" in line
+
+
+def test_an_unknown_gold_paragraph_is_said_unknown_not_zero():
+    unknown = {**RETRIEVAL, "gold_retrieved": 0.0, "gold_known": 0.0}
+    assert retrieval_line(unknown).startswith("the question's gold paragraph is unknown (no question's gold document")
+    assert "0 %" not in retrieval_line(unknown).split(",")[0]
+    partial = {**RETRIEVAL, "gold_retrieved": 0.4, "gold_known": 0.5}
+    assert retrieval_line(partial).startswith(
+        "the question's gold paragraph is among them for 80 % of the 50 % of questions whose gold document is known"
+    )

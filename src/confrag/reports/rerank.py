@@ -49,10 +49,17 @@ def retrieval_line(stats: dict[str, Any]) -> str:
     """How often the retrieved candidates hold the question's gold paragraph and a gold answer (the retrieval
     stage's `question_candidates` statistics), in every report that states it."""
     joined = stats.get("eval_file")  # eval.nq_path: its paragraphs joined the corpus (stages.retrieval)
-    return (
-        f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
-        f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %"
-    ) + (
+    known = stats.get("gold_known", 1.0)
+    if known == 0:  # "0 %" would read as a measurement: nothing names the questions' paragraphs
+        gold = "the question's gold paragraph is unknown (no question's gold document is named: gold_source), "
+    elif known < 1:
+        gold = (
+            f"the question's gold paragraph is among them for {100 * stats['gold_retrieved'] / known:.0f} % of the "
+            f"{100 * known:.0f} % of questions whose gold document is known, "
+        )
+    else:
+        gold = f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
+    return (gold + f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %") + (
         f" (the evaluation file's paragraphs joined the corpus: {joined['with_paragraph']} of its "
         f"{joined['questions']} questions have one, {joined['documents_added']} documents added, the rest already "
         "there)"

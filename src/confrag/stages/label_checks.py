@@ -93,8 +93,10 @@ def _relevance_confidence_problems(
         return [
             f"{head}{why}, so the control has nothing to mark (rule sign keeps no question, rule rank would order "
             "ties by retrieval). Use the questions' own paragraphs as the corpus (leave dataset.corpus_path unset), "
-            "a candidates file naming each question's gold_source, or a larger retrieval.top_n; or set "
-            "preferences.confidence=probe"
+            "or a candidates file in this project's format naming each question's gold document (its gold_source "
+            "field, docs/usage.md#your-candidates)"
+            + ("" if why else ", or a larger retrieval.top_n")
+            + "; or set preferences.confidence=probe"
         ]
     rule = RULES[settings.selection]
     if not rule.needs_answers:  # the rows are known now: the same rule, shifts and split as NQ_Rerank's

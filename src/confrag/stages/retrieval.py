@@ -261,6 +261,8 @@ def question_candidates(
         "questions": len(cleaned),
         "duplicate_passages_removed": int(sum(removed)),
         "gold_retrieved": float(np.mean([c.gold_retrieved for c in cleaned])),
+        # The share whose gold document is known at all: a corpus or candidates file of your own names none.
+        "gold_known": float(np.mean([c.gold_source is not None for c in cleaned])),
         "answer_in_candidates": float(np.mean([any(c.has_answer) for c in cleaned])),
     }
     budget = encoder_budget(retrieval)
