@@ -2,7 +2,7 @@
 
 Random-weight models of the exact Llama-3-8B and Qwen2.5-7B shapes (`confrag.llm.shapes.PUBLISHED_SHAPES`:
 their published config numbers, full vocabularies, untied heads, Qwen's q/k/v bias; nothing is downloaded),
-bf16 on CUDA, and the workload of issue 12: 2,048 RAG-like prompts of random token ids, a 40-token prefix
+bf16 on CUDA, and the GPU targets' workload (docs/gpu.md): 2,048 RAG-like prompts of random token ids, a 40-token prefix
 shared by all, then 120-260 tokens of their own (~469k tokens), hidden states at Layer/2. Side by side:
 
 - engine: `HiddenStateEngine.extract_ids` (batch sizes "auto" by default: from free device memory), eager,

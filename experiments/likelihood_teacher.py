@@ -31,7 +31,9 @@ import argparse
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -46,7 +48,7 @@ from confrag.rag.answers import AnswerStore, score_answer
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
 from confrag.reranker.likelihood_teacher import candidate_likelihoods
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
-from confrag.retrieval.candidates import without_duplicates
+from confrag.retrieval.candidates import Candidates, without_duplicates
 from confrag.retrieval.corpus import document_text
 from confrag.retrieval.dense import MeanPoolEncoder
 
@@ -55,6 +57,36 @@ TOP_N = 20
 EXPECTED_DISCORDANCE = 4 / 60  # the pilot's: fixed before this run
 FUSION_WEIGHTS = (0.25, 0.5, 1.0, 2.0, 4.0)
 log = logging.getLogger("likelihood_teacher")
+
+
+@dataclass(frozen=True)
+class Study:
+    """The questions of the study and what each reads: the LLM, the prompts, BM25's candidates."""
+
+    llm: Any
+    templates: PromptTemplates
+    picked: list  # the questions, dev first
+    candidate_sets: list[Candidates]
+    dev_ids: set[str]
+    test_ids: set[str]
+
+
+def load_study(questions: int, dev: int, seed: int, dtype: str, cache: str) -> Study:
+    """The first `questions` of a seeded permutation of the NQ file (repeats dropped), the first `dev` of them the
+    dev questions; BM25's top 20 of each, repeats removed. The same arguments give the same study, so every script
+    reading it reads the same cached ℓ blocks."""
+    llm_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml"))
+    llm = load_llm(llm_cfg | {"cache_dir": str(Path(cache) / "models"), "dtype": dtype})
+    templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
+    rows = drop_duplicate_questions(load_nq_jsonl(default_nq_path()))
+    corpus = corpus_from_nq(rows)
+    order = np.random.default_rng(seed).permutation(len(rows))[:questions]
+    picked = [rows[i] for i in order]
+    dev_ids, test_ids = {r.qid for r in picked[:dev]}, {r.qid for r in picked[dev:]}
+    assert not dev_ids & test_ids, "dev and test questions overlap"
+    retriever = BM25Retriever(corpus, cache_dir=cache)
+    candidate_sets = [without_duplicates(c)[0] for c in retrieve_candidates(picked, corpus, retriever, TOP_N)]
+    return Study(llm, templates, picked, candidate_sets, dev_ids, test_ids)
 
 
 def zscore(x: np.ndarray) -> np.ndarray:
@@ -88,17 +120,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = time.time()
 
-    llm_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml"))
-    llm = load_llm(llm_cfg | {"cache_dir": str(Path(args.cache) / "models"), "dtype": args.dtype})
-    templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
-    rows = drop_duplicate_questions(load_nq_jsonl(default_nq_path()))
-    corpus = corpus_from_nq(rows)
-    order = np.random.default_rng(args.seed).permutation(len(rows))[: args.questions]
-    picked = [rows[i] for i in order]
-    dev_ids, test_ids = {r.qid for r in picked[: args.dev]}, {r.qid for r in picked[args.dev :]}
-    assert not dev_ids & test_ids, "dev and test questions overlap"
-    retriever = BM25Retriever(corpus, cache_dir=args.cache)
-    candidate_sets = [without_duplicates(c)[0] for c in retrieve_candidates(picked, corpus, retriever, TOP_N)]
+    study = load_study(args.questions, args.dev, args.seed, args.dtype, args.cache)
+    llm, templates, picked, candidate_sets = study.llm, study.templates, study.picked, study.candidate_sets
+    dev_ids, test_ids = study.dev_ids, study.test_ids
     engine = HiddenStateEngine(llm.model, llm.tokenizer, progress=False)
     encoder = MeanPoolEncoder()
     store = AnswerStore(llm, templates, args.cache, max_new_tokens=24, progress=False)

@@ -155,3 +155,51 @@ def test_swapped_in_leaves_the_old_folder_when_the_build_fails(tmp_path, caplog)
     assert version_of(tmp_path / "probe") == "new" and [p.name for p in tmp_path.iterdir()] == ["probe"]
     assert (tmp_path / "probe").stat().st_mode & 0o777 == atomic.dir_mode()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # this file system exchanges
+
+
+class _Converted:
+    """Stands in for the transformers model / tokenizer of a GGUF file: what a reader of the cache sees while the
+    conversion writes is recorded, and `fail` makes the save die half-way (a killed conversion)."""
+
+    seen: list[str] = []
+    fail = False
+    target = Path()
+
+    def __init__(self) -> None:
+        self.config = type("Config", (), {})()
+        self.hf_quantizer = None
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return cls()
+
+    def save_pretrained(self, directory) -> None:
+        _Converted.seen.append(version_of(_Converted.target))  # a reader in the middle of the conversion
+        (Path(directory) / "new-0.txt").write_text("new")
+        if _Converted.fail:
+            raise RuntimeError("killed half-way")
+        for i in range(1, FILES):
+            (Path(directory) / f"new-{i}.txt").write_text("new")
+
+
+def test_a_model_conversion_replaces_a_damaged_one_without_a_moment_without_the_folder(tmp_path, monkeypatch):
+    """The converted model's folder was deleted before the new one was renamed in: a reader (or a conversion
+    killed in between) found no folder. Now it is the old folder, whole, until the new one takes its place."""
+    from confrag.llm import pretrained
+
+    target = tmp_path / "models" / "model-0123"
+    fill(target, "old")  # no digest: a damaged conversion, rebuilt
+    monkeypatch.setattr(pretrained, "AutoTokenizer", _Converted)
+    monkeypatch.setattr(pretrained, "AutoModelForCausalLM", _Converted)
+    monkeypatch.setattr(pretrained, "write_folder_digest", lambda folder: None)  # the digest file would mix versions
+    monkeypatch.setattr(_Converted, "target", target)
+    monkeypatch.setattr(_Converted, "seen", [])
+    monkeypatch.setattr(_Converted, "fail", True)
+    with pytest.raises(RuntimeError, match="killed half-way"):
+        pretrained.convert_gguf(tmp_path / "model.gguf", target)
+    assert version_of(target) == "old" and _Converted.seen == ["old"]
+    assert not [p.name for p in target.parent.iterdir() if ".tmp-" in p.name]
+    monkeypatch.setattr(_Converted, "fail", False)
+    pretrained.convert_gguf(tmp_path / "model.gguf", target)
+    assert _Converted.seen == ["old", "old", "old"] and version_of(target) == "new"  # model, then tokenizer
+    assert not [p.name for p in target.parent.iterdir() if p.name.startswith(".tmp-")]

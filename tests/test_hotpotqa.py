@@ -117,3 +117,54 @@ def test_file_level_errors(tmp_path):
         load_hotpotqa(tmp_path / "rows.csv")
     with pytest.raises(ValueError, match="limit must be an integer >= 1 or None"):
         load_hotpotqa(OFFICIAL, limit=0)
+
+
+# ---------------------------------------------------------------- passages in the LLM's tokens, before it loads
+
+
+def long_hotpotqa(path: Path) -> Path:
+    """The official sample with one supporting paragraph (question 2's "Elsworth Mill") past the tiny LLM's context."""
+    records = official_rows()
+    for title, sentences in records[0]["context"]:
+        if title == "Elsworth Mill":
+            sentences.append(" The mill " + "kept-grinding-" * 1500)  # no whitespace: no 100-word split shortens it
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.mark.task
+def test_hotpotqa_passages_are_measured_before_the_llm_loads(tmp_path, monkeypatch):
+    """NQ's corpus was measured in the LLM's tokens before the LLM loaded; HotpotQA's supporting paragraphs were
+    not: an overlong one failed only inside generation, after the probe, NQ_Rerank and the rerankers."""
+    import dataclasses
+
+    import confrag.llm.loading as loading
+    import confrag.stages.evaluation as evaluation_stage
+    import confrag.stages.nq_rerank as nq_rerank
+    from confrag.recipes import evaluation_recipe
+    from confrag.retrieval.corpus import document_text
+    from confrag.retrieval.lengths import PassageTooLongError
+    from confrag.stages.evaluation import hotpotqa_material
+    from confrag.train import run_task
+
+    from helpers.runs import compose_cfg
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the LLM loaded")
+
+    for module in (loading, nq_rerank, evaluation_stage):
+        monkeypatch.setattr(module, "load_llm", refuse)
+    path = long_hotpotqa(tmp_path / "hotpot_long.json")
+    cfg = compose_cfg(["+experiment=cbdr_tiny_llama", f"eval.hotpotqa_path={path}", "logger=csv"], tmp_path)
+    with pytest.raises(PassageTooLongError) as err:
+        run_task(cfg)
+    message = str(err.value)
+    assert message.startswith("1 passage(s) are longer than the ") and "retrieval.cut_passages=true" in message
+    assert f"({path}, a paragraph of question '5a8b0001fixture0001': " in message
+    assert not (tmp_path / "cache" / "probes").exists()  # before the probe's stage too
+    # Cut on the LLM's tokens when asked, and counted (the evaluation retrieves from this corpus).
+    recipe, answers, evaluation = evaluation_recipe(cfg)
+    retrieval = dataclasses.replace(recipe.retrieval, cut_passages=True)
+    material = hotpotqa_material(evaluation, answers, recipe.llm, recipe.templates, retrieval, 0)
+    assert material.lengths["llm"]["cut"] == 1 and len(material.rows) == 3
+    assert not material.budget.over([document_text(p) for p in material.corpus.passages])

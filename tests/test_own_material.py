@@ -253,3 +253,33 @@ def test_overlong_passages_are_cut_on_the_llms_tokens_when_asked(tiny_llama, tmp
     # The encoder's budget is counted, not refused: its tokenizer cuts the rest.
     counted = count_over(budget, [document_text(p) for p in corpus.passages] * 2)
     assert counted == {"passages": 2, "over_limit": 1, "limit": 100}
+
+
+# ---------------------------------------------------------------- controls a corpus as given cannot label
+
+UNRELATED = [  # made-up words: no NQ answer, no question's own paragraph
+    (f"u{i}", f"Zorblat {i}", f"Vastrel grooves of the flimmer quench plinthwort {i} beside gromwell yarrowkettles.")
+    for i in range(40)
+]
+
+
+@pytest.mark.task
+def test_controls_the_corpus_cannot_label_are_refused_before_the_llm_loads(tmp_path, no_llm):
+    """A FlashRAG corpus as given, without the questions' answers or paragraphs: the relevance control failed after
+    the probe and the base reranker as "data.train: no preference rows"; the relevance confidence kept no row."""
+    corpus_path = flashrag_corpus(tmp_path / "corpus.jsonl", UNRELATED)
+    base = ["+experiment=reranker_tiny_llama", f"dataset.corpus_path={corpus_path}", "retrieval.words_per_passage=null"]
+    with pytest.raises(ValueError) as err:
+        run_task(compose_cfg([*base, "logger=csv"], tmp_path))
+    assert str(err.value).startswith(
+        "preferences.relevance_baseline=true (the control fine-tuned on relevance labels: a candidate holding a gold "
+        "answer is positive) has no row: of the 24 NQ_Rerank questions, 24 have no candidate holding a gold answer"
+    )
+    cfg = compose_cfg([*base, "preferences.confidence=relevance", "preferences.relevance_baseline=false"], tmp_path)
+    with pytest.raises(ValueError) as err:
+        run_task(cfg)
+    assert str(err.value).startswith(
+        "preferences.confidence=relevance needs each question's own paragraph among its candidates (Conf 1 on it, 0 "
+        "elsewhere): 24 of the 24 NQ_Rerank questions have none (their gold paragraph is not known"
+    )
+    assert not (tmp_path / "cache" / "probes").exists()  # refused before the probe, too

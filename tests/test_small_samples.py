@@ -55,3 +55,88 @@ def test_table_1_on_few_questions_is_marked(tmp_path):
     text = write_rerank_report(tmp_path, "tiny", report, 3, rows, {}, {}, [])
     assert "3 questions (below 30 questions: no interval, not a result)" in text
     assert small_mark(30) == ""
+
+
+def gate(name: str, n: int, retrieval_rate: float, auroc: float, helped: int, contexts: str = "clean"):
+    from confrag.gates.evaluation import GateRow
+
+    return GateRow(
+        name,
+        contexts,
+        n,
+        0.5,
+        0.3,
+        0.7,
+        retrieval_rate,
+        0.0,
+        0.5,
+        1.0,
+        0.01,
+        retrieval_rate,
+        auroc,
+        0.2,
+        helped,
+        1,
+        0,
+        1.0,
+    )
+
+
+def test_gate_rows_on_few_questions_carry_their_intervals_or_say_why_not():
+    from confrag.reports.gates import gate_record, tables_text
+
+    rows = [gate("always", 12, 1.0, float("nan"), 5), gate("cbdr", 12, 5 / 12, 0.7, 5)]
+    rows += [
+        gate("always", 12, 1.0, float("nan"), 0, "conflicting"),
+        gate("cbdr", 12, 0.5, float("nan"), 0, "conflicting"),
+    ]
+    text = tables_text(rows, "has_answer")
+    low, high = wilson(5, 12)
+    a_low, a_high = auroc_interval(0.7, 5, 7)
+    assert (
+        f"Below 30 test questions (n = 12), 95 % intervals: retrieval rate (%) always 100.0 [75.8, 100.0], cbdr "
+        f"41.7 [{100 * low:.1f}, {100 * high:.1f}]; AUROC (Hanley-McNeil): cbdr 0.700 [{a_low:.3f}, {a_high:.3f}]."
+    ) in text
+    assert "AUROC and PRR undefined: retrieval helped on 0 of 12 (one class only, not a result)." in text
+    settings = SimpleNamespace(names=[], configs={})
+    evaluation = SimpleNamespace(sets=SimpleNamespace(train=[], test=[], report={}), timings={})
+    results = SimpleNamespace(rows=rows, fits={}, decisions={})
+    table = gate_record(settings, evaluation, results, [], {}, 1.0)["table"]
+    assert table[1]["retrieval_rate_ci"] == pytest.approx([low, high], abs=1e-6) and table[1][
+        "auroc_ci"
+    ] == pytest.approx([a_low, a_high])
+    assert table[0]["auroc_ci"] is None and table[1]["sample"] == "12 test questions, below 30: 95 % intervals"
+    large = [gate("cbdr", 300, 0.5, 0.7, 100)]
+    assert (
+        "Below 30" not in tables_text(large, "has_answer")
+        and "sample"
+        not in gate_record(settings, evaluation, SimpleNamespace(rows=large, fits={}, decisions={}), [], {}, 1.0)[
+            "table"
+        ][0]
+    )
+
+
+def test_table_3_and_the_beta_sweep_on_few_questions_carry_their_intervals():
+    from confrag.reports.cbdr import sample_fields, share, table3_note, with_intervals
+
+    rows = [{"reranker": "base", "id": "base", "beta": 0.0, "retrieval_rate": 1.0, "top1": 0.5, "top3": 0.25}]
+    low, high = wilson(6, 12)
+    assert table3_note(rows, 12, "has_answer", (1, 3))[-1] == (
+        f"- base, β 0: Top-1 50.00 [{100 * low:.2f}, {100 * high:.2f}], Top-3 25.00 [{100 * wilson(3, 12)[0]:.2f}, "
+        f"{100 * wilson(3, 12)[1]:.2f}], RR 100.00 [{100 * wilson(12, 12)[0]:.2f}, 100.00]"
+    )
+    assert table3_note(rows, 12, "f1", (1,)) == [
+        "",
+        "Table 3 is on 12 test questions (below 30 questions: no interval, not a result).",
+    ]
+    assert table3_note(rows, 40, "has_answer", (1,)) == [] and with_intervals(rows, 40, "em") == rows
+    (row,) = with_intervals(rows, 12, "em")
+    assert row["top1_ci"] == pytest.approx([low, high], abs=1e-6) and row["retrieval_rate_ci"] == pytest.approx(
+        list(wilson(12, 12))
+    )
+    (row,) = with_intervals(rows, 12, "f1")  # F1's mean is no proportion: the retrieval rate's interval only
+    assert "top1_ci" not in row and "retrieval_rate_ci" in row
+    assert sample_fields(12, "f1")["sample"].startswith("12 test questions, below 30: intervals of the retrieval rate")
+    assert sample_fields(30, "em") == {}
+    assert share(0.5, 12, "has_answer") == f"50.00 % [{100 * low:.2f}, {100 * high:.2f}]"
+    assert share(0.5, 300, "has_answer") == share(0.5, 12, "f1") == "50.00 %"  # as the report wrote it before

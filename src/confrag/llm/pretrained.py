@@ -7,14 +7,13 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from confrag.infra.atomic import honour_umask, make_temp_dir
+from confrag.infra.atomic import swapped_in
 from confrag.infra.digests import folder_problem, write_folder_digest
 from confrag.infra.locks import exclusive
 from confrag.infra.paths import default_cache_dir
@@ -188,8 +187,8 @@ def ensure_converted(path: Path, target: Path) -> None:
 
 
 def convert_gguf(path: Path, target: Path) -> None:
-    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy with its folder digest; written to a
-    temp dir, then renamed.
+    """Dequantize once (~20 s for SmolLM2) and keep a safetensors copy with its folder digest; built in a temp dir
+    beside the target and swapped into its place (`infra.atomic.swapped_in`).
 
     Several processes may start on a fresh cache at once (a multirun, two runs, torchrun ranks): the
     conversion runs under a file lock, and a process that finds the target whole after waiting for
@@ -205,15 +204,9 @@ def convert_gguf(path: Path, target: Path) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
-        if target.exists():  # damaged, or without a digest: rebuilt
-            shutil.rmtree(target)
-        tmp = make_temp_dir(target.parent, "." + target.name + ".tmp-")
-        try:
+        # Built beside the target and swapped in: a damaged (or digest-less) conversion stays in place until the
+        # new one takes it, so no reader, and no killed writer, ever leaves the cache without the folder.
+        with swapped_in(target) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             write_folder_digest(tmp)
-            honour_umask(tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise

@@ -18,13 +18,14 @@ from confrag.cbdr.settings import CBDRSettings
 from confrag.reports.cbdr_chain import chain_intro, chain_markdown
 from confrag.reports.cbdr_setup import evaluation_pool_line, reading_guide, stage_line, table1_labels_line
 from confrag.reports.rerank import base_line, retrieval_line
-from confrag.reports.small_samples import small_mark
+from confrag.reports.small_samples import SMALL_N, interval_fields, proportion_text, small_mark
 from confrag.reports.tables import RunHeader, log_rows, markdown_table, plain, wandb_loggers
 from confrag.reranker.systems import label
 from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
 from confrag.stages.rerank import RerankStage
 
 CURVE_RANGE = (0.90, 1.00)  # the papers' Figure 8
+PROPORTIONS = ("has_answer", "em")  # 0/1 per question: their means have Wilson intervals (token F1 is no proportion)
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,15 @@ def run_record(
         "metrics": metrics,
         "table1": rows1,
         "table2": plain(rows2),
-        "table3": results.table3_rows,
+        "table3": with_intervals(results.table3_rows, results.grid.n, settings.metric),
         "sweep": {
             "reranker": label(settings.reranker),
             "reranker_id": settings.reranker,
             "k": settings.k,
             "metric": settings.metric,
             "split": "test",
-            "rows": results.grid.rows(),
+            "rows": with_intervals(results.grid.rows(), results.grid.n, settings.metric),
+            **sample_fields(results.grid.n, settings.metric),
         },
         "chosen_beta": chosen,
         "flips": [f.to_dict() for f in results.flips],
@@ -88,6 +90,47 @@ def run_record(
         "wall_seconds": seconds,
         "seconds": evaluation.seconds,
     }
+
+
+def with_intervals(rows: list[dict[str, Any]], n: int, metric: str) -> list[dict[str, Any]]:
+    """Table 3's or the β sweep's rows over `n` test questions; below SMALL_N each carries the Wilson intervals of
+    its retrieval rate, and of its Top-K accuracies when the metric is a proportion (`<name>_ci`)."""
+    if n >= SMALL_N:
+        return rows
+    shares = ("retrieval_rate",) + (("top",) if metric in PROPORTIONS else ())
+    return [{**row, **interval_fields({k: v for k, v in row.items() if k.startswith(shares)}, n)} for row in rows]
+
+
+def sample_fields(n: int, metric: str) -> dict[str, Any]:
+    """What the sweep's record says of its sample below SMALL_N questions (nothing for larger ones)."""
+    if n >= SMALL_N:
+        return {}
+    what = (
+        "95 % intervals"
+        if metric in PROPORTIONS
+        else f"intervals of the retrieval rate only ({metric} is no proportion)"
+    )
+    return {"n": n, "sample": f"{n} test questions, below {SMALL_N}: {what}"}
+
+
+def table3_note(rows: Sequence[dict[str, Any]], n: int, metric: str, ks: Sequence[int]) -> list[str]:
+    """Below SMALL_N test questions, the lines under Table 3: each row's Top-K accuracies (a proportion's) and
+    retrieval rate with their 95 % intervals, or the mark when the metric has none."""
+    if n >= SMALL_N:
+        return []
+    if metric not in PROPORTIONS:
+        return ["", f"Table 3 is on {n} test questions{small_mark(n)}."]
+    lines = ["", f"Below {SMALL_N} test questions (n = {n}), 95 % intervals (Wilson):", ""]
+    for row in rows:
+        cells = [f"Top-{k} {proportion_text(row[f'top{k}'], n, 2, 100.0)}" for k in ks]
+        rate = proportion_text(row["retrieval_rate"], n, 2, 100.0)
+        lines.append(f"- {row['reranker']}, β {row['beta']:g}: {', '.join(cells)}, RR {rate}")
+    return lines
+
+
+def share(value: float, n: int, metric: str) -> str:
+    """An accuracy in % (with its interval below SMALL_N when the metric is a proportion)."""
+    return proportion_text(value, n, 2, 100.0, " %") if metric in PROPORTIONS else f"{100 * value:.2f} %"
 
 
 def dev_accuracy(evaluation: RagEvaluation, settings: CBDRSettings) -> dict[str, dict[str, float]]:
@@ -141,6 +184,7 @@ def report_markdown(
     chosen, ev = results.chosen, record["eval"]
     chain = chain_markdown(stage, rows2, record.get("diagnostics", {}), settings.ks)
     n_pref = len(stage.table1_rows)
+    n_dev, n_test, metric = len(ev["dev"]), chosen["test/n"], settings.metric  # rates are proportions whatever it is
     capped = {
         f"{d} / {n}": {k: c for k, c in caps.items() if c}
         for d, by in ev["capped"].items()
@@ -206,6 +250,7 @@ def report_markdown(
         "it does)",
         "",
         results.table3,
+        *table3_note(results.table3_rows, results.grid.n, settings.metric, settings.ks),
         "",
         "## β curve",
         "",
@@ -216,14 +261,17 @@ def report_markdown(
         "",
         *[f"![{name}]({path.name})" for name, path in plots.items()],
         "",
-        f"## β chosen on dev, reported on test (Top-{settings.k}, objective {chosen['objective']}{budget})",
+        f"## β chosen on dev, reported on test (Top-{settings.k}, objective {chosen['objective']}{budget})"
+        + (small_mark(n_test) if settings.metric not in PROPORTIONS else ""),
         "",
-        f"β = {chosen['beta']:g}: dev accuracy {100 * chosen['dev/accuracy']:.2f} % at retrieval rate "
-        f"{100 * chosen['dev/retrieval_rate']:.2f} %; test accuracy {100 * chosen['test/accuracy']:.2f} % at "
-        f"retrieval rate {100 * chosen['test/retrieval_rate']:.2f} % against "
-        f"{100 * chosen['test/always_retrieve_accuracy']:.2f} % always retrieving (n = {chosen['test/n']}).",
-        f"At cbdr.beta = {settings.beta:g}: test accuracy {100 * results.at_beta['test/accuracy_at_beta']:.2f} %, "
-        f"retrieval rate {100 * results.at_beta['test/retrieval_rate_at_beta']:.2f} %.",
+        f"β = {chosen['beta']:g}: dev accuracy {share(chosen['dev/accuracy'], n_dev, metric)} at retrieval rate "
+        f"{share(chosen['dev/retrieval_rate'], n_dev, 'has_answer')}; test accuracy "
+        f"{share(chosen['test/accuracy'], n_test, metric)} at retrieval rate "
+        f"{share(chosen['test/retrieval_rate'], n_test, 'has_answer')} against "
+        f"{share(chosen['test/always_retrieve_accuracy'], n_test, metric)} always retrieving (n = {n_test}).",
+        f"At cbdr.beta = {settings.beta:g}: test accuracy "
+        f"{share(results.at_beta['test/accuracy_at_beta'], n_test, metric)}, retrieval rate "
+        f"{share(results.at_beta['test/retrieval_rate_at_beta'], n_test, 'has_answer')}.",
         "",
         f"## Phase-difference analysis (appendix F), {run.questions} test",
         "",
@@ -275,6 +323,6 @@ def log_results(
             ],
         )
         log_rows(logger, "table3", results.table3_rows)
-        log_rows(logger, "beta_sweep", results.grid.rows())
+        log_rows(logger, "beta_sweep", results.grid.rows())  # their intervals (below 30 questions) in metrics.json
         for name, path in plots.items():
             logger.log_image(name, [str(path)])

@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import Logger
 
 from confrag.gates.evaluation import CurvePoint, GateRow, gates_markdown
 from confrag.gates.settings import GateSettings
+from confrag.reports.small_samples import SMALL_N, auroc_interval, interval_fields, proportion_text
 from confrag.reports.tables import RunHeader, log_rows, wandb_loggers
 from confrag.reranker.systems import label
 from confrag.stages.gate_comparison import GateEvaluation
@@ -43,7 +44,7 @@ def gate_record(
     }
     return {
         "metrics": metrics,
-        "table": [r.to_dict() for r in results.rows],
+        "table": [{**r.to_dict(), **small_sample_fields(r)} for r in results.rows],
         "curves": [c.to_dict() for c in curves],
         "questions": {"train": [r.qid for r in evaluation.sets.train], "test": [r.qid for r in evaluation.sets.test]},
         "fits": results.fits,
@@ -56,8 +57,47 @@ def gate_record(
     }
 
 
+def _auroc_ci(row: GateRow) -> tuple[float, float] | None:
+    """Hanley and McNeil's interval of the row's AUROC (against "retrieval helped"), when it is defined."""
+    if row.auroc != row.auroc or row.helped in (0, row.n):  # NaN, or one class of labels
+        return None
+    return auroc_interval(row.auroc, row.helped, row.n - row.helped)
+
+
+def small_sample_fields(row: GateRow) -> dict[str, object]:
+    """metrics.json's version of `small_sample_note` for one row: intervals of its rates and AUROC below SMALL_N
+    questions (the accuracy has its bootstrap interval in every row); nothing for larger samples."""
+    if row.n >= SMALL_N:
+        return {}
+    fields: dict[str, object] = interval_fields(
+        {"retrieval_rate": row.retrieval_rate, "refusal_rate": row.refusal_rate}, row.n
+    )
+    ci = _auroc_ci(row)
+    fields["auroc_ci"] = list(ci) if ci else None
+    fields["sample"] = f"{row.n} test questions, below {SMALL_N}: 95 % intervals"
+    return fields
+
+
+def small_sample_note(rows: Sequence[GateRow]) -> list[str]:
+    """Below SMALL_N test questions, the lines under a condition's table: every gate's retrieval rate and AUROC with
+    their 95 % intervals (the accuracy carries its own in the table), or why the AUROC and PRR are undefined."""
+    if not rows or rows[0].n >= SMALL_N:
+        return []
+    n, helped = rows[0].n, rows[0].helped
+    rates = ", ".join(f"{r.gate} {proportion_text(r.retrieval_rate, n, 1, 100.0)}" for r in rows)
+    if helped in (0, n):
+        auroc = f"AUROC and PRR undefined: retrieval helped on {helped} of {n} (one class only, not a result)"
+    else:
+        cells = [f"{r.gate} {r.auroc:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]" for r in rows if (ci := _auroc_ci(r))]
+        auroc = f"AUROC (Hanley-McNeil): {', '.join(cells) or 'undefined for every gate'}"
+    return ["", f"Below {SMALL_N} test questions (n = {n}), 95 % intervals: retrieval rate (%) {rates}; {auroc}."]
+
+
 def tables_text(rows: Sequence[GateRow], metric: str) -> str:
-    return "\n\n".join(f"{c}:\n" + gates_markdown([r for r in rows if r.contexts == c], metric) for c in CONDITIONS)
+    parts = {c: [r for r in rows if r.contexts == c] for c in CONDITIONS}
+    return "\n\n".join(
+        f"{c}:\n" + "\n".join([gates_markdown(part, metric), *small_sample_note(part)]) for c, part in parts.items()
+    )
 
 
 def report_markdown(
@@ -116,7 +156,8 @@ def report_markdown(
     ]
     for condition in CONDITIONS:
         rows = [r for r in results.rows if r.contexts == condition]
-        lines += [f"## {condition.capitalize()} contexts", "", gates_markdown(rows, settings.metric), ""]
+        lines += [f"## {condition.capitalize()} contexts", "", gates_markdown(rows, settings.metric)]
+        lines += [*small_sample_note(rows), ""]
     lines += [
         "## Accuracy against retrieval rate",
         "",

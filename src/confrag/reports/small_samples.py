@@ -10,6 +10,7 @@ Larger samples keep their plain numbers (the Table 2 rows carry bootstrap interv
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 SMALL_N = 30  # below this many examples a metric is printed with its interval, or marked
 Z95 = 1.959963984540054
@@ -59,3 +60,20 @@ def proportion_text(value: float, n: int, digits: int = 3, scale: float = 1.0, u
 def small_mark(n: int, what: str = "questions") -> str:
     """A table title's mark for a table of metrics without intervals over fewer than SMALL_N `what`."""
     return f" (below {SMALL_N} {what}: no interval, not a result)" if n < SMALL_N else ""
+
+
+def interval_note(values: Sequence[tuple[str, float]], n: int, what: str = "questions", scale: float = 100.0) -> str:
+    """The line beside a table of proportions over `n` when n is below SMALL_N: each named value with its Wilson
+    interval (in %, with the default `scale`); empty for larger samples."""
+    if n >= SMALL_N:
+        return ""
+    cells = "; ".join(f"{name} {proportion_text(value, n, 1, scale)}" for name, value in values)
+    return f"{n} {what}, below {SMALL_N}: 95 % intervals: {cells}"
+
+
+def interval_fields(values: dict[str, float], n: int) -> dict[str, list[float]]:
+    """`<name>_ci` = [low, high] (Wilson) for each proportion of `values` over `n` when n is below SMALL_N (the
+    machine-readable rows' version of `interval_note`); empty for larger samples."""
+    if n >= SMALL_N:
+        return {}
+    return {f"{name}_ci": [round(bound, 6) for bound in wilson(value * n, n)] for name, value in values.items()}

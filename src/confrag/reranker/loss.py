@@ -53,3 +53,33 @@ def distillation_kl(
     student = F.log_softmax(scores.float() / tau, dim=-1)
     teacher = F.log_softmax(teacher_scores.detach().float().to(scores.device) / tau_t, dim=-1)
     return F.kl_div(student, teacher, reduction="batchmean", log_target=True)
+
+
+def listwise_kl(
+    scores: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """KL(softmax(target_logits) ‖ softmax(scores / τ)) over each row's valid candidates, averaged over rows: the
+    listwise distillation of REPLUG's LM-supervised retrieval, RA-DIT's retriever step and Atlas's perplexity
+    distillation.
+
+    Rows are questions, columns their candidates, padded: `mask` is False on padding. The target may put zero
+    probability on candidates (a logit of -inf: e.g. a multi-positive target spread over the relevant passages
+    only); those terms are 0 in the KL, written out because `F.kl_div` gives 0 · (-inf) = NaN there. The target
+    gets no gradient; its temperature is the caller's (the logits come already divided by it)."""
+    tau = _check_temperature(temperature, "temperature")
+    if scores.dim() != 2 or scores.shape != target_logits.shape or scores.shape != mask.shape:
+        raise ValueError(
+            f"scores, target_logits and mask must share one (questions, candidates) shape; got "
+            f"{tuple(scores.shape)}, {tuple(target_logits.shape)}, {tuple(mask.shape)}"
+        )
+    mask = mask.to(torch.bool)
+    target = target_logits.detach().float().masked_fill(~mask, float("-inf"))
+    if not torch.isfinite(target).any(dim=1).all():
+        raise ValueError("a row of the listwise target has no candidate with a finite logit (nothing to learn)")
+    student = F.log_softmax((scores.float() / tau).masked_fill(~mask, float("-inf")), dim=1)
+    teacher = F.log_softmax(target, dim=1)
+    p = teacher.exp()
+    # Zero-probability terms are 0; zeroing both logs first keeps -inf - -inf (NaN) out of forward and backward.
+    void = p == 0
+    terms = p * (teacher.masked_fill(void, 0.0) - student.masked_fill(void, 0.0))
+    return terms.sum(dim=1).mean()

@@ -38,10 +38,18 @@ from confrag.llm.loading import LoadedLLM, load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, RagRun, run_rag, save_outcomes_jsonl
 from confrag.rag.settings import AnswerSettings, EvalSettings
-from confrag.retrieval import Candidates
+from confrag.retrieval import Candidates, Corpus
+from confrag.retrieval.lengths import TokenBudget
 from confrag.stages.diagnostics import candidate_diagnostics
+from confrag.stages.passage_budget import checked_paragraphs, llm_passage_budget
 from confrag.stages.rerank import RerankStage, Scorer, table1_systems
-from confrag.stages.retrieval import build_retrieval, evaluation_file_rows, question_candidates, retrieve_fn
+from confrag.stages.retrieval import (
+    RetrievalSettings,
+    build_retrieval,
+    evaluation_file_rows,
+    question_candidates,
+    retrieve_fn,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +126,38 @@ def chosen_scorers(settings: CBDRSettings, scorers: dict[str, Scorer]) -> dict[s
     return {name: score for name, score in scorers.items() if name in keep}
 
 
-def hotpotqa_eval_set(
+@dataclass
+class HotpotQAMaterial:
+    """HotpotQA's sampled questions and the corpus of their supporting paragraphs, every passage checked against
+    the LLM's budget for their prompts (`passage_budget.checked_paragraphs`)."""
+
+    rows: list[QARow]
+    corpus: Corpus
+    budget: TokenBudget
+    lengths: dict[str, Any]
+
+
+def hotpotqa_material(
     evaluation: EvalSettings,
+    answers: AnswerSettings,
+    llm_config: dict,
+    templates: PromptTemplates,
+    retrieval: RetrievalSettings,
+    seed: int,
+) -> HotpotQAMaterial | None:
+    """`eval.hotpotqa_path`'s sample, its passages measured in the LLM's tokens from the tokenizer alone (refused
+    naming the file and question, or cut with `retrieval.cut_passages`), as the NQ corpus is: the cbdr task calls
+    it before any stage loads the LLM, and the evaluation retrieves from what it returns. None without the file."""
+    if not evaluation.hotpotqa_path:
+        return None
+    rows = select_questions(load_hotpotqa(evaluation.hotpotqa_path), evaluation.hotpotqa_num_questions, seed)
+    budget = llm_passage_budget(llm_config, templates, rows, answers.max_new_tokens, retrieval)
+    corpus, lengths = checked_paragraphs(retrieval, budget, rows, evaluation.hotpotqa_path)
+    return HotpotQAMaterial(rows, corpus, budget, lengths)
+
+
+def hotpotqa_eval_set(
+    material: HotpotQAMaterial | None,
     stage: RerankStage,
     settings: CBDRSettings,
     eval_batch_size: int,
@@ -127,10 +165,13 @@ def hotpotqa_eval_set(
 ) -> EvalSet | None:
     """HotpotQA questions with candidates retrieved from their pooled supporting paragraphs (see the
     module docstring), scored by the same systems (BM25 / bi-encoder rebuilt over that corpus)."""
-    if not evaluation.hotpotqa_path:
+    if material is None:
         return None
-    rows = select_questions(load_hotpotqa(evaluation.hotpotqa_path), evaluation.hotpotqa_num_questions, ctx.seed)
-    retrieval = build_retrieval(stage.retrieval.settings, ctx.cache_dir, rows=rows)
+    rows = material.rows
+    retrieval = build_retrieval(
+        stage.retrieval.settings, ctx.cache_dir, rows=rows, corpus=material.corpus, llm_budget=material.budget
+    )
+    retrieval.lengths = material.lengths
     # The NQ candidates file (retrieval.candidates_path) does not cover HotpotQA questions: always retrieve.
     candidates, stats = question_candidates(retrieval, rows)
     scorers = chosen_scorers(settings, table1_systems(retrieval, stage.rerankers, eval_batch_size))
@@ -242,7 +283,8 @@ def evaluate(
     if stage.retrieval.joined:  # the evaluation file's paragraphs in the corpus (the report says how many)
         stats["eval_file"] = dict(stage.retrieval.joined)
     sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
-    hotpot = hotpotqa_eval_set(evaluation, stage, settings, eval_batch_size, ctx)
+    material = hotpotqa_material(evaluation, answers, llm_config, templates, stage.retrieval.settings, ctx.seed)
+    hotpot = hotpotqa_eval_set(material, stage, settings, eval_batch_size, ctx)
     sets += [hotpot] if hotpot else []
     llm = load_llm(llm_config)
     try:

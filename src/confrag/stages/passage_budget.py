@@ -81,6 +81,22 @@ def checked_corpus(
     return corpus, lengths
 
 
+def checked_paragraphs(
+    settings: RetrievalSettings, budget: TokenBudget, rows: Sequence[QARow], where: str
+) -> tuple[Corpus, dict[str, Any]]:
+    """The corpus of `rows`' own paragraphs (HotpotQA's supporting paragraphs, read from the file `where`) with every
+    passage checked against `budget` as the retrieval corpus is (`checked_corpus`); the counts."""
+    corpus = load_corpus(settings, rows)
+
+    def locate(indices: Sequence[int]) -> list[str]:
+        return [f"{where}, a paragraph of question {corpus.passages[i].source_id.split('.')[0]!r}" for i in indices]
+
+    passages, cut = fit_passages(corpus.passages, budget, settings.cut_passages, locate, CUT_OPTION)
+    if cut:
+        corpus = Corpus(passages, corpus.gold_source_of, passages_fingerprint(passages))
+    return corpus, {"llm": {"limit": budget.limit, "passages": len(passages), "cut": cut}}
+
+
 def _locator(settings: RetrievalSettings, corpus: Corpus):
     """Where the passages at some indices come from: the corpus file's line (read again, only for them), or
     the question file's paragraph."""

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import Logger
 from tqdm.auto import tqdm
 
 from confrag.data.nq import QARow, load_nq_jsonl
-from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions
+from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions, select_questions
 from confrag.infra.digests import fingerprint
 from confrag.infra.locks import claimed_first
 from confrag.infra.run_context import RunContext
@@ -37,13 +37,14 @@ from confrag.reranker.rows import candidate_lists
 from confrag.reranker.selection import DevTop1, dev_set, kept_start
 from confrag.reranker.systems import BASE, BI_ENCODER, BM25, RELEVANCE_FT, confidence_ft, labelled
 from confrag.retrieval import document_text
+from confrag.stages import label_checks
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
 from confrag.stages.cross_fit import FoldedReranker
 from confrag.stages.nq_rerank import PreferenceSettings, PreferenceStage, build_nq_rerank
 from confrag.stages.passage_budget import checked_corpus, llm_passage_budget
 from confrag.stages.probe import ProbeRecipe, ensure_probe
 from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device
-from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retrieval
+from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retrieval, question_candidates
 from confrag.stages.teachers import TEACHERS
 
 KS = (1, 3, 5)
@@ -125,20 +126,17 @@ def rerank_stage(
     max_new_tokens = max(probe_settings.max_new_tokens, recipe.answers.max_new_tokens)
     budget = llm_passage_budget(recipe.llm, recipe.templates, rows, max_new_tokens, recipe.retrieval)
     corpus, lengths = checked_corpus(recipe.retrieval, budget, rows)
-    probe, probe_data = ensure_probe(recipe.probe, ctx)
-    retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir, corpus=corpus, llm_budget=budget)
+    retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir, corpus=corpus, llm_budget=budget)  # no LLM either
     retrieval.lengths = lengths
-    questions = plan_questions(
-        rows,
-        probe_data.data.rows,
-        recipe.preferences.num_questions,
-        recipe.base.num_questions if recipe.base.train else 0,
-        ctx.seed,
-        probe_data.nq_path,
-        base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None,
-    )
-    if recipe.preferences.cross_fit:
-        questions = cross_fit_plan(questions, recipe.preferences.cross_fit, ctx.seed)
+    # What the controls label by (own paragraphs, answers) is in the candidates alone: the preference questions,
+    # drawn as the plan below draws them (the probe's questions as its data module samples them), checked now.
+    if label_checks.checks_candidates(recipe.preferences):
+        probe_rows = select_questions(rows, probe_settings.num_questions, probe_settings.seed)
+        early = question_plan(recipe, rows, probe_rows, ctx.seed, str(probe_settings.nq_path))
+        candidates, _ = question_candidates(retrieval, early.preference, recipe.retrieval.candidates_path)
+        label_checks.check_label_sources(recipe.preferences, candidates, ctx.seed)
+    probe, probe_data = ensure_probe(recipe.probe, ctx)
+    questions = question_plan(recipe, rows, probe_data.data.rows, ctx.seed, probe_data.nq_path)
     stage = build_nq_rerank(
         recipe.preferences,
         recipe.answers,
@@ -151,11 +149,8 @@ def rerank_stage(
     )
     train_rows, test_rows = stage.splits["train"], stage.splits["test"]
     if not train_rows or not test_rows:
-        raise ValueError(
-            f"NQ_Rerank ({recipe.preferences.selection}) has {len(train_rows)} train and {len(test_rows)} "
-            f"test rows after dropping {stage.report['dropped']}; raise preferences.num_questions or "
-            "retrieval.top_n, or try another preferences.reference / preferences.selection"
-        )
+        sizes, dropped = {"train": len(train_rows), "test": len(test_rows)}, stage.report["dropped"]
+        raise ValueError(label_checks.empty_split_message(recipe.preferences, len(stage.candidates), sizes, dropped))
     base = ensure_base_reranker(recipe.base, recipe.reranker, retrieval, questions.base, ctx)
     rerankers: dict[str, Reranker] = {BASE: base.module}
     training: dict[str, Any] = {"base": base.info}
@@ -209,6 +204,24 @@ def rerank_stage(
     )
 
 
+def question_plan(
+    recipe: RerankRecipe, rows: list[QARow], probe_rows: list[QARow], seed: int, where: str
+) -> QuestionPlan:
+    """Who uses which question (`plan_questions`, cross-fitted with `preferences.cross_fit`)."""
+    questions = plan_questions(
+        rows,
+        probe_rows,
+        recipe.preferences.num_questions,
+        recipe.base.num_questions if recipe.base.train else 0,
+        seed,
+        where,
+        base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None,
+    )
+    if recipe.preferences.cross_fit:
+        questions = cross_fit_plan(questions, recipe.preferences.cross_fit, seed)
+    return questions
+
+
 def aligned_rerankers(
     recipe: RerankRecipe,
     ctx: RunContext,
@@ -231,6 +244,8 @@ def aligned_rerankers(
     for rule in settings.rules:
         rows = [r for split in stage.splits_by_rule[rule].values() for r in split if r["qid"] in train_qids]
         if not rows:  # a compared rule that keeps no row: reported, not trained
+            if rule == settings.selection:  # the reranker the run exports and CBDR uses: named, with the counts
+                raise ValueError(label_checks.no_training_rows_message(settings, len(train_qids), suffix))
             training[rule] = {"train_rows": 0}
             continue
         if settings.mix_relevance:  # the same questions' relevance rows beside the rule's
@@ -251,7 +266,9 @@ def aligned_rerankers(
         # The control: the same base, the same questions, as many steps, labels from answer containment.
         # On the questions the selection rule kept rows for: the control sees what the aligned reranker saw.
         kept = {r["qid"] for split in stage.splits_by_rule[recipe.preferences.selection].values() for r in split}
-        relevance = relevance_rows(stage.candidates, train_qids & kept, recipe.preferences.top_k)
+        relevance = label_checks.relevance_control_rows(
+            stage.candidates, train_qids & kept, recipe.preferences.top_k, recipe.preferences.selection, suffix
+        )
         # The aligned rerankers' teacher too: distilling toward the base, the control distils as they do.
         relevance = teacher(relevance, base.module, recipe.reranker.eval_batch_size)
         steps = int(training[recipe.preferences.selection].get("steps", 0))

@@ -27,7 +27,14 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
-from confrag.stages.evaluation import NQ, RagEvaluation, check_chosen_rows, confidence_gate, evaluate
+from confrag.stages.evaluation import (
+    NQ,
+    RagEvaluation,
+    check_chosen_rows,
+    confidence_gate,
+    evaluate,
+    hotpotqa_material,
+)
 from confrag.stages.question_budget import check_recipe_questions
 from confrag.stages.rerank import RerankRecipe, RerankStage, planned_rows, rerank_stage, table1
 
@@ -67,6 +74,8 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Evaluated:
     recipe = checked.recipe
     run_config, loggers = task_loggers(cfg)
     timer = StageTimer()  # wall seconds and peak GPU memory of the two heavy parts (metrics.json "stages")
+    # HotpotQA's passages in the LLM's tokens, before any stage loads the LLM (the stage checks the NQ corpus's).
+    hotpotqa_material(checked.evaluation, checked.answers, recipe.llm, recipe.templates, recipe.retrieval, ctx.seed)
     with timer.stage("stage"):
         stage = rerank_stage(recipe, ctx, loggers, run_config)
         rows1 = table1(stage.scorers, stage.table1_rows, ctx.seed)

@@ -1,0 +1,284 @@
+"""Rerankers trained on the LLM's likelihood (REPLUG LSR), cross-fitted, with the controls that locate a break.
+
+The questions, candidates, ℓ and base are those of experiments/likelihood_teacher.py (same arguments, same cached
+ℓ blocks): BM25's top 20 per NQ question, ℓ(q, c) the mean per-token log-probability of a gold answer after the
+paper's RAG prompt holding c, the base all-MiniLM-L6-v2 scored as the bi-encoder it is (SCALE · cos).
+
+Students (`confrag.reranker.listwise_student`), trained on KL(softmax(target) ‖ softmax(f / τ)) + λ KL(base ‖ f)
+for the same number of steps, warmup and learning rate:
+
+- `lsr` (primary): the query tower trained on the `likelihood` teacher, softmax(ℓ / τ_T) over the whole list;
+- `relevance` (its control, same everything): the query tower trained on the perfect-relevance target (uniform over
+  the own paragraph's passages): what the same training does with a target that knows relevance only;
+- `answer_bearing`: the query tower on the candidates holding a gold answer string (multi-positive);
+- `residual`: the base frozen, a head on q ⊙ p trained on the `likelihood` teacher, f = base + w · head.
+
+Diagnostic rows: `likelihood_oracle` (ℓ's own top-1, reads the gold answer: not deployable), and per row the share
+of questions whose top-1 is ℓ's top-1 (did the student learn the teacher on unseen questions?), the own paragraph
+first, and the mean ℓ of the top-1.
+
+Design, fixed before the run: primary comparison `lsr` (seed 0) vs `base`, Top-1 has_answer, exact McNemar; Holm
+across every row compared with the base; detectable difference from the expected discordance 7 % (the
+`eval.expected_discordance` default), not from each row's own; token F1 and EM beside it; the spread over
+`--seeds` seeds beside `lsr` and `relevance`. Cross-fitting: the test questions fall into `--folds` folds; a fold's
+students train on the other folds' test questions only (asserted disjoint); the dev questions are never trained
+on or reported: τ_T and λ (query tower) and w (residual head) are chosen on their Top-1 has_answer with the
+students of fold 0's training questions.
+
+    python experiments/likelihood_training.py --questions 600 --dev 100 [--folds 5] [--seeds 3] [--out DIR]
+        [--export-rows rows.jsonl]   # every question's graded ℓ list, FlagEmbedding's fields
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from likelihood_teacher import ROOT, Study, load_study  # noqa: E402
+
+from confrag.infra.atomic import atomic_write_text  # noqa: E402
+from confrag.llm.hidden_states import HiddenStateEngine  # noqa: E402
+from confrag.rag.answers import AnswerStore, score_answer  # noqa: E402
+from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference  # noqa: E402
+from confrag.reranker.likelihood_teacher import candidate_likelihoods  # noqa: E402
+from confrag.reranker.listwise_student import ListwiseData, ListwiseSettings, fit_listwise  # noqa: E402
+from confrag.reranker.listwise_teachers import TeacherInputs, likelihood_rows, teacher_targets  # noqa: E402
+from confrag.retrieval.corpus import document_text  # noqa: E402
+from confrag.retrieval.dense import MeanPoolEncoder  # noqa: E402
+
+log = logging.getLogger("likelihood_training")
+EXPECTED_DISCORDANCE = 0.07
+# The training every student gets (the rows differ only in teacher and student kind); what dev chooses is apart.
+TOWER = ListwiseSettings(
+    student="query_tower", lr=3e-5, steps=150, batch_size=16, warmup_ratio=0.1, weight_decay=0.01, tau=1.0,
+    anchor=0.0, seed=0,
+)  # fmt: skip
+HEAD = replace(TOWER, student="residual_head", lr=0.01, weight_decay=0.0)
+TEACHER_TAUS = (0.5, 2.0)
+ANCHORS = (0.0, 1.0)
+HEAD_WEIGHTS = (0.5, 1.0, 2.0)
+
+
+def likelihoods(study: Study, block: int, cache: str) -> list[np.ndarray]:
+    """ℓ per question from the cached blocks experiments/likelihood_teacher.py writes (computed where missing)."""
+    engine = HiddenStateEngine(study.llm.model, study.llm.tokenizer, progress=False)
+    out: list[np.ndarray] = []
+    for b in range(0, len(study.candidate_sets), block):
+        chunk = study.candidate_sets[b : b + block]
+        out += candidate_likelihoods(
+            study.llm, study.templates, chunk, engine=engine, cache_dir=cache, progress=False
+        ).per_question
+    return out
+
+
+def embeddings(study: Study) -> ListwiseData:
+    encoder = MeanPoolEncoder(device="cpu")
+    sets = study.candidate_sets
+    queries = encoder.encode([c.question for c in sets])
+    flat = encoder.encode([document_text(p) for c in sets for p in c.passages])
+    bounds = np.cumsum([0] + [len(c.passages) for c in sets])
+    return ListwiseData.from_lists([c.question for c in sets], queries, [flat[a:b] for a, b in zip(bounds, bounds[1:])])
+
+
+class Outcomes:
+    """Top-1 answers of chosen candidates, through the answer cache."""
+
+    def __init__(self, study: Study, cache: str) -> None:
+        self.study = study
+        self.store = AnswerStore(study.llm, study.templates, cache, max_new_tokens=24, progress=False)
+
+    def __call__(self, at: list[int], picks: list[int]) -> list:
+        sets = self.study.candidate_sets
+        items = [(sets[i].question, [sets[i].passages[j]]) for i, j in zip(at, picks)]
+        return [score_answer(a, sets[i].answers) for a, i in zip(self.store.answer(items), at)]
+
+
+def top1(scores: np.ndarray, at: list[int]) -> list[int]:
+    return [int(np.argmax(scores[i])) for i in at]
+
+
+def train(settings: ListwiseSettings, teacher: str, tau_t: float, data, inputs, rows: list[int]):
+    targets, missing = teacher_targets(teacher, [inputs[i] for i in rows], tau_t)
+    student = fit_listwise(settings, data.subset(rows), targets)
+    return student, missing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--questions", type=int, default=600)
+    parser.add_argument("--dev", type=int, default=100)
+    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--block", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="the study's question permutation")
+    parser.add_argument("--cache", default=str(ROOT / ".cache"))
+    parser.add_argument("--out", default=str(ROOT / "logs" / "likelihood_training"))
+    parser.add_argument("--export-rows", default=None, help="also write every question's ℓ list as FlagEmbedding rows")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    start = time.time()
+    study = load_study(args.questions, args.dev, args.seed, "float32", args.cache)
+    sets = study.candidate_sets
+    ell = likelihoods(study, args.block, args.cache)
+    data = embeddings(study)
+    inputs = [TeacherInputs(c, e) for c, e in zip(sets, ell)]
+    if args.export_rows:
+        keep = [i for i, c in enumerate(sets) if len(c.passages) >= 2]
+        exported = likelihood_rows([sets[i] for i in keep], [ell[i] for i in keep])
+        atomic_write_text(Path(args.export_rows), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in exported))
+    outcomes = Outcomes(study, args.cache)
+    dev_at = [i for i, c in enumerate(sets) if c.qid in study.dev_ids]
+    test_at = [i for i, c in enumerate(sets) if c.qid in study.test_ids]
+    fold_of = np.random.default_rng(args.seed + 1).permutation(len(test_at)) % args.folds
+    folds = [[test_at[j] for j in np.flatnonzero(fold_of == k)] for k in range(args.folds)]
+    log.info("%d dev, %d test questions in %d folds; ℓ and vectors ready (%.0f s)", len(dev_at), len(test_at),
+             args.folds, time.time() - start)  # fmt: skip
+
+    def fold_train(k: int) -> list[int]:
+        rows = [i for f, fold in enumerate(folds) if f != k for i in fold]
+        held = {sets[i].qid for i in folds[k]}
+        assert not held & {sets[i].qid for i in rows}, "a fold's students saw its questions"
+        assert not study.dev_ids & {sets[i].qid for i in rows}, "dev questions in training"
+        return rows
+
+    # ---- dev: τ_T and λ of the query tower, then w of the residual head, on fold 0's students
+    def dev_right(scores: np.ndarray) -> float:
+        return float(np.mean([o.has_answer for o in outcomes(dev_at, top1(scores, dev_at))]))
+
+    choice, best = None, -1.0
+    dev_log = [{"student": "base", "dev_has_answer": dev_right(data.base_scores)}]
+    log.info("dev: base has_answer %.3f", dev_log[0]["dev_has_answer"])
+    for tau_t, anchor in itertools.product(TEACHER_TAUS, ANCHORS):
+        student, _ = train(replace(TOWER, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
+        right = dev_right(student.score(data))
+        dev_log.append({"student": "query_tower", "tau_t": tau_t, "anchor": anchor, "dev_has_answer": right})
+        log.info("dev: query tower τ_T=%.2f λ=%.1f has_answer %.3f", tau_t, anchor, right)
+        if right > best:
+            choice, best = (tau_t, anchor), right
+    tau_t, anchor = choice
+    head, _ = train(replace(HEAD, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
+    w, best = None, -1.0
+    for weight in HEAD_WEIGHTS:
+        head.weight_at_scoring = weight
+        right = dev_right(head.score(data))
+        dev_log.append({"student": "residual_head", "w": weight, "dev_has_answer": right})
+        log.info("dev: residual head w=%.1f has_answer %.3f", weight, right)
+        if right > best:
+            w, best = weight, right
+    log.info("dev chose τ_T=%.2f λ=%.1f w=%.1f (%.0f s)", tau_t, anchor, w, time.time() - start)
+
+    # ---- cross-fitted rows
+    rows = {  # name -> (settings, teacher, seeds)
+        "lsr": (replace(TOWER, anchor=anchor), "likelihood", args.seeds),
+        "relevance": (replace(TOWER, anchor=anchor), "relevance", args.seeds),
+        "answer_bearing": (replace(TOWER, anchor=anchor), "answer_bearing", 1),
+        "residual": (replace(HEAD, anchor=anchor), "likelihood", 1),
+    }
+    scores = {name: [np.full(data.mask.shape, -np.inf, dtype=np.float32) for _ in range(n)]
+              for name, (_, _, n) in rows.items()}  # fmt: skip
+    missing = {name: 0 for name in rows}
+    for k in range(args.folds):
+        train_rows = fold_train(k)
+        for name, (settings, teacher, n_seeds) in rows.items():
+            for seed in range(n_seeds):
+                student, lacking = train(replace(settings, seed=seed), teacher, tau_t, data, inputs, train_rows)
+                if name == "residual":
+                    student.weight_at_scoring = w
+                missing[name] += lacking if seed == 0 else 0
+                scores[name][seed][folds[k]] = student.score(data.subset(folds[k]))
+        log.info("fold %d of %d trained (%.0f s)", k + 1, args.folds, time.time() - start)
+
+    picks = {"base": top1(data.base_scores, test_at), "likelihood_oracle": [int(np.argmax(ell[i])) for i in test_at]}
+    for name, per_seed in scores.items():
+        for seed, s in enumerate(per_seed):
+            picks[f"{name}@{seed}"] = top1(s, test_at)
+    results = {name: outcomes(test_at, p) for name, p in picks.items()}
+    report(args, study, ell, test_at, picks, results, missing, {"tau_t": tau_t, "anchor": anchor, "w": w},
+           dev_log, time.time() - start)  # fmt: skip
+
+
+def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, seconds) -> None:
+    sets = study.candidate_sets
+    n = len(test_at)
+    right = {name: np.array([o.has_answer for o in r], dtype=float) for name, r in results.items()}
+    f1 = {name: np.array([o.f1 for o in r]) for name, r in results.items()}
+    em = {name: np.array([o.em for o in r], dtype=float) for name, r in results.items()}
+    oracle_pick = picks["likelihood_oracle"]
+    shown = ["likelihood_oracle", "lsr@0", "relevance@0", "answer_bearing@0", "residual@0"]
+    tests = {name: mcnemar_exact(right[name], right["base"]) for name in shown}
+    adjusted = dict(zip(shown, holm([tests[name].pvalue for name in shown])))
+
+    def seeds_cell(row: str) -> str:
+        diffs = [100 * (right[k].mean() - right["base"].mean()) for k in right if k.split("@")[0] == row]
+        if len(diffs) < 2:
+            return ""
+        return f"{', '.join(f'{d:+.1f}' for d in diffs)} (sd {np.std(diffs, ddof=1):.1f})"
+
+    def diagnostics(name: str) -> tuple[float, float, float, float]:
+        p = picks[name]
+        own = [sets[i].from_gold[j] for i, j in zip(test_at, p) if sets[i].gold_retrieved]
+        agree = np.mean([j == o for j, o in zip(p, oracle_pick)])
+        mean_ell = np.mean([ell[i][j] for i, j in zip(test_at, p)])
+        moved = np.mean([j != b for j, b in zip(p, picks["base"])])
+        return float(np.mean(own)), float(agree), float(mean_ell), float(moved)
+
+    lines = [
+        f"# Rerankers trained on the LLM's likelihood: {n} test questions in {args.folds} cross-fitted folds",
+        "",
+        f"Dev ({len(study.dev_ids)} questions) chose τ_T = {chosen['tau_t']}, λ = {chosen['anchor']}, residual "
+        f"w = {chosen['w']}. Every student: {TOWER.steps} steps of {TOWER.batch_size} questions, warmup "
+        f"{TOWER.warmup_ratio}, lr {TOWER.lr} (query tower) / {HEAD.lr} (head).",
+        f"Primary (fixed before the run): `lsr@0` vs `base`, Top-1 has_answer, exact McNemar, Holm over the "
+        f"{len(shown)} rows compared. Design's detectable difference at 80 % power: "
+        f"{100 * detectable_difference(n, EXPECTED_DISCORDANCE):.1f} points (expected discordance "
+        f"{100 * EXPECTED_DISCORDANCE:.0f} %, n = {n}).",
+        "",
+        "| row | Top-1 has_answer % [95 % CI] | vs base, points [95 % CI] | only row / only base | Holm p | seeds vs "
+        "base (sd) | token F1 | EM | own ¶ first | = ℓ's top-1 | mean ℓ of top-1 | top-1 moved |",
+        "| --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    metrics = {}
+    for name in ["base", *shown]:
+        own, agree, mean_ell, moved = diagnostics(name)
+        row = {"has_answer": accuracy_ci(right[name]), "f1": float(f1[name].mean()), "em": float(em[name].mean())}
+        diff = mc = holm_p = ""
+        if name != "base":
+            d = paired_difference(right[name], right["base"])
+            diff, mc, holm_p = d.format(), f"{tests[name].only_a} / {tests[name].only_b}", f"{adjusted[name]:.3g}"
+            row |= {"diff": d.value, "diff_ci": [d.low, d.high], "holm": adjusted[name]}
+        row |= {"own_first": own, "agrees_with_ell": agree, "mean_ell": mean_ell, "moved": moved}
+        lines.append(
+            f"| {name} | {row['has_answer'].format(digits=1)} | {diff} | {mc} | {holm_p} | "
+            f"{seeds_cell(name.split('@')[0])} | {100 * row['f1']:.1f} | {100 * row['em']:.1f} | {100 * own:.1f} | "
+            f"{100 * agree:.1f} | {mean_ell:.2f} | {100 * moved:.1f} |"
+        )
+        row["has_answer"] = [row["has_answer"].value, row["has_answer"].low, row["has_answer"].high]
+        metrics[name] = row
+    lines += [
+        "",
+        f"Questions without a positive, left out of training (fold by fold, summed): {missing}.",
+        f"Wall time: {seconds:.0f} s.",
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    seeds = {k: float(right[k].mean()) for k in right if "@" in k}
+    payload = {"n": n, "chosen": chosen, "dev": dev_log, "rows": metrics, "seeds": seeds, "missing": missing}
+    (out / "metrics.json").write_text(json.dumps(payload, indent=2))
+    # Every row's Top-1 per test question, so a report can be read again without training.
+    qids = [sets[i].qid for i in test_at]
+    (out / "picks.json").write_text(json.dumps({"qids": qids, "picks": picks}))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
