@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates, encode_prompts
@@ -91,7 +92,9 @@ def main() -> None:
     naive_s = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
-        fast = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache, progress=False)
+        fast = confidence_shifts(
+            llm, templates, probe, candidates, engine=engine, cache=ShardedCache(cache, progress=False)
+        )
         engine_s = time.perf_counter() - start
 
     rows_naive, _ = build_rows(candidates, naive, "qa", args.top_k)

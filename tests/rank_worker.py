@@ -20,6 +20,7 @@ import confrag.probe.nq_confidence as nq_confidence
 import confrag.rag.answers as answers
 from confrag.data.nq import load_nq_jsonl
 from confrag.infra.distributed import rank_info
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore
@@ -52,19 +53,11 @@ def main() -> None:
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(Path(root) / "conf/prompts/paper.yaml")))
     rows = load_nq_jsonl(nq_path, limit=NUM_ROWS)
 
+    settings = nq_confidence.ConfidenceDataSettings(
+        layers=[1, 2], train_states="qa+rag", max_new_tokens=8, gen_batch_size=4, extract_batch_size=3
+    )
     data = nq_confidence.build_confidence_data(
-        llm,
-        templates,
-        rows,
-        layers=[1, 2],
-        train_states="qa+rag",
-        seed=0,
-        max_new_tokens=8,
-        gen_batch_size=4,
-        extract_batch_size=3,
-        cache_dir=cache,
-        shard_size=SHARD_SIZE,
-        progress=False,
+        llm, templates, rows, settings=settings, cache=ShardedCache(cache, SHARD_SIZE, progress=False), seed=0
     )
     store = AnswerStore(llm, templates, cache, max_new_tokens=8, batch_size=4, chunk_size=CHUNK, progress=False)
     rag = store.answer([(row.question, row.contexts[:1]) for row in rows[:RAG_ROWS]])

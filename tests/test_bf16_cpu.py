@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.likelihood import AnswerLikelihood
@@ -42,7 +43,7 @@ def test_bf16_weights_are_bf16_and_the_identity_and_every_key_differ(tiny_pair, 
     fp32, bf16 = tiny_pair["float32"], tiny_pair["bfloat16"]
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
     assert fp32.identity != bf16.identity and bf16.identity["dtype"] == "bfloat16"
-    keys = [state_artifact(tmp_path, llm, templates, "qa", "rows", 2, 4).key for llm in (fp32, bf16)]
+    keys = [state_artifact(ShardedCache(tmp_path), llm, templates, "qa", "rows", 2, 4).key for llm in (fp32, bf16)]
     assert keys[0] != keys[1]
     stores = [AnswerStore(llm, templates, tmp_path, progress=False).key for llm in (fp32, bf16)]
     assert stores[0] != stores[1]

@@ -26,7 +26,7 @@ from confrag.retrieval.corpus import CorpusPassage
 from confrag.stages.gate_comparison import GateEvaluation
 from confrag.stages.gate_questions import CLEAN, CONDITIONS, CONFLICTING, QuestionSets
 from confrag.stages.gate_scoring import run_gates, threshold_curves
-from confrag.stages.gate_timing import measure_parts
+from confrag.stages.gate_timing import TimingRun, measure_parts
 
 from helpers.gates import shipped_config
 from helpers.settings import shipped_settings
@@ -143,9 +143,8 @@ def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, ti
     ]
     parts = {"closed_book", "rag_answer"} | set(decision_parts(needs))
     assert decision_parts(needs) == ["count_words"]
-    timings = measure_parts(
-        maker, None, None, test[:2], clean[:2], parts, (), 1, shipped_settings(AnswerSettings, "rag", max_new_tokens=2)
-    )
+    answers = shipped_settings(AnswerSettings, "rag", max_new_tokens=2)
+    timings = measure_parts(TimingRun(maker, None, None, test[:2], clean[:2], (), 1, answers), parts)
     assert set(timings) == {"closed_book", "rag_answer", "count_words"} and all(t >= 0 for t in timings.values())
 
     # Fit, decide, score and curve, as a run does.

@@ -21,7 +21,7 @@ import confrag.probe.datamodule as datamodule_module
 from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
 from confrag.data.splits import select_questions
 from confrag.infra.atomic import CacheReadOnlyError
-from confrag.llm.context import PromptTooLongError, fit_questions
+from confrag.llm.context import PromptLimit, PromptTooLongError, fit_questions
 from confrag.llm.loading import LLMNotAvailableError, prompt_tokenizer
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule
@@ -283,7 +283,7 @@ def test_truncation_cuts_a_long_question_to_fit_when_asked(tiny_llama, templates
     rows = load_nq_jsonl(default_nq_path(), limit=3)
     rows[1] = dataclasses.replace(rows[1], question="why " * 5000)
     with caplog.at_level(logging.WARNING):
-        fitted = fit_questions(rows, templates, tiny_llama.tokenizer, 2048, 24, truncate=True)
+        fitted = fit_questions(rows, PromptLimit(templates, tiny_llama.tokenizer, 2048, 24), truncate=True)
     assert fitted[0] == rows[0] and fitted[2] == rows[2]
     prompt = templates.qa_prompt(tiny_llama.tokenizer, fitted[1].question)
     assert 2000 < len(tiny_llama.tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= 2048 - 24
@@ -300,15 +300,16 @@ def test_a_cut_question_leaves_room_for_the_passages_of_its_rag_prompts(tiny_lla
     rows = load_nq_jsonl(default_nq_path(), limit=3)
     rows[1] = dataclasses.replace(rows[1], question="why " * 20000)
     tok = tiny_llama.tokenizer
-    fitted = fit_questions(rows, templates, tok, 2048, 24, truncate=True, room=1012)
+    limit = PromptLimit(templates, tok, 2048, 24)
+    fitted = fit_questions(rows, limit, truncate=True, room=1012)
     qa_length = len(tok(templates.qa_prompt(tok, fitted[1].question), add_special_tokens=False)["input_ids"])
     assert 900 < qa_length <= 2024 - 1012
-    prompts, cut = fit_rag_prompts([(fitted[1].question, fitted[1].contexts)], ["q1"], templates, tok, 2048, 24, True)
+    prompts, cut = fit_rag_prompts([(fitted[1].question, fitted[1].contexts)], ["q1"], limit, True)
     assert cut in ([], [0]) and fitted[1].contexts[0].text[:40] in prompts[0]  # the passage has room
     # Refusal without truncation stays at the exact limit: `room` only shapes the cut.
-    assert fit_questions(rows[:1], templates, tok, 2048, 24, room=1012) == rows[:1]
+    assert fit_questions(rows[:1], limit, room=1012) == rows[:1]
     with pytest.raises(ValueError, match=r"room must lie in \[0, 2024\)"):
-        fit_questions(rows, templates, tok, 2048, 24, truncate=True, room=2024)
+        fit_questions(rows, limit, truncate=True, room=2024)
 
     # The probe's data module reserves the room when its questions go into RAG prompts, not for QA states alone.
     path = nq_file(tmp_path / "nq.jsonl", rows)
@@ -355,7 +356,8 @@ def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads
     fitted = fitted_questions(recipe, probe_data)
     assert [r.question for r in fitted[:4]] == [r.question for r in rows[:4]] and len(fitted) == 5
     tokenizer = prompt_tokenizer(TINY)[0]
-    probe_cut = fit_questions(rows, templates, tokenizer, 2048, 24, truncate=True, room=(2048 - 24) // 2)[4].question
+    limit = PromptLimit(templates, tokenizer, 2048, 24)
+    probe_cut = fit_questions(rows, limit, truncate=True, room=(2048 - 24) // 2)[4].question
     assert fitted[4].question == probe_cut and len(probe_cut) < 10000  # the probe's own cut, to the character
 
 

@@ -11,9 +11,16 @@ import pytest
 
 import confrag.probe.nq_confidence as nqc
 from confrag.data.qa_metrics import exact_match, has_answer
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.probe.confidence_splits import PAPER_SPLIT_SIZES, balanced_examples, stratified_question_splits
-from confrag.probe.nq_confidence import build_confidence_data, build_prompts, partner_indices, resolve_layers
+from confrag.probe.nq_confidence import (
+    ConfidenceDataSettings,
+    build_confidence_data,
+    build_prompts,
+    partner_indices,
+    resolve_layers,
+)
 from confrag.probe.prompt_kinds import KINDS, Example
 
 # --- resolve_layers --------------------------------------------------------------------------------
@@ -158,18 +165,16 @@ def test_balanced_examples_with_a_missing_class_is_empty():
 LAYERS = [0, 2]
 
 
-def build(llm, templates, rows, cache, **overrides):
-    kwargs = dict(
-        layers=LAYERS,
-        train_states="qa+rag",
-        max_new_tokens=3,
-        shard_size=5,
-        cache_dir=str(cache),
-        gen_batch_size=4,
-        extract_batch_size=4,
-        progress=False,
+def build(llm, templates, rows, cache, candidates=None, **overrides):
+    settings = dict(layers=LAYERS, train_states="qa+rag", max_new_tokens=3, gen_batch_size=4, extract_batch_size=4)
+    return build_confidence_data(
+        llm,
+        templates,
+        rows,
+        settings=ConfidenceDataSettings(**{**settings, **overrides}),
+        cache=ShardedCache(str(cache), shard_size=5, progress=False),
+        candidates=candidates,
     )
-    return build_confidence_data(llm, templates, rows, **{**kwargs, **overrides})
 
 
 def stored_responses(cache, kind: str) -> list[str]:

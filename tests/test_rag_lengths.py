@@ -11,7 +11,8 @@ import pytest
 
 import confrag.llm.loading as loading_module
 from confrag.data.nq import Passage, default_nq_path, load_nq_jsonl
-from confrag.llm.context import PromptTooLongError, fit_rag_prompts
+from confrag.infra.sharded import ShardedCache
+from confrag.llm.context import PromptLimit, PromptTooLongError, fit_rag_prompts
 from confrag.llm.prompts import encode_prompts
 from confrag.rag.answers import AnswerStore
 from test_input_checks import datamodule, nq_file
@@ -25,10 +26,11 @@ def length(tokenizer, prompt: str) -> int:
 
 def test_a_passage_longer_than_the_context_is_refused_by_row_or_cut_when_asked(tiny_llama, templates, caplog):
     tok = tiny_llama.tokenizer
+    limit = PromptLimit(templates, tok, 2048, 24)
     short = [Passage("Paris", "Paris is the capital of France.")]
     items = [("capital of france", short), ("capital of france", [*short, Passage("Long", LONG)])]
     with pytest.raises(PromptTooLongError) as err:
-        fit_rag_prompts(items, ["q0", "q1"], templates, tok, 2048, 24, where="RAG answers")
+        fit_rag_prompts(items, ["q0", "q1"], limit, where="RAG answers")
     message = str(err.value)
     assert message.startswith("RAG answers: 1 RAG prompt(s) (question + passages) do not fit the model's context")
     assert "2048 tokens less max_new_tokens=24 (a prompt may hold 2024 tokens): 'q1' (" in message
@@ -36,7 +38,7 @@ def test_a_passage_longer_than_the_context_is_refused_by_row_or_cut_when_asked(t
     assert "rag.truncate_passages=true" in message
 
     with caplog.at_level(logging.WARNING, logger="confrag.llm.context"):
-        prompts, cut = fit_rag_prompts(items, ["q0", "q1"], templates, tok, 2048, 24, truncate=True)
+        prompts, cut = fit_rag_prompts(items, ["q0", "q1"], limit, truncate=True)
     assert cut == [1] and prompts[0] == templates.rag_prompt(tok, *items[0])
     assert 2000 < length(tok, prompts[1]) <= 2024  # cut to fit, not emptied
     assert "Paris is the capital of France." in prompts[1]  # the first passage kept whole, the last one cut
@@ -44,12 +46,10 @@ def test_a_passage_longer_than_the_context_is_refused_by_row_or_cut_when_asked(t
 
     # A question that does not fit even without passages is not "fixed" by cutting passages.
     with pytest.raises(PromptTooLongError, match=r"their questions alone do not fit") as err:
-        fit_rag_prompts([("why " * 5000, short)], ["q2"], templates, tok, 2048, 24, truncate=True)
+        fit_rag_prompts([("why " * 5000, short)], ["q2"], limit, truncate=True)
     assert "truncate_questions" not in str(err.value)  # no question option here: none is advised
     with pytest.raises(PromptTooLongError, match=r"set data.truncate_questions=true to cut them"):
-        fit_rag_prompts(
-            [("why " * 5000, short)], ["q2"], templates, tok, 2048, 24, True, question_option="data.truncate_questions"
-        )
+        fit_rag_prompts([("why " * 5000, short)], ["q2"], limit, True, question_option="data.truncate_questions")
 
 
 def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path, monkeypatch):
@@ -73,15 +73,16 @@ def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path
 
 @pytest.mark.heavy
 def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, tiny_llama, templates):
-    from confrag.probe.nq_confidence import build_confidence_data
+    from confrag.probe.nq_confidence import ConfidenceDataSettings, build_confidence_data
 
     rows = load_nq_jsonl(default_nq_path(), limit=8)
-    settings = dict(layers=[1], train_states="qa+rag", split_sizes={"train": 2, "dev": 1, "test": 1}, progress=False)
-    settings.update(max_new_tokens=2, cache_dir=str(tmp_path / "cache"))
+    settings = dict(layers=[1], train_states="qa+rag", split_sizes={"train": 2, "dev": 1, "test": 1}, max_new_tokens=2)
+    cache = ShardedCache(str(tmp_path / "cache"), progress=False)
     rows[2] = dataclasses.replace(rows[2], contexts=(Passage(rows[2].contexts[0].title, LONG),))
     with pytest.raises(PromptTooLongError, match=r"'nq-00002 \[rag_gold\]'"):
-        build_confidence_data(tiny_llama, templates, rows, **settings)
-    cut = build_confidence_data(tiny_llama, templates, rows, truncate_passages=True, **settings)
+        build_confidence_data(tiny_llama, templates, rows, settings=ConfidenceDataSettings(**settings), cache=cache)
+    cut_settings = ConfidenceDataSettings(truncate_passages=True, **settings)
+    cut = build_confidence_data(tiny_llama, templates, rows, settings=cut_settings, cache=cache)
     specs = {kind: store.artifact.spec for kind, store in cut.stores.items()}
     assert set(specs) == {"qa", "rag_gold", "rag_other"} and all(len(s) == 8 for s in cut.stores.values())
     # The cut prompts (row 2's own, and the row whose partner paragraph it is) are recorded in the key of the

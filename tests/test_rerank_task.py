@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.probe.module import ProbeModule, SavedProbe
 from confrag.reranker.preferences import build_rows, confidence_shifts, relevance_rows
@@ -57,9 +58,7 @@ def shifts_with(setting, llm, templates, cache_dir, engine):
         setting["probe"],
         setting["candidates"],
         engine=engine,
-        cache_dir=cache_dir,
-        shard_size=4,
-        progress=False,
+        cache=ShardedCache(cache_dir, shard_size=4, progress=False),
     )
 
 
@@ -93,7 +92,7 @@ def test_questions_within_an_extracted_set_read_its_states_instead_of_extracting
     whole = shifts_with(setting, tiny_llama, templates, tmp_path, engine)
     calls = engine.calls
     some = [setting["candidates"][i] for i in (4, 1, 2)]
-    kwargs = dict(engine=engine, cache_dir=tmp_path, shard_size=4, progress=False)
+    kwargs = dict(engine=engine, cache=ShardedCache(tmp_path, shard_size=4, progress=False))
     read = confidence_shifts(tiny_llama, templates, setting["probe"], some, within=setting["candidates"], **kwargs)
     assert engine.calls == calls  # nothing extracted
     for ref in ("qa", "rag_empty"):
@@ -117,7 +116,12 @@ def test_probe_of_another_llm_is_refused(setting, tiny_llama, tiny_qwen2, templa
     engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False)
     with pytest.raises(ValueError, match="llm: trained on"):
         confidence_shifts(
-            tiny_llama, templates, other, setting["candidates"], engine=engine, cache_dir=tmp_path, progress=False
+            tiny_llama,
+            templates,
+            other,
+            setting["candidates"],
+            engine=engine,
+            cache=ShardedCache(tmp_path, progress=False),
         )
 
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, fixed_threads
-from confrag.probe.nq_confidence import build_confidence_data
+from confrag.probe.nq_confidence import ConfidenceDataSettings, build_confidence_data
 
-SETTINGS = dict(layers=[2], train_states="qa", split_sizes={"train": 2, "dev": 1, "test": 1}, progress=False)
+SETTINGS = dict(layers=[2], train_states="qa", split_sizes={"train": 2, "dev": 1, "test": 1}, max_new_tokens=2)
 
 
 @pytest.fixture
@@ -38,7 +39,11 @@ def test_activation_shards_do_not_depend_on_the_process_thread_count(
     for threads in (1, 2):
         process_threads(threads)
         data = build_confidence_data(
-            tiny_llama, templates, nq_rows[:32], max_new_tokens=2, cache_dir=str(tmp_path / f"t{threads}"), **SETTINGS
+            tiny_llama,
+            templates,
+            nq_rows[:32],
+            settings=ConfidenceDataSettings(**SETTINGS),
+            cache=ShardedCache(str(tmp_path / f"t{threads}"), progress=False),
         )
         found[threads] = shard_bytes(data)
         assert torch.get_num_threads() == threads  # the engine's fixed count is given back after extraction
@@ -62,11 +67,13 @@ def test_a_batch_size_other_than_the_default_keys_its_own_states(tmp_path, tiny_
     states extracted with batch 8 were filed under the key of batch 16's (and the reverse)."""
     assert extraction_key() == {} and extraction_key(16, "auto", CPU_THREADS) == {}  # the defaults: keys as before
     assert extraction_key(8) == {"extract_batch_size": 8} and extraction_key(threads=4) == {"extract_threads": 4}
-    cache = str(tmp_path / "cache")
+    cache = ShardedCache(str(tmp_path / "cache"), progress=False)
     rows = nq_rows[:32]
-    default = build_confidence_data(tiny_llama, templates, rows, max_new_tokens=2, cache_dir=cache, **SETTINGS)
+    default = build_confidence_data(
+        tiny_llama, templates, rows, settings=ConfidenceDataSettings(**SETTINGS), cache=cache
+    )
     other = build_confidence_data(
-        tiny_llama, templates, rows, max_new_tokens=2, cache_dir=cache, extract_batch_size=8, **SETTINGS
+        tiny_llama, templates, rows, settings=ConfidenceDataSettings(extract_batch_size=8, **SETTINGS), cache=cache
     )
     assert default.stores["qa"].key != other.stores["qa"].key
     assert "extract_batch_size" not in default.stores["qa"].artifact.spec

@@ -32,7 +32,15 @@ from confrag.gates import (
 )
 from confrag.gates.cache import cached_drafts, cached_p_true
 from confrag.gates.drafts import draft_token_signals
-from confrag.gates.evaluation import GateRow, gate_row, gates_markdown, retrieve_auroc, retrieve_prr
+from confrag.gates.evaluation import (
+    GateCosts,
+    GateRow,
+    RowReference,
+    gate_row,
+    gates_markdown,
+    retrieve_auroc,
+    retrieve_prr,
+)
 from confrag.gates.p_true import p_true_from_verdicts, p_true_prompts, verdict_probabilities, verdict_token_ids
 from confrag.gates.signal_maker import check_llm_signals
 from confrag.instantiators import run_context
@@ -238,20 +246,9 @@ def test_gate_row_scores_the_retrieve_decision_and_pairs_it_with_always_retrieve
     decided = gate.decide(sig)
     assert decided == [P, R, P, P, R]
     correct = np.where([d is R for d in decided], rag, closed_book)
-    row = gate_row(
-        "cbdr",
-        "clean",
-        decided,
-        correct,
-        gate.llm_forward_passes(decided),
-        0.1,
-        1000,
-        0,
-        retriever_calls=gate.retriever_calls(decided),
-        retrieve_scores=gate.retrieve_scores(sig),
-        helped=helped,
-        always_correct=rag,
-    )
+    costs = GateCosts(gate.llm_forward_passes(decided), 0.1, gate.retriever_calls(decided))
+    reference = RowReference(helped, rag, n_resamples=1000, seed=0)
+    row = gate_row("cbdr", "clean", decided, correct, costs, gate.retrieve_scores(sig), reference)
     assert row.auroc == 1.0 and row.prr == pytest.approx(1.0) and row.helped == 2
     assert row.retriever_calls == pytest.approx(0.4) and row.llm_passes == pytest.approx(1.4)
     # The gate alone is right on question 3 (closed-book right, RAG wrong); always-retrieve alone on none.

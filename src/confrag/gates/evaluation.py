@@ -154,26 +154,42 @@ class GateRow:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class GateCosts:
+    """What a gate's decisions cost, per question."""
+
+    llm_passes: np.ndarray  # LLM forward passes
+    wall_s: float  # seconds (the mean, from the timed parts)
+    retriever_calls: np.ndarray
+
+
+@dataclass(frozen=True)
+class RowReference:
+    """What every gate's row on the same questions is measured against: per question, whether retrieval
+    helped (the labels of AUROC and PRR), the always-retrieve gate's outcomes (McNemar's pair), and the
+    bootstrap of the accuracy's interval."""
+
+    helped: np.ndarray
+    always_correct: np.ndarray
+    n_resamples: int
+    seed: int
+
+
 def gate_row(
     gate: str,
     contexts: str,
     decisions: Sequence[Decision],
     correct: np.ndarray,
-    passes: np.ndarray,
-    wall_s: float,
-    n_resamples: int,
-    seed: int,
-    retriever_calls: np.ndarray,
+    costs: GateCosts,
     retrieve_scores: np.ndarray,
-    helped: np.ndarray,
-    always_correct: np.ndarray,
+    reference: RowReference,
 ) -> GateRow:
-    """One gate's row. `helped`: per question, retrieval helped (the same labels for every gate);
-    `always_correct`: the always-retrieve gate's outcomes on the same questions (McNemar's pair)."""
+    """One gate's row on the questions of `reference`."""
+    helped = reference.helped
     correct = np.asarray(correct, dtype=bool)
-    mcnemar = mcnemar_exact(correct, always_correct)
+    mcnemar = mcnemar_exact(correct, reference.always_correct)
     answered = np.array([Decision(d) is not Decision.REFUSE for d in decisions])
-    accuracy = accuracy_ci(correct, n_resamples=n_resamples, seed=seed)
+    accuracy = accuracy_ci(correct, n_resamples=reference.n_resamples, seed=reference.seed)
     retrieval_rate, refusal_rate = rates(decisions)
     return GateRow(
         gate=gate,
@@ -185,9 +201,9 @@ def gate_row(
         retrieval_rate=retrieval_rate,
         refusal_rate=refusal_rate,
         answered_accuracy=float(correct[answered].mean()) if answered.any() else float("nan"),
-        llm_passes=float(np.mean(passes)),
-        wall_s=float(wall_s),
-        retriever_calls=float(np.mean(retriever_calls)),
+        llm_passes=float(np.mean(costs.llm_passes)),
+        wall_s=float(costs.wall_s),
+        retriever_calls=float(np.mean(costs.retriever_calls)),
         auroc=retrieve_auroc(retrieve_scores, helped),
         prr=retrieve_prr(retrieve_scores, helped),
         helped=int(np.sum(helped)),

@@ -68,6 +68,21 @@ class ShardStatus:
 # --- sharded artifacts -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ShardedCache:
+    """Where a computation's sharded artifacts live and how they are filled: the cache folder, the items per
+    shard, and whether filling them shows progress. The three travel together through every function that
+    caches per-prompt states or answers, so they are one value."""
+
+    root: Path | str
+    shard_size: int = 256
+    progress: bool = True
+
+    def artifact(self, kind: str, spec: dict[str, Any], num_items: int, fmt: str) -> ShardedArtifact:
+        """The artifact `kind` keyed by `spec`, of `num_items` items, in this cache's shards."""
+        return ShardedArtifact(self.root, kind, spec, num_items, self.shard_size, fmt=fmt)
+
+
 class ShardedArtifact:
     def __init__(
         self, root: Path | str, kind: str, spec: dict[str, Any], num_items: int, shard_size: int = 256, fmt: str = "npy"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -33,23 +34,37 @@ class PromptTooLongError(ValueError):
     """A prompt longer than the model's context (less the tokens to generate)."""
 
 
+@dataclass(frozen=True)
+class PromptLimit:
+    """What a prompt is measured against: the templates that write it, the model's tokenizer that counts it,
+    the model's context and the tokens to generate after it (a prompt may hold `budget` tokens)."""
+
+    templates: PromptTemplates
+    tokenizer: PreTrainedTokenizerBase
+    context: int
+    max_new_tokens: int
+
+    @property
+    def budget(self) -> int:
+        return self.context - self.max_new_tokens
+
+
 def fit_questions(
     rows: Sequence[QARow],
-    templates: PromptTemplates,
-    tokenizer: PreTrainedTokenizerBase,
-    context: int,
-    max_new_tokens: int,
+    limit: PromptLimit,
     truncate: bool = False,
     where: str = "data",
     option: str = "data.truncate_questions",
     room: int = 0,
 ) -> list[QARow]:
-    """`rows` whose QA prompt plus `max_new_tokens` fits `context` tokens. A row that does not is refused
+    """`rows` whose QA prompt fits `limit` (the context less max_new_tokens). A row that does not is refused
     (PromptTooLongError naming its qid, its length and the limit), or with `truncate` its question is cut
     (on tokens) to fit, with a warning counting the rows cut. With `truncate`, a question is cut so that its
     QA prompt leaves `room` tokens of that budget free (for the passages of the RAG prompts it also goes
     into); refusal without `truncate` stays at the exact limit."""
-    budget = context - max_new_tokens
+    templates, tokenizer = limit.templates, limit.tokenizer
+    context, max_new_tokens = limit.context, limit.max_new_tokens
+    budget = limit.budget
     if not 0 <= room < budget:
         raise ValueError(f"{where}: room must lie in [0, {budget}) tokens; got {room!r}")
     lengths = [
@@ -104,22 +119,21 @@ def _cut(question: str, templates: PromptTemplates, tokenizer: PreTrainedTokeniz
 def fit_rag_prompts(
     items: Sequence[tuple[str, Sequence[Any]]],
     labels: Sequence[str],
-    templates: PromptTemplates,
-    tokenizer: PreTrainedTokenizerBase,
-    context: int,
-    max_new_tokens: int,
+    limit: PromptLimit,
     truncate: bool = False,
     where: str = "rag",
     option: str = "rag.truncate_passages",
     question_option: str | None = None,
 ) -> tuple[list[str], list[int]]:
     """The RAG prompts of (question, passages) items (passages: objects with .title / .text), each tokenized
-    with the model's tokenizer and chat template and checked against `context` less `max_new_tokens`. An item
+    with the model's tokenizer and chat template and checked against `limit` (context less max_new_tokens). An item
     that does not fit is refused (PromptTooLongError naming its label, its length, its passages' characters
     and the limit), or with `truncate` its passages are cut on tokens from the last one backwards until it
     fits, with a warning counting the items cut. Returns the prompts and the indices of the cut items.
     `question_option` names the option that cuts these questions, when there is one (the error's advice)."""
-    budget = context - max_new_tokens
+    templates, tokenizer = limit.templates, limit.tokenizer
+    context, max_new_tokens = limit.context, limit.max_new_tokens
+    budget = limit.budget
     prompts = [templates.rag_prompt(tokenizer, question, list(passages)) for question, passages in items]
     lengths = [len(ids) for ids in encode_prompts(tokenizer, prompts)] if prompts else []
     too_long = [i for i, n in enumerate(lengths) if n > budget]

@@ -28,14 +28,21 @@ from confrag.data.jsonl import DataFormatError
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, load_nq_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.infra import checks
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.batching import check_batch_size
-from confrag.llm.context import fit_questions
+from confrag.llm.context import PromptLimit, fit_questions
 from confrag.llm.generation import GreedyOptions
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.activation_dataset import ActivationDataset, unrepeated_sampler
-from confrag.probe.nq_confidence import ConfidenceData, activation_identity, build_confidence_data, resolve_layers
+from confrag.probe.nq_confidence import (
+    ConfidenceData,
+    ConfidenceDataSettings,
+    activation_identity,
+    build_confidence_data,
+    resolve_layers,
+)
 from confrag.probe.prompt_kinds import kinds_of, uses_candidates
 from confrag.probe.ranking import RankingSet, candidate_states
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
@@ -204,10 +211,7 @@ class NQConfidenceDataModule(LightningDataModule):
         if own:
             rows = fit_questions(
                 rows,
-                self.templates,
-                llm.tokenizer,
-                llm.context,
-                self.max_new_tokens,
+                PromptLimit(self.templates, llm.tokenizer, llm.context, self.max_new_tokens),
                 self.truncate_questions,
                 str(self.nq_path),
                 option=f"{self.config_node}.truncate_questions",
@@ -216,27 +220,29 @@ class NQConfidenceDataModule(LightningDataModule):
             )
         candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         try:
-            data = build_confidence_data(
-                llm,
-                self.templates,
-                rows,
+            settings = ConfidenceDataSettings(
                 layers=self.layers,
                 train_states=self.train_states,
-                seed=self.seed,
                 split_sizes=self.split_sizes,
                 balance=self.balance,
                 question_splits=self.question_splits,
                 max_new_tokens=self.max_new_tokens,
                 gen_batch_size=self.gen_batch_size,
+                generation=self.generation,
                 extract_batch_size=self.extract_batch_size,
-                cache_dir=self.cache_dir,
-                progress=self.progress,
-                candidates=candidates,
                 extract_compile=self.extract_compile,
                 extract_threads=self.extract_threads,
-                generation=self.generation,
                 truncate_passages=self.truncate_passages,
                 config_node=self.config_node,
+            )
+            data = build_confidence_data(
+                llm,
+                self.templates,
+                rows,
+                settings=settings,
+                cache=ShardedCache(self.cache_dir, progress=self.progress),
+                seed=self.seed,
+                candidates=candidates,
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)
@@ -289,9 +295,8 @@ class NQConfidenceDataModule(LightningDataModule):
                 found,
                 self.layer,
                 engine=engine,
-                cache_dir=self.cache_dir,
+                cache=ShardedCache(self.cache_dir, progress=self.progress),
                 layers=data.layers,  # every extracted layer: a layer sweep extracts the candidates once
-                progress=self.progress,
                 extraction=extraction_key(self.extract_batch_size, threads=self.extract_threads),
             )
             parts[name] = (found, states)

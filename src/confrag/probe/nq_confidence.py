@@ -32,8 +32,8 @@ from confrag.data.qa_metrics import exact_match, has_answer
 from confrag.infra.activation_store import ActivationStore
 from confrag.infra.digests import fingerprint
 from confrag.infra.locks import compute_shards
-from confrag.infra.sharded import ShardedArtifact
-from confrag.llm.context import fit_rag_prompts
+from confrag.infra.sharded import ShardedArtifact, ShardedCache
+from confrag.llm.context import PromptLimit, fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, validate_layers
 from confrag.llm.loading import LoadedLLM
@@ -151,26 +151,21 @@ def rag_items(
 
 
 def fitted_prompts(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    limit: PromptLimit,
     items: Sequence[tuple[str, Sequence[Any]]],
     labels: Sequence[str],
-    max_new_tokens: int,
     truncate: bool,
     spec: dict[str, Any],
     config_node: str = "data",
 ) -> list[str]:
-    """The RAG prompts of `items`, checked against the LLM's context (refused by row, or cut with
+    """The RAG prompts of `items`, checked against `limit`, the LLM's context (refused by row, or cut with
     `<config_node>.truncate_passages`); when some were cut, `spec` records the cut prompts (the states are
     theirs). `config_node`: where the probe's data settings live in the run's config (`probe.data` in a later
     task), so that the advice works as an override."""
     prompts, cut = fit_rag_prompts(
         items,
         labels,
-        templates,
-        llm.tokenizer,
-        llm.context,
-        max_new_tokens,
+        limit,
         truncate,
         where=f"NQ_Confidence [{spec['kind']}]",
         option=f"{config_node}.truncate_passages",
@@ -181,32 +176,45 @@ def fitted_prompts(
     return prompts
 
 
+@dataclass(frozen=True)
+class ConfidenceDataSettings:
+    """How NQ_Confidence is built (the probe data module's settings): which states of which layers, the
+    splits and their balance, how answers are generated and states extracted, and how a RAG prompt longer
+    than the context is treated. `config_node`: where these settings live in the run's config (`data`, or
+    `probe.data` in a later task), so that an error's advice works as an override."""
+
+    layers: str | Sequence[int] = "all"
+    train_states: str = "qa"
+    split_sizes: dict[str, int] | None = None
+    balance: bool = True
+    question_splits: dict[str, int] | None = None
+    max_new_tokens: int = 24
+    gen_batch_size: int | str = 16
+    generation: GreedyOptions | None = None
+    extract_batch_size: int | str = 16
+    extract_compile: bool = False
+    extract_threads: int | None = CPU_THREADS
+    truncate_passages: bool = False
+    config_node: str = "data"
+
+
 def build_confidence_data(
     llm: LoadedLLM,
     templates: PromptTemplates,
     rows: Sequence[QARow],
     *,
-    layers: str | Sequence[int] = "all",
-    train_states: str = "qa",
+    settings: ConfidenceDataSettings,
+    cache: ShardedCache,
     seed: int = 0,
-    split_sizes: dict[str, int] | None = None,
-    balance: bool = True,
-    question_splits: dict[str, int] | None = None,
-    max_new_tokens: int = 24,
-    gen_batch_size: int | str = 16,
-    extract_batch_size: int | str = 16,
-    cache_dir: str = ".cache",
-    shard_size: int = 256,
-    progress: bool = True,
     candidates: Sequence[Sequence[Any]] | None = None,
-    extract_compile: bool = False,
-    generation: GreedyOptions | None = None,
-    truncate_passages: bool = False,
-    extract_threads: int | None = CPU_THREADS,
-    config_node: str = "data",
 ) -> ConfidenceData:
-    """NQ_Confidence for `rows`; `candidates[i]` (passages with .title and .text) are question i's retrieved
-    contexts, needed by the `+candidates` options (one prompt kind per rank)."""
+    """NQ_Confidence for `rows`, its answers and states in `cache`; `candidates[i]` (passages with .title and
+    .text) are question i's retrieved contexts, needed by the `+candidates` options (one prompt kind per rank)."""
+    layers, train_states, max_new_tokens = settings.layers, settings.train_states, settings.max_new_tokens
+    gen_batch_size, generation = settings.gen_batch_size, settings.generation
+    extract_batch_size, extract_threads = settings.extract_batch_size, settings.extract_threads
+    truncate_passages, config_node = settings.truncate_passages, settings.config_node
+    cache_dir, shard_size, progress = cache.root, cache.shard_size, cache.progress
     num_candidates = min((len(c) for c in candidates), default=0) if candidates is not None else 0
     # The flat pairs option takes every question's whole list; the ranked options one kind per common rank.
     kinds = kinds_of(train_states, 0 if pairs_only(train_states) else num_candidates)
@@ -215,8 +223,8 @@ def build_confidence_data(
             f"data.train_states={train_states!r} needs retrieved candidates for every question "
             "(data.candidates_top_n >= 1)"
         )
-    sizes = check_splits(split_sizes or PAPER_SPLIT_SIZES, "data.split_sizes")
-    proportions = check_splits(question_splits or sizes, "data.question_splits")
+    sizes = check_splits(settings.split_sizes or PAPER_SPLIT_SIZES, "data.split_sizes")
+    proportions = check_splits(settings.question_splits or sizes, "data.question_splits")
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
@@ -229,7 +237,7 @@ def build_confidence_data(
             llm.tokenizer,
             batch_size=extract_batch_size,
             progress=progress,
-            compile=extract_compile,
+            compile=settings.extract_compile,
             threads=extract_threads,
         )
     )
@@ -237,6 +245,7 @@ def build_confidence_data(
     # Every answer and state shard of every prompt kind goes into one pool of claimable shards: processes
     # filling the cache together (torchrun ranks, parallel jobs) never wait while some shard is free.
     jobs, artifacts = [], {}
+    limit = PromptLimit(templates, llm.tokenizer, llm.context, max_new_tokens)
     for kind in kinds:
         kind_spec = {**base_spec, "kind": kind, "partner_seed": seed if kind == "rag_other" else None}
         if kind.startswith(CANDIDATE_KIND):  # the contexts are part of what the states are states of
@@ -247,9 +256,7 @@ def build_confidence_data(
         else:
             labels = [f"{row.qid} [{kind}]" for row in rows]
             items = rag_items(rows, kind, seed, candidates)
-            prompts = fitted_prompts(
-                llm, templates, items, labels, max_new_tokens, truncate_passages, kind_spec, config_node
-            )
+            prompts = fitted_prompts(limit, items, labels, truncate_passages, kind_spec, config_node)
         generations = ShardedArtifact(
             cache_dir, "generations", {**kind_spec, "max_new_tokens": max_new_tokens}, len(rows), shard_size, fmt="json"
         )
@@ -290,9 +297,7 @@ def build_confidence_data(
         }
         items = [(rows[i].question, [p]) for i, c in enumerate(candidates) for p in c]
         labels = [f"{rows[i].qid} [candidate {r}]" for i, c in enumerate(candidates) for r in range(len(c))]
-        prompts = fitted_prompts(
-            llm, templates, items, labels, max_new_tokens, truncate_passages, pair_spec, config_node
-        )
+        prompts = fitted_prompts(limit, items, labels, truncate_passages, pair_spec, config_node)
         generations = ShardedArtifact(
             cache_dir,
             "generations",
@@ -338,7 +343,7 @@ def build_confidence_data(
             for j, i in enumerate(owners[kind])
             if split_of[i] == split
         ]
-        examples[split] = balanced_examples(candidates, int(sizes[split]), seed) if balance else candidates
+        examples[split] = balanced_examples(candidates, int(sizes[split]), seed) if settings.balance else candidates
     identity = {
         **base_spec,
         "layers": layer_list,

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from confrag.infra.activation_store import ActivationStore
 from confrag.infra.digests import fingerprint
-from confrag.infra.sharded import ShardedArtifact
+from confrag.infra.sharded import ShardedArtifact, ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -32,18 +31,17 @@ SELECTION_METRIC = "gold_mrr"
 
 
 def state_artifact(
-    cache_dir: str | Path,
+    cache: ShardedCache,
     llm: LoadedLLM,
     templates: PromptTemplates,
     kind: str,
     rows_key: str,
     layer: int | Sequence[int],
     num_items: int,
-    shard_size: int = 256,
     extra: dict | None = None,
 ) -> ShardedArtifact:
     """The cached states of one layer (or several) for `num_items` prompts of one kind over the questions
-    `rows_key`."""
+    `rows_key`, in `cache`."""
     spec = {
         "llm": llm.identity,
         "prompts": templates.identity(llm.tokenizer),
@@ -53,7 +51,7 @@ def state_artifact(
         "layers": [int(layer)] if isinstance(layer, (int, np.integer)) else [int(x) for x in layer],
         "store": "float32",
     }
-    return ShardedArtifact(cache_dir, "activations", spec, num_items, shard_size, fmt="npy")
+    return cache.artifact("activations", spec, num_items, fmt="npy")
 
 
 def candidate_states(
@@ -63,10 +61,8 @@ def candidate_states(
     layer: int,
     *,
     engine: HiddenStateEngine | Callable[[], HiddenStateEngine],
-    cache_dir: str | Path,
+    cache: ShardedCache,
     layers: Sequence[int] | None = None,
-    shard_size: int = 256,
-    progress: bool = True,
     extraction: dict | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layer-`layer` state of the RAG prompt holding each candidate alone, every question's candidates
@@ -84,20 +80,19 @@ def candidate_states(
     prompts = [templates.rag_prompt(tok, q, [p]) for q, p in pairs]
     contexts_key = fingerprint([[p.title, p.text] for _, p in pairs])
     artifact = state_artifact(
-        cache_dir,
+        cache,
         llm,
         templates,
         "rag_candidates",
         rows_key,
         layers,
         len(pairs),
-        shard_size,
         {"contexts": contexts_key, **(engine.key if isinstance(engine, HiddenStateEngine) else extraction or {})},
     )
     artifact.compute(
         lambda a, b: make_engine().extract(prompts[a:b], layers, desc="states [candidates]"),
         desc="candidate states",
-        progress=progress,
+        progress=cache.progress,
     )
     states = ActivationStore(artifact, layers).take(layer, range(len(pairs))) if pairs else np.zeros((0, 0))
     bounds = np.cumsum([0] + [len(c.passages) for c in candidate_sets])

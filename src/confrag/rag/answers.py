@@ -37,7 +37,7 @@ from confrag.infra.digests import fingerprint
 from confrag.infra.locks import compute_shards
 from confrag.infra.sharded import CacheMismatchError, ShardedArtifact
 from confrag.llm.batching import check_batch_size
-from confrag.llm.context import fit_rag_prompts
+from confrag.llm.context import PromptLimit, fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -83,6 +83,9 @@ class AnswerStore:
 
     `generated` counts the prompts this object sent to the LLM and `reused` those found in the cache."""
 
+    # Parameters: the run builds it from the `rag` node's checked settings (`AnswerSettings.store`, where the
+    # options are grouped); scripts, benchmarks and tests name by keyword the one or two options they change
+    # (max_new_tokens=2), as a transformers pipeline takes its generation options.
     def __init__(
         self,
         llm: LoadedLLM,
@@ -146,10 +149,7 @@ class AnswerStore:
             fitted, _ = fit_rag_prompts(
                 [items[i] for i in todo],
                 [f"question {items[i][0][:80]!r} with {len(items[i][1])} passage(s)" for i in todo],
-                self.templates,
-                self.llm.tokenizer,
-                self.llm.context,
-                self.max_new_tokens,
+                PromptLimit(self.templates, self.llm.tokenizer, self.llm.context, self.max_new_tokens),
                 self.truncate_passages,
                 where="RAG answers",
                 option="rag.truncate_passages",

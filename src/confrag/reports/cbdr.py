@@ -19,7 +19,7 @@ from confrag.reports.cbdr_chain import chain_intro, chain_markdown
 from confrag.reports.cbdr_setup import evaluation_pool_line, reading_guide, stage_line, table1_labels_line
 from confrag.reports.rerank import base_line, retrieval_line
 from confrag.reports.small_samples import SMALL_N, interval_fields, proportion_text, small_mark
-from confrag.reports.tables import log_rows, markdown_table, plain, wandb_loggers
+from confrag.reports.tables import RunHeader, log_rows, markdown_table, plain, wandb_loggers
 from confrag.reranker.systems import label
 from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
 from confrag.stages.rerank import RerankStage
@@ -29,14 +29,9 @@ PROPORTIONS = ("has_answer", "em")  # 0/1 per question: their means have Wilson 
 
 
 @dataclass(frozen=True)
-class ReportHeader:
+class ReportHeader(RunHeader):
     """What the report says about the run beside its results."""
 
-    llm_name: str
-    run_folder: str
-    retriever: str
-    top_n: int
-    config_yaml: str
     gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
     candidates_source: str  # where the candidates come from (RetrievalSettings.source)
     questions: str = NQ  # the evaluation's question set, by its dataset (NQ, PopQA, ...) or file
@@ -170,6 +165,9 @@ def conf_summary(values: Sequence[float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values)
 
 
+# Parameters: the report's parts are independent facts, each computed by its own step of the task (the header,
+# the stage, the settings, Table 1's and Table 2's rows and Markdown, the β results, the plots, the run record);
+# an object holding them would be built for this one call and read field by field here.
 def report_markdown(
     run: ReportHeader,
     stage: RerankStage,

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import Logger
 from confrag.gates.evaluation import CurvePoint, GateRow, gates_markdown
 from confrag.gates.settings import GateSettings
 from confrag.reports.small_samples import SMALL_N, auroc_interval, interval_fields, proportion_text
-from confrag.reports.tables import log_rows, wandb_loggers
+from confrag.reports.tables import RunHeader, log_rows, wandb_loggers
 from confrag.reranker.systems import label
 from confrag.stages.gate_comparison import GateEvaluation
 from confrag.stages.gate_questions import CONDITIONS
@@ -101,11 +101,7 @@ def tables_text(rows: Sequence[GateRow], metric: str) -> str:
 
 
 def report_markdown(
-    llm_name: str,
-    run_folder: str,
-    retriever: str,
-    top_n: int,
-    config_yaml: str,
+    run: RunHeader,
     settings: GateSettings,
     evaluation: GateEvaluation,
     results: GateResults,
@@ -116,9 +112,9 @@ def report_markdown(
     sets = evaluation.sets.report
     timing = ", ".join(f"{part} {1000 * s:.0f} ms" for part, s in sorted(evaluation.timings.items()))
     lines = [
-        f"# Retrieval gates — {llm_name}",
+        f"# Retrieval gates — {run.llm_name}",
         "",
-        f"Run folder: `{run_folder}`; wall time {seconds:.0f} s; answers generated "
+        f"Run folder: `{run.run_folder}`; wall time {seconds:.0f} s; answers generated "
         f"{answers['generated']}, read from the cache {answers['reused']}.",
         "",
         f"Questions: {sets['evaluation_questions']} {sets.get('questions', 'NQ')} questions the probe never saw (the "
@@ -126,7 +122,7 @@ def report_markdown(
         f"questions), split by question: the gates are trained on {sets['train']} (training split: cached "
         f"closed-book / RAG outcomes with clean contexts) and evaluated on the {sets['test']} of the other "
         f"{sets['test_all']} that have a conflicting version (skipped: {sets['conflicts_skipped'] or 'none'}).",
-        f"Contexts: clean = top-{settings.top_k} of {retriever} top-{top_n} reranked by "
+        f"Contexts: clean = top-{settings.top_k} of {run.retriever} top-{run.top_n} reranked by "
         f"{label(settings.reranker)}; conflicting = the gold paragraph with its answer replaced by a same-kind "
         f"answer of another question (kinds: {sets['kinds']}), placed first, then the best {settings.top_k - 1} clean "
         "passages not from the gold paragraph "
@@ -173,7 +169,7 @@ def report_markdown(
         "## Config",
         "",
         "```yaml",
-        config_yaml.rstrip(),
+        run.config_yaml.rstrip(),
         "```",
         "",
     ]

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning.pytorch.loggers import Logger, WandbLogger
+
+
+@dataclass(frozen=True)
+class RunHeader:
+    """What a task's report says about the run beside its results: the LLM, the run folder, the retrieval
+    and the resolved config."""
+
+    llm_name: str
+    run_folder: str
+    retriever: str
+    top_n: int
+    config_yaml: str
 
 
 def metric_columns(row: Mapping[str, Any]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from confrag.infra.sharded import ShardedCache
 from confrag.reranker.preferences import REFERENCES, ConfidenceShifts, confidence_shifts
 from confrag.retrieval.candidates import Candidates
 
@@ -41,8 +42,7 @@ def probe_shifts(candidates: Sequence[Candidates], inputs: ConfidenceInputs) -> 
         inputs.probe,
         candidates,
         engine=inputs.engine,
-        cache_dir=inputs.cache_dir,
-        progress=inputs.progress,
+        cache=ShardedCache(inputs.cache_dir, progress=inputs.progress),
     )
 
 

@@ -74,6 +74,8 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+# Parameters: named as RerankerModule.__init__'s (the `model` node's keys): `check_settings` binds them by name
+# from that signature, so they follow the constructor's grouping.
 def _check_settings(
     tau: float,
     lr: float,

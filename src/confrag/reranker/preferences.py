@@ -35,6 +35,7 @@ from confrag.infra.activation_store import ActivationStore
 from confrag.infra.atomic import atomic_write_text, swapped_in
 from confrag.infra.digests import fingerprint, write_folder_digest
 from confrag.infra.finite import require_finite
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -63,13 +64,11 @@ def confidence_shifts(
     candidate_sets: Sequence[Candidates],
     *,
     engine: HiddenStateEngine,
-    cache_dir: str | Path,
+    cache: ShardedCache,
     qa_states: np.ndarray | None = None,
-    shard_size: int = 256,
-    progress: bool = True,
     within: Sequence[Candidates] | None = None,
 ) -> ConfidenceShifts:
-    """Conf of every reference prompt and every (question, candidate) RAG prompt, through the cache.
+    """Conf of every reference prompt and every (question, candidate) RAG prompt, through `cache`.
 
     `qa_states` are these questions' QA-prompt states at the probe's layer, read from the probe
     stage's activation cache; when given they are used instead of being extracted again. `within`: candidate
@@ -78,9 +77,7 @@ def confidence_shifts(
     being extracted again under another question set's key."""
     picked = subset_positions(candidate_sets, within) if within is not None and qa_states is None else None
     if picked is not None:
-        whole = confidence_shifts(
-            llm, templates, probe, within, engine=engine, cache_dir=cache_dir, shard_size=shard_size, progress=progress
-        )
+        whole = confidence_shifts(llm, templates, probe, within, engine=engine, cache=cache)
         return ConfidenceShifts(
             {kind: values[picked] for kind, values in whole.reference.items()}, [whole.candidates[i] for i in picked]
         )
@@ -102,24 +99,15 @@ def confidence_shifts(
     for kind in REFERENCES:
         if kind in reference:
             continue
-        artifact = state_artifact(cache_dir, llm, templates, kind, rows_key, layer, len(questions), shard_size)
+        artifact = state_artifact(cache, llm, templates, kind, rows_key, layer, len(questions))
         artifact.compute(
             lambda a, b, p=prompts[kind], k=kind: engine.extract(p[a:b], [layer], desc=f"states [{k}]"),
             desc=f"{kind} states",
-            progress=progress,
+            progress=cache.progress,
         )
         reference[kind] = probe.confidence(ActivationStore(artifact, [layer]).take(layer, range(len(questions))))
 
-    states, bounds = candidate_states(
-        llm,
-        templates,
-        candidate_sets,
-        layer,
-        engine=engine,
-        cache_dir=cache_dir,
-        shard_size=shard_size,
-        progress=progress,
-    )
+    states, bounds = candidate_states(llm, templates, candidate_sets, layer, engine=engine, cache=cache)
     conf = probe.confidence(states) if len(states) else np.zeros(0)
     # Inc is a difference of these: named by question here, so that no NaN reaches a preference row.
     for kind, values in reference.items():

@@ -20,6 +20,7 @@ import numpy as np
 from sklearn.metrics import roc_auc_score
 
 from confrag.infra.run_context import RunContext
+from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
@@ -104,7 +105,6 @@ def candidate_diagnostics(
     `within`, its candidate sets, holds these questions, as when cross-fitted) and the LLM's answer under each
     (through the answer cache)."""
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=ctx.progress)
-    shifts = confidence_shifts(
-        llm, templates, probe, candidates, engine=engine, cache_dir=ctx.cache_dir, progress=ctx.progress, within=within
-    )
+    cache = ShardedCache(ctx.cache_dir, progress=ctx.progress)
+    shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache=cache, within=within)
     return CandidateDiagnostics(list(candidates), shifts.candidates, candidate_utility(store, candidates))

@@ -19,13 +19,12 @@ refusal. Wall time: see `confrag.gates.evaluation` (measured parts, combined per
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from confrag.data.nq import QARow
 from confrag.gates import Gate, GateSignals
 from confrag.gates.evaluation import decision_parts
 from confrag.gates.settings import GateSettings
@@ -34,8 +33,8 @@ from confrag.infra.run_context import RunContext
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, run_rag
-from confrag.rag.settings import AnswerSettings
-from confrag.stages.evaluation import check_held_out, check_row
+from confrag.rag.settings import AnswerSettings, EvalSettings
+from confrag.stages.evaluation import check_held_out, check_row, evaluation_rows
 from confrag.stages.gate_questions import (
     CLEAN,
     CONDITIONS,
@@ -45,7 +44,7 @@ from confrag.stages.gate_questions import (
     question_sets,
     reranked,
 )
-from confrag.stages.gate_timing import measure_parts
+from confrag.stages.gate_timing import TimingRun, measure_parts
 from confrag.stages.rerank import RerankStage
 from confrag.stages.retrieval import question_candidates
 
@@ -69,23 +68,24 @@ class GateEvaluation:
 
 def prepare_gate_evaluation(
     stage: RerankStage,
-    rows: Sequence[QARow],
+    evaluation: EvalSettings,
     settings: GateSettings,
     gates: dict[str, Gate],
     llm: LoadedLLM,
     templates: PromptTemplates,
     answers: AnswerSettings,
-    dev_fraction: float,
     ctx: RunContext,
 ) -> GateEvaluation:
-    """Everything that runs the LLM before the gates decide: answers in both conditions (cached per
-    prompt in the run's cache), the signals the configured gates read, CtrlA's directions, and the timed
-    parts. The question sets are split with the run's seed."""
+    """Everything that runs the LLM before the gates decide, on the evaluation questions (`evaluation`'s sample,
+    as the cbdr task's): answers in both conditions (cached per prompt in the run's cache), the signals the
+    configured gates read, CtrlA's directions, and the timed parts. The question sets are split with the run's
+    seed, by `evaluation.dev_fraction`."""
+    rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.nq_path)
     check_row("gates.reranker", settings.reranker, stage.scorers)
     check_llm_signals(gates, llm)
     check_held_out(stage, rows)
     scorer, k = stage.scorers[settings.reranker], settings.top_k
-    sets = question_sets(rows, dev_fraction, ctx.seed)
+    sets = question_sets(rows, evaluation.dev_fraction, ctx.seed)
     candidates, retrieval = question_candidates(
         stage.retrieval, [*sets.train, *sets.test], stage.retrieval.settings.candidates_path
     )
@@ -131,17 +131,17 @@ def prepare_gate_evaluation(
             extras[key] = gate.training_extras(maker, sets.train)
     parts = {"closed_book", "rag_answer", "retrieve"} | set(decision_parts(needs))
     timing_rows = sets.test[: settings.timing_questions]
-    timings = measure_parts(
+    timed = TimingRun(
         maker,
         stage.retrieval,
         scorer,
         timing_rows,
         clean_test[: len(timing_rows)],
-        parts,
         layers or (llm.mid_layer,),
         k,
         answers,
     )
+    timings = measure_parts(timed, parts)
     return GateEvaluation(
         sets,
         train_outcomes,

@@ -16,7 +16,9 @@ import numpy as np
 from confrag.gates import Decision, Gate, GateTrainingData, retrieval_helped
 from confrag.gates.evaluation import (
     CurvePoint,
+    GateCosts,
     GateRow,
+    RowReference,
     gate_row,
     quantile_grid,
     score_decisions,
@@ -107,23 +109,10 @@ def run_gates(
             closed_book, rag = correct_of(evaluation.test_outcomes[condition], settings.metric, settings.top_k)
             correct = score_decisions(decided, closed_book, retrieval_correct(gate, evaluation, condition, settings))
             wall = wall_time_per_question(gate.needs, decided, evaluation.timings, decide_seconds)
-            rows.append(
-                gate_row(
-                    name,
-                    condition,
-                    decided,
-                    correct,
-                    gate.llm_forward_passes(decided),
-                    wall,
-                    settings.n_resamples,
-                    seed,
-                    retriever_calls=gate.retriever_calls(decided),
-                    retrieve_scores=gate.retrieve_scores(signals),
-                    # The same labels and the same always-retrieve outcomes (top-K RAG answers) for every gate.
-                    helped=retrieval_helped(closed_book, rag),
-                    always_correct=rag,
-                )
-            )
+            costs = GateCosts(gate.llm_forward_passes(decided), wall, gate.retriever_calls(decided))
+            # The same labels and the same always-retrieve outcomes (top-K RAG answers) for every gate.
+            reference = RowReference(retrieval_helped(closed_book, rag), rag, settings.n_resamples, seed)
+            rows.append(gate_row(name, condition, decided, correct, costs, gate.retrieve_scores(signals), reference))
             decisions[condition][name] = [Decision(d).value for d in decided]
     return GateResults(rows, fits, decisions, fitted)
 

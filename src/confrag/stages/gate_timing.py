@@ -72,29 +72,18 @@ class TimingRun:
         reranked(candidates, self.scorer)
 
 
-def measure_parts(
-    maker: SignalMaker,
-    retrieval: Retrieval,
-    scorer: Scorer,
-    rows: Sequence[QARow],
-    clean: Sequence[Candidates],
-    parts: set[str],
-    layers: Sequence[int],
-    k: int,
-    answers: AnswerSettings,
-) -> dict[str, float]:
-    """Seconds per question of each part, computed fresh (no cache) on `rows` with the run's batch sizes."""
+def measure_parts(run: TimingRun, parts: set[str]) -> dict[str, float]:
+    """Seconds per question of each part, computed fresh (no cache) on `run.rows` with the run's batch sizes."""
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"no timed part named {unknown}; parts: {', '.join(sorted(PARTS))}")
-    run = TimingRun(maker, retrieval, scorer, rows, clean, layers, k, answers)
     run.warm_up()
     timings = {}
     # closed_book first: the response parts read its answers.
     for part in ["closed_book", *sorted(parts - {"closed_book"})]:
         start = time.perf_counter()
         PARTS[part].measure(run)
-        timings[part] = (time.perf_counter() - start) / len(rows)
+        timings[part] = (time.perf_counter() - start) / len(run.rows)
     # A part that runs another one again on its way (BRIDGE's matching writes its internal passages) is
     # charged only its own share.
     for part in timings:

@@ -152,11 +152,11 @@ def build_nq_rerank(
     probe: SavedProbe,
     rows: Sequence[QARow],
     retrieval: Retrieval,
-    candidates_path: str | None,
     ctx: RunContext,
 ) -> PreferenceStage:
-    """NQ_Rerank for `rows` under every rule of `settings.rules`, its rows written to `<run folder>/nq_rerank`."""
-    candidates, retrieval_stats = question_candidates(retrieval, rows, candidates_path)
+    """NQ_Rerank for `rows` under every rule of `settings.rules`, its rows written to `<run folder>/nq_rerank`;
+    their candidates retrieved, or read from the retrieval settings' `candidates_path`."""
+    candidates, retrieval_stats = question_candidates(retrieval, rows, retrieval.settings.candidates_path)
     if settings.top_k > max(len(c.passages) for c in candidates):
         raise ValueError(
             f"preferences.top_k={settings.top_k} is larger than any question's candidate list "

@@ -24,7 +24,7 @@ from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions, se
 from confrag.infra.digests import fingerprint
 from confrag.infra.locks import claimed_first
 from confrag.infra.run_context import RunContext
-from confrag.llm.context import fit_questions
+from confrag.llm.context import PromptLimit, fit_questions
 from confrag.llm.loading import prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.datamodule import NQConfidenceDataModule
@@ -103,17 +103,15 @@ def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -
     where = str(probe_data.nq_path)
     rows = fit_questions(
         rows,
-        recipe.templates,
-        tokenizer,
-        context,
-        probe_data.max_new_tokens,
+        PromptLimit(recipe.templates, tokenizer, context, probe_data.max_new_tokens),
         probe_data.truncate_questions,
         where,
         option=f"{probe_data.config_node}.truncate_questions",
         room=(context - probe_data.max_new_tokens) // 2 if probe_data.rag_prompts else 0,
     )
     if recipe.answers.max_new_tokens > probe_data.max_new_tokens:  # the answers may generate more
-        fit_questions(rows, recipe.templates, tokenizer, context, recipe.answers.max_new_tokens, False, where)
+        answers_limit = PromptLimit(recipe.templates, tokenizer, context, recipe.answers.max_new_tokens)
+        fit_questions(rows, answers_limit, False, where)
     return rows
 
 
@@ -147,7 +145,6 @@ def rerank_stage(
         probe,
         questions.preference,
         retrieval,
-        recipe.retrieval.candidates_path,
         ctx,
     )
     train_rows, test_rows = stage.splits["train"], stage.splits["test"]

@@ -84,6 +84,9 @@ def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:
     return recipe.make_model(backbone=str(directory), fresh_head=False, lora=None)
 
 
+# Parameters: the keyword options (start_from, trainer_settings, dev, model overrides) are optional and
+# independent: each of the five callers names the one or two it changes, as Lightning's Trainer takes its
+# options; an object would be built at every call for one field. Inside, they travel as `RerankerTraining`.
 def ensure_reranker(
     recipe: RerankerRecipe,
     ctx: RunContext,
@@ -107,21 +110,12 @@ def ensure_reranker(
     key_settings = {**(trainer_settings or {}), **({"select_on_dev_top1": dev.key()} if dev is not None else {})}
     directory = reranker_cache_dir(recipe, ctx.cache_dir, train_rows, start_from, key_settings or None, model_overrides)
     marker = directory / "confrag_training.json"
+    training = RerankerTraining(
+        train_rows, name, loggers, run_config, start_from, trainer_settings, model_overrides, dev
+    )
 
     def train() -> tuple[RerankerModule, dict[str, Any]]:
-        return _train(
-            recipe,
-            ctx.output_dir,
-            train_rows,
-            name,
-            loggers,
-            run_config,
-            directory,
-            start_from,
-            trainer_settings,
-            model_overrides,
-            dev,
-        )
+        return _train(recipe, ctx.output_dir, training, directory)
 
     if recipe.fast_dev_run:
         return train()
@@ -137,30 +131,37 @@ def ensure_reranker(
         return train()
 
 
+@dataclass(frozen=True)
+class RerankerTraining:
+    """One reranker's training beside its recipe: its rows and name, what it logs to, and what it starts from
+    and changes (the rows, start, trainer settings, overrides and dev selection are in its cache key)."""
+
+    rows: list[dict]
+    name: str
+    loggers: list[Logger]
+    run_config: dict | None
+    start_from: Path | None
+    trainer_settings: dict[str, Any] | None
+    model_overrides: dict[str, Any]
+    dev: DevTop1 | None
+
+
 def _train(
-    recipe: RerankerRecipe,
-    output_dir: Path,
-    train_rows: list[dict],
-    name: str,
-    loggers: list[Logger],
-    run_config: dict | None,
-    directory: Path,
-    start_from: Path | None,
-    trainer_settings: dict[str, Any] | None,
-    model_overrides: dict[str, Any],
-    dev: DevTop1 | None = None,
+    recipe: RerankerRecipe, output_dir: Path, training: RerankerTraining, directory: Path
 ) -> tuple[RerankerModule, dict[str, Any]]:
+    train_rows, name, start_from, dev = training.rows, training.name, training.start_from, training.dev
+    trainer_settings, model_overrides = training.trainer_settings, training.model_overrides
     start = time.perf_counter()
     L.seed_everything(int(recipe.identity.get("seed", 0)), workers=True, verbose=False)
     if start_from is not None:
         model_overrides = {"backbone": str(start_from), "fresh_head": False, **model_overrides}
     model = recipe.make_model(**model_overrides)
-    model.run_config = run_config
+    model.run_config = training.run_config
     datamodule = recipe.make_datamodule(train=train_rows, tokenizer=model.hparams.backbone, kind=model.hparams.kind)
     datamodule.setup("fit")
     selection = DevTop1Selection(dev, batch_size=recipe.eval_batch_size) if dev is not None else None
     trainer = recipe.make_trainer(
-        logger=loggers or False,
+        logger=training.loggers or False,
         default_root_dir=str(output_dir / name),
         extra_callbacks=[selection] if selection else [],
         **(trainer_settings or {}),

@@ -25,7 +25,8 @@ from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
-from confrag.stages.evaluation import check_row, evaluation_rows
+from confrag.reports.tables import RunHeader
+from confrag.stages.evaluation import check_row
 from confrag.stages.gate_comparison import GateEvaluation, prepare_gate_evaluation
 from confrag.stages.gate_questions import check_before_any_stage
 from confrag.stages.gate_scoring import run_gates, threshold_curves
@@ -70,17 +71,8 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Prepared:
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, ctx, loggers, run_config)
     llm = load_llm(recipe.llm)
-    rows = evaluation_rows(stage, checked.evaluation.num_questions, ctx.seed, checked.evaluation.nq_path)
     evaluation = prepare_gate_evaluation(
-        stage,
-        rows,
-        settings,
-        gates,
-        llm,
-        recipe.templates,
-        checked.answers,
-        checked.evaluation.dev_fraction,
-        ctx,
+        stage, checked.evaluation, settings, gates, llm, recipe.templates, checked.answers, ctx
     )
     return Prepared(evaluation, gates, loggers, start)
 
@@ -106,11 +98,7 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, prepared: Prepared
     atomic_write_text(
         out / "gates.md",
         report.report_markdown(
-            cfg.llm.name,
-            out.name,
-            recipe.retrieval.retriever,
-            recipe.retrieval.top_n,
-            config_yaml(cfg),
+            RunHeader(cfg.llm.name, out.name, recipe.retrieval.retriever, recipe.retrieval.top_n, config_yaml(cfg)),
             settings,
             evaluation,
             results,
