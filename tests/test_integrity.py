@@ -28,6 +28,7 @@ from confrag.reranker.rows import load_rows
 from confrag.retrieval.bm25 import BM25Retriever
 from confrag.retrieval.corpus import Corpus, CorpusPassage, passages_fingerprint
 
+from helpers.modules import reranker_module
 from helpers.runs import run_ctx
 
 IDENTITY = {"llm": {"name": "tiny", "ref": "tiny:x@1"}, "prompts": "abc", "layer": 2, "key": "k"}
@@ -173,22 +174,20 @@ def test_a_nan_loss_stops_probe_training_naming_the_batch():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from confrag.reranker.module import RerankerModule
 
-    module = RerankerModule(seed=0)
+    module = reranker_module(seed=0)
     return module, module.export(tmp_path_factory.mktemp("export") / "reranker")
 
 
 def test_a_damaged_reranker_export_is_refused(exported, tmp_path):
-    from confrag.reranker.module import RerankerModule
 
     _, directory = exported
     damaged = tmp_path / "reranker"
     shutil.copytree(directory, damaged)
-    RerankerModule(backbone=str(damaged))  # whole: loads
+    reranker_module(backbone=str(damaged))  # whole: loads
     flip(damaged / "model.safetensors", 4096)
     with pytest.raises(ArtifactDamagedError, match=r"reranker export \(model.backbone\) .*model.safetensors: checksum"):
-        RerankerModule(backbone=str(damaged))
+        reranker_module(backbone=str(damaged))
 
 
 def test_a_damaged_cached_reranker_is_trained_again(tmp_path, monkeypatch, caplog):

@@ -10,6 +10,8 @@ import stat
 import numpy as np
 import pytest
 
+from helpers.modules import reranker_module
+
 UMASK = 0o027  # group may read, others nothing: neither the default umask nor what mkstemp/mkdtemp give
 
 
@@ -70,9 +72,8 @@ def test_saved_probe(tmp_path, umask):
 
 
 def test_reranker_export(tmp_path, umask):
-    from confrag.reranker.module import RerankerModule
 
-    module = RerankerModule(seed=0)
+    module = reranker_module(seed=0)
     module.export(tmp_path / "reranker")
     module.export(tmp_path / "reranker")  # replacing an export keeps the modes too
     assert (tmp_path / "reranker" / "config.json").is_file()

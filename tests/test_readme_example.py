@@ -15,7 +15,8 @@ import torch
 from confrag.llm.hidden_states import naive_hidden_states
 from confrag.llm.prompts import encode_prompts
 from confrag.probe.module import ProbeModule, save_probe
-from confrag.reranker.module import RerankerModule
+
+from helpers.modules import reranker_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -52,7 +53,7 @@ def test_the_readme_example_scores_candidates_with_a_saved_probe_and_reranker(
     activations = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layer": layer, "key": "readme"}
     save_probe(probe, tmp_path / "probe", activations, {})
     # An exported reranker: MiniLM with a seeded fresh head, written as a rerank run exports it.
-    reranker = RerankerModule(fresh_head=True, seed=0)
+    reranker = reranker_module(fresh_head=True, seed=0)
     reranker.export(tmp_path / "reranker")
 
     monkeypatch.chdir(tmp_path)
