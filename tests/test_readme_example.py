@@ -14,9 +14,9 @@ import torch
 
 from confrag.llm.hidden_states import naive_hidden_states
 from confrag.llm.prompts import encode_prompts
-from confrag.probe.module import ProbeModule, save_probe
+from confrag.probe.module import save_probe
 
-from helpers.modules import reranker_module
+from helpers.modules import probe_module, reranker_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -45,7 +45,7 @@ def test_the_readme_example_scores_candidates_with_a_saved_probe_and_reranker(
     layer = llm.mid_layer
     # A probe for SmolLM2's Layer/2 states with random weights and a standardization, saved as a probe run saves it.
     torch.manual_seed(0)
-    probe = ProbeModule(input_dim=int(llm.model.config.hidden_size), hidden_dims=[16], layer=layer)
+    probe = probe_module(input_dim=int(llm.model.config.hidden_size), hidden_dims=[16], layer=layer)
     rng = np.random.default_rng(0)
     probe.set_standardization(
         rng.normal(size=probe.hparams.input_dim), rng.uniform(0.5, 2, size=probe.hparams.input_dim)

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from confrag.infra.paths import config_dir
+from confrag.infra.paths import config_dir, default_cache_dir
 from confrag.instantiators import shipped
 
 SEED = 0
@@ -25,3 +25,24 @@ def reranker_module(**values: Any):
     data = OmegaConf.load(config_dir() / "data" / "preference_pairs.yaml")
     lengths = {"query_max_len": data.query_max_len, "passage_max_len": data.passage_max_len}
     return shipped("model/reranker_minilm.yaml", **{"seed": SEED, **lengths, **values})
+
+
+def probe_module(**values: Any):
+    """A ProbeModule from conf/model/probe.yaml (`input_dim` in `values`). Its `layer: mid` is resolved against an
+    LLM by the probe stage; a probe built here has no LLM, so it is tied to no layer unless `values` names one."""
+    return shipped("model/probe.yaml", **{"layer": None, **values})
+
+
+def confidence_data(**values: Any):
+    """An NQConfidenceDataModule from conf/data/nq_confidence.yaml (`llm`, `prompts`, `nq_path` in `values`), with
+    what a run's config gives it: the model node's layer (`mid`), the NQ dataset's questions format, the default
+    cache folder."""
+    layer = OmegaConf.load(config_dir() / "model" / "probe.yaml").layer
+    questions_format = OmegaConf.load(config_dir() / "dataset" / "nq.yaml").questions_format
+    borrowed = {
+        "seed": SEED,
+        "layer": layer,
+        "questions_format": questions_format,
+        "cache_dir": str(default_cache_dir()),
+    }
+    return shipped("data/nq_confidence.yaml", **{**borrowed, **values})
