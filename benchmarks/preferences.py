@@ -95,8 +95,8 @@ def main() -> None:
         fast = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache_dir=cache, progress=False)
         engine_s = time.perf_counter() - start
 
-    rows_naive, _ = build_rows(candidates, naive, "qa", args.top_k)
-    rows_fast, _ = build_rows(candidates, fast, "qa", args.top_k)
+    rows_naive, _ = build_rows(candidates, naive, "qa", args.top_k, "sign")
+    rows_fast, _ = build_rows(candidates, fast, "qa", args.top_k, "sign")
     max_diff = max(float(np.abs(a - b).max()) for a, b in zip(naive.candidates, fast.candidates))
     print(
         f"questions: {len(candidates)}  prompts: {prompts} (QA + empty-context RAG + {args.top_n} candidates each)  "
