@@ -73,11 +73,10 @@ def shipped(path: str, **values: Any) -> Any:
     class itself come through as they are (no Hydra wrapper)."""
     file = config_dir() / path
     node = OmegaConf.load(file)
+    if isinstance(node, DictConfig) and "defaults" in node:
+        raise ValueError(f"conf/{path} extends another node (its `defaults` list): compose it with Hydra instead")
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ValueError(f"conf/{path} is not a `_target_` node")
-    if "defaults" in node:
-        raise ValueError(f"conf/{path} extends another node (its `defaults` list): compose it with Hydra instead")
-    node = OmegaConf.merge(node, values)
     raw = OmegaConf.to_container(node, resolve=False)
     borrowed = {k: raw[k] for k in raw if k not in values and OmegaConf.is_interpolation(node, k)}
     if borrowed:
@@ -85,10 +84,11 @@ def shipped(path: str, **values: Any) -> Any:
             f"conf/{path} takes {', '.join(f'{k}: {v}' for k, v in borrowed.items())} from a run's config: give "
             f"{', '.join(f'{k}=...' for k in borrowed)} to shipped()"
         )
-    settings = OmegaConf.to_container(node, resolve=True)
+    # The YAML's own values as plain Python; the caller's pass through as they are (rows, paths, objects).
+    settings = OmegaConf.to_container(OmegaConf.create({k: v for k, v in raw.items() if k not in values}), resolve=True)
     cls = get_class(str(settings.pop("_target_")))
     settings.pop("_partial_", None)
-    return cls(**settings)
+    return cls(**settings, **values)
 
 
 # Keys that moved, so that an old command line is told where its key went (not only that it is unknown).
