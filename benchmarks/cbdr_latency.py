@@ -28,10 +28,11 @@ from omegaconf import OmegaConf
 
 from confrag.cbdr.gate import ConfidenceGate
 from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.instantiators import shipped
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
-from confrag.probe.module import ProbeModule, SavedProbe, load_probe
+from confrag.probe.module import SavedProbe, load_probe
 from confrag.retrieval.bm25 import BM25Retriever
 from confrag.retrieval.corpus import corpus_from_nq
 
@@ -42,7 +43,7 @@ SKIP_BETA, RETRIEVE_BETA = 1e-6, 1.0
 def seeded_probe(llm, templates) -> SavedProbe:
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        module = ProbeModule(input_dim=llm.model.config.hidden_size, layer=llm.mid_layer)
+        module = shipped("model/probe.yaml", input_dim=llm.model.config.hidden_size, layer=llm.mid_layer)
     meta = {"activations": {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layer": llm.mid_layer}}
     return SavedProbe(module, meta)
 

@@ -29,10 +29,11 @@ from tqdm.auto import tqdm
 
 from confrag.data.nq import default_nq_path, load_nq_jsonl
 from confrag.infra.sharded import ShardedCache
+from confrag.instantiators import shipped
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates, encode_prompts
-from confrag.probe.module import ProbeModule, SavedProbe
+from confrag.probe.module import SavedProbe
 from confrag.reranker.preferences import ConfidenceShifts, build_rows, confidence_shifts
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 
@@ -77,7 +78,7 @@ def main() -> None:
     corpus = corpus_from_nq(all_rows)
     candidates = retrieve_candidates(all_rows[: args.questions], corpus, BM25Retriever(corpus), top_n=args.top_n)
     torch.manual_seed(0)
-    module = ProbeModule(input_dim=llm.model.config.hidden_size, layer=args.layer)
+    module = shipped("model/probe.yaml", input_dim=llm.model.config.hidden_size, layer=args.layer)
     module.set_standardization(np.zeros(module.hparams.input_dim), np.ones(module.hparams.input_dim))
     identity = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layer": args.layer}
     probe = SavedProbe(module, {"activations": identity})
@@ -97,8 +98,8 @@ def main() -> None:
         )
         engine_s = time.perf_counter() - start
 
-    rows_naive, _ = build_rows(candidates, naive, "qa", args.top_k)
-    rows_fast, _ = build_rows(candidates, fast, "qa", args.top_k)
+    rows_naive, _ = build_rows(candidates, naive, "qa", args.top_k, "sign")
+    rows_fast, _ = build_rows(candidates, fast, "qa", args.top_k, "sign")
     max_diff = max(float(np.abs(a - b).max()) for a, b in zip(naive.candidates, fast.candidates))
     print(
         f"questions: {len(candidates)}  prompts: {prompts} (QA + empty-context RAG + {args.top_n} candidates each)  "

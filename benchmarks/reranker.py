@@ -18,7 +18,7 @@ import torch
 from lightning import Trainer
 
 from confrag.data.nq import default_nq_path, load_nq_jsonl
-from confrag.reranker.data import PreferenceDataModule
+from confrag.instantiators import shipped
 from confrag.reranker.loss import group_infonce
 from confrag.reranker.module import RerankerModule, build_optimizer
 from confrag.retrieval.corpus import document_text, split_passages
@@ -78,7 +78,15 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = nq_rows(args.steps * args.batch_size, args.group_size - 1)
-    datamodule = PreferenceDataModule(train=rows, batch_size=args.batch_size, group_size=args.group_size, seed=0)
+    # The shipped nodes' settings (conf/data/preference_pairs.yaml, conf/model/reranker_minilm.yaml) with this run's.
+    datamodule = shipped(
+        "data/preference_pairs.yaml", train=rows, batch_size=args.batch_size, group_size=args.group_size, seed=0
+    )
+    lengths = {"query_max_len": datamodule.query_max_len, "passage_max_len": datamodule.passage_max_len}
+
+    def module() -> RerankerModule:
+        return shipped("model/reranker_minilm.yaml", seed=0, **lengths)
+
     datamodule.setup("fit")
     batches = list(datamodule.train_dataloader())
     pairs = args.steps * args.batch_size * args.group_size
@@ -86,9 +94,9 @@ def main() -> None:
     for _ in range(args.repeats):
         torch.manual_seed(0)
         # The same DataLoader (seeded sampler, tokenizing collator) as the module's: the same batches.
-        plain_times.append(plain_loop(RerankerModule(seed=0), datamodule.train_dataloader(), args.steps))
+        plain_times.append(plain_loop(module(), datamodule.train_dataloader(), args.steps))
         torch.manual_seed(0)
-        module_times.append(lightning_fit(RerankerModule(seed=0), datamodule, args.steps))
+        module_times.append(lightning_fit(module(), datamodule, args.steps))
     plain_s, module_s = min(plain_times), min(module_times)
     tokens = sum(int(b["features"]["attention_mask"].sum()) for b in batches[: args.steps])
     print(

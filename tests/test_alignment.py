@@ -55,7 +55,9 @@ def test_rank_rule_takes_the_highest_and_lowest_confidences_whatever_the_referen
         assert len(rows[1]["pos"]) == len(rows[1]["neg"]) == 1  # at most half of three candidates a side
         assert rows[1]["pos"] == ["title b-d0\ntext b 0"]  # a tie keeps the retrieval order
         assert np.allclose(rows[0]["pos_scores"], [0.9 - reference, 0.7 - reference])
-    sign_rows, _ = build_rows(sets, ConfidenceShifts({"qa": np.zeros(3), "rag_empty": np.zeros(3)}, conf), "qa", 2)
+    sign_rows, _ = build_rows(
+        sets, ConfidenceShifts({"qa": np.zeros(3), "rag_empty": np.zeros(3)}, conf), "qa", 2, "sign"
+    )
     assert sign_rows == []  # every Inc > 0: the paper's rule finds no negative
     assert select_by_rank(np.array([0.3]), 5) == ([], [])
 

@@ -29,11 +29,12 @@ from confrag.cbdr import (
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
-from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
+from confrag.probe.module import ProbeMismatchError, SavedProbe
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
 
 from helpers.models import TINY_SHAPE
+from helpers.modules import probe_module
 
 MAX_NEW = 10
 
@@ -62,7 +63,7 @@ def random_probe(llm, templates, layer=None, seed=0) -> SavedProbe:
     layer = llm.mid_layer if layer is None else layer
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        module = ProbeModule(input_dim=llm.model.config.hidden_size, layer=layer)
+        module = probe_module(input_dim=llm.model.config.hidden_size, layer=layer)
     return SavedProbe(module, activations(llm, templates, layer))
 
 

@@ -17,7 +17,7 @@ from confrag.cbdr import SweepData, default_beta_grid
 from confrag.cbdr.analysis import cbdr_results
 from confrag.data.nq import load_nq_jsonl
 from confrag.data.splits import plan_questions, select_questions, split_dev_test
-from confrag.probe.module import ProbeMismatchError, ProbeModule, SavedProbe
+from confrag.probe.module import ProbeMismatchError, SavedProbe
 from confrag.rag import QuestionOutcome, load_outcomes_jsonl
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import RagAnswer
@@ -26,6 +26,7 @@ from confrag.stages.evaluation import chosen_scorers, confidence_gate
 from confrag.tasks import cbdr as cbdr_task
 from confrag.train import run_task
 
+from helpers.modules import probe_module
 from helpers.runs import check_cbdr_outputs, compose_cfg
 
 
@@ -273,7 +274,7 @@ def test_evaluation_needs_questions_the_probe_did_not_use(tmp_path):
 
 def test_the_gate_refuses_a_probe_of_another_llm(tiny_llama, tiny_qwen2, templates, tmp_path):
     cfg = compose_cfg(TINY, tmp_path)
-    module = ProbeModule(input_dim=tiny_llama.model.config.hidden_size, layer=2)
+    module = probe_module(input_dim=tiny_llama.model.config.hidden_size, layer=2)
     identity = {"llm": tiny_qwen2.identity, "prompts": templates.identity(tiny_qwen2.tokenizer), "layer": 2}
     stage = SimpleNamespace(
         probe=SavedProbe(module, {"activations": identity}), retrieval=None, scorers={cfg.cbdr.reranker: None}

@@ -15,19 +15,14 @@ from confrag.data.nq import Passage, QARow
 from confrag.gates import (
     GATES,
     AlwaysGate,
-    BridgeGate,
     CBDRGate,
-    CCSKGate,
-    CtrlAGate,
     Decision,
     DraftSignals,
-    DraginGate,
     GateSignals,
     GateTrainingData,
     MissingSignalError,
     MissingTrainingDataError,
     NeverGate,
-    SKRKnnGate,
     retrieval_helped,
 )
 from confrag.gates.bridge import answer_contexts, combine_scores, soft_bias_tree, trust_scores
@@ -81,16 +76,17 @@ def test_a_gate_id_taken_by_another_class_is_refused():
 
 
 @pytest.mark.parametrize("name", SHIPPED_GATES)
-def test_every_gate_config_instantiates_with_the_constructor_defaults(name):
-    gate = instantiate(shipped_config(name))
+def test_every_gate_config_instantiates_with_its_values(name):
+    # The yaml is where a gate's defaults live (the constructors take none: tests/test_settings_defaults.py);
+    # each of its values reaches the gate's config, which its identity (cache keys) is built from.
+    config = shipped_config(name)
+    gate = instantiate(config)
     assert type(gate) is GATES[name]
-    # The documented defaults in the yaml are the code's defaults (one source of truth, checked).
-    assert gate.config == GATES[name]().config
-    assert gate.identity() == GATES[name]().identity()
+    assert gate.config == {key: value for key, value in config.items() if key != "_target_"}
 
 
 def test_gate_identity_changes_with_its_config():
-    assert CBDRGate(beta=0.9).identity() != CBDRGate(beta=0.95).identity()
+    assert make_gate("cbdr", beta=0.9).identity() != make_gate("cbdr", beta=0.95).identity()
 
 
 @pytest.mark.parametrize(
@@ -136,9 +132,9 @@ def test_signals_are_validated_on_construction():
 
 def test_missing_signal_names_the_function_that_computes_it():
     with pytest.raises(MissingSignalError, match="gate 'cbdr' needs the signal.*confidence.*probe"):
-        CBDRGate().decide(signals(2))
+        make_gate("cbdr").decide(signals(2))
     with pytest.raises(MissingSignalError, match="draft.*draft_token_signals"):
-        DraginGate().decide(signals(2))
+        make_gate("dragin").decide(signals(2))
 
 
 # ------------------------------------------------------------------ bounds and CBDR
@@ -154,11 +150,11 @@ def test_always_and_never_are_the_two_bounds_and_their_cost():
 
 def test_cbdr_retrieves_below_beta_and_beta_zero_means_always_retrieve():
     sig = signals(5, confidence=np.array([0.1, 0.5, 0.949, 0.95, 0.99]))
-    assert CBDRGate(beta=0.95).decide(sig) == [R, R, R, P, P]
-    assert CBDRGate(beta=0.5).decide(sig) == [R, P, P, P, P]
-    assert CBDRGate(beta=0.0).decide(sig) == [R] * 5  # "CBDR off", although no confidence is < 0
+    assert make_gate("cbdr", beta=0.95).decide(sig) == [R, R, R, P, P]
+    assert make_gate("cbdr", beta=0.5).decide(sig) == [R, P, P, P, P]
+    assert make_gate("cbdr", beta=0.0).decide(sig) == [R] * 5  # "CBDR off", although no confidence is < 0
     # The QA prefill that gives H(Q) continues as the closed-book answer: 1 call, or 2 with retrieval.
-    assert CBDRGate().llm_forward_passes([R, P]).tolist() == [2, 1]
+    assert make_gate("cbdr").llm_forward_passes([R, P]).tolist() == [2, 1]
 
 
 # ------------------------------------------------------------------ DRAGIN
@@ -198,10 +194,10 @@ def test_dragin_retrieves_when_a_content_token_exceeds_the_threshold():
         ([], [], []),  # nothing to judge, nothing to answer with
     ]
     sig = signals(4, draft=draft(rows))
-    assert DraginGate(threshold=1.4).decide(sig) == [P, P, R, R]
-    assert DraginGate(threshold=1.1).decide(sig) == [P, R, R, R]
-    assert DraginGate(threshold=0.9).decide(sig) == [R, R, R, R]
-    assert DraginGate().llm_forward_passes([P, R]).tolist() == [1, 2]  # the draft is the closed-book answer
+    assert make_gate("dragin", threshold=1.4).decide(sig) == [P, P, R, R]
+    assert make_gate("dragin", threshold=1.1).decide(sig) == [P, R, R, R]
+    assert make_gate("dragin", threshold=0.9).decide(sig) == [R, R, R, R]
+    assert make_gate("dragin").llm_forward_passes([P, R]).tolist() == [1, 2]  # the draft is the closed-book answer
 
 
 def test_draft_signals_are_validated():
@@ -270,7 +266,7 @@ def test_drafts_end_at_eos_within_a_batch(tiny_llama, templates):
         config.eos_token_id = saved
     assert out.texts[0] == "" and out.tokens[0] == [] and len(out.entropy[0]) == len(out.attention[0]) == 0
     assert out.tokens[1] == [" by"] * 4 and len(out.entropy[1]) == len(out.attention[1]) == 4
-    assert DraginGate().decide(signals(2, draft=out))[0] == R  # an empty draft retrieves
+    assert make_gate("dragin").decide(signals(2, draft=out))[0] == R  # an empty draft retrieves
 
 
 # ------------------------------------------------------------------ CtrlA
@@ -302,30 +298,33 @@ def test_ctrla_retrieves_when_the_projection_is_below_the_threshold():
     states = np.stack([direction.centers + 1.0 * true, direction.centers - 1.0 * true], axis=1)  # (2 layers, 2 q, d)
     sig = signals(2, hidden_states=states, hidden_layers=(3, 5))
     train = GateTrainingData(signals(1), confidence_direction=direction)
-    assert CtrlAGate(threshold=0.0).fit(train).decide(sig) == [P, R]
-    assert CtrlAGate(threshold=1.5).fit(train).decide(sig) == [R, R]
-    assert CtrlAGate(threshold=-1.5).fit(train).decide(sig) == [P, P]
+    assert make_gate("ctrla", threshold=0.0).fit(train).decide(sig) == [P, R]
+    assert make_gate("ctrla", threshold=1.5).fit(train).decide(sig) == [R, R]
+    assert make_gate("ctrla", threshold=-1.5).fit(train).decide(sig) == [P, P]
     with pytest.raises(ValueError, match=r"lack layer\(s\) \[5\]"):
-        CtrlAGate().fit(train).decide(signals(2, hidden_states=states[:1], hidden_layers=(3,)))
+        make_gate("ctrla").fit(train).decide(signals(2, hidden_states=states[:1], hidden_layers=(3,)))
 
 
 def test_ctrla_needs_its_direction_and_checks_its_layers():
     sig = signals(1, hidden_states=np.zeros((1, 1, 4)), hidden_layers=(2,))
     with pytest.raises(MissingTrainingDataError, match="gate 'ctrla' is not trained"):
-        CtrlAGate().decide(sig)
+        make_gate("ctrla").decide(sig)
     with pytest.raises(MissingTrainingDataError, match="confidence_direction.*contrastive_direction"):
-        CtrlAGate().fit(GateTrainingData(signals(1)))
+        make_gate("ctrla").fit(GateTrainingData(signals(1)))
     _, confident, unconfident = synthetic_pairs()
     direction = direction_from_states(confident, unconfident, layers=[3, 5])
     with pytest.raises(
         ValueError, match=r"gate.layers=\[4\] but the confidence direction was computed at layers \[3, 5\]"
     ):
-        CtrlAGate(layers=[4]).fit(GateTrainingData(signals(1), confidence_direction=direction))
+        make_gate("ctrla", layers=[4]).fit(GateTrainingData(signals(1), confidence_direction=direction))
 
 
 def test_contrastive_direction_through_the_engine_on_tiny_llama(tiny_llama):
     questions = ["who wrote hamlet", "when did the war end", "what is the largest planet", "who painted the mona lisa"]
-    confident, unconfident = contrastive_prompts(tiny_llama.tokenizer, questions)
+    ctrla = shipped_config("ctrla")
+    confident, unconfident = contrastive_prompts(
+        tiny_llama.tokenizer, questions, ctrla["confident_template"], ctrla["unconfident_template"]
+    )
     assert "very confident" in confident[0] and "unconfident" in unconfident[0] and questions[0] in confident[0]
     direction = contrastive_direction(tiny_llama, [2, 1], confident, unconfident)
     assert direction.layers == (1, 2)
@@ -360,7 +359,7 @@ def test_retrieval_helped_is_rag_right_and_closed_book_wrong():
 
 def test_skr_knn_votes_among_the_nearest_training_questions():
     embeddings, closed_book, rag = clusters()
-    gate = SKRKnnGate(k=3).fit(training(signals(12, question_embedding=embeddings), closed_book, rag))
+    gate = make_gate("skr_knn", k=3).fit(training(signals(12, question_embedding=embeddings), closed_book, rag))
     query = np.array([[1.0, 0.1, 0, 0], [0.1, 1.0, 0, 0]])
     assert gate.decide(signals(2, question_embedding=query)) == [R, P]
     assert gate.llm_forward_passes([R, P]).tolist() == [1, 1]  # no LLM call to decide
@@ -369,27 +368,27 @@ def test_skr_knn_votes_among_the_nearest_training_questions():
 def test_skr_knn_tie_retrieves():
     embeddings = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
     train = training(signals(3, question_embedding=embeddings), [False, True, True], [True, True, True])
-    gate = SKRKnnGate(k=2).fit(train)
+    gate = make_gate("skr_knn", k=2).fit(train)
     query = np.array([[1.0, 1.0]])  # equally close to the helped and the not-helped question
     np.testing.assert_allclose(gate.scores(signals(1, question_embedding=query)), [0.5])
     assert gate.decide(signals(1, question_embedding=query)) == [R]
-    assert SKRKnnGate(k=2, threshold=0.6).fit(train).decide(signals(1, question_embedding=query)) == [P]
+    assert make_gate("skr_knn", k=2, threshold=0.6).fit(train).decide(signals(1, question_embedding=query)) == [P]
 
 
 def test_gates_that_learn_refuse_to_run_without_training_data():
     sig = signals(2, question_embedding=np.eye(2))
     with pytest.raises(MissingTrainingDataError, match="gate 'skr_knn' is not trained"):
-        SKRKnnGate().decide(sig)
+        make_gate("skr_knn").decide(sig)
     with pytest.raises(
         MissingTrainingDataError, match="needs training data and got none.*outcomes.*cached per-question outcomes"
     ):
-        SKRKnnGate().fit(None)
+        make_gate("skr_knn").fit(None)
     with pytest.raises(MissingTrainingDataError, match="cannot be trained without outcomes"):
-        SKRKnnGate().fit(GateTrainingData(sig, closed_book_correct=np.array([True, False])))
+        make_gate("skr_knn").fit(GateTrainingData(sig, closed_book_correct=np.array([True, False])))
     with pytest.raises(MissingTrainingDataError, match="question_embedding.*embed_texts"):
-        SKRKnnGate().fit(training(signals(2), [True, False], [True, True]))
+        make_gate("skr_knn").fit(training(signals(2), [True, False], [True, True]))
     with pytest.raises(MissingTrainingDataError, match="answers.*gold answers"):
-        CCSKGate().fit(
+        make_gate("ccsk").fit(
             training(
                 signals(2, question_embedding=np.eye(2), responses=["a", "b"], response_embedding=np.eye(2)),
                 [True, False],
@@ -398,9 +397,9 @@ def test_gates_that_learn_refuse_to_run_without_training_data():
             )
         )
     with pytest.raises(ValueError, match="training split only; got split='test'"):
-        SKRKnnGate().fit(GateTrainingData(sig, np.array([True, False]), np.array([True, True]), split="test"))
+        make_gate("skr_knn").fit(GateTrainingData(sig, np.array([True, False]), np.array([True, True]), split="test"))
     with pytest.raises(ValueError, match="the training split holds no questions"):
-        SKRKnnGate().fit(training(signals(0, question_embedding=np.zeros((0, 2))), [], []))
+        make_gate("skr_knn").fit(training(signals(0, question_embedding=np.zeros((0, 2))), [], []))
     with pytest.raises(ValueError, match="rag_correct must be a bool array"):
         GateTrainingData(sig, np.array([True, False]), np.array([1, 0]))
 
@@ -470,10 +469,10 @@ def test_ccsk_trains_deterministically_and_learns_a_separable_case():
     sig, helped = ccsk_data(40, seed=0)
     train = training(sig, ~helped, helped, answers=[("Paris",)] * 40, answer_embedding=np.tile(np.eye(8)[3], (40, 1)))
     config = dict(heads=2, hidden=16, epochs=60, rqm_max_rounds=40, rqm_early_stopping=10)
-    gate = CCSKGate(**config).fit(train)
+    gate = make_gate("ccsk", **config).fit(train)
     test, test_helped = ccsk_data(20, seed=1)
     decisions = gate.decide(test)
-    assert decisions == CCSKGate(**config).fit(train).decide(test)  # seeded
+    assert decisions == make_gate("ccsk", **config).fit(train).decide(test)  # seeded
     f = gate.module_scores(test)
     g, g_w = gate.fusion_weights(test, f)
     np.testing.assert_allclose(g.sum(axis=1), 1.0, rtol=1e-5)
@@ -487,7 +486,7 @@ def test_ccsk_heads_must_divide_the_embedding_width():
     sig, helped = ccsk_data(12, seed=0)
     train = training(sig, ~helped, helped, answers=[("Paris",)] * 12, answer_embedding=np.tile(np.eye(8)[3], (12, 1)))
     with pytest.raises(ValueError, match="gate.heads=3 must divide the embedding width 8"):
-        CCSKGate(heads=3, epochs=1, rqm_max_rounds=2).fit(train)
+        make_gate("ccsk", heads=3, epochs=1, rqm_max_rounds=2).fit(train)
 
 
 # ------------------------------------------------------------------ BRIDGE
@@ -522,7 +521,7 @@ def matching(s):
 def test_bridge_gate_maps_strategies_to_decisions_and_costs():
     s = [[0.8, 0.5, 0.5, 0.7], [0.1, 0.9, 0.1, 0.1], [0.1, 0.1, 0.9, 0.1], [0.1, 0.5, 0.5, 0.1]]
     # Without the allocator (r_p = g_p = 1): T_Ret = S3 + 1 - S2, T_LLM = S2 + 1 - S3.
-    gate = BridgeGate(allocator="none", alpha=0.5, beta=1.1)
+    gate = make_gate("bridge", allocator="none", alpha=0.5, beta=1.1)
     sig = signals(4, matching_scores=matching(s))  # without the allocator the question is not read
     assert gate.strategies(sig) == ["FA", "FI", "FE", "RA"]  # the last: T_Ret = T_LLM = 1 in the reflection band
     decisions = gate.decide(sig)
@@ -541,15 +540,15 @@ def test_bridge_matching_weights_combine_dense_and_sparse():
 
 def test_bridge_allocator_learns_the_soft_bias_from_closed_book_outcomes():
     embeddings, closed_book, rag = clusters()
-    gate = BridgeGate().fit(training(signals(12, question_embedding=embeddings), closed_book, rag))
+    gate = make_gate("bridge").fit(training(signals(12, question_embedding=embeddings), closed_book, rag))
     query = np.array([[1.0, 0.0, 0, 0], [0.0, 1.0, 0, 0]])  # like closed-book wrong / right questions
     sig = signals(2, question_embedding=query, matching_scores=matching([[0.2, 0.5, 0.5, 0.2]] * 2))
     r_p, g_p = gate.soft_bias(sig)
     assert r_p[0] > 0.5 > r_p[1] and np.all((r_p >= 0.1) & (r_p <= 0.9))
     np.testing.assert_allclose(r_p + g_p, 1.0)
     with pytest.raises(MissingTrainingDataError, match="gate 'bridge' is not trained"):
-        BridgeGate().decide(sig)
-    assert BridgeGate(allocator="none").fitted  # the ablation needs no training data
+        make_gate("bridge").decide(sig)
+    assert make_gate("bridge", allocator="none").fitted  # the ablation needs no training data
 
 
 def test_bridge_answer_contexts_follow_the_strategy():

@@ -24,6 +24,8 @@ from confrag.llm.generation import (
 )
 from confrag.llm.prompts import encode_prompts
 
+from helpers.modules import confidence_data
+
 NEW = 10
 FAST = {
     "shared prefix": GreedyOptions(),
@@ -194,10 +196,8 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
 def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
     from dataclasses import asdict
 
-    from confrag.probe.datamodule import NQConfidenceDataModule
-
     common = dict(llm=dict(name="tiny_llama", source="tiny"), prompts=asdict(templates), nq_path="unused.jsonl")
-    module = NQConfidenceDataModule(
+    module = confidence_data(
         **common,
         extract_batch_size="auto",
         gen_batch_size="auto",
@@ -206,7 +206,7 @@ def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
     )
     assert module.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
     with pytest.raises(ValueError, match=r"data.generation: unknown key\(s\) \['static'\]"):
-        NQConfidenceDataModule(**common, generation={"static": True})
+        confidence_data(**common, generation={"static": True})
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])

@@ -24,9 +24,9 @@ from confrag.infra.atomic import CacheReadOnlyError
 from confrag.llm.context import PromptLimit, PromptTooLongError, fit_questions
 from confrag.llm.loading import LLMNotAvailableError, prompt_tokenizer
 from confrag.probe.datamodule import NQConfidenceDataModule
-from confrag.probe.module import ProbeModule
 
 from helpers.models import tiny_llm_config
+from helpers.modules import confidence_data, probe_module
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = tiny_llm_config("llama")
@@ -48,7 +48,7 @@ def datamodule(tmp_path, nq_path, **overrides) -> NQConfidenceDataModule:
         progress=False,
         split_sizes={"train": 2, "dev": 1, "test": 1},
     )
-    return NQConfidenceDataModule(**{**settings, **overrides})
+    return confidence_data(**{**settings, **overrides})
 
 
 def nothing_expensive(monkeypatch):
@@ -178,7 +178,7 @@ def test_auroc_on_a_single_class_split_is_undefined_not_zero(caplog):
     one_class = DataLoader(TensorDataset(x, torch.zeros(12, dtype=torch.long)), batch_size=5)
     both = DataLoader(TensorDataset(x, torch.tensor([0, 1] * 6)), batch_size=5)
     trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    probe = ProbeModule(input_dim=8)
+    probe = probe_module(input_dim=8)
     with caplog.at_level(logging.WARNING, logger="confrag.probe.module"):
         metrics = trainer.test(probe, one_class, verbose=False)[0]
     assert math.isnan(metrics["test/auroc"])  # before: 0.0

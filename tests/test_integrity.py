@@ -28,6 +28,7 @@ from confrag.reranker.rows import load_rows
 from confrag.retrieval.bm25 import BM25Retriever
 from confrag.retrieval.corpus import Corpus, CorpusPassage, passages_fingerprint
 
+from helpers.modules import probe_module, reranker_module
 from helpers.runs import run_ctx
 
 IDENTITY = {"llm": {"name": "tiny", "ref": "tiny:x@1"}, "prompts": "abc", "layer": 2, "key": "k"}
@@ -105,7 +106,7 @@ def test_the_real_conversion_carries_its_digest(tiny_llama):
 
 
 def saved_probe(directory: Path) -> ProbeModule:
-    probe = ProbeModule(input_dim=8, layer=2)
+    probe = probe_module(input_dim=8, layer=2)
     probe.set_standardization(np.zeros(8), np.ones(8))
     save_probe(probe, directory, IDENTITY, {"metrics": {}})
     return probe
@@ -131,7 +132,7 @@ def test_a_damaged_cached_probe_is_retrained(tmp_path, monkeypatch):
 
     def fit(recipe, callbacks, loggers, datamodule=None, **settings):
         trained.append(True)
-        probe = ProbeModule(input_dim=8, layer=2)
+        probe = probe_module(input_dim=8, layer=2)
         probe.set_standardization(np.zeros(8), np.ones(8))
         return probe, datamodule, {}, ""
 
@@ -149,7 +150,7 @@ def test_a_damaged_cached_probe_is_retrained(tmp_path, monkeypatch):
 
 
 def test_a_probe_that_outputs_nan_stops_the_run():
-    probe = ProbeModule(input_dim=4, layer=7)
+    probe = probe_module(input_dim=4, layer=7)
     with torch.no_grad():
         probe.net[0].weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=r"probe confidence: the probe's output \(layer 7\) holds NaN in row"):
@@ -159,7 +160,7 @@ def test_a_probe_that_outputs_nan_stops_the_run():
 def test_a_nan_loss_stops_probe_training_naming_the_batch():
     features = torch.ones(8, 4)
     features[5, 1] = float("nan")  # in the second batch of 4
-    probe = ProbeModule(input_dim=4, layer=1)
+    probe = probe_module(input_dim=4, layer=1)
     loader = DataLoader(TensorDataset(features, torch.tensor([0, 1] * 4)), batch_size=4)
     trainer = Trainer(
         max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
@@ -173,22 +174,20 @@ def test_a_nan_loss_stops_probe_training_naming_the_batch():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from confrag.reranker.module import RerankerModule
 
-    module = RerankerModule(seed=0)
+    module = reranker_module(seed=0)
     return module, module.export(tmp_path_factory.mktemp("export") / "reranker")
 
 
 def test_a_damaged_reranker_export_is_refused(exported, tmp_path):
-    from confrag.reranker.module import RerankerModule
 
     _, directory = exported
     damaged = tmp_path / "reranker"
     shutil.copytree(directory, damaged)
-    RerankerModule(backbone=str(damaged))  # whole: loads
+    reranker_module(backbone=str(damaged))  # whole: loads
     flip(damaged / "model.safetensors", 4096)
     with pytest.raises(ArtifactDamagedError, match=r"reranker export \(model.backbone\) .*model.safetensors: checksum"):
-        RerankerModule(backbone=str(damaged))
+        reranker_module(backbone=str(damaged))
 
 
 def test_a_damaged_cached_reranker_is_trained_again(tmp_path, monkeypatch, caplog):

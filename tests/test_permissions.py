@@ -10,6 +10,8 @@ import stat
 import numpy as np
 import pytest
 
+from helpers.modules import probe_module, reranker_module
+
 UMASK = 0o027  # group may read, others nothing: neither the default umask nor what mkstemp/mkdtemp give
 
 
@@ -61,18 +63,17 @@ def test_bm25_index(tmp_path, umask):
 
 
 def test_saved_probe(tmp_path, umask):
-    from confrag.probe.module import ProbeModule, load_probe, save_probe
+    from confrag.probe.module import load_probe, save_probe
 
-    module = ProbeModule(input_dim=8, hidden_dims=(4,))
+    module = probe_module(input_dim=8, hidden_dims=(4,))
     save_probe(module, tmp_path / "probe", {"layer": 1}, {"metrics": {}})
     assert load_probe(tmp_path / "probe").layer == 1
     assert modes(tmp_path) == expected(tmp_path)
 
 
 def test_reranker_export(tmp_path, umask):
-    from confrag.reranker.module import RerankerModule
 
-    module = RerankerModule(seed=0)
+    module = reranker_module(seed=0)
     module.export(tmp_path / "reranker")
     module.export(tmp_path / "reranker")  # replacing an export keeps the modes too
     assert (tmp_path / "reranker" / "config.json").is_file()

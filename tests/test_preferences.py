@@ -46,7 +46,7 @@ def shifts_for(sets, reference_qa, reference_empty, candidates):
 def test_rows_follow_flagembedding_format_and_drops_are_counted():
     sets = [candidate_set("a", 3, 0), candidate_set("b", 3, None), candidate_set("c", 2, 1)]
     shifts = shifts_for(sets, [0.5, 0.5, 0.5], [0.6, 0.6, 0.6], [[0.9, 0.2, 0.6], [0.7, 0.8, 0.9], [0.1, 0.2]])
-    rows, drops = build_rows(sets, shifts, "qa", top_k=5)
+    rows, drops = build_rows(sets, shifts, "qa", top_k=5, selection="sign")
     assert [r["qid"] for r in rows] == ["a"]
     assert drops == {"no_positive": 1, "no_negative": 1, "neither": 0}
     row = rows[0]
@@ -55,16 +55,16 @@ def test_rows_follow_flagembedding_format_and_drops_are_counted():
     assert row["neg"] == ["title a-1\ntext a-1"]
     assert np.allclose(row["pos_scores"], [0.4, 0.1]) and np.allclose(row["neg_scores"], [-0.3])
     # the reference choice changes which side a context falls on
-    rows_empty, _ = build_rows(sets, shifts, "rag_empty", top_k=5)
+    rows_empty, _ = build_rows(sets, shifts, "rag_empty", top_k=5, selection="sign")
     assert rows_empty[0]["pos"] == ["title a-0\ntext a-0"]
     with pytest.raises(ValueError, match="preferences.reference"):
-        build_rows(sets, shifts, "nope", top_k=5)
+        build_rows(sets, shifts, "nope", top_k=5, selection="sign")
 
 
 def test_gold_placement_counts_questions_with_a_retrieved_gold_passage():
     sets = [candidate_set("a", 3, 0), candidate_set("b", 3, 2), candidate_set("c", 3, None)]
     shifts = shifts_for(sets, [0.5] * 3, [0.5] * 3, [[0.9, 0.1, 0.5], [0.9, 0.8, 0.1], [0.9, 0.1, 0.2]])
-    placement = gold_placement(sets, shifts, "qa", top_k=5)
+    placement = gold_placement(sets, shifts, "qa", top_k=5, selection="sign")
     assert placement["questions_with_gold"] == 2
     assert placement["gold_in_pos"] == 1 and placement["gold_in_neg"] == 1
     assert placement["gold_in_pos_rate"] == 0.5
@@ -75,7 +75,7 @@ def test_gold_placement_counts_only_the_questions_trained_on():
     gold passage counted in the rates, so a rule that drops most questions looked noisier than its rows are."""
     sets = [candidate_set("a", 3, 0), candidate_set("b", 3, 2), candidate_set("d", 3, 1)]
     shifts = shifts_for(sets, [0.5] * 3, [0.5] * 3, [[0.9, 0.1, 0.5], [0.9, 0.8, 0.1], [0.9, 0.8, 0.7]])
-    placement = gold_placement(sets, shifts, "qa", top_k=5)
+    placement = gold_placement(sets, shifts, "qa", top_k=5, selection="sign")
     assert placement["questions_with_gold"] == 2 and placement["dropped_with_gold"] == 1
     assert placement["gold_in_pos"] == 1 and placement["gold_in_neg"] == 1 and placement["gold_in_neg_rate"] == 0.5
 
@@ -83,8 +83,8 @@ def test_gold_placement_counts_only_the_questions_trained_on():
 def test_report_covers_both_references_and_prints_examples():
     sets = [candidate_set(q, 3, 0) for q in "abcd"]
     shifts = shifts_for(sets, [0.5] * 4, [0.7] * 4, [[0.9, 0.1, 0.6]] * 4)
-    rows, drops = build_rows(sets, shifts, "qa", 5)
-    report = dataset_report(sets, shifts, 5, {"train": rows[:3], "test": rows[3:]}, "qa", drops)
+    rows, drops = build_rows(sets, shifts, "qa", 5, "sign")
+    report = dataset_report(sets, shifts, 5, {"train": rows[:3], "test": rows[3:]}, "qa", drops, "sign")
     assert set(report["by_reference"]) == {"qa", "rag_empty"}
     assert report["by_reference"]["qa"]["gold"]["gold_in_pos_rate"] == 1.0
     assert report["by_reference"]["rag_empty"]["share_positive"] == pytest.approx(1 / 3)
@@ -144,9 +144,11 @@ def test_a_rule_that_drops_most_questions_is_reported_with_the_share_of_positive
     shifts = shifts_for(
         sets, [0.5] * 4, [0.01] * 4, [[0.9, 0.2, 0.6], [0.3, 0.4, 0.5], [0.1, 0.2, 0.3], [0.2, 0.0, 0.4]]
     )
-    _, drops = build_rows(sets, shifts, "rag_empty", top_k=1)
+    _, drops = build_rows(sets, shifts, "rag_empty", top_k=1, selection="sign")
     assert drops == {"no_positive": 0, "no_negative": 3, "neither": 0}  # d's 0.0 is the one Inc < 0
-    share = dataset_report(sets, shifts, 1, {}, "rag_empty", drops)["by_reference"]["rag_empty"]["share_positive"]
+    share = dataset_report(sets, shifts, 1, {}, "rag_empty", drops, "sign")["by_reference"]["rag_empty"][
+        "share_positive"
+    ]
     message = sparse_rule_message(RULES["sign"], drops, len(sets), share, "rag_empty")
     assert "keeps 1 of 4 questions" in message and "positive for 91.7 % of candidates" in message
     assert "preferences.selection=rank" in message

@@ -9,11 +9,13 @@ from lightning import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from confrag.probe.calibration import reliability_bins
-from confrag.probe.module import ProbeMismatchError, ProbeModule, load_probe, save_probe
+from confrag.probe.module import ProbeMismatchError, load_probe, save_probe
+
+from helpers.modules import confidence_data, probe_module
 
 
 def test_architecture_follows_the_paper():
-    probe = ProbeModule(input_dim=576)
+    probe = probe_module(input_dim=576)
     linear = [m for m in probe.net if isinstance(m, torch.nn.Linear)]
     assert [(m.in_features, m.out_features) for m in linear] == [(576, 512), (512, 64), (64, 32), (32, 2)]
     assert [m.p for m in probe.net if isinstance(m, torch.nn.Dropout)] == [0.5, 0.5, 0.5]
@@ -22,7 +24,7 @@ def test_architecture_follows_the_paper():
 
 def test_confidence_is_softmax_of_class_one_and_ignores_dropout():
     torch.manual_seed(0)
-    probe = ProbeModule(input_dim=8)
+    probe = probe_module(input_dim=8)
     probe.set_standardization(np.full(8, 1.0), np.full(8, 2.0))
     hidden = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
     probe.train()
@@ -41,7 +43,7 @@ def test_probe_learns_a_separable_signal():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(400, 16)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)
-    probe = ProbeModule(input_dim=16, lr=1e-2)
+    probe = probe_module(input_dim=16, lr=1e-2)
     loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=32, shuffle=True)
     Trainer(
         max_epochs=15, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
@@ -51,7 +53,7 @@ def test_probe_learns_a_separable_signal():
 
 
 def test_saved_probe_round_trips_and_refuses_other_activations(tmp_path):
-    probe = ProbeModule(input_dim=8, layer=15)
+    probe = probe_module(input_dim=8, layer=15)
     probe.set_standardization(np.arange(8.0), np.full(8, 3.0))
     identity = {"llm": {"name": "smollm2_135m", "ref": "gguf:x@1"}, "prompts": "abc", "layer": 15, "key": "k"}
     save_probe(probe, tmp_path, identity, {"metrics": {"test/auroc": 0.7}})
@@ -74,7 +76,7 @@ def test_missing_probe_directory_says_how_to_make_one(tmp_path):
 
 def test_bad_hyperparameters_are_refused():
     with pytest.raises(ValueError, match="dropout"):
-        ProbeModule(input_dim=8, dropout=1.5)
+        probe_module(input_dim=8, dropout=1.5)
 
 
 def one_class_datamodule(train_positives: int, dev_positives: int, allow: bool):
@@ -119,12 +121,10 @@ def test_a_probe_without_one_class_in_train_or_dev_is_refused_before_training(tr
 def test_the_one_class_override_is_a_flag(templates):
     from dataclasses import asdict
 
-    from confrag.probe.datamodule import NQConfidenceDataModule
-
     from helpers.models import tiny_llm_config
 
     with pytest.raises(ValueError, match=r"data.allow_one_class must be true or false; got 'yes'"):
-        NQConfidenceDataModule(tiny_llm_config(), asdict(templates), nq_path="x", allow_one_class="yes")
+        confidence_data(llm=tiny_llm_config(), prompts=asdict(templates), nq_path="x", allow_one_class="yes")
 
 
 def test_a_skipped_layer_scan_says_why(caplog, tmp_path):

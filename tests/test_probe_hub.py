@@ -23,6 +23,7 @@ from confrag.reports.wandb_artifacts import artifact_name, log_exports
 from confrag.tasks import probe as probe_task
 from test_hub_export import ROWS, exported_folder, run_facts
 
+from helpers.modules import probe_module
 from helpers.runs import compose_cfg
 from helpers.settings import shipped_settings
 from helpers.wandb_records import logged_artifacts
@@ -33,7 +34,7 @@ IDENTITY = {"llm": {"name": "tiny", "source": "random", "ref": "tiny:x@1"}, "pro
 def trained(hidden_dims=(16, 8), input_dim=12, seed=0) -> ProbeModule:
     """A probe with random weights and a standardization no default would give."""
     torch.manual_seed(seed)
-    probe = ProbeModule(input_dim=input_dim, hidden_dims=list(hidden_dims), layer=2)
+    probe = probe_module(input_dim=input_dim, hidden_dims=list(hidden_dims), layer=2)
     rng = np.random.default_rng(seed)
     probe.set_standardization(rng.normal(size=input_dim) * 3, rng.uniform(0.1, 5, size=input_dim))
     return probe

@@ -18,6 +18,8 @@ from confrag.probe.ranking import RankingSet, gold_rank, ranking_metrics
 from confrag.retrieval.candidates import Candidates, make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 
+from helpers.modules import probe_module
+
 
 def _fit(probe: ProbeModule, x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int | None = None) -> None:
     data = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
@@ -48,7 +50,7 @@ def test_logistic_probe_reaches_scikit_learns_optimum():
     mean, std = x.mean(0), x.std(0)
     c = 0.05
     reference = LogisticRegression(C=c, max_iter=10_000, tol=1e-10).fit((x - mean) / std, y)
-    probe = ProbeModule(
+    probe = probe_module(
         input_dim=x.shape[1], hidden_dims=[], dropout=0.0, lr=1.0, optimizer="lbfgs", l2=2 / (c * len(y))
     )
     probe.set_standardization(mean, std)
@@ -64,7 +66,7 @@ def test_balanced_class_weights_follow_scikit_learn():
     mean, std = x.mean(0), x.std(0)
     c = 0.5
     reference = LogisticRegression(C=c, class_weight="balanced", max_iter=10_000, tol=1e-10).fit((x - mean) / std, y)
-    probe = ProbeModule(
+    probe = probe_module(
         input_dim=x.shape[1], hidden_dims=[], dropout=0.0, lr=1.0, optimizer="lbfgs", l2=2 / (c * len(y)),
         class_weight="balanced",
     )  # fmt: skip
@@ -81,16 +83,16 @@ def test_balanced_class_weights_follow_scikit_learn():
 
 
 def test_class_weights_need_both_classes_and_are_off_by_default():
-    probe = ProbeModule(input_dim=4)
+    probe = probe_module(input_dim=4)
     probe.set_class_weights([0, 0, 1])
     assert probe.class_weights.tolist() == [1.0, 1.0]  # the paper's probe: unweighted
-    weighted = ProbeModule(input_dim=4, class_weight="balanced")
+    weighted = probe_module(input_dim=4, class_weight="balanced")
     with pytest.raises(ValueError, match="both classes"):
         weighted.set_class_weights([0, 0, 0])
 
 
 def test_saved_probe_keeps_its_recipe_and_weights(tmp_path):
-    probe = ProbeModule(input_dim=6, hidden_dims=[], dropout=0.0, optimizer="lbfgs", l2=0.1, class_weight="balanced")
+    probe = probe_module(input_dim=6, hidden_dims=[], dropout=0.0, optimizer="lbfgs", l2=0.1, class_weight="balanced")
     probe.set_standardization(np.arange(6.0), np.full(6, 2.0))
     probe.set_class_weights([0, 0, 0, 1])
     save_probe(probe, tmp_path, {"llm": {}, "prompts": "p", "layer": 0, "key": "k"}, {})
@@ -115,7 +117,7 @@ def test_bad_probe_settings_are_named(settings, message):
     with pytest.raises(ValueError, match=message):
         check_probe_settings(**settings)
     with pytest.raises(ValueError, match=message):
-        ProbeModule(input_dim=4, **settings)
+        probe_module(input_dim=4, **settings)
 
 
 def test_question_splits_set_the_share_of_training_questions():

@@ -14,8 +14,9 @@ import torch
 
 from confrag.llm.hidden_states import naive_hidden_states
 from confrag.llm.prompts import encode_prompts
-from confrag.probe.module import ProbeModule, save_probe
-from confrag.reranker.module import RerankerModule
+from confrag.probe.module import save_probe
+
+from helpers.modules import probe_module, reranker_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -44,7 +45,7 @@ def test_the_readme_example_scores_candidates_with_a_saved_probe_and_reranker(
     layer = llm.mid_layer
     # A probe for SmolLM2's Layer/2 states with random weights and a standardization, saved as a probe run saves it.
     torch.manual_seed(0)
-    probe = ProbeModule(input_dim=int(llm.model.config.hidden_size), hidden_dims=[16], layer=layer)
+    probe = probe_module(input_dim=int(llm.model.config.hidden_size), hidden_dims=[16], layer=layer)
     rng = np.random.default_rng(0)
     probe.set_standardization(
         rng.normal(size=probe.hparams.input_dim), rng.uniform(0.5, 2, size=probe.hparams.input_dim)
@@ -52,7 +53,7 @@ def test_the_readme_example_scores_candidates_with_a_saved_probe_and_reranker(
     activations = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layer": layer, "key": "readme"}
     save_probe(probe, tmp_path / "probe", activations, {})
     # An exported reranker: MiniLM with a seeded fresh head, written as a rerank run exports it.
-    reranker = RerankerModule(fresh_head=True, seed=0)
+    reranker = reranker_module(fresh_head=True, seed=0)
     reranker.export(tmp_path / "reranker")
 
     monkeypatch.chdir(tmp_path)

@@ -10,7 +10,7 @@ import pytest
 
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.probe.module import ProbeModule, SavedProbe
+from confrag.probe.module import SavedProbe
 from confrag.reranker.preferences import build_rows, confidence_shifts, relevance_rows
 from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
 from confrag.retrieval.candidates import make_candidates
@@ -18,6 +18,7 @@ from confrag.retrieval.corpus import CorpusPassage
 from confrag.stages.retrieval import without_duplicates
 from confrag.train import run_task
 
+from helpers.modules import probe_module
 from helpers.runs import compose_cfg
 
 LAYER = 2
@@ -45,7 +46,7 @@ class CountingEngine(HiddenStateEngine):
 def setting(tiny_llama, templates, nq_rows):
     corpus = corpus_from_nq(nq_rows)
     candidates = retrieve_candidates(nq_rows[:6], corpus, BM25Retriever(corpus), top_n=4)
-    module = ProbeModule(input_dim=tiny_llama.model.config.hidden_size, layer=LAYER)
+    module = probe_module(input_dim=tiny_llama.model.config.hidden_size, layer=LAYER)
     module.set_standardization(np.zeros(module.hparams.input_dim), np.ones(module.hparams.input_dim))
     identity = {"llm": tiny_llama.identity, "prompts": templates.identity(tiny_llama.tokenizer), "layer": LAYER}
     return {"candidates": candidates, "probe": SavedProbe(module, {"activations": identity})}
@@ -80,7 +81,9 @@ def test_interrupted_preference_build_resumes_to_the_same_rows(setting, tiny_lla
     for ref in ("qa", "rag_empty"):
         assert np.array_equal(resumed.reference[ref], reference.reference[ref])
     assert all(np.array_equal(a, b) for a, b in zip(resumed.candidates, reference.candidates))
-    assert build_rows(setting["candidates"], resumed, "qa", 2) == build_rows(setting["candidates"], reference, "qa", 2)
+    assert build_rows(setting["candidates"], resumed, "qa", 2, "sign") == build_rows(
+        setting["candidates"], reference, "qa", 2, "sign"
+    )
 
 
 def test_questions_within_an_extracted_set_read_its_states_instead_of_extracting_again(

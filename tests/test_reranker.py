@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning import Callback
 
-from confrag.reranker.data import GroupDataset, PreferenceDataModule
+from confrag.reranker.data import GroupDataset
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import ranking_metrics
 from confrag.reranker.module import RerankerModule, minilm_dir
@@ -17,6 +17,7 @@ from confrag.reranker.rows import candidate_lists, load_rows, validate_rows
 from confrag.reranker.tokenization import encode_pairs
 
 from helpers.data import TOPICS
+from helpers.modules import preference_data, reranker_module
 from helpers.reranking import fast_trainer
 
 
@@ -90,7 +91,7 @@ def test_non_positive_temperature_names_model_tau(tau):
     with pytest.raises(ValueError, match="model.tau must be > 0"):
         group_infonce(torch.zeros(2, 3), tau)
     with pytest.raises(ValueError, match="model.tau"):
-        RerankerModule(tau=tau)  # refused before any weights are loaded
+        reranker_module(tau=tau)  # refused before any weights are loaded
 
 
 def test_group_of_one_is_refused():
@@ -99,7 +100,7 @@ def test_group_of_one_is_refused():
     with pytest.raises(ValueError, match="data.group_size must be an integer >= 2"):
         GroupDataset(toy_rows(), group_size=1)
     with pytest.raises(ValueError, match="data.group_size"):
-        PreferenceDataModule(train=toy_rows(), group_size=1)
+        preference_data(train=toy_rows(), group_size=1)
 
 
 # --- rows and groups -----------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_truncation_is_counted_and_respects_the_budgets():
 
     rows = toy_rows()
     rows[0]["neg"][0] = long_passage
-    dm = PreferenceDataModule(train=rows, test=rows, query_max_len=16, passage_max_len=24, batch_size=4, group_size=5)
+    dm = preference_data(train=rows, test=rows, query_max_len=16, passage_max_len=24, batch_size=4, group_size=5)
     dm.setup("fit")
     assert dm.truncation["train"] == {"pairs": 48, "truncated_pairs": 1, "truncated_queries": 0}
     batches = list(dm.train_dataloader())
@@ -213,9 +214,9 @@ def test_truncation_is_counted_and_respects_the_budgets():
 def trained(tmp_path_factory):
     torch.manual_seed(0)
     rows = toy_rows()
-    module = RerankerModule(lr=2e-4, seed=0)
+    module = reranker_module(lr=2e-4, seed=0)
     before = mean_group_loss(module, rows)
-    dm = PreferenceDataModule(train=rows, test=rows, batch_size=4, group_size=4, seed=0)
+    dm = preference_data(train=rows, test=rows, batch_size=4, group_size=4, seed=0)
     spy = BackboneModeSpy()
     trainer = fast_trainer(max_steps=12, callbacks=[spy])
     trainer.fit(module, datamodule=dm)
@@ -277,10 +278,10 @@ def test_export_loads_in_transformers_flagreranker_path_and_crossencoder(trained
     np.testing.assert_allclose(cross.predict([tuple(p) for p in pairs]), expected, atol=1e-5)
 
     # Loading the export as a backbone keeps its trained head; fresh_head=True draws the seed's head.
-    reloaded = RerankerModule(backbone=str(directory))
+    reloaded = reranker_module(backbone=str(directory))
     np.testing.assert_allclose(reloaded.score([q for q, _ in pairs], [p for _, p in pairs]), expected, atol=1e-5)
-    fresh = RerankerModule(backbone=str(directory), fresh_head=True, seed=0)
-    untrained = RerankerModule(seed=0)
+    fresh = reranker_module(backbone=str(directory), fresh_head=True, seed=0)
+    untrained = reranker_module(seed=0)
     assert torch.equal(fresh.model.classifier.weight, untrained.model.classifier.weight)
     assert not torch.equal(fresh.model.classifier.weight, module.model.classifier.weight)
 
@@ -290,25 +291,25 @@ def test_a_head_of_another_size_needs_fresh_head(tmp_path):
 
     AutoModelForSequenceClassification.from_pretrained(minilm_dir(), num_labels=2).save_pretrained(tmp_path / "two")
     with pytest.raises(ValueError, match="model.fresh_head=true"):
-        RerankerModule(backbone=str(tmp_path / "two"))
-    assert RerankerModule(backbone=str(tmp_path / "two"), fresh_head=True).model.classifier.out_features == 1
+        reranker_module(backbone=str(tmp_path / "two"))
+    assert reranker_module(backbone=str(tmp_path / "two"), fresh_head=True).model.classifier.out_features == 1
 
 
 def test_distillation_without_teacher_scores_names_the_setting():
     rows = [{k: v for k, v in r.items() if not k.endswith("_scores")} for r in toy_rows()]
-    dm = PreferenceDataModule(train=rows, batch_size=2, group_size=3)
-    module = RerankerModule(distill_weight=0.5)
+    dm = preference_data(train=rows, batch_size=2, group_size=3)
+    module = reranker_module(distill_weight=0.5)
     with pytest.raises(ValueError, match="model.distill_weight > 0 needs teacher scores"):
         module.training_step(next(iter(dm.train_dataloader())), 0)
 
 
 def test_bad_settings_name_their_key():
     with pytest.raises(ValueError, match="model.lora: .*LoraConfig"):
-        RerankerModule(lora={"rank": 4})
+        reranker_module(lora={"rank": 4})
     with pytest.raises(FileNotFoundError, match="model.backbone='./no/such/model'"):
-        RerankerModule(backbone="./no/such/model")
+        reranker_module(backbone="./no/such/model")
     with pytest.raises(ValueError, match="data.batch_size must be an integer >= 1"):
-        PreferenceDataModule(train=toy_rows(), batch_size=0)
+        preference_data(train=toy_rows(), batch_size=0)
 
 
 @pytest.mark.heavy
@@ -316,12 +317,12 @@ def test_lora_trains_only_adapters_and_head_and_exports_a_plain_model(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
-    module = RerankerModule(lr=1e-3, lora={"r": 4, "lora_alpha": 8, "target_modules": ["query", "value"]})
+    module = reranker_module(lr=1e-3, lora={"r": 4, "lora_alpha": 8, "target_modules": ["query", "value"]})
     trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable)
     assert any("lora_B" in n for n in trainable) and any("classifier" in n for n in trainable)
     start = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    fast_trainer(max_steps=3).fit(module, datamodule=PreferenceDataModule(train=toy_rows(), batch_size=4, group_size=4))
+    fast_trainer(max_steps=3).fit(module, datamodule=preference_data(train=toy_rows(), batch_size=4, group_size=4))
     changed = {n for n, p in module.model.named_parameters() if not torch.equal(p, start[n])}
     assert changed and changed <= trainable
     assert any("lora_B" in n for n in changed) and any("classifier" in n for n in changed)
@@ -331,7 +332,7 @@ def test_lora_trains_only_adapters_and_head_and_exports_a_plain_model(tmp_path):
     assert not any("lora" in n or "modules_to_save" in n for n in plain.state_dict())
     assert not (directory / "adapter_config.json").exists()
     queries, passages = ["who wrote the play hamlet"] * 3, [TOPICS[1][1], TOPICS[2][1], TOPICS[3][2]]
-    loaded = RerankerModule(backbone=str(directory)).score(queries, passages)
+    loaded = reranker_module(backbone=str(directory)).score(queries, passages)
     np.testing.assert_allclose(loaded, module.score(queries, passages), atol=1e-5)
     assert type(module.model).__name__.startswith("Peft")  # the export merged a copy; training can go on
 
@@ -340,7 +341,6 @@ def test_a_new_reranker_kind_is_one_registered_class(monkeypatch, tmp_path):
     """Kinds are registered classes: a new one is a subclass plus `register_kind`; the module, its
     tokenization and its export ask the registry (no kind names compared elsewhere)."""
     from confrag.reranker import kinds
-    from confrag.reranker.data import PreferenceDataModule
     from confrag.reranker.tokenization import encode_pairs
 
     monkeypatch.setattr(kinds, "KINDS", dict(kinds.KINDS))
@@ -359,9 +359,9 @@ def test_a_new_reranker_kind_is_one_registered_class(monkeypatch, tmp_path):
             model.config.toy_kind = True
 
     ToyKind.encode = staticmethod(encode)
-    module = RerankerModule(kind="toy_cross_encoder", seed=0)
+    module = reranker_module(kind="toy_cross_encoder", seed=0)
     assert isinstance(module.kind, ToyKind)
-    assert PreferenceDataModule(kind="toy_cross_encoder").encode is module.encode
+    assert preference_data(kind="toy_cross_encoder").encode is module.encode
     assert module.score(["capital of France"], ["Paris is the capital of France."]).shape == (1,)
     assert calls == ["encode"]
     module.export(tmp_path / "toy")
@@ -371,4 +371,4 @@ def test_a_new_reranker_kind_is_one_registered_class(monkeypatch, tmp_path):
     with pytest.raises(
         ValueError, match=r"model.kind must be one of cross_encoder, qwen3_yes_no, bi_encoder, toy_cross_encoder"
     ):
-        RerankerModule(kind="late_interaction")
+        reranker_module(kind="late_interaction")

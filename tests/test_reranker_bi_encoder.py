@@ -13,13 +13,12 @@ from sentence_transformers import SentenceTransformer
 
 from confrag.reports.hub import write_reranker_card
 from confrag.reranker.bi_encoder import SCALE, encode_query_passage_pairs
-from confrag.reranker.data import PreferenceDataModule
-from confrag.reranker.module import RerankerModule
 from confrag.retrieval.dense import MeanPoolEncoder
 from confrag.retrieval.minilm import minilm_dir
 from test_hub_export import exported_folder, run_facts
 
 from helpers.data import TOPICS
+from helpers.modules import preference_data, reranker_module
 from helpers.reranking import fast_trainer, mean_group_loss
 
 KIND = "bi_encoder"
@@ -50,7 +49,7 @@ def rows() -> list[dict]:
 
 
 def test_scores_are_sentence_transformers_cosines(sentence_transformer):
-    module = RerankerModule(backbone="minilm", kind=KIND)
+    module = reranker_module(backbone="minilm", kind=KIND)
     np.testing.assert_allclose(
         module.score(QUERIES, PASSAGES), st_scores(sentence_transformer, QUERIES, PASSAGES), atol=1e-4
     )
@@ -60,17 +59,17 @@ def test_scores_are_sentence_transformers_cosines(sentence_transformer):
     assert encoded.features["query_index"].tolist() == [0, 1, 0, 1]
     assert encoded.features["passage_input_ids"].shape[1] == 256 and encoded.truncated_pairs == 1
     # The data module cuts pairs as the module does.
-    dm = PreferenceDataModule(train=rows(), tokenizer="minilm", kind=KIND)
+    dm = preference_data(train=rows(), tokenizer="minilm", kind=KIND)
     assert dm.tokenizer.model_max_length == module.tokenizer.model_max_length == 256
 
 
 @pytest.mark.heavy
 def test_fine_tuning_lowers_the_loss_and_the_export_loads_in_sentence_transformers(tmp_path):
     torch.manual_seed(0)
-    module = RerankerModule(backbone="minilm", kind=KIND, lr=1e-4)
+    module = reranker_module(backbone="minilm", kind=KIND, lr=1e-4)
     before = mean_group_loss(module, rows(), group_size=4)
     trainer = fast_trainer(max_steps=6)
-    trainer.fit(module, datamodule=PreferenceDataModule(train=rows(), batch_size=3, group_size=4, kind=KIND))
+    trainer.fit(module, datamodule=preference_data(train=rows(), batch_size=3, group_size=4, kind=KIND))
     after = mean_group_loss(module, rows(), group_size=4)
     assert after < before - 0.5, (before, after)
 
@@ -81,21 +80,21 @@ def test_fine_tuning_lowers_the_loss_and_the_export_loads_in_sentence_transforme
     )
     assert json.loads((directory / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"] is True
     # confrag reads it back as a reranker, and as the dense retriever's encoder.
-    reloaded = RerankerModule(backbone=str(directory), kind=KIND)
+    reloaded = reranker_module(backbone=str(directory), kind=KIND)
     np.testing.assert_allclose(reloaded.score(QUERIES, PASSAGES), expected, atol=1e-5)
     cosine = MeanPoolEncoder(directory).cosine(QUERIES[0], [PASSAGES[0], PASSAGES[2]])
     np.testing.assert_allclose(SCALE * cosine, expected[[0, 2]], atol=1e-4)
 
 
 def test_lora_trains_adapters_only_and_merges_into_the_encoder():
-    module = RerankerModule(backbone="minilm", kind=KIND, lora={"r": 4, "lora_alpha": 8})
+    module = reranker_module(backbone="minilm", kind=KIND, lora={"r": 4, "lora_alpha": 8})
     trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".attention.self.")[1].split(".")[0] for n in trainable} == {"query", "key", "value"}
     merged = module.plain_model()
     assert not any("lora" in n for n in merged.state_dict())
     np.testing.assert_allclose(
-        RerankerModule(backbone="minilm", kind=KIND).score(QUERIES, PASSAGES),
+        reranker_module(backbone="minilm", kind=KIND).score(QUERIES, PASSAGES),
         module.score(QUERIES, PASSAGES),
         atol=1e-5,
     )
@@ -103,13 +102,13 @@ def test_lora_trains_adapters_only_and_merges_into_the_encoder():
 
 def test_settings_the_kind_cannot_honour_are_refused(tmp_path):
     with pytest.raises(ValueError, match="model.fresh_head must be false with model.kind=bi_encoder"):
-        RerankerModule(backbone="minilm", kind=KIND, fresh_head=True)
+        reranker_module(backbone="minilm", kind=KIND, fresh_head=True)
     folder = tmp_path / "cls_pooled"
     (folder / "1_Pooling").mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
     with pytest.raises(ValueError, match="model.kind=bi_encoder implements mean pooling only"):
-        RerankerModule(backbone=str(minilm_dir()), kind=KIND).kind.load(str(folder), None, False, 0, False)
+        reranker_module(backbone=str(minilm_dir()), kind=KIND).kind.load(str(folder), None, False, 0, False)
 
 
 def test_the_model_card_says_how_a_bi_encoder_loads(tmp_path):

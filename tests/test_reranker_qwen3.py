@@ -11,8 +11,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from confrag.llm.config import LLMConfig
 from confrag.llm.random_weights import tiny_tokenizer
-from confrag.reranker.data import PreferenceDataModule
-from confrag.reranker.module import RerankerModule
 from confrag.reranker.qwen3 import (
     BODY,
     DEFAULT_INSTRUCTION,
@@ -25,6 +23,7 @@ from confrag.reranker.qwen3 import (
 from confrag.reranker.tokenization import encode_pairs
 
 from helpers.data import TOPICS as ALL_TOPICS
+from helpers.modules import preference_data, reranker_module
 from helpers.reranking import fast_trainer, mean_group_loss
 
 KIND = "qwen3_yes_no"
@@ -129,7 +128,7 @@ def test_prompt_and_truncation_follow_encode_pairs_budgets(tiny_qwen3):
 
 
 def test_datamodule_tokenizes_by_kind(tiny_qwen3):
-    dm = PreferenceDataModule(train=toy_rows(), tokenizer=str(tiny_qwen3), batch_size=2, group_size=3, kind=KIND)
+    dm = preference_data(train=toy_rows(), tokenizer=str(tiny_qwen3), batch_size=2, group_size=3, kind=KIND)
     batch = next(iter(dm.train_dataloader()))
     assert batch["features"]["input_ids"].shape[0] == 6 and batch["group_size"] == 3
     # Rows come in a seeded order: find each group's query and check its prompt, group-major.
@@ -146,7 +145,7 @@ def test_datamodule_tokenizes_by_kind(tiny_qwen3):
 def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     torch.manual_seed(0)
     rows = toy_rows()
-    module = RerankerModule(
+    module = reranker_module(
         backbone=str(tiny_qwen3), kind=KIND, lr=2e-2, tau=0.1, lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
     )
     trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
@@ -156,7 +155,7 @@ def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     trainer = fast_trainer(max_steps=8)
     trainer.fit(
         module,
-        datamodule=PreferenceDataModule(train=rows, tokenizer=str(tiny_qwen3), batch_size=4, group_size=3, kind=KIND),
+        datamodule=preference_data(train=rows, tokenizer=str(tiny_qwen3), batch_size=4, group_size=3, kind=KIND),
     )
     after = mean_group_loss(module, rows)
     assert after < before - 0.1, (before, after)
@@ -166,7 +165,7 @@ def test_lora_training_lowers_the_loss_and_export_reloads(tiny_qwen3, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and "sentence_transformers" not in config
     expected = module.score(QUERIES, PASSAGES)
-    reloaded = RerankerModule(backbone=str(directory), kind=KIND)
+    reloaded = reranker_module(backbone=str(directory), kind=KIND)
     np.testing.assert_allclose(reloaded.score(QUERIES, PASSAGES), expected, atol=1e-5)
     # The export is a plain causal LM: the official recipe on it gives the same scores.
     lm = AutoModelForCausalLM.from_pretrained(directory).eval()
@@ -181,15 +180,15 @@ def test_bad_kind_and_settings_are_named(tiny_qwen3):
     with pytest.raises(
         ValueError, match="model.kind must be one of cross_encoder, qwen3_yes_no, bi_encoder .got 'qwen3'"
     ):
-        RerankerModule(backbone=str(tiny_qwen3), kind="qwen3")
+        reranker_module(backbone=str(tiny_qwen3), kind="qwen3")
     with pytest.raises(ValueError, match="model.kind must be one of"):
-        PreferenceDataModule(train=toy_rows(), kind="causal")
+        preference_data(train=toy_rows(), kind="causal")
     with pytest.raises(ValueError, match="model.fresh_head must be false with model.kind=qwen3_yes_no"):
-        RerankerModule(backbone=str(tiny_qwen3), kind=KIND, fresh_head=True)
+        reranker_module(backbone=str(tiny_qwen3), kind=KIND, fresh_head=True)
 
 
 def test_a_datamodule_of_another_kind_is_refused(tiny_qwen3):
-    module = RerankerModule(backbone=str(tiny_qwen3), kind=KIND)
+    module = reranker_module(backbone=str(tiny_qwen3), kind=KIND)
     trainer = fast_trainer(max_steps=1)
     with pytest.raises(ValueError, match="build PreferenceDataModule with kind=model.kind"):
-        trainer.fit(module, datamodule=PreferenceDataModule(train=toy_rows(), tokenizer=str(tiny_qwen3), group_size=3))
+        trainer.fit(module, datamodule=preference_data(train=toy_rows(), tokenizer=str(tiny_qwen3), group_size=3))

@@ -2,16 +2,26 @@
 for a key its shipped YAML node provides, so the two cannot drift apart (as `EvalSettings.base_reranker` once
 named a Table 2 row that no longer existed while `conf/eval/default.yaml` named the real one); a nested options
 node the YAML leaves `{}` (`rag.generation`) keeps its defaults in its dataclass, and the YAML repeats none.
-Every experiment's composed nodes build their dataclasses: no key missing, none unknown."""
+Every experiment's composed nodes build their dataclasses: no key missing, none unknown.
+
+The same holds for the project's classes that YAML instantiates (every `_target_` node, shipped or composed by an
+experiment): no default in the signature for a key the node holds (`PreferenceDataModule` had eval_batch_size=16
+beside the YAML's 32), and no key the signature does not take. Third-party targets (Lightning's Trainer, loggers
+and callbacks, Optuna's sampler, Hydra's sweeper) are not ours to change: the YAML sets what the project chooses
+for them, their own defaults stay theirs."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
+from confrag import instantiators
 from confrag.instantiators import settings_from
 from confrag.llm.generation import GreedyOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
@@ -101,3 +111,111 @@ def test_a_moved_key_names_where_it_went(tmp_path: Path):
         ValueError, match=r"unknown key\(s\) \['max_new_tokens'\].*preferences\.max_new_tokens is now rag"
     ):
         settings_from(PreferenceSettings, cfg.preferences, "preferences")
+
+
+# --- the classes YAML instantiates ------------------------------------------------------------------------------
+
+HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
+
+
+def target_nodes(node: Any, where: str = "") -> list[tuple[str, dict]]:
+    """Every node holding a `_target_` inside a plain config tree, by its dotted key."""
+    found = []
+    if isinstance(node, dict):
+        if isinstance(node.get("_target_"), str):
+            found.append((where or "<root>", node))
+        for key, value in node.items():
+            found.extend(target_nodes(value, f"{where}.{key}" if where else str(key)))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found.extend(target_nodes(value, f"{where}[{i}]"))
+    return found
+
+
+def ours(node: dict) -> bool:
+    return node["_target_"].startswith("confrag.")
+
+
+def written_twice(cls: type, node: dict) -> tuple[dict[str, tuple[object, object]], list[str]]:
+    """(keys the node holds that `cls`'s signature also gives a default: {key: (signature's, YAML's)}, keys the
+    node holds that the signature does not take)."""
+    parameters = inspect.signature(cls).parameters
+    keys = set(node) - HYDRA_KEYS
+    twice = {k: (parameters[k].default, node[k]) for k in sorted(keys & set(parameters))}
+    twice = {k: pair for k, pair in twice.items() if pair[0] is not inspect.Parameter.empty}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return twice, [] if takes_any else sorted(keys - set(parameters))
+
+
+def check_written_once(node: dict, where: str, cls: type | None = None) -> None:
+    twice, unknown = written_twice(cls or get_class(node["_target_"]), node)
+    assert not twice, (
+        f"{where}: {node['_target_']} and its YAML both write a default for {sorted(twice)} (signature, YAML): "
+        f"{twice}. Keep it in the YAML and drop the signature's default (callers outside a run: "
+        "confrag.instantiators.shipped)."
+    )
+    assert not unknown, f"{where}: {node['_target_']} takes no {unknown}"
+
+
+SHIPPED_TARGETS = {
+    f"{path.relative_to(ROOT / 'conf')}:{key}": node
+    for path in sorted((ROOT / "conf").rglob("*.yaml"))
+    for key, node in target_nodes(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+}
+
+
+def test_the_walk_finds_every_class_the_project_instantiates():
+    found = {node["_target_"] for node in SHIPPED_TARGETS.values() if ours(node)}
+    assert {
+        "confrag.gates.ccsk.CCSKGate",
+        "confrag.reranker.data.PreferenceDataModule",
+        "confrag.reranker.module.RerankerModule",
+        "confrag.probe.module.ProbeModule",
+        "confrag.probe.datamodule.NQConfidenceDataModule",
+        "confrag.infra.sweep_callback.SweepSummary",
+    } <= found
+    assert len(found) >= 17  # 12 gates, 2 modules, 2 data modules, the sweep callback; more may come
+
+
+@pytest.mark.parametrize("where", sorted(k for k, node in SHIPPED_TARGETS.items() if ours(node)))
+def test_a_target_class_takes_no_default_for_a_key_its_yaml_holds(where):
+    check_written_once(SHIPPED_TARGETS[where], f"conf/{where}")
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_composed_target_node_is_written_once(name, tmp_path: Path):
+    """As an experiment composes them: the model / data nodes that extend another (reranker_bge_m3 over
+    reranker_minilm), the probe's nodes under a later task's `probe`, each gate under `gates.configs`."""
+    cfg = OmegaConf.to_container(compose_cfg([f"+experiment={name}"], tmp_path), resolve=False)
+    nodes = [(where, node) for where, node in target_nodes(cfg) if ours(node)]
+    assert any(where in ("model", "probe.model") for where, _ in nodes)
+    for where, node in nodes:
+        check_written_once(node, f"+experiment={name}: {where}")
+
+
+def test_the_check_catches_a_default_written_twice():
+    class Module:
+        def __init__(self, lr: float, seed: int, eval_batch_size: int = 16) -> None: ...
+
+    node = {"_target_": "tests.Module", "lr": 0.1, "seed": 0, "eval_batch_size": 32, "extra": 1}
+    assert written_twice(Module, node) == ({"eval_batch_size": (16, 32)}, ["extra"])
+    with pytest.raises(AssertionError, match=r"both write a default for \['eval_batch_size'\]"):
+        check_written_once({k: v for k, v in node.items() if k != "extra"}, "a test node", Module)
+    with pytest.raises(AssertionError, match=r"takes no \['extra'\]"):
+        check_written_once(
+            {**node, "eval_batch_size": None},
+            "a test node",
+            type("Open", (), {"__init__": lambda self, lr, seed, eval_batch_size: None}),
+        )
+
+
+def test_shipped_builds_a_node_with_the_callers_values_on_top():
+    yaml = {k: v for k, v in SHIPPED_TARGETS["gate/ccsk.yaml:<root>"].items() if k != "_target_"}
+    assert instantiators.shipped("gate/ccsk.yaml", k=3).config == {**yaml, "k": 3}
+    with pytest.raises(ValueError, match=r"conf/gate/cbdr.yaml takes beta: \$\{cbdr.beta\} from a run's config"):
+        instantiators.shipped("gate/cbdr.yaml")
+    with pytest.raises(ValueError, match=r"conf/model/probe_logistic.yaml extends another node"):
+        instantiators.shipped("model/probe_logistic.yaml", input_dim=4)
+    # A `_partial_` node is built at once, and the class's own error comes through unwrapped.
+    with pytest.raises(ValueError, match="data.group_size must be an integer >= 2"):
+        instantiators.shipped("data/preference_pairs.yaml", seed=0, group_size=1)

@@ -17,17 +17,11 @@ from transformers import PreTrainedTokenizerFast
 
 from confrag.gates import (
     AlwaysGate,
-    BridgeGate,
-    CBDRGate,
     Decision,
     DraftSignals,
-    EntropyGate,
     Gate,
     GateSignals,
-    MaxProbGate,
     NeverGate,
-    PerplexityGate,
-    PTrueGate,
     UnavailableSignalError,
 )
 from confrag.gates.cache import cached_drafts, cached_p_true
@@ -113,13 +107,19 @@ def test_draft_signals_from_known_logits(tiny_llama, templates):
         np.testing.assert_allclose(out.max_prob[row], [2 / 3] * 3, rtol=1e-5)
         np.testing.assert_allclose(out.logprob[row], [math.log(2 / 3)] * 3, rtol=1e-5)
     sig = signals(2, draft=out)
-    np.testing.assert_allclose(EntropyGate().threshold_scores(sig), [expected_entropy] * 2, rtol=1e-5)
-    np.testing.assert_allclose(MaxProbGate().threshold_scores(sig), [2 / 3] * 2, rtol=1e-5)
-    np.testing.assert_allclose(PerplexityGate().threshold_scores(sig), [1.5] * 2, rtol=1e-5)
+    np.testing.assert_allclose(make_gate("entropy").threshold_scores(sig), [expected_entropy] * 2, rtol=1e-5)
+    np.testing.assert_allclose(make_gate("max_prob").threshold_scores(sig), [2 / 3] * 2, rtol=1e-5)
+    np.testing.assert_allclose(make_gate("perplexity").threshold_scores(sig), [1.5] * 2, rtol=1e-5)
     # 0.6365 nats > 0.5 retrieves; max prob 2/3 >= 0.7 retrieves; perplexity 1.5 > 1.4 retrieves.
-    assert EntropyGate(threshold=0.5).decide(sig) == [R, R] and EntropyGate(threshold=0.7).decide(sig) == [P, P]
-    assert MaxProbGate(threshold=0.7).decide(sig) == [R, R] and MaxProbGate(threshold=0.6).decide(sig) == [P, P]
-    assert PerplexityGate(threshold=1.4).decide(sig) == [R, R] and PerplexityGate(threshold=1.6).decide(sig) == [P, P]
+    assert make_gate("entropy", threshold=0.5).decide(sig) == [R, R] and make_gate("entropy", threshold=0.7).decide(
+        sig
+    ) == [P, P]
+    assert make_gate("max_prob", threshold=0.7).decide(sig) == [R, R] and make_gate("max_prob", threshold=0.6).decide(
+        sig
+    ) == [P, P]
+    assert make_gate("perplexity", threshold=1.4).decide(sig) == [R, R] and make_gate(
+        "perplexity", threshold=1.6
+    ).decide(sig) == [P, P]
 
 
 def test_p_true_from_known_logits(tiny_llama, templates):
@@ -134,7 +134,7 @@ def test_p_true_from_known_logits(tiny_llama, templates):
         verdicts = verdict_probabilities(tiny_llama, prompts, batch_size=2)
     np.testing.assert_allclose(verdicts, [[0.3, 0.1], [0.3, 0.1]], rtol=1e-5)
     np.testing.assert_allclose(p_true_from_verdicts(verdicts), [0.75, 0.75], rtol=1e-5)
-    assert PTrueGate(threshold=0.8).decide(signals(2, p_true=p_true_from_verdicts(verdicts))) == [R, R]
+    assert make_gate("p_true", threshold=0.8).decide(signals(2, p_true=p_true_from_verdicts(verdicts))) == [R, R]
 
 
 def test_p_true_batches_with_padding_like_one_at_a_time(tiny_llama):
@@ -174,29 +174,29 @@ def test_uncertainty_gates_on_hand_made_drafts():
         ([], [], []),  # an empty draft has nothing to answer with: it retrieves
     ]
     sig = signals(3, draft=draft_of(rows))
-    assert EntropyGate(threshold=1.0).decide(sig) == [P, R, R]
-    assert MaxProbGate(threshold=0.5).decide(sig) == [P, R, R]
-    assert PerplexityGate(threshold=2.0).decide(sig) == [P, R, R]
-    np.testing.assert_allclose(PerplexityGate().threshold_scores(sig)[:2], [math.exp(0.2), math.e])
+    assert make_gate("entropy", threshold=1.0).decide(sig) == [P, R, R]
+    assert make_gate("max_prob", threshold=0.5).decide(sig) == [P, R, R]
+    assert make_gate("perplexity", threshold=2.0).decide(sig) == [P, R, R]
+    np.testing.assert_allclose(make_gate("perplexity").threshold_scores(sig)[:2], [math.exp(0.2), math.e])
     # Retrieve scores are oriented so that higher retrieves sooner; the empty draft sits at the top.
-    for gate in (EntropyGate(), MaxProbGate(), PerplexityGate()):
+    for gate in (make_gate("entropy"), make_gate("max_prob"), make_gate("perplexity")):
         scores = gate.retrieve_scores(sig)
         assert scores[0] < scores[1] < scores[2] == np.inf
     sig = signals(3, p_true=np.array([0.9, 0.5, 0.1]))
-    assert PTrueGate(threshold=0.5).decide(sig) == [P, P, R]
-    np.testing.assert_allclose(PTrueGate().retrieve_scores(sig), [-0.9, -0.5, -0.1])
+    assert make_gate("p_true", threshold=0.5).decide(sig) == [P, P, R]
+    np.testing.assert_allclose(make_gate("p_true").retrieve_scores(sig), [-0.9, -0.5, -0.1])
 
 
 def test_costs_of_the_uncertainty_gates_and_retriever_calls():
     # The draft is the closed-book answer; P(True) adds one forward over it.
-    for gate in (EntropyGate(), MaxProbGate(), PerplexityGate()):
+    for gate in (make_gate("entropy"), make_gate("max_prob"), make_gate("perplexity")):
         assert gate.llm_forward_passes([P, R]).tolist() == [1, 2]
-    assert PTrueGate().llm_forward_passes([P, R]).tolist() == [2, 3]
-    assert PTrueGate().retriever_calls([P, R, R]).tolist() == [0, 1, 1]
+    assert make_gate("p_true").llm_forward_passes([P, R]).tolist() == [2, 3]
+    assert make_gate("p_true").retriever_calls([P, R, R]).tolist() == [0, 1, 1]
     assert AlwaysGate().retriever_calls([R, R]).tolist() == [1, 1]
     assert NeverGate().retriever_calls([P, P]).tolist() == [0, 0]
     # BRIDGE matches the retrieved passages before it decides: every question costs a retriever call.
-    assert BridgeGate(allocator="none").retriever_calls([P, R, X]).tolist() == [1, 1, 1]
+    assert make_gate("bridge", allocator="none").retriever_calls([P, R, X]).tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -241,7 +241,7 @@ def test_gate_row_scores_the_retrieve_decision_and_pairs_it_with_always_retrieve
     closed_book = np.array([True, False, False, True, False])
     rag = np.array([True, True, False, False, True])
     helped = rag & ~closed_book  # questions 1 and 4
-    gate = CBDRGate(beta=0.5)
+    gate = make_gate("cbdr", beta=0.5)
     sig = signals(5, confidence=np.array([0.9, 0.2, 0.6, 0.8, 0.4]))
     decided = gate.decide(sig)
     assert decided == [P, R, P, P, R]
@@ -271,8 +271,8 @@ def test_p_true_is_refused_for_an_llm_that_cannot_give_it():
     with pytest.raises(
         UnavailableSignalError, match="gate 'p_true' reads the signal p_true, which the LLM 'word-level-llm' cannot"
     ):
-        check_llm_signals({"entropy": EntropyGate(), "p_true": PTrueGate()}, llm)
-    check_llm_signals({"entropy": EntropyGate(), "cbdr": CBDRGate()}, llm)  # the others are fine
+        check_llm_signals({"entropy": make_gate("entropy"), "p_true": make_gate("p_true")}, llm)
+    check_llm_signals({"entropy": make_gate("entropy"), "cbdr": make_gate("cbdr")}, llm)  # the others are fine
 
 
 @pytest.mark.task

@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from confrag.infra import checks
 from confrag.infra.distributed import rank_info
+from confrag.infra.paths import config_dir
 from confrag.infra.run_context import RunContext
 
 T = TypeVar("T")
@@ -61,6 +62,33 @@ def run_context(cfg: DictConfig, output: str | Path | None = None) -> RunContext
         output_dir=Path(output) if output is not None else output_dir(cfg),
         rank=rank_info(),
     )
+
+
+def shipped(path: str, **values: Any) -> Any:
+    """The object the shipped `_target_` node conf/<path> builds, `values` over the node's own: how code outside a
+    run (tests, benchmarks, notebooks) builds a class that YAML instantiates, whose defaults live in that node only
+    (docs/architecture.md, "Settings pattern"). E.g. `shipped("gate/ccsk.yaml", k=3)`, `shipped("model/probe.yaml",
+    input_dim=576, layer=15)`. A key the node takes from the rest of a run's config (`seed: ${seed}`) must be given;
+    it is named otherwise. A `_partial_` node is built at once: `values` hold what the stage fills in. Errors of the
+    class itself come through as they are (no Hydra wrapper)."""
+    file = config_dir() / path
+    node = OmegaConf.load(file)
+    if isinstance(node, DictConfig) and "defaults" in node:
+        raise ValueError(f"conf/{path} extends another node (its `defaults` list): compose it with Hydra instead")
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise ValueError(f"conf/{path} is not a `_target_` node")
+    raw = OmegaConf.to_container(node, resolve=False)
+    borrowed = {k: raw[k] for k in raw if k not in values and OmegaConf.is_interpolation(node, k)}
+    if borrowed:
+        raise ValueError(
+            f"conf/{path} takes {', '.join(f'{k}: {v}' for k, v in borrowed.items())} from a run's config: give "
+            f"{', '.join(f'{k}=...' for k in borrowed)} to shipped()"
+        )
+    # The YAML's own values as plain Python; the caller's pass through as they are (rows, paths, objects).
+    settings = OmegaConf.to_container(OmegaConf.create({k: v for k, v in raw.items() if k not in values}), resolve=True)
+    cls = get_class(str(settings.pop("_target_")))
+    settings.pop("_partial_", None)
+    return cls(**settings, **values)
 
 
 # Keys that moved, so that an old command line is told where its key went (not only that it is unknown).

@@ -76,8 +76,8 @@ def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
     check_group_size(cfg.data.group_size)
     for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
-        checks.positive_int(cfg.data.get(key, 1), f"data.{key}")
-    checks.non_negative_int(cfg.data.get("num_workers", 0), "data.num_workers")
+        checks.positive_int(cfg.data[key], f"data.{key}")
+    checks.non_negative_int(cfg.data.num_workers, "data.num_workers")
     # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
     check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
@@ -116,7 +116,7 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
             f"{retrieval.top_n} candidates of a question; lower it or raise retrieval.top_n"
         )
     relevance = [key for key in ("relevance_baseline", "mix_relevance") if getattr(preferences, key)]
-    if float(cfg.model.get("distill_weight") or 0) > 0 and preferences.teacher == "inc" and relevance:
+    if float(cfg.model.distill_weight) > 0 and preferences.teacher == "inc" and relevance:
         raise ValueError(
             "model.distill_weight > 0 with preferences.teacher=inc distils the probe's Inc, which the relevance rows "
             f"of {' and '.join('preferences.' + k for k in relevance)} do not carry: set "

@@ -105,14 +105,14 @@ class BridgeGate(Gate):
 
     def __init__(
         self,
-        alpha: float = 0.5,
-        beta: float = 1.1,
-        dense_weight: float = 0.4,
-        sparse_weight: float = 0.2,
-        allocator: str = "classifier",
-        soft_bias_min: float = 0.1,
-        soft_bias_max: float = 0.9,
-        seed: int = 0,
+        alpha: float,
+        beta: float,
+        dense_weight: float,
+        sparse_weight: float,
+        allocator: str,
+        soft_bias_min: float,
+        soft_bias_max: float,
+        seed: int,
     ) -> None:
         # T_Ret and T_LLM lie in [0, 2]; BRIDGE grid-searches both thresholds in [0.1, 2.0].
         checks.number(alpha, "gate.alpha", 0.0, 2.0)

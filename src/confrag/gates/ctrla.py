@@ -24,14 +24,6 @@ from confrag.gates.base import Decision, Gate, GateSignals, GateTrainingData
 from confrag.gates.directions import ConfidenceDirection, direction_from_states
 from confrag.infra import checks
 
-# CtrlA follows representation engineering: the same content under opposite personas.
-CONFIDENT_TEMPLATE = (
-    "Pretend you are a very confident person who knows the answer for sure. Answer the question: {question}"
-)
-UNCONFIDENT_TEMPLATE = (
-    "Pretend you are a very unconfident person who is unsure of the answer. Answer the question: {question}"
-)
-
 
 def check_template(key: str, template: str) -> str:
     if not isinstance(template, str) or "{question}" not in template:
@@ -42,8 +34,8 @@ def check_template(key: str, template: str) -> str:
 def contrastive_prompts(
     tokenizer: PreTrainedTokenizerBase,
     questions: Sequence[str],
-    confident_template: str = CONFIDENT_TEMPLATE,
-    unconfident_template: str = UNCONFIDENT_TEMPLATE,
+    confident_template: str,
+    unconfident_template: str,
 ) -> tuple[list[str], list[str]]:
     """Paired chat prompts (confident, unconfident) per question, through the model's chat template."""
     check_template("gate.confident_template", confident_template)
@@ -67,10 +59,10 @@ class CtrlAGate(Gate):
 
     def __init__(
         self,
-        threshold: float = 0.0,
-        layers: Sequence[int] | None = None,
-        confident_template: str = CONFIDENT_TEMPLATE,
-        unconfident_template: str = UNCONFIDENT_TEMPLATE,
+        threshold: float,
+        layers: Sequence[int] | None,
+        confident_template: str,
+        unconfident_template: str,
     ) -> None:
         # The templates are what the direction is computed from (contrastive_prompts): part of
         # the gate's identity even though decide() only reads the finished direction.

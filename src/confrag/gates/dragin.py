@@ -55,8 +55,8 @@ class DraginGate(Gate):
     decision_passes = 1  # the draft is the closed-book answer
     decision_is_closed_book = True
 
-    def __init__(self, threshold: float = 1.4) -> None:
-        # 1.4: the hallucination_threshold of DRAGIN's released configs (Llama2-7b-chat).
+    def __init__(self, threshold: float) -> None:
+        # conf/gate/dragin.yaml's 1.4: the hallucination_threshold of DRAGIN's released configs (Llama2-7b-chat).
         checks.number(threshold, "gate.threshold", 0.0)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)

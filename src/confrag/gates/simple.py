@@ -45,7 +45,7 @@ class CBDRGate(Gate):
     decision_passes = 1
     decision_is_closed_book = True
 
-    def __init__(self, beta: float = 0.95) -> None:
+    def __init__(self, beta: float) -> None:
         # The rule and its check are CBDR's own (confrag.cbdr), so this gate and the β sweep agree.
         self.beta = check_beta(beta, key="gate.beta")
         super().__init__(beta=beta)

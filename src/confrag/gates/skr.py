@@ -46,7 +46,7 @@ class SKRKnnGate(Gate):
     needs = frozenset({"question_embedding"})
     training_needs = frozenset({"outcomes", "question_embedding"})
 
-    def __init__(self, k: int = 5, threshold: float = 0.5) -> None:
+    def __init__(self, k: int, threshold: float) -> None:
         checks.positive_int(k, "gate.k")
         checks.number(threshold, "gate.threshold", 0.0, 1.0)
         super().__init__(k=k, threshold=threshold)

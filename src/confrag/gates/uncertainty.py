@@ -78,9 +78,6 @@ class EntropyGate(DraftUncertaintyGate):
     retrieves_below = False
     threshold_range = (0.0, None)
 
-    def __init__(self, threshold: float = 1.0) -> None:
-        super().__init__(threshold)
-
     def draft_score(self, entropy: np.ndarray, logprob: np.ndarray, max_prob: np.ndarray) -> float:
         return float(np.mean(entropy))
 
@@ -90,9 +87,6 @@ class MaxProbGate(DraftUncertaintyGate):
     retrieves_below = True
     threshold_range = (0.0, 1.0)
 
-    def __init__(self, threshold: float = 0.5) -> None:
-        super().__init__(threshold)
-
     def draft_score(self, entropy: np.ndarray, logprob: np.ndarray, max_prob: np.ndarray) -> float:
         return float(np.min(max_prob))
 
@@ -101,9 +95,6 @@ class PerplexityGate(DraftUncertaintyGate):
     name = "perplexity"
     retrieves_below = False
     threshold_range = (1.0, None)
-
-    def __init__(self, threshold: float = 2.0) -> None:
-        super().__init__(threshold)
 
     def draft_score(self, entropy: np.ndarray, logprob: np.ndarray, max_prob: np.ndarray) -> float:
         return float(np.exp(-np.mean(logprob)))
@@ -117,9 +108,6 @@ class PTrueGate(UncertaintyGate):
     # The closed-book answer, then the forward that reads its verdict: a parametric decision is answered.
     decision_passes = 2
     decision_is_closed_book = True
-
-    def __init__(self, threshold: float = 0.5) -> None:
-        super().__init__(threshold)
 
     def threshold_scores(self, signals: GateSignals) -> np.ndarray:
         return np.asarray(signals.p_true, dtype=np.float64)

@@ -32,7 +32,7 @@ from confrag.infra.sharded import ShardedCache
 from confrag.llm.batching import check_batch_size
 from confrag.llm.context import PromptLimit, fit_questions
 from confrag.llm.generation import GreedyOptions
-from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key
+from confrag.llm.hidden_states import HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.activation_dataset import ActivationDataset, unrepeated_sampler
@@ -96,32 +96,35 @@ class NQConfidenceDataModule(LightningDataModule):
         llm: dict[str, Any],
         prompts: dict[str, Any],
         nq_path: str,
-        layer: int | str = "mid",
-        layers: str | Sequence[int] = "all",
-        num_questions: int | None = None,
-        train_states: str = "qa",
-        split_sizes: dict[str, int] | None = None,
-        balance: bool = True,
-        max_new_tokens: int = 24,
-        gen_batch_size: int | str = 16,
-        extract_batch_size: int | str = 16,
-        batch_size: int | None = 64,
-        num_workers: int = 0,
-        cache_dir: str = ".cache",
-        seed: int = 0,
-        progress: bool = True,
-        candidates_top_n: int = 5,
-        words_per_passage: int = 100,
+        *,
+        layer: int | str,
+        layers: str | Sequence[int],
+        num_questions: int | None,
+        train_states: str,
+        split_sizes: dict[str, int] | None,
+        balance: bool,
+        max_new_tokens: int,
+        gen_batch_size: int | str,
+        extract_batch_size: int | str,
+        batch_size: int | None,
+        num_workers: int,
+        cache_dir: str,
+        seed: int,
+        progress: bool,
+        candidates_top_n: int,
+        words_per_passage: int,
+        extract_threads: int | None,
+        question_splits: dict[str, int] | None,
+        ranking_top_n: int | None,
+        ranking_test_questions: int,
+        truncate_questions: bool,
+        truncate_passages: bool,
+        allow_one_class: bool,
+        questions_format: str,
+        # Not in conf/data/nq_confidence.yaml (which holds the defaults of everything above): an option one
+        # adds with `+data.<key>=`, and where the node sits in the run's config.
         extract_compile: bool = False,
-        extract_threads: int | None = CPU_THREADS,
         generation: dict[str, Any] | None = None,
-        question_splits: dict[str, int] | None = None,
-        ranking_top_n: int | None = 20,
-        ranking_test_questions: int = 0,
-        truncate_questions: bool = False,
-        truncate_passages: bool = False,
-        allow_one_class: bool = False,
-        questions_format: str = "auto",
         config_node: str = "data",
     ) -> None:
         super().__init__()

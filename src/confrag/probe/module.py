@@ -15,7 +15,6 @@ it carries the identity of the activations it was trained on (model, prompt temp
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -63,15 +62,19 @@ class ProbeModule(LightningModule):
     def __init__(
         self,
         input_dim: int,
-        hidden_dims: Sequence[int] = (512, 64, 32),
-        dropout: float = 0.5,
-        lr: float = 5e-5,
-        weight_decay: float = 0.0,
-        layer: int | None = None,
-        optimizer: str = "adam",
-        l2: float = 0.0,
-        class_weight: str | None = None,
+        *,
+        hidden_dims: Sequence[int],
+        dropout: float,
+        lr: float,
+        weight_decay: float,
+        layer: int | str | None,
+        optimizer: str,
+        l2: float,
+        class_weight: str | None,
     ) -> None:
+        """The settings have no defaults here: the `model` node (conf/model/probe.yaml) holds them (outside a
+        run: `confrag.instantiators.shipped("model/probe.yaml", input_dim=..., layer=...)`). `layer`: the LLM
+        layer the states come from, for messages (None: not tied to one)."""
         super().__init__()
         hidden_dims = [int(d) for d in hidden_dims]  # plain ints, so the saved hparams stay JSON lists
         check_probe_settings(
@@ -218,28 +221,22 @@ CLASS_WEIGHTS = (None, "balanced")
 
 
 def check_probe_settings(**settings: Any) -> None:
-    """Refuse settings no probe trains with, naming the `model.*` key and what is allowed; settings not
-    given take ProbeModule's defaults."""
-    defaults = {
-        k: p.default for k, p in inspect.signature(ProbeModule.__init__).parameters.items() if p.default is not p.empty
+    """Refuse settings no probe trains with, naming the `model.*` key and what is allowed; each setting given is
+    checked (ProbeModule gives them all; the defaults live in conf/model/probe.yaml)."""
+    rules = {
+        "input_dim": (lambda v: v is None or v >= 1, "input_dim must be >= 1 (got {v})"),
+        "dropout": (lambda v: 0.0 <= float(v) < 1.0, "model.dropout must be in [0, 1) (got {v})"),
+        "lr": (lambda v: float(v) > 0, "model.lr must be > 0 (got {v})"),
+        "weight_decay": (lambda v: float(v) >= 0, "model.weight_decay must be >= 0 (got {v})"),
+        "l2": (lambda v: float(v) >= 0, "model.l2 must be >= 0 (got {v})"),
+        "optimizer": (lambda v: v in OPTIMIZERS, "model.optimizer={v!r} is not one of " + str(tuple(OPTIMIZERS))),
+        "class_weight": (lambda v: v in CLASS_WEIGHTS, "model.class_weight={v!r} is not one of " + str(CLASS_WEIGHTS)),
     }
-    values = {**defaults, **settings}
-    input_dim, dropout, lr = values.get("input_dim"), values["dropout"], values["lr"]
-    weight_decay, optimizer, l2, class_weight = (values[k] for k in ("weight_decay", "optimizer", "l2", "class_weight"))
-    problems = []
-    if input_dim is not None and input_dim < 1:
-        problems.append(f"input_dim must be >= 1 (got {input_dim})")
-    if not 0.0 <= float(dropout) < 1.0:
-        problems.append(f"model.dropout must be in [0, 1) (got {dropout})")
-    if not float(lr) > 0:
-        problems.append(f"model.lr must be > 0 (got {lr})")
-    for key, value in (("weight_decay", weight_decay), ("l2", l2)):
-        if not float(value) >= 0:
-            problems.append(f"model.{key} must be >= 0 (got {value})")
-    if optimizer not in OPTIMIZERS:
-        problems.append(f"model.optimizer={optimizer!r} is not one of {tuple(OPTIMIZERS)}")
-    if class_weight not in CLASS_WEIGHTS:
-        problems.append(f"model.class_weight={class_weight!r} is not one of {CLASS_WEIGHTS}")
+    problems = [
+        message.format(v=settings[key])
+        for key, (ok, message) in rules.items()
+        if key in settings and not ok(settings[key])
+    ]
     if problems:
         raise ValueError("probe: " + "; ".join(problems))
 
@@ -302,6 +299,11 @@ def save_probe(module: ProbeModule, directory: Path | str, activations: dict[str
     return directory
 
 
+# What a probe saved before `optimizer`, `l2` and `class_weight` existed was trained with: a fact of those files,
+# not a default (conf/model/probe.yaml holds the defaults of new probes).
+LEGACY_SETTINGS = {"optimizer": "adam", "l2": 0.0, "class_weight": None}
+
+
 def load_probe(directory: Path | str) -> SavedProbe:
     """The probe saved in `directory`, every file checked against the folder digest `save_probe` took:
     ArtifactDamagedError when one differs or the digest is missing (a cached probe is then retrained, a
@@ -321,8 +323,8 @@ def load_probe(directory: Path | str) -> SavedProbe:
     hparams = meta["hparams"]
     module = ProbeModule(
         **{k: hparams[k] for k in ("input_dim", "hidden_dims", "dropout", "lr", "weight_decay", "layer")},
-        # Settings added later: probes saved before them were trained as the defaults say.
-        **{k: hparams[k] for k in ("optimizer", "l2", "class_weight") if k in hparams},
+        # Settings added later: probes saved before them were all trained so (Adam, no L2, unweighted).
+        **{**LEGACY_SETTINGS, **{k: hparams[k] for k in LEGACY_SETTINGS if k in hparams}},
     )
     module.load_state_dict(load_file(str(directory / LEGACY_WEIGHTS)))
     return SavedProbe(ProbeNetwork.from_module(module, meta["activations"]), meta, directory)

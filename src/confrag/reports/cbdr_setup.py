@@ -50,7 +50,7 @@ def stage_line(stage: RerankStage) -> str:
         f"({examples} train {data.get('train/examples', '?')} / dev {data.get('dev/examples', '?')} / "
         f"test {data.get('test/examples', '?')}; test {scores}); NQ_Rerank from {report['questions']} other "
         f"questions: {report['rows']['train']} train / {report['rows']['test']} test rows "
-        f"(rule {report.get('selection', 'sign')}, reference {report['reference']})."
+        f"(rule {report['selection']}, reference {report['reference']})."
     )
 
 
@@ -74,7 +74,7 @@ def evaluation_pool_line(stage: RerankStage, eval_file: str | None = None) -> st
 
 def table1_labels_line(stage: RerankStage) -> str:
     """What Table 1's labels are, and how much a random order already gets of P@1 (why its rows often tie)."""
-    rule = stage.preferences.report.get("selection", "sign")
+    rule = stage.preferences.report["selection"]
     rows = stage.table1_rows
     positives = np.array([len(r["pos"]) for r in rows], dtype=float)
     negatives = np.array([len(r["neg"]) for r in rows], dtype=float)

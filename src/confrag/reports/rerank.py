@@ -143,7 +143,7 @@ def write_rerank_report(
     else:
         title = (
             f"Table 1 — {llm_name}, NQ_Rerank test split ({test_questions} questions{small_mark(test_questions)}; "
-            f"reference {report['reference']}, rule {report.get('selection', 'sign')}, K={report['top_k']})"
+            f"reference {report['reference']}, rule {report['selection']}, K={report['top_k']})"
         )
         summary = nq_rerank_summary(report)
     table = markdown_table(rows, title)

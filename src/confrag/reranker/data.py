@@ -103,7 +103,9 @@ class PreferenceDataModule(LightningDataModule):
     model folder or HF id (None: the embedded MiniLM); it must be the reranker backbone's tokenizer, and
     `kind` its `model.kind` (which tokenization the pairs get).
     `truncated_pairs` counts the training / evaluation pairs whose passage was cut, as collated in
-    this process; `truncation` (after setup) gives the same count over every distinct pair of each split."""
+    this process; `truncation` (after setup) gives the same count over every distinct pair of each split.
+    The batching settings have no defaults here: conf/data/preference_pairs.yaml holds them (outside a run:
+    `confrag.instantiators.shipped("data/preference_pairs.yaml", seed=..., train=...)`)."""
 
     def __init__(
         self,
@@ -111,13 +113,14 @@ class PreferenceDataModule(LightningDataModule):
         test: RowSource | None = None,
         val: RowSource | None = None,
         tokenizer: str | None = None,
-        query_max_len: int = 128,
-        passage_max_len: int = 512,
-        batch_size: int = 4,
-        eval_batch_size: int = 16,
-        group_size: int = 8,
-        num_workers: int = 0,
-        seed: int = 0,
+        *,
+        query_max_len: int,
+        passage_max_len: int,
+        batch_size: int,
+        eval_batch_size: int,
+        group_size: int,
+        num_workers: int,
+        seed: int,
         kind: str = CrossEncoderKind.id,
     ) -> None:
         super().__init__()

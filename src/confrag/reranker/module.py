@@ -3,8 +3,9 @@
 Any `AutoModelForSequenceClassification` with one logit works as the backbone: the paper's
 bge-reranker-v2-m3 (head included), or an encoder without a head such as the embedded
 all-MiniLM-L6-v2, which gets a freshly initialised, seeded head; `model.kind=qwen3_yes_no` takes a
-Qwen3-Reranker causal LM instead, scored as logit(yes) − logit(no) (see `qwen3`). Paper settings are the
-defaults: lr 6e-5, weight decay 0.01, AdamW with a linear schedule, query_max_len 128, passage_max_len 512.
+Qwen3-Reranker causal LM instead, scored as logit(yes) − logit(no) (see `qwen3`). The paper's settings (lr 6e-5,
+weight decay 0.01, query_max_len 128, passage_max_len 512) are conf/model/reranker_minilm.yaml's; AdamW with a
+linear schedule.
 
 `export()` writes a plain transformers folder (LoRA adapters merged) that loads unchanged in
 transformers, sentence-transformers' `CrossEncoder` and FlagEmbedding's `FlagReranker`.
@@ -28,7 +29,7 @@ from confrag.infra.digests import write_folder_digest
 from confrag.infra.finite import require_finite
 from confrag.infra.locks import exclusive
 from confrag.reranker.backbone import minilm_dir, resolve_backbone
-from confrag.reranker.kinds import CrossEncoderKind, head_module_names, load_cross_encoder, reranker_kind
+from confrag.reranker.kinds import head_module_names, load_cross_encoder, reranker_kind
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import RankingMetrics
 
@@ -77,6 +78,7 @@ def build_optimizer(
 # Parameters: named as RerankerModule.__init__'s (the `model` node's keys): `check_settings` binds them by name
 # from that signature, so they follow the constructor's grouping.
 def _check_settings(
+    backbone: str,
     tau: float,
     lr: float,
     weight_decay: float,
@@ -88,6 +90,8 @@ def _check_settings(
     kind: str,
 ) -> None:
     reranker_kind(kind).check(fresh_head)
+    allowed = "a model folder, a Hugging Face id or `minilm` (the embedded all-MiniLM-L6-v2)"
+    _check(isinstance(backbone, str) and bool(backbone), "model.backbone", allowed, backbone)
     _check(tau > 0, "model.tau", "> 0", tau)
     _check(lr > 0, "model.lr", "> 0", lr)
     _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
@@ -98,9 +102,12 @@ def _check_settings(
 
 
 def check_settings(**settings: Any) -> None:
-    """RerankerModule's checks of its `model.*` settings (the defaults filled in), without loading the
-    backbone: what a task runs before any stage."""
-    bound = inspect.signature(RerankerModule.__init__).bind(None, **settings)
+    """RerankerModule's checks of its `model.*` settings, without loading the backbone: what a task runs before
+    any stage. A setting the node lacks (the YAML holds every default) is named."""
+    try:
+        bound = inspect.signature(RerankerModule.__init__).bind(None, **settings)
+    except TypeError as err:
+        raise ValueError(f"model: {err}; compose a shipped model node (conf/model/reranker_*.yaml)") from None
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     _check_settings(**{k: arguments[k] for k in inspect.signature(_check_settings).parameters})
@@ -109,26 +116,31 @@ def check_settings(**settings: Any) -> None:
 class RerankerModule(LightningModule):
     def __init__(
         self,
-        backbone: str | None = None,
-        tau: float = 1.0,
-        lr: float = 6e-5,
-        weight_decay: float = 0.01,
-        warmup_ratio: float = 0.0,
-        lora: dict[str, Any] | None = None,
-        distill_weight: float = 0.0,
-        distill_tau: float | None = None,
-        fresh_head: bool = False,
-        trust_remote_code: bool = False,
-        seed: int = 0,
-        query_max_len: int = 128,
-        passage_max_len: int = 512,
+        *,
+        backbone: str,
+        tau: float,
+        lr: float,
+        weight_decay: float,
+        warmup_ratio: float,
+        lora: dict[str, Any] | None,
+        distill_weight: float,
+        distill_tau: float | None,
+        fresh_head: bool,
+        trust_remote_code: bool,
+        seed: int,
+        query_max_len: int,
+        passage_max_len: int,
+        kind: str,
         ks: Sequence[int] = (1, 3, 5),
-        kind: str = CrossEncoderKind.id,
     ) -> None:
+        """The settings have no defaults here: the `model` node (conf/model/reranker_minilm.yaml) holds them
+        (outside a run: `confrag.instantiators.shipped("model/reranker_minilm.yaml", seed=..., ...)`)."""
         super().__init__()
         self.kind = reranker_kind(kind)  # also the check of model.kind, before any weights load
         self.encode = self.kind.encode
-        _check_settings(tau, lr, weight_decay, warmup_ratio, lora, distill_weight, distill_tau, fresh_head, kind)
+        _check_settings(
+            backbone, tau, lr, weight_decay, warmup_ratio, lora, distill_weight, distill_tau, fresh_head, kind
+        )
         ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
         self.save_hyperparameters()
         path = resolve_backbone(backbone)

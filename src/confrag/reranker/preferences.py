@@ -139,12 +139,17 @@ def labelled(
         yield cs, inc, pos, neg
 
 
+# The rule whose labels the reference decides (it thresholds Inc: `LabelRule.uses_reference`, the paper's sign
+# rule): the report's comparison of the references labels with it, whichever rule trains.
+REFERENCE_RULE = next(rule.id for rule in RULES.values() if rule.uses_reference)
+
+
 def build_rows(
     candidate_sets: Sequence[Candidates],
     shifts: ConfidenceShifts,
     reference: str,
     top_k: int,
-    selection: str = "sign",
+    selection: str,
     utility: Sequence[np.ndarray] | None = None,
 ) -> tuple[list[dict], dict[str, int]]:
     """Preference rows in FlagEmbedding's format (plus `qid`), and the drop counts. `utility[i]` holds, per
@@ -173,7 +178,7 @@ def gold_placement(
     shifts: ConfidenceShifts,
     reference: str,
     top_k: int,
-    selection: str = "sign",
+    selection: str,
     utility: Sequence[np.ndarray] | None = None,
 ) -> dict[str, float]:
     """Of the questions trained on (a row kept: a positive and a negative) whose gold paragraph was retrieved: how
@@ -203,7 +208,7 @@ def dataset_report(
     splits: dict[str, list[dict]],
     reference: str,
     drops: dict[str, int],
-    selection: str = "sign",
+    selection: str,
     utility: Sequence[np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Sizes, drops, the Inc distribution and gold placement for every reference choice and every rule whose
@@ -223,8 +228,8 @@ def dataset_report(
         report["by_reference"][ref] = {
             "inc_quantiles": {q: float(np.quantile(inc, q)) for q in (0.05, 0.25, 0.5, 0.75, 0.95)} if len(inc) else {},
             "share_positive": float((inc > 0).mean()) if len(inc) else 0.0,
-            "gold": gold_placement(candidate_sets, shifts, ref, top_k),
-            "kept": len(build_rows(candidate_sets, shifts, ref, top_k)[0]),
+            "gold": gold_placement(candidate_sets, shifts, ref, top_k, REFERENCE_RULE),
+            "kept": len(build_rows(candidate_sets, shifts, ref, top_k, REFERENCE_RULE)[0]),
         }
     for rule in SELECTIONS:
         if RULES[rule].needs_answers and utility is None:

@@ -93,7 +93,7 @@ def publish(
     """The reranker's model card, NQ_Rerank as a parquet dataset with its card, and (hub.push only) the upload."""
     run = RerankRun(
         llm=str(cfg.llm.name),
-        backbone=str(cfg.model.get("backbone") or "minilm"),
+        backbone=str(cfg.model.backbone),
         exported=stage.main,
         rule=recipe.preferences.selection,
         reference=recipe.preferences.reference,

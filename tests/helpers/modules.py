@@ -1,0 +1,48 @@
+"""The classes YAML instantiates, built in tests from their shipped nodes (the one place their defaults are written:
+docs/architecture.md, "Settings pattern") through `confrag.instantiators.shipped`, with a test's own values on top.
+What a node takes from the rest of a run's config is given here: the seed the tests have always used (0) and the
+reranker's lengths from the shipped `data` node, as a run's `${data.query_max_len}` reads them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from confrag.infra.paths import config_dir, default_cache_dir
+from confrag.instantiators import shipped
+
+SEED = 0
+
+
+def preference_data(**values: Any):
+    """A PreferenceDataModule from conf/data/preference_pairs.yaml (`train`, `tokenizer`, `kind`, ... in `values`)."""
+    return shipped("data/preference_pairs.yaml", **{"seed": SEED, **values})
+
+
+def reranker_module(**values: Any):
+    """A RerankerModule from conf/model/reranker_minilm.yaml (the embedded MiniLM unless `backbone` says otherwise)."""
+    data = OmegaConf.load(config_dir() / "data" / "preference_pairs.yaml")
+    lengths = {"query_max_len": data.query_max_len, "passage_max_len": data.passage_max_len}
+    return shipped("model/reranker_minilm.yaml", **{"seed": SEED, **lengths, **values})
+
+
+def probe_module(**values: Any):
+    """A ProbeModule from conf/model/probe.yaml (`input_dim` in `values`). Its `layer: mid` is resolved against an
+    LLM by the probe stage; a probe built here has no LLM, so it is tied to no layer unless `values` names one."""
+    return shipped("model/probe.yaml", **{"layer": None, **values})
+
+
+def confidence_data(**values: Any):
+    """An NQConfidenceDataModule from conf/data/nq_confidence.yaml (`llm`, `prompts`, `nq_path` in `values`), with
+    what a run's config gives it: the model node's layer (`mid`), the NQ dataset's questions format, the default
+    cache folder."""
+    layer = OmegaConf.load(config_dir() / "model" / "probe.yaml").layer
+    questions_format = OmegaConf.load(config_dir() / "dataset" / "nq.yaml").questions_format
+    borrowed = {
+        "seed": SEED,
+        "layer": layer,
+        "questions_format": questions_format,
+        "cache_dir": str(default_cache_dir()),
+    }
+    return shipped("data/nq_confidence.yaml", **{**borrowed, **values})
