@@ -86,6 +86,10 @@ def test_report_holds_the_three_tables_the_plot_and_hotpotqa(first):
     assert "against the probe's labels" in report and "On average" in report and "upper bound" in report
     assert (first.out / "beta_curve.png").is_file() and (first.out / "beta_curve_full.png").is_file()
     assert first.record["chosen_beta"]["objective"] == "accuracy"
+    # What the reranker never reads of the candidates it scores is counted (issue 34): data.passage_max_len=64.
+    reranker = first.record["eval"]["retrieval"]["NQ"]["passage_lengths"]["reranker"]
+    assert reranker["limit"] == 192 and 0 < reranker["passages"] and 0 <= reranker["over_limit"] <= reranker["passages"]
+    assert f"passages cut by the reranker's budget: {reranker['over_limit']} of {reranker['passages']}" in report
 
 
 @pytest.mark.task

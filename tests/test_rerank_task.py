@@ -4,6 +4,7 @@ relevance ablation's labels, and bad settings named by their key."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -207,3 +208,11 @@ def test_distilling_toward_the_base_trains_the_relevance_control_on_the_bases_sc
     run_task(cfg)
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "relevance" in summary.lower()
+    # NQ_Rerank's candidates against the reranker's budget (query_max_len 128 + passage_max_len 64), counted.
+    counted = json.loads((tmp_path / "out" / "metrics.json").read_text())["nq_rerank"]["retrieval"]
+    reranker = counted["passage_lengths"]["reranker"]
+    assert reranker["limit"] == 192 and reranker["passages"] > 0
+    assert (
+        f"candidate passages cut by the reranker's budget: {reranker['over_limit']} of {reranker['passages']}"
+        in summary
+    )

@@ -17,7 +17,7 @@ from confrag.cbdr.analysis import CBDRResults
 from confrag.cbdr.settings import CBDRSettings
 from confrag.reports.cbdr_chain import chain_intro, chain_markdown
 from confrag.reports.cbdr_setup import evaluation_pool_line, reading_guide, stage_line, table1_labels_line
-from confrag.reports.rerank import base_line, retrieval_line
+from confrag.reports.rerank import base_line, lengths_line, retrieval_line
 from confrag.reports.small_samples import SMALL_N, interval_fields, proportion_text, small_mark
 from confrag.reports.tables import RunHeader, log_rows, markdown_table, plain, wandb_loggers
 from confrag.reranker.systems import label
@@ -213,6 +213,7 @@ def report_markdown(
             if HOTPOTQA in ev["retrieval"]
             else []
         ),
+        *(f"Evaluation candidates, {line.strip()}." for line in [lengths_line(ev["retrieval"][NQ])] if line),
         f"K larger than a question's candidates is capped to what it has: {capped or 'no question concerned'}.",
         "",
         stage_line(stage),

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import Logger
 from confrag.infra.atomic import atomic_write_text
 from confrag.reports.small_samples import small_mark
 from confrag.reports.tables import log_rows, markdown_table, wandb_loggers
+from confrag.retrieval.lengths import budget_line
 
 
 def rules_summary(report: dict[str, Any]) -> str:
@@ -77,7 +78,9 @@ def base_summary(info: dict[str, Any]) -> str:
 
 
 def lengths_line(stats: dict[str, Any]) -> str | None:
-    """The passages' lengths against each model's budget (`question_candidates`' `passage_lengths`), if measured."""
+    """The passages' lengths against each model's budget (`question_candidates`' `passage_lengths`), if measured:
+    the LLM's cuts (`retrieval.cut_passages`), and what the dense encoder (over the corpus) and the reranker (over
+    these candidates) never read."""
     lengths = stats.get("passage_lengths")
     if not lengths:
         return None
@@ -86,11 +89,9 @@ def lengths_line(stats: dict[str, Any]) -> str | None:
         llm = lengths["llm"]
         parts.append(f"LLM: {llm['cut']} of {llm['passages']} corpus passages cut to {llm['limit']} tokens")
     if "dense_encoder" in lengths:
-        enc = lengths["dense_encoder"]
-        parts.append(
-            f"dense encoder: {enc['over_limit']} of {enc['passages']} candidate passages past its {enc['limit']} "
-            "tokens (cut by it)"
-        )
+        parts.append(f"corpus {budget_line('dense encoder', lengths['dense_encoder'])}")
+    if "reranker" in lengths:
+        parts.append(f"candidate {budget_line('reranker', lengths['reranker'])}")
     return "  passage lengths: " + "; ".join(parts) if parts else None
 
 

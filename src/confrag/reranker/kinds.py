@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from confrag.reranker import bi_encoder, qwen3
-from confrag.reranker.tokenization import EncodedPairs, encode_pairs
+from confrag.reranker.tokenization import EncodedPairs, encode_pairs, pair_max_length
 
 __all__ = [
     "RerankerKind",
@@ -74,6 +74,11 @@ class RerankerKind(ABC):
     def lora_settings(self, lora: dict[str, Any]) -> dict[str, Any]:
         """peft.LoraConfig fields for this kind's model, from the user's `model.lora`."""
         return dict(lora)
+
+    def input_budget(self, tokenizer: Any, query_max_len: int, passage_max_len: int) -> tuple[int, str]:
+        """The tokens this kind reads of one (query, passage) input, and what they hold, as a report says it; `encode`
+        cuts the passage to fit. By default a pair of both (`pair_max_length`), as FlagEmbedding's rerankers read it."""
+        return pair_max_length(tokenizer, query_max_len, passage_max_len), "question and passage together"
 
     def prepare_export(self, model: nn.Module) -> None:
         """Adjust the model's config before `save_pretrained`, so that other tools score as confrag does;
@@ -176,6 +181,10 @@ class BiEncoderKind(RerankerKind):
 
     def load_tokenizer(self, path: str, trust_remote_code: bool = False) -> Any:
         return bi_encoder.load_tokenizer(path, trust_remote_code=trust_remote_code)
+
+    def input_budget(self, tokenizer: Any, query_max_len: int, passage_max_len: int) -> tuple[int, str]:
+        # Each text is encoded on its own: the passage's budget is passage_max_len within the encoder's own.
+        return min(passage_max_len, int(tokenizer.model_max_length)), "the passage alone, special tokens included"
 
     def load(self, path: str, tokenizer: Any, fresh_head: bool, seed: int, trust_remote_code: bool) -> nn.Module:
         return bi_encoder.load_bi_encoder(path, tokenizer, trust_remote_code=trust_remote_code)

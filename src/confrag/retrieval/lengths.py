@@ -17,11 +17,15 @@ exceed the limit. Only longer texts are measured, which keeps a large corpus's c
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from confrag.infra.atomic import atomic_write_text
+from confrag.infra.digests import folder_problem, write_folder_digest
 from confrag.retrieval.corpus import CorpusPassage, document_text
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,7 @@ log = logging.getLogger(__name__)
 SHOWN = 3  # passages named in an error
 _BYTE_SLACK = 2  # tokens a tokenizer may add beyond one per byte (SentencePiece's leading "▁")
 _BATCH = 256  # long texts tokenized per call
+COUNT_FILE = "count.json"  # a kept count (`counted_once`)
 
 
 class PassageTooLongError(ValueError):
@@ -121,3 +126,30 @@ def count_over(budget: TokenBudget, texts: Sequence[str]) -> dict[str, int]:
     """How many distinct `texts` are longer than the budget (and so cut by its model's tokenizer)."""
     distinct = list(dict.fromkeys(texts))
     return {"passages": len(distinct), "over_limit": len(budget.over(distinct)), "limit": budget.limit}
+
+
+def budget_line(model: str, counted: dict[str, Any]) -> str:
+    """A count (`count_over`, or the reranker's `PairBudget.count` with what its budget `holds`) as the log and the
+    reports say it; `model` as in "the dense encoder's budget"."""
+    holds = f": {counted['holds']}" if counted.get("holds") else ""
+    return (
+        f"passages cut by the {model}'s budget: {counted['over_limit']} of {counted['passages']} "
+        f"(budget {counted['limit']} tokens{holds})"
+    )
+
+
+def counted_once(budget: TokenBudget, texts: Sequence[str], directory: Path | None) -> dict[str, int]:
+    """`count_over(budget, texts)`, kept in the folder `directory` (with its digest) and read back from it while
+    whole: a large corpus is tokenized once, not at every run. The folder's name must say what was counted (the
+    texts' fingerprint, the tokenizer, the limit); None keeps nothing."""
+    if directory is not None and not folder_problem(directory):
+        return json.loads((directory / COUNT_FILE).read_text())
+    counted = count_over(budget, texts)
+    if directory is not None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(directory / COUNT_FILE, json.dumps(counted))
+            write_folder_digest(directory)  # concurrent writers write the same bytes
+        except OSError as err:  # a read-only cache: counted again next time
+            log.warning("passage count not kept in %s (%s)", directory, err)
+    return counted

@@ -172,6 +172,7 @@ def hotpotqa_eval_set(
         stage.retrieval.settings, ctx.cache_dir, rows=rows, corpus=material.corpus, llm_budget=material.budget
     )
     retrieval.lengths = material.lengths
+    retrieval.reranker_budget = stage.retrieval.reranker_budget  # the same rerankers score these candidates
     # The NQ candidates file (retrieval.candidates_path) does not cover HotpotQA questions: always retrieve.
     candidates, stats = question_candidates(retrieval, rows)
     scorers = chosen_scorers(settings, table1_systems(retrieval, stage.rerankers, eval_batch_size))

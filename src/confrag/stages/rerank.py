@@ -43,7 +43,7 @@ from confrag.stages.cross_fit import FoldedReranker
 from confrag.stages.nq_rerank import PreferenceSettings, PreferenceStage, build_nq_rerank
 from confrag.stages.passage_budget import checked_corpus, llm_passage_budget
 from confrag.stages.probe import ProbeRecipe, ensure_probe
-from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device
+from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device, reranker_budget
 from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retrieval, question_candidates
 from confrag.stages.teachers import TEACHERS
 
@@ -128,6 +128,8 @@ def rerank_stage(
     corpus, lengths = checked_corpus(recipe.retrieval, budget, rows)
     retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir, corpus=corpus, llm_budget=budget)  # no LLM either
     retrieval.lengths = lengths
+    # Every candidate list from here on is counted against the reranker's budget (its tokenizer only, no weights).
+    retrieval.reranker_budget = reranker_budget(recipe.reranker)
     # What the controls label by (own paragraphs, answers) is in the candidates alone: the preference questions,
     # drawn as the plan below draws them (the probe's questions as its data module samples them), checked now.
     if label_checks.checks_candidates(recipe.preferences):

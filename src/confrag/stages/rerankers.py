@@ -26,6 +26,7 @@ from confrag.infra.atomic import atomic_write_text
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
 from confrag.infra.locks import exclusive
 from confrag.infra.run_context import RunContext
+from confrag.reranker.budget import PairBudget
 from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.selection import DevTop1, DevTop1Selection
@@ -77,6 +78,15 @@ def reranker_cache_dir(
     if changed:
         key["model_overrides"] = changed
     return Path(cache_dir) / "rerankers" / fingerprint(key)
+
+
+def reranker_budget(recipe: RerankerRecipe) -> PairBudget:
+    """The reranker's tokenizer and length budget as its data module cuts pairs (the `model` node's backbone and kind,
+    the `data` node's query_max_len and passage_max_len), from the tokenizer alone: no weights load."""
+    model = recipe.identity.get("model", {})
+    kind = {"kind": model["kind"]} if "kind" in model else {}  # else the data module's own
+    datamodule = recipe.make_datamodule(tokenizer=model.get("backbone"), **kind)
+    return PairBudget(datamodule.tokenizer, datamodule.kind, datamodule.query_max_len, datamodule.passage_max_len)
 
 
 def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:

@@ -21,6 +21,8 @@ import numpy as np
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, QARow, load_nq_jsonl
 from confrag.infra import checks
 from confrag.infra.checks import collect
+from confrag.infra.digests import fingerprint
+from confrag.reranker.budget import PairBudget
 from confrag.retrieval import (
     BM25Retriever,
     Candidates,
@@ -37,8 +39,9 @@ from confrag.retrieval import (
 )
 from confrag.retrieval.candidates import make_candidates, without_duplicates
 from confrag.retrieval.corpus import CORPUS_FORMAT_CHOICES, check_words_per_passage
+from confrag.retrieval.dense import model_fingerprint
 from confrag.retrieval.faiss_index import DENSE_INDEX_KINDS
-from confrag.retrieval.lengths import TokenBudget, count_over, fit_passages
+from confrag.retrieval.lengths import TokenBudget, budget_line, counted_once, fit_passages
 from confrag.retrieval.prebuilt_index import (
     PrebuiltDenseRetriever,
     check_prebuilt_index,
@@ -157,6 +160,10 @@ class Retrieval:
     # The evaluation file's paragraphs in the corpus: its questions, those with a paragraph, the documents they
     # added (a paragraph the NQ file already has is kept once); empty without `retrieval.eval_questions_path`.
     joined: dict[str, int] = field(default_factory=dict)
+    # The corpus passages past the dense encoder's max_seq_length (`encoder_corpus_count`), when it is built.
+    encoder_lengths: dict[str, int] | None = None
+    # The reranker's tokenizer and budget: every candidate list's pairs are counted against it (`question_candidates`).
+    reranker_budget: PairBudget | None = None
 
     @property
     def retriever(self) -> BM25Retriever | DenseRetriever | PrebuiltDenseRetriever:
@@ -220,7 +227,9 @@ def build_retrieval(
                 corpus, cache_dir=cache_dir, index=settings.dense_index, index_path=settings.dense_index_path
             )
     log.info("Corpus: %d passages from %d documents", len(corpus), len({p.source_id for p in corpus.passages}))
-    return Retrieval(corpus, bm25, dense, settings, llm_budget, joined=joined)
+    retrieval = Retrieval(corpus, bm25, dense, settings, llm_budget, joined=joined)
+    retrieval.encoder_lengths = encoder_corpus_count(retrieval, cache_dir)
+    return retrieval
 
 
 def encoder_budget(retrieval: Retrieval) -> TokenBudget | None:
@@ -234,6 +243,34 @@ def encoder_budget(retrieval: Retrieval) -> TokenBudget | None:
         tokenizer, limit = dense.tokenizer, dense.max_length
     # The encoder's input holds the special tokens too ([CLS] ... [SEP]).
     return TokenBudget("the dense encoder", tokenizer, limit - 2, "the encoder's max_seq_length")
+
+
+def encoder_corpus_count(retrieval: Retrieval, cache_dir: str | Path | None) -> dict[str, int] | None:
+    """How many corpus passages are longer than the dense encoder's max_seq_length (its tokenizer cuts them before
+    they are embedded; a question whose answer sits past the cut is not found by it), logged; None without a dense
+    index. Counted once per corpus, encoder and limit (kept under `cache_dir/retrieval/lengths/`)."""
+    budget = encoder_budget(retrieval)
+    if budget is None:
+        return None
+    dense = retrieval.dense
+    if isinstance(dense, DenseRetriever):
+        encoder = dense.encoder.key
+    else:  # a prebuilt index's encoder: its name, and its files where it is a folder
+        named = retrieval.settings.dense_encoder
+        encoder = fingerprint({"name": str(named), "files": model_fingerprint(named)})
+    key = fingerprint({"corpus": retrieval.corpus.fingerprint, "encoder": encoder, "limit": budget.limit})
+    directory = Path(cache_dir) / "retrieval" / "lengths" / key if cache_dir is not None else None
+    counted = counted_once(budget, [document_text(p) for p in retrieval.corpus.passages], directory)
+    log.info(budget_line("dense encoder", counted))
+    return counted
+
+
+def reranker_count(budget: PairBudget, candidates: Sequence[Candidates]) -> dict[str, Any]:
+    """How many (question, candidate) pairs the reranker's tokenization cuts (`PairBudget.count`), logged."""
+    pairs = [(c.question, document_text(p)) for c in candidates for p in c.passages]
+    counted = budget.count([q for q, _ in pairs], [p for _, p in pairs])
+    log.info("%d questions' candidates: %s", len(candidates), budget_line("reranker", counted))
+    return counted
 
 
 def question_candidates(
@@ -265,12 +302,13 @@ def question_candidates(
         "gold_known": float(np.mean([c.gold_source is not None for c in cleaned])),
         "answer_in_candidates": float(np.mean([any(c.has_answer) for c in cleaned])),
     }
-    budget = encoder_budget(retrieval)
-    if retrieval.lengths is not None or budget is not None:
-        stats["passage_lengths"] = dict(retrieval.lengths or {})
-        if budget is not None:  # what the candidates lose to the encoder's cut
-            texts = [document_text(p) for c in cleaned for p in c.passages]
-            stats["passage_lengths"]["dense_encoder"] = count_over(budget, texts)
+    lengths = dict(retrieval.lengths or {})
+    if retrieval.encoder_lengths is not None:  # what the corpus loses to the encoder's cut
+        lengths["dense_encoder"] = dict(retrieval.encoder_lengths)
+    if retrieval.reranker_budget is not None:  # what these candidates lose to the reranker's cut
+        lengths["reranker"] = reranker_count(retrieval.reranker_budget, cleaned)
+    if lengths:
+        stats["passage_lengths"] = lengths
     return list(cleaned), stats
 
 
