@@ -53,11 +53,11 @@ def test_the_rerankers_budget_counts_the_candidate_it_cuts(kind):
 
 
 def test_the_reranker_budget_comes_from_the_recipes_model_and_data_nodes():
-    from confrag.reranker.data import PreferenceDataModule
+    from helpers.modules import preference_data
 
     recipe = SimpleNamespace(
         identity={"model": {"backbone": "minilm", "kind": "bi_encoder"}},
-        make_datamodule=lambda **kw: PreferenceDataModule(query_max_len=16, passage_max_len=32, **kw),
+        make_datamodule=lambda **kw: preference_data(query_max_len=16, passage_max_len=32, **kw),
     )
     budget = reranker_budget(recipe)
     assert budget.kind.id == "bi_encoder" and (budget.query_max_len, budget.passage_max_len) == (16, 32)
