@@ -120,19 +120,10 @@ def test_no_module_is_over_400_lines():
 MAX_PARAMETERS = 8
 # The one written form of a reason to keep a longer signature, on the comment lines just above the `def` (or on
 # its line): the grouping that was considered and why it would make the code worse.
-REASON = "# Parameters:"
+REASON = "# wide:"
 # Constructors of the classes YAML instantiates (`_target_`), whose signatures follow their config nodes (each
 # key one keyword): they shrink with the grouping of those nodes (extraction, ranking, candidates, splits).
-WIDE_TARGET_CONSTRUCTORS = {
-    "gates/ccsk.py:CCSKGate.__init__",
-    "probe/datamodule.py:NQConfidenceDataModule.__init__",
-    "probe/module.py:ProbeModule.__init__",
-    "reranker/data.py:PreferenceDataModule.__init__",
-    "reranker/module.py:RerankerModule.__init__",
-    # Not a constructor: its module is being changed by other work at the time of writing; its (cache_dir,
-    # shard_size, progress) are to become one `ShardedCache`, as in `confidence_shifts`.
-    "reranker/likelihood_teacher.py:candidate_likelihoods",
-}
+WIDE_TARGET_CONSTRUCTORS: set[str] = set()  # each now carries its `# wide:` reason
 
 
 def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -167,7 +158,7 @@ def unexplained_wide_functions(source: str, where: str) -> dict[str, int]:
 
 def test_no_function_takes_more_than_8_parameters_without_a_written_reason():
     """Parameters that travel together are one object (`RunContext`, a settings dataclass, ...): a signature over
-    8 parameters says why grouping them would be worse, in a `# Parameters:` comment beside its `def`."""
+    8 parameters says why grouping them would be worse, in a `# wide:` comment beside its `def`."""
     found = {}
     for path in sorted((SRC / "confrag").rglob("*.py")):
         found |= unexplained_wide_functions(path.read_text(), str(path.relative_to(SRC / "confrag")))
@@ -181,7 +172,7 @@ def test_the_parameter_rule_sees_a_missing_reason():
     wide = "x" + ", x".join(str(i) for i in range(1, 10))
     source = (
         f"def plain({wide}):\n    pass\n\n\n"
-        f"# Parameters: independent facts, each its own column.\n@decorated\ndef explained({wide}):\n    pass\n\n\n"
+        f"# wide: independent facts, each its own column.\n@decorated\ndef explained({wide}):\n    pass\n\n\n"
         f"class Holder:\n    # Why it is long.\n    def method(self, {wide}):\n        pass\n\n"
         f"    def short(self, a, b, *args, c=1, **kwargs):\n        pass\n"
     )

@@ -118,7 +118,7 @@ class ConfidenceGate:
     when given, must be the probe's layer (a probe is refused on states of any other layer).
     `last_state` holds H(Q) of the latest question (float32 numpy), for inspection."""
 
-    # Parameters: the live pipeline's public constructor, called by keyword as a transformers pipeline is: the
+    # wide: the live pipeline's public constructor, called by keyword as a transformers pipeline is: the
     # model side (llm, templates, probe, layer), the rule (beta), the retrieval stack (retrieve_fn, rerank_fn,
     # top_k) and generation sizes are independent, and all but the first five are defaulted.
     def __init__(

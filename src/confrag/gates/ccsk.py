@@ -152,6 +152,8 @@ class CCSKGate(Gate):
     decision_passes = 1  # the response r is the closed-book answer
     decision_is_closed_book = True
 
+    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
+    # checks them against it); the signature shrinks when the node itself is grouped.
     def __init__(
         self,
         k: int,

@@ -40,7 +40,7 @@ def _alternatives(allowed: str, also: Sequence[Any], allow_none: bool, none: str
     return " or ".join([allowed, *extra])
 
 
-# Parameters: a validator's keyword options (bounds, None, extra allowed values, the words of the message, the
+# wide: a validator's keyword options (bounds, None, extra allowed values, the words of the message, the
 # error type) are independent and optional: each of the ~80 calls names the one or two it needs; an options
 # object would be built at every call for one or two fields.
 def integer(
@@ -91,7 +91,7 @@ def non_negative_int(value: Any, key: str, **options: Any) -> Any:
     return integer(value, key, 0, **options)
 
 
-# Parameters: as `integer`'s: independent, optional keyword options of a validator (open or closed bounds, None,
+# wide: as `integer`'s: independent, optional keyword options of a validator (open or closed bounds, None,
 # the words of the message, the error type), each caller naming the few it needs.
 def number(
     value: Any,

@@ -96,7 +96,7 @@ def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
 
 
 class HiddenStateEngine:
-    # Parameters: the engine's batching and numerics options are independent, each defaulted to its measured
+    # wide: the engine's batching and numerics options are independent, each defaulted to its measured
     # value; the ~50 constructions name the one to three they change by keyword (most options only the benchmarks
     # and tests that measure them), as a transformers model takes its keyword options.
     def __init__(

@@ -91,6 +91,8 @@ def check_loader_settings(batch_size: Any, num_workers: Any, max_new_tokens: Any
 
 
 class NQConfidenceDataModule(LightningDataModule):
+    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
+    # checks them against it); the signature shrinks when the node itself is grouped.
     def __init__(
         self,
         llm: dict[str, Any],

@@ -59,6 +59,8 @@ class ProbeMismatchError(ValueError):
 
 
 class ProbeModule(LightningModule):
+    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
+    # checks them against it); the signature shrinks when the node itself is grouped.
     def __init__(
         self,
         input_dim: int,

@@ -83,7 +83,7 @@ class AnswerStore:
 
     `generated` counts the prompts this object sent to the LLM and `reused` those found in the cache."""
 
-    # Parameters: the run builds it from the `rag` node's checked settings (`AnswerSettings.store`, where the
+    # wide: the run builds it from the `rag` node's checked settings (`AnswerSettings.store`, where the
     # options are grouped); scripts, benchmarks and tests name by keyword the one or two options they change
     # (max_new_tokens=2), as a transformers pipeline takes its generation options.
     def __init__(

@@ -165,7 +165,7 @@ def conf_summary(values: Sequence[float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values)
 
 
-# Parameters: the report's parts are independent facts, each computed by its own step of the task (the header,
+# wide: the report's parts are independent facts, each computed by its own step of the task (the header,
 # the stage, the settings, Table 1's and Table 2's rows and Markdown, the β results, the plots, the run record);
 # an object holding them would be built for this one call and read field by field here.
 def report_markdown(

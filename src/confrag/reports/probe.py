@@ -18,7 +18,7 @@ from confrag.reports.small_samples import SMALL_N, auroc_interval, is_small, pro
 from confrag.reports.tables import log_rows, wandb_loggers
 
 
-# Parameters: independent facts of one probe run (its folder, LLM, data module, metrics, NQ_Confidence summary,
+# wide: independent facts of one probe run (its folder, LLM, data module, metrics, NQ_Confidence summary,
 # layer scan, calibration bins, loggers), each produced by a different step of the task; an object holding them
 # would be built for this one call.
 def write_probe_report(

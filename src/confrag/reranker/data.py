@@ -107,6 +107,8 @@ class PreferenceDataModule(LightningDataModule):
     The batching settings have no defaults here: conf/data/preference_pairs.yaml holds them (outside a run:
     `confrag.instantiators.shipped("data/preference_pairs.yaml", seed=..., train=...)`)."""
 
+    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
+    # checks them against it); the signature shrinks when the node itself is grouped.
     def __init__(
         self,
         train: RowSource | None = None,

@@ -50,6 +50,8 @@ def gold_answers(candidates: Candidates, max_answers: int | None) -> list[str]:
     return distinct if max_answers is None else distinct[:max_answers]
 
 
+# wide: the keyword options mirror `confidence_shifts`' old form; (cache_dir, shard_size, progress) are to travel as
+# one `ShardedCache` as they do there, a change of every caller in experiments/ not made yet.
 def candidate_likelihoods(
     llm: LoadedLLM,
     templates: PromptTemplates,

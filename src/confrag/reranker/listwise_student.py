@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -114,15 +115,16 @@ class ListwiseData:
         )
 
 
-class ListwiseStudent(L.LightningModule):
-    """f(q, candidates) for a batch of questions, trained on the anchored listwise KL."""
+class ListwiseStudent(L.LightningModule, ABC):
+    """f(q, candidates) for a batch of questions, trained on the anchored listwise KL. A kind implements `scores`."""
 
     def __init__(self, settings: ListwiseSettings) -> None:
         super().__init__()
         self.settings = settings
 
-    def scores(self, batch: dict) -> torch.Tensor:  # (B, N)
-        raise NotImplementedError
+    @abstractmethod
+    def scores(self, batch: dict) -> torch.Tensor:
+        """(B, N) scores of the batch's questions' candidates."""
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         s = self.settings

@@ -75,7 +75,7 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-# Parameters: named as RerankerModule.__init__'s (the `model` node's keys): `check_settings` binds them by name
+# wide: named as RerankerModule.__init__'s (the `model` node's keys): `check_settings` binds them by name
 # from that signature, so they follow the constructor's grouping.
 def _check_settings(
     backbone: str,
@@ -114,6 +114,8 @@ def check_settings(**settings: Any) -> None:
 
 
 class RerankerModule(LightningModule):
+    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
+    # checks them against it); the signature shrinks when the node itself is grouped.
     def __init__(
         self,
         *,

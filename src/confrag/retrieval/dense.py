@@ -122,7 +122,7 @@ class DenseRetriever:
     the search. A FAISS index is saved at `index_path` (a prebuilt one there is loaded, and refused if it
     was built for another corpus or encoder), else under `<cache_dir>/retrieval/faiss/<key>/`."""
 
-    # Parameters: a retriever's keyword options (encoder, batch, device, cache and its shards, index kind and file)
+    # wide: a retriever's keyword options (encoder, batch, device, cache and its shards, index kind and file)
     # are independent and mostly defaulted; callers name the few they set. Its `shard_size` keeps its own default
     # (8192 passages), so the cache's shared `ShardedCache` (256) would not fit without changing the keys.
     def __init__(

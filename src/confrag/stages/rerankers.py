@@ -94,7 +94,7 @@ def load_reranker(recipe: RerankerRecipe, directory: Path) -> RerankerModule:
     return recipe.make_model(backbone=str(directory), fresh_head=False, lora=None)
 
 
-# Parameters: the keyword options (start_from, trainer_settings, dev, model overrides) are optional and
+# wide: the keyword options (start_from, trainer_settings, dev, model overrides) are optional and
 # independent: each of the five callers names the one or two it changes, as Lightning's Trainer takes its
 # options; an object would be built at every call for one field. Inside, they travel as `RerankerTraining`.
 def ensure_reranker(
