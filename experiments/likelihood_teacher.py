@@ -19,7 +19,8 @@ not from each row's own. The dev questions (the first `--dev` of a seeded permut
 reported; the test questions are the rest, disjoint (asserted). Diagnostic: ℓ's AUROC against the greedy answer under
 each candidate, on the first `--auroc-questions` test questions (every candidate answered).
 
-    python experiments/likelihood_teacher.py --questions 1200 --dev 200 [--compute-only] [--out logs/likelihood_teacher]
+    python experiments/likelihood_teacher.py --questions 1200 --dev 200 [--compute-only] [--test-from K]
+        [--out logs/likelihood_teacher]
 
 Resumable: ℓ is computed in blocks of `--block` questions (one cached artifact each), so a larger --questions reuses
 every block already computed; `--compute-only` fills the caches and writes nothing else.
@@ -110,6 +111,11 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=1200, help="questions in all (dev + test)")
     parser.add_argument("--dev", type=int, default=200)
     parser.add_argument("--auroc-questions", type=int, default=30)
+    parser.add_argument(
+        "--test-from", type=int, default=0,
+        help="report on the test questions from this position of the permutation on (0: all; e.g. 800 for the "
+        "questions a run over the first 800 never read)",
+    )  # fmt: skip
     parser.add_argument("--block", type=int, default=50, help="questions per cached ℓ artifact (keep it fixed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
@@ -118,6 +124,8 @@ def main() -> None:
     parser.add_argument("--compute-only", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not 0 <= args.test_from < args.questions:
+        parser.error(f"--test-from must be in [0, --questions) = [0, {args.questions}), got {args.test_from}")
     start = time.time()
 
     study = load_study(args.questions, args.dev, args.seed, args.dtype, args.cache)
@@ -126,7 +134,8 @@ def main() -> None:
     engine = HiddenStateEngine(llm.model, llm.tokenizer, progress=False)
     encoder = MeanPoolEncoder()
     store = AnswerStore(llm, templates, args.cache, max_new_tokens=24, progress=False)
-    test_at = [i for i, c in enumerate(candidate_sets) if c.qid in test_ids]
+    # Questions are in the permutation's order, dev first: position i is the i-th question drawn.
+    test_at = [i for i, c in enumerate(candidate_sets) if c.qid in test_ids and i >= args.test_from]
     auroc_at = set(test_at[: args.auroc_questions])
     ell: list[np.ndarray] = []
     base: list[np.ndarray] = []
@@ -215,6 +224,9 @@ def report(args, candidate_sets, per_row, results, test_at, ell, auroc_at, flat_
     auroc = roc_auc_score(flat_right, flat_ell) if 0 < sum(flat_right) < len(flat_right) else None
     lines = [
         f"# The likelihood teacher at size: {n} test questions ({args.dev} dev questions chose w = {w})",
+        "",
+        f"Test questions: positions {max(args.test_from, args.dev) + 1}-{args.questions} of the study's seeded "
+        f"permutation (seed {args.seed}); the first {args.dev} are dev.",
         "",
         f"Primary comparison (fixed before the run): `likelihood` vs `base`, Top-1 has_answer, exact McNemar; "
         f"Holm across the {len(pvalues)} rows compared with the base. Design's detectable difference at 80 % power: "

@@ -11,7 +11,9 @@ for the same number of steps, warmup and learning rate:
 - `relevance` (its control, same everything): the query tower trained on the perfect-relevance target (uniform over
   the own paragraph's passages): what the same training does with a target that knows relevance only;
 - `answer_bearing`: the query tower on the candidates holding a gold answer string (multi-positive);
-- `residual`: the base frozen, a head on q ⊙ p trained on the `likelihood` teacher, f = base + w · head.
+- `residual`: the base frozen, a head on q ⊙ p trained on the `likelihood` teacher, f = base + w · head;
+- `lsr_small` (diagnostic): `lsr`'s training on a seeded subset of `--small-train` of each fold's training
+  questions, same steps: the learning curve that says whether a student short of questions is the broken link.
 
 Diagnostic rows: `likelihood_oracle` (ℓ's own top-1, reads the gold answer: not deployable), and per row the share
 of questions whose top-1 is ℓ's top-1 (did the student learn the teacher on unseen questions?), the own paragraph
@@ -25,7 +27,8 @@ students train on the other folds' test questions only (asserted disjoint); the 
 on or reported: lr, λ and τ_T (query tower) and w (residual head) are chosen on their Top-1 has_answer with the
 students of fold 0's training questions, a tie going to the smaller change (lower lr, larger λ).
 
-    python experiments/likelihood_training.py --questions 600 --dev 100 [--folds 5] [--seeds 3] [--out DIR]
+    python experiments/likelihood_training.py --questions 600 --dev 100 [--folds 5] [--seeds 3] [--small-train 400]
+        [--out DIR]
         [--export-rows rows.jsonl]   # every question's graded ℓ list, FlagEmbedding's fields
 """
 
@@ -83,11 +86,11 @@ def likelihoods(study: Study, block: int, cache: str) -> list[np.ndarray]:
     return out
 
 
-def embeddings(study: Study) -> ListwiseData:
+def embeddings(study: Study, cache: str) -> ListwiseData:
     encoder = MeanPoolEncoder(device="cpu")
     sets = study.candidate_sets
-    queries = encoder.encode([c.question for c in sets])
-    flat = encoder.encode([document_text(p) for c in sets for p in c.passages])
+    queries = encoder.encode_cached([c.question for c in sets], cache)
+    flat = encoder.encode_cached([document_text(p) for c in sets for p in c.passages], cache)
     bounds = np.cumsum([0] + [len(c.passages) for c in sets])
     return ListwiseData.from_lists([c.question for c in sets], queries, [flat[a:b] for a, b in zip(bounds, bounds[1:])])
 
@@ -127,6 +130,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "logs" / "likelihood_training"))
     parser.add_argument("--steps", type=int, default=TOWER.steps, help="optimizer steps of every student")
     parser.add_argument("--learning-rates", type=float, nargs="+", default=list(LEARNING_RATES))
+    parser.add_argument(
+        "--small-train", type=int, default=400,
+        help="the `lsr_small` diagnostic row: the primary's training on this many of each fold's training questions "
+        "(a seeded subset; 0 leaves the row out)",
+    )  # fmt: skip
     parser.add_argument("--export-rows", default=None, help="also write every question's ℓ list as FlagEmbedding rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -135,7 +143,7 @@ def main() -> None:
     tower0, head0 = replace(TOWER, steps=args.steps), replace(HEAD, steps=args.steps)
     sets = study.candidate_sets
     ell = likelihoods(study, args.block, args.cache)
-    data = embeddings(study)
+    data = embeddings(study, args.cache)
     inputs = [TeacherInputs(c, e) for c, e in zip(sets, ell)]
     if args.export_rows:
         keep = [i for i, c in enumerate(sets) if len(c.passages) >= 2]
@@ -149,8 +157,10 @@ def main() -> None:
     log.info("%d dev, %d test questions in %d folds; ℓ and vectors ready (%.0f s)", len(dev_at), len(test_at),
              args.folds, time.time() - start)  # fmt: skip
 
-    def fold_train(k: int) -> list[int]:
+    def fold_train(k: int, at_most: int | None = None) -> list[int]:
         rows = [i for f, fold in enumerate(folds) if f != k for i in fold]
+        if at_most is not None and at_most < len(rows):  # the learning-curve row: a seeded subset, same steps
+            rows = sorted(np.random.default_rng(args.seed + 2 + k).choice(rows, at_most, replace=False).tolist())
         held = {sets[i].qid for i in folds[k]}
         assert not held & {sets[i].qid for i in rows}, "a fold's students saw its questions"
         assert not study.dev_ids & {sets[i].qid for i in rows}, "dev questions in training"
@@ -187,6 +197,9 @@ def main() -> None:
     # ---- cross-fitted rows
     rows = {  # name -> (settings, teacher, seeds)
         "lsr": (tower, "likelihood", args.seeds),
+        # The primary's training on fewer questions, same steps: does agreement with ℓ on unseen questions grow
+        # with the training set (a student short of data), or stay where it is (a student that cannot carry ℓ)?
+        **({"lsr_small": (tower, "likelihood", 1)} if args.small_train else {}),
         "relevance": (tower, "relevance", args.seeds),
         "answer_bearing": (tower, "answer_bearing", 1),
         "residual": (replace(head0, anchor=anchor), "likelihood", 1),
@@ -194,17 +207,17 @@ def main() -> None:
     scores = {name: [np.full(data.mask.shape, -np.inf, dtype=np.float32) for _ in range(n)]
               for name, (_, _, n) in rows.items()}  # fmt: skip
     missing = {name: 0 for name in rows}
-    fitted: dict[str, list] = {"lsr": [], "relevance": []}
+    fitted: dict[str, list] = {"lsr": [], "relevance": [], **({"lsr_small": []} if args.small_train else {})}
     for k in range(args.folds):
-        train_rows = fold_train(k)
         for name, (settings, teacher, n_seeds) in rows.items():
+            train_rows = fold_train(k, args.small_train if name == "lsr_small" else None)
             for seed in range(n_seeds):
                 student, lacking = train(replace(settings, seed=seed), teacher, tau_t, data, inputs, train_rows)
                 if name == "residual":
                     student.weight_at_scoring = w
                 missing[name] += lacking if seed == 0 else 0
                 scores[name][seed][folds[k]] = student.score(data.subset(folds[k]))
-                if seed == 0 and name in ("lsr", "relevance"):  # the student on the questions it trained on
+                if seed == 0 and name in fitted:  # the student on the questions it trained on
                     fitted[name].append((train_rows, student.score(data.subset(train_rows))))
         log.info("fold %d of %d trained (%.0f s)", k + 1, args.folds, time.time() - start)
 
@@ -214,7 +227,8 @@ def main() -> None:
             picks[f"{name}@{seed}"] = top1(s, test_at)
     results = {name: outcomes(test_at, p) for name, p in picks.items()}
     fit = fit_lines(study, ell, data, fitted, scores, folds)
-    chosen = {"lr": lr, "tau_t": tau_t, "anchor": anchor, "w": w}
+    chosen = {"lr": lr, "tau_t": tau_t, "anchor": anchor, "w": w, "train_questions": len(fold_train(0)),
+              "small_train": len(fold_train(0, args.small_train)) if args.small_train else 0}  # fmt: skip
     report(args, study, ell, test_at, picks, results, missing, chosen, dev_log + fit, time.time() - start)
 
 
@@ -225,7 +239,7 @@ def fit_lines(study: Study, ell, data, fitted, scores, folds) -> list[dict]:
     sets = study.candidate_sets
 
     def measure(name: str, rows: list[int], s: np.ndarray) -> float:
-        if name == "lsr":
+        if name.startswith("lsr"):
             return float(np.mean([np.argmax(s[r]) == np.argmax(ell[i]) for r, i in enumerate(rows)]))
         own = [sets[i].from_gold[int(np.argmax(s[r]))] for r, i in enumerate(rows) if sets[i].gold_retrieved]
         return float(np.mean(own))
@@ -237,7 +251,7 @@ def fit_lines(study: Study, ell, data, fitted, scores, folds) -> list[dict]:
         held_rows = [i for fold in folds for i in fold]
         held = measure(name, held_rows, scores[name][0][held_rows])
         held_base = measure(name, held_rows, data.base_scores[held_rows])
-        what = "= ℓ's top-1" if name == "lsr" else "own ¶ first"
+        what = "= ℓ's top-1" if name.startswith("lsr") else "own ¶ first"
         out.append({"student": f"{name}@0 fit", "measure": what, "training_questions": float(np.mean(trained)),
                     "training_questions_base": float(np.mean(trained_base)), "held_out": held,
                     "held_out_base": held_base})  # fmt: skip
@@ -251,7 +265,8 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
     f1 = {name: np.array([o.f1 for o in r]) for name, r in results.items()}
     em = {name: np.array([o.em for o in r], dtype=float) for name, r in results.items()}
     oracle_pick = picks["likelihood_oracle"]
-    shown = ["likelihood_oracle", "lsr@0", "relevance@0", "answer_bearing@0", "residual@0"]
+    shown = ["likelihood_oracle", "lsr@0", *(["lsr_small@0"] if "lsr_small@0" in picks else []), "relevance@0",
+             "answer_bearing@0", "residual@0"]  # fmt: skip
     tests = {name: mcnemar_exact(right[name], right["base"]) for name in shown}
     adjusted = dict(zip(shown, holm([tests[name].pvalue for name in shown])))
 
@@ -275,7 +290,9 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
         f"Dev ({len(study.dev_ids)} questions; base {100 * dev_log[0]['dev_has_answer']:.0f} %) chose lr = "
         f"{chosen['lr']}, τ_T = {chosen['tau_t']}, λ = {chosen['anchor']}, residual w = {chosen['w']}. Every "
         f"student: {args.steps} steps of {TOWER.batch_size} questions, warmup {TOWER.warmup_ratio}, the query "
-        f"tower's lr for every query-tower row, {HEAD.lr} for the head.",
+        f"tower's lr for every query-tower row, {HEAD.lr} for the head. Each fold's students train on "
+        f"{chosen['train_questions']} questions"
+        + (f" (`lsr_small` on {chosen['small_train']} of them)." if chosen["small_train"] else "."),
         f"Primary (fixed before the run): `lsr@0` vs `base`, Top-1 has_answer, exact McNemar, Holm over the "
         f"{len(shown)} rows compared. Design's detectable difference at 80 % power: "
         f"{100 * detectable_difference(n, EXPECTED_DISCORDANCE):.1f} points (expected discordance "

@@ -226,6 +226,22 @@ def test_dense_embeddings_equal_sentence_transformers(dense_toy: DenseRetriever)
     np.testing.assert_allclose(cosine, reference[1:] @ reference[0], atol=1e-5, rtol=0)
 
 
+def test_encoder_cache_reads_back_what_it_wrote(tmp_path: Path) -> None:
+    encoder = MeanPoolEncoder(device="cpu")
+    texts = [f"{title}. {text}" for title, text in TOY_DOCS]
+    cached = encoder.encode_cached(texts, tmp_path, shard_size=2)
+    np.testing.assert_allclose(cached, encoder.encode(texts), atol=1e-5, rtol=0)
+    shards = sorted(tmp_path.rglob("shard-*.npy"))
+    assert len(shards) == (len(texts) + 1) // 2
+    # A second call reads the cache (a shard rewritten with its digest shows up) instead of encoding again.
+    ShardedArtifact.from_directory(shards[0].parent).write(0, np.zeros_like(np.load(shards[0])))
+    assert not encoder.encode_cached(texts, tmp_path, shard_size=2)[:2].any()
+    # Other texts are another artifact, and no texts need none.
+    other = encoder.encode_cached(texts[::-1], tmp_path, shard_size=2)
+    np.testing.assert_allclose(other, cached[::-1], atol=1e-5, rtol=0)
+    assert encoder.encode_cached([], tmp_path).shape == (0, cached.shape[1])
+
+
 def test_dense_ranks_paraphrase_first(dense_toy: DenseRetriever) -> None:
     # No content word shared with the right passage, so only meaning can find it.
     hits = dense_toy.search(["What is the tallest peak on the planet?", "How do trees make food from light?"], top_n=2)
