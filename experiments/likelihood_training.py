@@ -72,6 +72,9 @@ LEARNING_RATES = (3e-6, 1e-5, 3e-5)
 ANCHORS = (1.0, 0.0)
 TEACHER_TAUS = (2.0, 0.5)
 HEAD_WEIGHTS = (0.5, 1.0, 2.0)
+# The capacity curve (diagnostic, no answers needed): fold 0's query tower pushed harder and harder toward its
+# teacher (λ = 0), each measured on its own training questions and held out. (lr, steps), mildest first.
+CAPACITY = ((3e-6, 150), (3e-5, 150), (1e-4, 600))
 
 
 def likelihoods(study: Study, block: int, cache: str) -> list[np.ndarray]:
@@ -194,6 +197,9 @@ def main() -> None:
             w, best = weight, right
     log.info("dev chose lr=%g τ_T=%.2f λ=%.1f w=%.1f (%.0f s)", lr, tau_t, anchor, w, time.time() - start)
 
+    capacity = capacity_curve(tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell)
+    log.info("capacity curve done (%.0f s)", time.time() - start)
+
     # ---- cross-fitted rows
     rows = {  # name -> (settings, teacher, seeds)
         "lsr": (tower, "likelihood", args.seeds),
@@ -229,20 +235,49 @@ def main() -> None:
     fit = fit_lines(study, ell, data, fitted, scores, folds)
     chosen = {"lr": lr, "tau_t": tau_t, "anchor": anchor, "w": w, "train_questions": len(fold_train(0)),
               "small_train": len(fold_train(0, args.small_train)) if args.small_train else 0}  # fmt: skip
-    report(args, study, ell, test_at, picks, results, missing, chosen, dev_log + fit, time.time() - start)
+    report(args, study, ell, test_at, picks, results, missing, chosen, dev_log + fit + capacity, time.time() - start)
+
+
+def agreement(name: str, study: Study, ell, rows: list[int], scores: np.ndarray) -> float:
+    """`lsr`-like rows: the share of `rows` whose top-1 is ℓ's top-1; `relevance`: the own paragraph first (of the
+    questions whose own paragraph was retrieved). `scores` is aligned with `rows`."""
+    sets = study.candidate_sets
+    if name != "relevance":
+        return float(np.mean([np.argmax(scores[r]) == np.argmax(ell[i]) for r, i in enumerate(rows)]))
+    return float(
+        np.mean([sets[i].from_gold[int(np.argmax(scores[r]))] for r, i in enumerate(rows) if sets[i].gold_retrieved])
+    )
+
+
+def capacity_curve(tower, tau_t, data, inputs, train_rows, held_rows, study, ell) -> list[dict]:
+    """Can the query tower fit its teacher at all? Fold 0's students of ℓ and of the relevance target, λ = 0, at
+    rising (lr, steps): their agreement with the target on their own training questions against held out. A
+    student that cannot reach the target even where it trained lacks capacity; one that fits there and not held
+    out lacks questions (or the target does not generalise)."""
+    out = []
+    for teacher, name in (("likelihood", "lsr"), ("relevance", "relevance")):
+        base_in = agreement(name, study, ell, train_rows, data.base_scores[train_rows])
+        base_out = agreement(name, study, ell, held_rows, data.base_scores[held_rows])
+        for lr, steps in CAPACITY:
+            student, _ = train(replace(tower, lr=lr, steps=steps, anchor=0.0), teacher, tau_t, data, inputs, train_rows)
+            out.append({
+                "student": f"{name} capacity lr={lr:g} steps={steps}",
+                "measure": "= ℓ's top-1" if name == "lsr" else "own ¶ first",
+                "training_questions": agreement(name, study, ell, train_rows, student.score(data.subset(train_rows))),
+                "training_questions_base": base_in,
+                "held_out": agreement(name, study, ell, held_rows, student.score(data.subset(held_rows))),
+                "held_out_base": base_out,
+            })  # fmt: skip
+    return out
 
 
 def fit_lines(study: Study, ell, data, fitted, scores, folds) -> list[dict]:
     """In-sample against held-out, fold 0-k students of `lsr` (agreement with ℓ's top-1) and `relevance` (own
     paragraph first), each beside the base on the same questions: did the student learn its target, and does
     what it learned carry to questions it did not see?"""
-    sets = study.candidate_sets
 
     def measure(name: str, rows: list[int], s: np.ndarray) -> float:
-        if name.startswith("lsr"):
-            return float(np.mean([np.argmax(s[r]) == np.argmax(ell[i]) for r, i in enumerate(rows)]))
-        own = [sets[i].from_gold[int(np.argmax(s[r]))] for r, i in enumerate(rows) if sets[i].gold_retrieved]
-        return float(np.mean(own))
+        return agreement(name, study, ell, rows, s)
 
     out = []
     for name, per_fold in fitted.items():
@@ -319,7 +354,7 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
         )
         row["has_answer"] = [row["has_answer"].value, row["has_answer"].low, row["has_answer"].high]
         metrics[name] = row
-    for entry in (e for e in dev_log if e["student"].endswith(" fit")):
+    for entry in (e for e in dev_log if e["student"].endswith(" fit") or " capacity " in e["student"]):
         lines.append(
             f"- {entry['student']}, {entry['measure']}: {100 * entry['training_questions']:.1f} % on its training "
             f"questions (base {100 * entry['training_questions_base']:.1f} %), {100 * entry['held_out']:.1f} % held "
