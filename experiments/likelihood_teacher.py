@@ -19,7 +19,7 @@ not from each row's own. The dev questions (the first `--dev` of a seeded permut
 reported; the test questions are the rest, disjoint (asserted). Diagnostic: ℓ's AUROC against the greedy answer under
 each candidate, on the first `--auroc-questions` test questions (every candidate answered).
 
-    python experiments/likelihood_teacher.py --questions 1200 --dev 200 [--compute-only] [--test-from K]
+    python experiments/likelihood_teacher.py --questions 1200 --dev 200 [--compute-only] [--fresh-from K]
         [--out logs/likelihood_teacher]
 
 Resumable: ℓ is computed in blocks of `--block` questions (one cached artifact each), so a larger --questions reuses
@@ -112,9 +112,9 @@ def main() -> None:
     parser.add_argument("--dev", type=int, default=200)
     parser.add_argument("--auroc-questions", type=int, default=30)
     parser.add_argument(
-        "--test-from", type=int, default=0,
-        help="report on the test questions from this position of the permutation on (0: all; e.g. 800 for the "
-        "questions a run over the first 800 never read)",
+        "--fresh-from", type=int, default=0,
+        help="also report, in OUT/fresh/, on the test questions after this position of the permutation alone (e.g. "
+        "800: the questions a run over the first 800 never read; 0: no such report)",
     )  # fmt: skip
     parser.add_argument("--block", type=int, default=50, help="questions per cached ℓ artifact (keep it fixed)")
     parser.add_argument("--seed", type=int, default=0)
@@ -124,8 +124,9 @@ def main() -> None:
     parser.add_argument("--compute-only", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if not 0 <= args.test_from < args.questions:
-        parser.error(f"--test-from must be in [0, --questions) = [0, {args.questions}), got {args.test_from}")
+    if not (args.fresh_from == 0 or args.dev <= args.fresh_from < args.questions):
+        parser.error(f"--fresh-from must be 0 or in [--dev, --questions) = [{args.dev}, {args.questions}), got "
+                     f"{args.fresh_from}")  # fmt: skip
     start = time.time()
 
     study = load_study(args.questions, args.dev, args.seed, args.dtype, args.cache)
@@ -135,7 +136,7 @@ def main() -> None:
     encoder = MeanPoolEncoder()
     store = AnswerStore(llm, templates, args.cache, max_new_tokens=24, progress=False)
     # Questions are in the permutation's order, dev first: position i is the i-th question drawn.
-    test_at = [i for i, c in enumerate(candidate_sets) if c.qid in test_ids and i >= args.test_from]
+    test_at = [i for i, c in enumerate(candidate_sets) if c.qid in test_ids]
     auroc_at = set(test_at[: args.auroc_questions])
     ell: list[np.ndarray] = []
     base: list[np.ndarray] = []
@@ -189,10 +190,16 @@ def main() -> None:
     if args.compute_only:
         log.info("caches filled in %.0f s", time.time() - start)
         return
-    report(args, candidate_sets, per_row, results, test_at, ell, auroc_at, flat_right, best_w, time.time() - start)
+    runs = [(Path(args.out), test_at, args.dev)]
+    if args.fresh_from:  # the same rows on the questions after the first `fresh_from` alone
+        runs.append((Path(args.out) / "fresh", [i for i in test_at if i >= args.fresh_from], args.fresh_from))
+    for out, at, first in runs:
+        seconds = time.time() - start
+        report(args, out, first, candidate_sets, per_row, results, at, ell, auroc_at, flat_right, best_w, seconds)
 
 
-def report(args, candidate_sets, per_row, results, test_at, ell, auroc_at, flat_right, w, seconds) -> None:
+# wide: one report's inputs, written twice (every test question, then the fresh ones) from main's locals.
+def report(args, out, first, candidate_sets, per_row, results, test_at, ell, auroc_at, flat_right, w, seconds) -> None:
     n = len(test_at)
     base_right = np.array([results["base"][i].has_answer for i in test_at], dtype=float)
     table, compared = [], [name for name in results if name != "base"]
@@ -225,7 +232,7 @@ def report(args, candidate_sets, per_row, results, test_at, ell, auroc_at, flat_
     lines = [
         f"# The likelihood teacher at size: {n} test questions ({args.dev} dev questions chose w = {w})",
         "",
-        f"Test questions: positions {max(args.test_from, args.dev) + 1}-{args.questions} of the study's seeded "
+        f"Test questions: positions {first + 1}-{args.questions} of the study's seeded "
         f"permutation (seed {args.seed}); the first {args.dev} are dev.",
         "",
         f"Primary comparison (fixed before the run): `likelihood` vs `base`, Top-1 has_answer, exact McNemar; "
@@ -249,11 +256,11 @@ def report(args, candidate_sets, per_row, results, test_at, ell, auroc_at, flat_
     lines += [
         "",
         f"ℓ against the greedy answer under each candidate: AUROC {auroc if auroc is None else round(auroc, 3)} over "
-        f"{len(flat_right)} candidates of {len(auroc_at)} test questions ({int(sum(flat_right))} answered right).",
+        f"{len(flat_right)} candidates of the first {len(auroc_at)} test questions ({int(sum(flat_right))} answered "
+        "right).",
         f"Wall time of this invocation: {seconds:.0f} s. Questions with the gold paragraph retrieved: "
         f"{sum(candidate_sets[i].gold_retrieved for i in test_at)} of {n}.",
     ]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     metrics = {
