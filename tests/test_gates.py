@@ -314,9 +314,7 @@ def test_ctrla_needs_its_direction_and_checks_its_layers():
         make_gate("ctrla").fit(GateTrainingData(signals(1)))
     _, confident, unconfident = synthetic_pairs()
     direction = direction_from_states(confident, unconfident, layers=[3, 5])
-    with pytest.raises(
-        ValueError, match=r"^layers=\[4\] but the confidence direction was computed at layers \[3, 5\]"
-    ):
+    with pytest.raises(ValueError, match=r"^layers=\[4\] but the confidence direction was computed at layers \[3, 5\]"):
         make_gate("ctrla", layers=[4]).fit(GateTrainingData(signals(1), confidence_direction=direction))
 
 

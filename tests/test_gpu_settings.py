@@ -11,8 +11,8 @@ from confrag.instantiators import settings_from
 from confrag.llm.generation import GreedyOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import cbdr_recipe
-from confrag.stages.retrieval import RetrievalSettings
 from confrag.stages.nq_rerank import PreferenceSettings
+from confrag.stages.retrieval import RetrievalSettings
 
 from helpers.runs import compose_cfg
 from helpers.settings import shipped_settings

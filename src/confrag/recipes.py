@@ -146,7 +146,9 @@ def evaluation_recipe(cfg: DictConfig) -> tuple[RerankRecipe, AnswerSettings, Ev
     return recipe, recipe.answers, settings_from(EvalSettings, cfg.eval, "eval")
 
 
-def cbdr_recipe(cfg: DictConfig, answers: AnswerSettings, evaluation: EvalSettings, retrieval: RetrievalSettings) -> CBDRSettings:
+def cbdr_recipe(
+    cfg: DictConfig, answers: AnswerSettings, evaluation: EvalSettings, retrieval: RetrievalSettings
+) -> CBDRSettings:
     """The `cbdr` node (each bad value as `cbdr.<key>`), its K checked against the candidates retrieved."""
     node = settings_from(CBDRNode, cfg.cbdr, "cbdr")
     if max(*answers.top_k, node.top_k) > retrieval.top_n and not retrieval.candidates_path:

@@ -142,9 +142,7 @@ class NQConfidenceDataModule(LightningDataModule):
         self.ranking_top_n, self.ranking_test_questions = ranking_top_n, int(ranking_test_questions or 0)
         self.ranking: dict[str, RankingSet] = {}
         if uses_candidates(train_states):
-            checks.positive_int(
-                candidates_top_n, "candidates_top_n", hint=f"with train_states={train_states!r}"
-            )
+            checks.positive_int(candidates_top_n, "candidates_top_n", hint=f"with train_states={train_states!r}")
         self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
         # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
         self.extract_compile = extract_compile
@@ -313,7 +311,8 @@ class NQConfidenceDataModule(LightningDataModule):
 
     def extra_test_rows(self, all_rows, probe_rows) -> list:
         """`ranking_test_questions` seeded questions of the file outside the probe's questions."""
-        outside = held_out(all_rows, probe_rows, "the probe's ranking test", f"{self.config_node}.ranking_test_questions")
+        key = f"{self.config_node}.ranking_test_questions"
+        outside = held_out(all_rows, probe_rows, "the probe's ranking test", key)
         extra = select_questions(outside, self.ranking_test_questions, self.seed)
         check_disjoint(extra, {"the probe's questions": probe_rows}, "the ranking test questions")
         return extra
