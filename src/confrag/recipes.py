@@ -73,12 +73,14 @@ def rank_devices(trainer_cfg: DictConfig) -> dict:
 
 def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
-    check_group_size(cfg.data.group_size)
-    for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
-        checks.positive_int(cfg.data[key], f"data.{key}")
-    checks.non_negative_int(cfg.data.num_workers, "data.num_workers")
+    with checks.config_key("data", node_parameters(cfg.data)):
+        check_group_size(cfg.data.group_size)
+        for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
+            checks.positive_int(cfg.data[key], key)
+        checks.non_negative_int(cfg.data.num_workers, "num_workers")
     # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
-    check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
+    with checks.config_key("model", node_parameters(cfg.model)):
+        check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
     return RerankerRecipe(
         make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
@@ -107,7 +109,8 @@ def templates(cfg: DictConfig) -> PromptTemplates:
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
     """Everything the rerank stage is built from; every setting checked here, before anything runs."""
     retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
-    retrieval.check_files()
+    with checks.config_key("retrieval", node_parameters(cfg.retrieval), others=False):  # not a file's own errors
+        retrieval.check_files()
     preferences = settings_from(PreferenceSettings, cfg.preferences, "preferences")
     if preferences.top_k > retrieval.top_n and not retrieval.candidates_path:
         raise ValueError(

@@ -188,6 +188,21 @@ def existing_path(
     return Path(value)
 
 
+class Refusals(ValueError):
+    """Every refusal of a settings object at once (gathered with `collect`): one message, its parts joined by
+    "; ", each put under the node's key on its own by `config_key`."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+def refuse(problems: Sequence[str]) -> None:
+    """Raise the refusals `collect` gathered, if any."""
+    if problems:
+        raise Refusals(problems)
+
+
 def collect(problems: list[str], check: Callable[..., Any], *args: Any, **options: Any) -> Any:
     """`check(*args, **options)`, its refusal appended to `problems` instead of raised: for settings that
     report every bad value at once. Returns what the check returned (None when it refused)."""
@@ -222,6 +237,8 @@ def config_key(node_key: str, parameters: Collection[str], others: bool = True) 
     is re-keyed (around a stage's use of a built object, whose other errors are not about its settings)."""
     try:
         yield
+    except Refusals as err:
+        raise Refusals([keyed(p, node_key, parameters) for p in err.problems]) from err
     except ValueError as err:
         message = keyed(str(err), node_key, parameters)
         if not others and message.startswith(f"{node_key}: "):
