@@ -89,7 +89,7 @@ def test_split_merges_short_tail_and_keeps_long_one() -> None:
 
 
 def test_split_rejects_bad_size() -> None:
-    with pytest.raises(ValueError, match=r"retrieval\.words_per_passage.*>= 1.*0"):
+    with pytest.raises(ValueError, match=r"^words_per_passage.*>= 1.*0"):
         split_passages("", words(10), "d", words_per_passage=0)
 
 
