@@ -205,7 +205,7 @@ def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
         generation={"static_cache": True, "cache_buckets": [256, 512]},
     )
     assert module.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
-    with pytest.raises(ValueError, match=r"data.generation: unknown key\(s\) \['static'\]"):
+    with pytest.raises(ValueError, match=r"^generation: unknown key\(s\) \['static'\]"):
         confidence_data(**common, generation={"static": True})
 
 
