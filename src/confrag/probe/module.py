@@ -31,6 +31,7 @@ from torch import nn
 from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
+from confrag.infra import checks
 from confrag.infra.atomic import swapped_in
 from confrag.infra.digests import require_whole_folder, write_folder_digest
 from confrag.infra.finite import require_finite
@@ -240,8 +241,7 @@ def check_probe_settings(**settings: Any) -> None:
         for key, (ok, message) in rules.items()
         if key in settings and not ok(settings[key])
     ]
-    if problems:
-        raise ValueError("; ".join(problems))
+    checks.refuse(problems)  # each under the node's key at the boundary (`model.lr`)
 
 
 # --- saved probes ------------------------------------------------------------------------------
