@@ -201,7 +201,7 @@ def test_a_rank_above_0_computes_but_writes_nothing_to_the_run_folder(first, mon
         ("cbdr.betas=[0.5,-0.1]", r"cbdr\.betas must be a number in \[0, 1\]"),
         ("rag.top_k=[1,7]", r"rag\.top_k=\[1, 7\].*retrieval\.top_n=6"),
         ("cbdr.top_k=0", r"cbdr\.top_k must be an integer >= 1"),
-        ("cbdr.objective=budget", r"cbdr\.objective=budget needs cbdr\.retrieval_budget"),
+        ("cbdr.objective=budget", r"cbdr\.objective=budget needs retrieval_budget"),
         ("cbdr.objective=speed", r"cbdr\.objective='speed' is not one of"),
         ("cbdr.metric=bleu", r"cbdr\.metric='bleu' is not one of"),
         ("eval.metric=f1", r"eval\.metric='f1' is not one of"),

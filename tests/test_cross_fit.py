@@ -46,7 +46,7 @@ def test_folds_partition_the_pool_and_train_on_the_other_folds():
 @pytest.mark.parametrize("folds", [1, -2, True, 2.5])
 def test_a_bad_fold_count_is_refused(folds):
     rows = rows_named("q", 30)
-    with pytest.raises(ValueError, match=r"preferences\.cross_fit must be 0 \(off\) or an integer >= 2"):
+    with pytest.raises(ValueError, match=r"^folds must be 0 \(off\) or an integer >= 2"):
         cross_fit_plan(plan_questions(rows, rows[:5], 5, 5, seed=0, where="file"), folds, seed=0)
 
 

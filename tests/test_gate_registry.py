@@ -42,7 +42,7 @@ class QuestionLengthGate(Gate):
     decision_passes = 0  # counting words costs no LLM call
 
     def __init__(self, threshold: float = 4.0) -> None:
-        checks.number(threshold, "gate.threshold", 0.0)
+        checks.number(threshold, "threshold", 0.0)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)
 

@@ -188,7 +188,7 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
     # The path is not part of the key: another store with the default path finds those answers.
     again = AnswerStore(tiny_llama, templates, tmp_path / "b", max_new_tokens=6, progress=False)
     assert again.answer(items) == plain and again.generated == 0
-    with pytest.raises(ValueError, match="rag.batch_size must be an integer >= 1 or 'auto'"):
+    with pytest.raises(ValueError, match="^batch_size must be an integer >= 1 or 'auto'"):
         AnswerStore(tiny_llama, templates, tmp_path, batch_size="many")
     release_static_caches(tiny_llama.model)
 
@@ -205,7 +205,7 @@ def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
         generation={"static_cache": True, "cache_buckets": [256, 512]},
     )
     assert module.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
-    with pytest.raises(ValueError, match=r"data.generation: unknown key\(s\) \['static'\]"):
+    with pytest.raises(ValueError, match=r"^generation: unknown key\(s\) \['static'\]"):
         confidence_data(**common, generation={"static": True})
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confrag.cbdr.settings import cbdr_settings
 from confrag.infra.timing import StageTimer
-from confrag.instantiators import plain, settings_from
+from confrag.instantiators import settings_from
 from confrag.llm.generation import GreedyOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
+from confrag.recipes import cbdr_recipe
 from confrag.stages.nq_rerank import PreferenceSettings
+from confrag.stages.retrieval import RetrievalSettings
 
 from helpers.runs import compose_cfg
 from helpers.settings import shipped_settings
@@ -29,9 +30,8 @@ def test_gpu_experiments_size_their_batches_from_free_memory(name, tmp_path):
         answers = settings_from(AnswerSettings, cfg.rag, "rag")
         assert (answers.batch_size, answers.extract_batch_size) == ("auto", "auto")
         assert answers.generation == GreedyOptions()  # rag.generation: {} is the library's default path
-        cbdr = cbdr_settings(
-            plain(cfg.cbdr), answers, settings_from(EvalSettings, cfg.eval, "eval"), int(cfg.retrieval.top_n), False
-        )
+        retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
+        cbdr = cbdr_recipe(cfg, answers, settings_from(EvalSettings, cfg.eval, "eval"), retrieval)
         assert cbdr.gate_batch_size == "auto"  # the live gate generates with the answers' batch size
 
 

@@ -148,7 +148,7 @@ def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_
         (-1, "all", r"model.layer=-1 out of range"),
         ("middle", "all", r"model.layer='middle': use 'mid' or an integer in 0\.\.4"),
         (3, [1, 2], r"model.layer=3 is not among the extracted data.layers=\[1, 2\]"),
-        ("mid", [9], r"data.layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
+        ("mid", [9], r"^layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
     ],
 )
 def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, monkeypatch, layer, layers, message):

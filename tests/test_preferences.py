@@ -27,7 +27,7 @@ def test_selection_takes_top_k_positive_and_most_negative():
     assert pos == [2, 5] and neg == [6, 1]  # largest gains first; largest losses first; 0 is neither
     pos, neg = select_by_sign(inc, top_k=5)
     assert pos == [2, 5, 0] and neg == [6, 1, 4]
-    with pytest.raises(ValueError, match="preferences.top_k"):
+    with pytest.raises(ValueError, match="^top_k"):
         select_by_sign(inc, top_k=0)
 
 
@@ -57,7 +57,7 @@ def test_rows_follow_flagembedding_format_and_drops_are_counted():
     # the reference choice changes which side a context falls on
     rows_empty, _ = build_rows(sets, shifts, "rag_empty", top_k=5, selection="sign")
     assert rows_empty[0]["pos"] == ["title a-0\ntext a-0"]
-    with pytest.raises(ValueError, match="preferences.reference"):
+    with pytest.raises(ValueError, match="^reference"):
         build_rows(sets, shifts, "nope", top_k=5, selection="sign")
 
 
@@ -110,7 +110,7 @@ def test_split_is_by_question_and_seeded(tmp_path):
     train_q, test_q = {r["qid"] for r in splits["train"]}, {r["qid"] for r in splits["test"]}
     assert not train_q & test_q and len(test_q) == 5
     assert splits == split_by_question(rows, 0.25, seed=3)
-    with pytest.raises(ValueError, match="preferences.test_fraction"):
+    with pytest.raises(ValueError, match="^test_fraction"):
         split_by_question(rows, 1.0, seed=3)
     save_rows(splits, tmp_path)
     lines = (tmp_path / "train.jsonl").read_text().splitlines()
@@ -133,7 +133,7 @@ def test_a_label_rule_is_one_table_entry(monkeypatch):
     shifts = shifts_for(sets, [0.5], [0.5], [[0.1, 0.2, 0.3]])
     rows, drops = build_rows(sets, shifts, "qa", 2, "ends")
     assert [(r["pos"], r["neg"]) for r in rows] == [(["title q1-0\ntext q1-0"], ["title q1-2\ntext q1-2"])]
-    with pytest.raises(ValueError, match=r"preferences.selection='nope' is not one of"):
+    with pytest.raises(ValueError, match=r"^selection='nope' is not one of"):
         build_rows(sets, shifts, "qa", 2, "nope")
 
 

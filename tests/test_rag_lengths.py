@@ -102,5 +102,5 @@ def test_rag_answers_refuse_or_cut_a_prompt_that_does_not_fit(tmp_path, tiny_lla
     )
     answers = store.answer([("capital of france", short), ("capital of france", [*short, Passage("Long", LONG)])])
     assert len(answers) == 2 and store.generated == 2
-    with pytest.raises(ValueError, match=r"rag.truncate_passages must be true or false"):
+    with pytest.raises(ValueError, match=r"^truncate_passages must be true or false"):
         AnswerStore(tiny_llama, templates, tmp_path / "cache", truncate_passages="yes")

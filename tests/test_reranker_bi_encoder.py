@@ -101,7 +101,7 @@ def test_lora_trains_adapters_only_and_merges_into_the_encoder():
 
 
 def test_settings_the_kind_cannot_honour_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="model.fresh_head must be false with model.kind=bi_encoder"):
+    with pytest.raises(ValueError, match="^fresh_head must be false with kind=bi_encoder"):
         reranker_module(backbone="minilm", kind=KIND, fresh_head=True)
     folder = tmp_path / "cls_pooled"
     (folder / "1_Pooling").mkdir(parents=True)

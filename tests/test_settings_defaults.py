@@ -217,5 +217,5 @@ def test_shipped_builds_a_node_with_the_callers_values_on_top():
     with pytest.raises(ValueError, match=r"conf/model/probe_logistic.yaml extends another node"):
         instantiators.shipped("model/probe_logistic.yaml", input_dim=4)
     # A `_partial_` node is built at once, and the class's own error comes through unwrapped.
-    with pytest.raises(ValueError, match="data.group_size must be an integer >= 2"):
+    with pytest.raises(ValueError, match="^group_size must be an integer >= 2"):
         instantiators.shipped("data/preference_pairs.yaml", seed=0, group_size=1)

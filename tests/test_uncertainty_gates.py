@@ -202,14 +202,14 @@ def test_costs_of_the_uncertainty_gates_and_retriever_calls():
 @pytest.mark.parametrize(
     ("name", "config", "message"),
     [
-        ("entropy", {"threshold": -0.1}, r"gate.threshold must be a number >= 0.0; got -0.1"),
-        ("max_prob", {"threshold": 1.5}, r"gate.threshold must be a number in \[0.0, 1.0\]; got 1.5"),
-        ("perplexity", {"threshold": 0.5}, r"gate.threshold must be a number >= 1.0; got 0.5"),
-        ("p_true", {"threshold": "high"}, "gate.threshold must be a number"),
+        ("entropy", {"threshold": -0.1}, r"threshold must be a number >= 0.0; got -0.1"),
+        ("max_prob", {"threshold": 1.5}, r"threshold must be a number in \[0.0, 1.0\]; got 1.5"),
+        ("perplexity", {"threshold": 0.5}, r"threshold must be a number >= 1.0; got 0.5"),
+        ("p_true", {"threshold": "high"}, "threshold must be a number"),
     ],
 )
 def test_uncertainty_gate_thresholds_are_checked(name, config, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=rf"^gates\.configs\.{name}\.{message}"):
         make_gate(name, **config)
 
 

@@ -7,11 +7,13 @@ else in the library takes typed arguments.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
@@ -91,6 +93,28 @@ def shipped(path: str, **values: Any) -> Any:
     return cls(**settings, **values)
 
 
+def node_parameters(node: Any) -> set[str]:
+    """The keys a `_target_` node sets and the parameters its class takes (one the YAML leaves at its default)."""
+    values = plain(node) or {}
+    try:
+        params = set(inspect.signature(get_class(str(values.get("_target_")))).parameters)
+    except Exception:  # noqa: BLE001 - a bad _target_ is named by the instantiation itself
+        params = set()
+    return (set(values) | params) - {"_target_", "_partial_", "_convert_", "self"}
+
+
+def built(node: Any, key: str, **kwargs: Any) -> Any:
+    """`instantiate(node, **kwargs)` at the config boundary: the constructor's refusal, Hydra's wrapper taken off,
+    is reported under the node's key (`k must be ...` reads `gate.k must be ...`: `checks.config_key`)."""
+    with checks.config_key(key, node_parameters(node)):
+        try:
+            return instantiate(node, **kwargs, _convert_="all")
+        except InstantiationException as err:
+            if isinstance(err.__cause__, ValueError):
+                raise err.__cause__ from None
+            raise ValueError(str(err.__cause__ or err)) from err
+
+
 # Keys that moved, so that an old command line is told where its key went (not only that it is unknown).
 MOVED = {
     "preferences.max_new_tokens": "rag.max_new_tokens (the utility rule answers with the rag node's settings)",
@@ -102,7 +126,7 @@ MOVED = {
 def settings_from(cls: type[T], node: Any, key: str) -> T:
     """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes, and so are
     missing ones (a settings dataclass has no default for what its YAML node provides: docs/architecture.md,
-    "Settings pattern")."""
+    "Settings pattern"); a value the dataclass refuses is reported under `key` (`checks.config_key`)."""
     values = plain(node) or {}
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
@@ -119,7 +143,8 @@ def settings_from(cls: type[T], node: Any, key: str) -> T:
     missing = sorted(required - set(values))
     if missing:
         raise ValueError(f"{key}: missing key(s) {missing}; compose the group's shipped node (conf/{key}/)")
-    return cls(**values)
+    with checks.config_key(key, fields):  # the dataclass names its field (`top_k`); the user reads `key.top_k`
+        return cls(**values)
 
 
 def run_command(cfg: DictConfig) -> str:

@@ -9,13 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from confrag.cbdr.settings import CBDRNode, CBDRSettings, cbdr_settings
 from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
-from confrag.instantiators import instantiate_list, plain, settings_from
+from confrag.instantiators import built, instantiate_list, node_parameters, plain, settings_from
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
@@ -43,12 +43,11 @@ def probe_recipe(node: DictConfig, monitor: str | None = None, where: str = "") 
     the node's key in the run's config ("probe." in a later task), so that messages name overrides that work."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
     node_key = f"{where}data"
-    instantiate(data_cfg, config_node=node_key, _convert_="all").check_settings()
+    datamodule = built(data_cfg, node_key, config_node=node_key)
+    with checks.config_key(node_key, node_parameters(data_cfg)):  # its checks against the model's config
+        datamodule.check_settings()
     # A throwaway probe of input size 1: its own checks (dropout, lr, ...) run now, not after NQ_Confidence.
-    try:
-        instantiate(model_cfg, input_dim=1, layer=None, _convert_="all")
-    except InstantiationException as err:  # Hydra's wrapper hides the module's own message
-        raise ValueError(f"model: {err.__cause__ or err}") from err
+    built(model_cfg, f"{where}model", input_dim=1, layer=None)
     if model_cfg.get("optimizer") == "lbfgs" and data_cfg.get("batch_size") is not None:
         raise ValueError(
             f"model.optimizer=lbfgs takes whole-split batches: set data.batch_size=null (got {data_cfg.batch_size})"
@@ -74,12 +73,14 @@ def rank_devices(trainer_cfg: DictConfig) -> dict:
 
 def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
-    check_group_size(cfg.data.group_size)
-    for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
-        checks.positive_int(cfg.data[key], f"data.{key}")
-    checks.non_negative_int(cfg.data.num_workers, "data.num_workers")
+    with checks.config_key("data", node_parameters(cfg.data)):
+        check_group_size(cfg.data.group_size)
+        for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
+            checks.positive_int(cfg.data[key], key)
+        checks.non_negative_int(cfg.data.num_workers, "num_workers")
     # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
-    check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
+    with checks.config_key("model", node_parameters(cfg.model)):
+        check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
     return RerankerRecipe(
         make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
@@ -108,7 +109,8 @@ def templates(cfg: DictConfig) -> PromptTemplates:
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
     """Everything the rerank stage is built from; every setting checked here, before anything runs."""
     retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
-    retrieval.check_files()
+    with checks.config_key("retrieval", node_parameters(cfg.retrieval), others=False):  # not a file's own errors
+        retrieval.check_files()
     preferences = settings_from(PreferenceSettings, cfg.preferences, "preferences")
     if preferences.top_k > retrieval.top_n and not retrieval.candidates_path:
         raise ValueError(
@@ -145,6 +147,19 @@ def evaluation_recipe(cfg: DictConfig) -> tuple[RerankRecipe, AnswerSettings, Ev
             "leave preferences.rows_path null here"
         )
     return recipe, recipe.answers, settings_from(EvalSettings, cfg.eval, "eval")
+
+
+def cbdr_recipe(
+    cfg: DictConfig, answers: AnswerSettings, evaluation: EvalSettings, retrieval: RetrievalSettings
+) -> CBDRSettings:
+    """The `cbdr` node (each bad value as `cbdr.<key>`), its K checked against the candidates retrieved."""
+    node = settings_from(CBDRNode, cfg.cbdr, "cbdr")
+    if max(*answers.top_k, node.top_k) > retrieval.top_n and not retrieval.candidates_path:
+        raise ValueError(
+            f"rag.top_k={list(answers.top_k)} / cbdr.top_k={node.top_k} ask for more contexts than the "
+            f"retrieval.top_n={retrieval.top_n} candidates retrieved per question; lower K or raise retrieval.top_n"
+        )
+    return cbdr_settings(node, answers, evaluation)
 
 
 @dataclass(frozen=True)

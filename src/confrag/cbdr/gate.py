@@ -48,7 +48,7 @@ class GateAnswer(NamedTuple):
     confidence: float
 
 
-def check_beta(beta: float, key: str = "cbdr.beta") -> float:
+def check_beta(beta: float, key: str = "beta") -> float:
     hint = "(0 = CBDR off, always retrieve; retrieve iff Conf < beta otherwise)"
     return float(checks.probability(beta, key, numpy=True, hint=hint))
 
@@ -137,8 +137,8 @@ class ConfidenceGate:
     ) -> None:
         check_probe(llm, templates, probe, layer)
         for key, value in (("top_k", top_k), ("max_new_tokens", max_new_tokens)):
-            checks.positive_int(value, f"cbdr.{key}")
-        check_batch_size(batch_size, "cbdr.batch_size")  # or "auto", as generate_greedy takes it
+            checks.positive_int(value, key)
+        check_batch_size(batch_size, "batch_size")  # or "auto", as generate_greedy takes it
         self.llm, self.templates, self.probe = llm, templates, probe
         self.beta = check_beta(beta)
         self.retrieve_fn, self.rerank_fn = retrieve_fn, rerank_fn
@@ -183,7 +183,7 @@ class ConfidenceGate:
             raise ValueError(f"retrieval returned no context for question {question!r}; the RAG path needs one")
         if len(contexts) < self.top_k:
             log.warning(
-                "cbdr.top_k=%d but only %d contexts were retrieved for %r; using them all",
+                "top_k=%d but only %d contexts were retrieved for %r; using them all",
                 self.top_k,
                 len(contexts),
                 question,

@@ -1,7 +1,7 @@
 """The validated settings of CBDR's β analysis (the `cbdr` node), checked with the `rag` and `eval` settings.
 
-Built from plain values (the config nodes as containers) before anything expensive runs: a bad value
-fails at once, named by its key.
+`CBDRNode` is the node as written, checked on construction under each key's own name (the config boundary,
+`recipes.cbdr_recipe`, reports it as `cbdr.<key>`); `CBDRSettings` is what the analysis reads.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from confrag.reranker.systems import check_reranker
 
 @dataclass(frozen=True)
 class CBDRSettings:
-    """The `cbdr` node, checked together with the K of Table 2 and the candidates retrieved."""
+    """The checked `cbdr` node (`CBDRNode`) with what the analysis reads of `rag` and `eval`."""
 
     ks: tuple[int, ...]  # every K answered: rag.top_k plus cbdr.top_k
-    k: int  # cbdr.top_k: the K of the gate, the chosen β and the flips
+    k: int  # top_k: the K of the gate, the chosen β and the flips
     beta: float
     betas: np.ndarray
     table_betas: tuple[float, ...]
@@ -44,55 +44,79 @@ class CBDRSettings:
     gate_batch_size: int | str  # cbdr.batch_size, or "auto"
 
 
-def cbdr_settings(
-    cbdr: dict[str, Any], rag: AnswerSettings, evaluation: EvalSettings, top_n: int, candidates_file: bool
-) -> CBDRSettings:
-    """Every bad value of the `cbdr` node (and its combination with `rag` / `retrieval`), named by its key."""
-    k = checks.positive_int(cbdr["top_k"], "cbdr.top_k")
-    if max(*rag.top_k, k) > top_n and not candidates_file:
-        raise ValueError(
-            f"rag.top_k={list(rag.top_k)} / cbdr.top_k={k} ask for more contexts than the "
-            f"retrieval.top_n={top_n} candidates retrieved per question; lower K or raise retrieval.top_n"
-        )
-    flip_betas = as_list(cbdr.get("flip_betas") or [])
-    flip_betas = tuple(float(b) for b in check_betas(flip_betas, "cbdr.flip_betas")) if flip_betas else ()
-    if len(flip_betas) == 1:
-        raise ValueError(
-            f"cbdr.flip_betas must list at least two thresholds (flips between consecutive ones), or "
-            f"none; got {list(flip_betas)}"
-        )
-    if flip_betas and cbdr["metric"] == "f1":
-        raise ValueError(
-            "cbdr.metric=f1 has no right and wrong answers to count flips with; set cbdr.flip_betas=[] "
-            "or cbdr.metric=has_answer / em"
-        )
-    objective, budget = cbdr["objective"], cbdr.get("retrieval_budget")
-    checks.choice(objective, "cbdr.objective", OBJECTIVES)
-    if objective == "budget" and budget is None:
-        raise ValueError("cbdr.objective=budget needs cbdr.retrieval_budget, a fraction in [0, 1]")
-    if budget is not None:  # checked whatever the objective: a bad value is a typo either way
-        budget = check_beta(budget, "cbdr.retrieval_budget")
-        if objective != "budget":
-            budget = None  # only the budget objective reads it
-    checks.choice(cbdr["metric"], "cbdr.metric", METRICS)
+@dataclass(frozen=True)
+class CBDRNode:
+    """The `cbdr` node as the YAML writes it (conf/cbdr/default.yaml holds the defaults), each value checked
+    under its own name; `instantiators.settings_from(CBDRNode, cfg.cbdr, "cbdr")` reports it as `cbdr.<key>`."""
+
+    reranker: str
+    top_k: int
+    beta: float
+    betas: Any  # a list of thresholds, or null for the default grid by beta_step
+    beta_step: float
+    conf_quantiles: int
+    table_betas: Any
+    objective: str
+    retrieval_budget: float | None
+    metric: str
+    flip_betas: Any
+    flip_examples: int
+    gate_check_questions: int
+    max_new_tokens: int
+    batch_size: int | str
+
+    def __post_init__(self) -> None:
+        checks.positive_int(self.top_k, "top_k")
+        if self.flip_betas:
+            check_betas(as_list(self.flip_betas), "flip_betas")
+        if self.flip_betas and len(as_list(self.flip_betas)) == 1:
+            raise ValueError(
+                f"flip_betas must list at least two thresholds (flips between consecutive ones), or "
+                f"none; got {as_list(self.flip_betas)}"
+            )
+        checks.choice(self.metric, "metric", METRICS)
+        if self.flip_betas and self.metric == "f1":
+            raise ValueError(
+                "metric=f1 has no right and wrong answers to count flips with; set flip_betas=[] "
+                "or metric=has_answer / em"
+            )
+        checks.choice(self.objective, "objective", OBJECTIVES)
+        if self.objective == "budget" and self.retrieval_budget is None:
+            raise ValueError("objective=budget needs retrieval_budget, a fraction in [0, 1]")
+        if self.retrieval_budget is not None:  # checked whatever the objective: a bad value is a typo either way
+            check_beta(self.retrieval_budget, "retrieval_budget")
+        check_beta(self.beta, "beta")
+        beta_grid(self.betas, self.beta_step)
+        check_betas(as_list(self.table_betas), "table_betas")
+        check_reranker(self.reranker, "reranker")
+        for key in ("flip_examples", "gate_check_questions", "conf_quantiles"):
+            checks.non_negative_int(getattr(self, key), key)
+        checks.positive_int(self.max_new_tokens, "max_new_tokens")
+        check_batch_size(self.batch_size, "batch_size")
+
+
+def cbdr_settings(cbdr: CBDRNode, rag: AnswerSettings, evaluation: EvalSettings) -> CBDRSettings:
+    """The checked `cbdr` node with what it takes from `rag` and `eval`; the check of K against the candidates
+    retrieved (three nodes) is the boundary's (`recipes.cbdr_recipe`)."""
+    flip_betas = tuple(float(b) for b in as_list(cbdr.flip_betas)) if cbdr.flip_betas else ()
     return CBDRSettings(
-        ks=tuple(sorted({*rag.top_k, k})),
-        k=k,
-        beta=check_beta(cbdr["beta"], "cbdr.beta"),
-        betas=beta_grid(cbdr.get("betas"), cbdr.get("beta_step")),
-        table_betas=tuple(float(b) for b in check_betas(as_list(cbdr["table_betas"]), "cbdr.table_betas")),
+        ks=tuple(sorted({*rag.top_k, cbdr.top_k})),
+        k=cbdr.top_k,
+        beta=float(cbdr.beta),
+        betas=beta_grid(cbdr.betas, cbdr.beta_step),
+        table_betas=tuple(float(b) for b in as_list(cbdr.table_betas)),
         flip_pairs=tuple(zip(flip_betas, flip_betas[1:])),
-        objective=objective,
-        budget=budget,
-        metric=cbdr["metric"],
+        objective=cbdr.objective,
+        budget=float(cbdr.retrieval_budget) if cbdr.objective == "budget" else None,  # only that objective reads it
+        metric=cbdr.metric,
         eval_metric=evaluation.metric,
         expected_discordance=float(evaluation.expected_discordance),
         base=str(evaluation.base_reranker),
-        reranker=check_reranker(cbdr["reranker"], "cbdr.reranker"),
+        reranker=cbdr.reranker,
         rerankers=evaluation.rerankers,
-        flip_examples=checks.non_negative_int(cbdr["flip_examples"], "cbdr.flip_examples"),
-        gate_check_questions=checks.non_negative_int(cbdr["gate_check_questions"], "cbdr.gate_check_questions"),
-        conf_quantiles=checks.non_negative_int(cbdr["conf_quantiles"], "cbdr.conf_quantiles"),
-        gate_max_new_tokens=checks.positive_int(cbdr.get("max_new_tokens", rag.max_new_tokens), "cbdr.max_new_tokens"),
-        gate_batch_size=check_batch_size(cbdr.get("batch_size", rag.batch_size), "cbdr.batch_size"),
+        flip_examples=cbdr.flip_examples,
+        gate_check_questions=cbdr.gate_check_questions,
+        conf_quantiles=cbdr.conf_quantiles,
+        gate_max_new_tokens=cbdr.max_new_tokens,
+        gate_batch_size=cbdr.batch_size,
     )

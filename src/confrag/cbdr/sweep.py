@@ -32,7 +32,7 @@ def default_beta_grid() -> np.ndarray:
     return np.unique(np.round(np.concatenate([coarse, fine]), 2))
 
 
-def check_betas(betas: Sequence[float] | None, key: str = "cbdr.betas") -> np.ndarray:
+def check_betas(betas: Sequence[float] | None, key: str = "betas") -> np.ndarray:
     if betas is None:
         return default_beta_grid()
     values = [check_beta(b, key) for b in np.atleast_1d(np.asarray(betas, dtype=object)).tolist()]
@@ -42,11 +42,11 @@ def check_betas(betas: Sequence[float] | None, key: str = "cbdr.betas") -> np.nd
 
 
 def beta_grid(betas: Any, step: Any) -> np.ndarray:
-    """`cbdr.betas` when it lists thresholds; else 0 to 0.90 by `cbdr.beta_step`, then 0.90 to 1.00 by 0.01
+    """`betas` when it lists thresholds; else 0 to 0.90 by `step` (the `beta_step` key), then 0.90 to 1.00 by 0.01
     (with step 0.05, the papers' range and `default_beta_grid()`)."""
     if betas is not None:
-        return check_betas(list(betas) if isinstance(betas, (list, tuple)) else [betas], "cbdr.betas")
-    checks.number(step, "cbdr.beta_step", 0, 0.9, low_open=True, hint="(the grid's step below 0.90), or set cbdr.betas")
+        return check_betas(list(betas) if isinstance(betas, (list, tuple)) else [betas], "betas")
+    checks.number(step, "beta_step", 0, 0.9, low_open=True, hint="(the grid's step below 0.90), or set betas")
     coarse = np.arange(0.0, 0.9 - 1e-9, step)
     return np.unique(np.round(np.concatenate([coarse, 0.90 + np.arange(11) * 0.01]), 6))
 
@@ -80,7 +80,7 @@ class SweepData:
         cls, outcomes: Sequence[QuestionOutcome], metric: str = "has_answer", ks: Sequence[int] | None = None
     ) -> SweepData:
         if metric not in METRICS:
-            raise ValueError(f"cbdr.metric={metric!r} is not one of {METRICS}")
+            raise ValueError(f"metric={metric!r} is not one of {METRICS}")
         if not outcomes:
             raise ValueError("the β sweep needs at least one question outcome")
         no_conf = [o.qid for o in outcomes if o.confidence is None]
@@ -184,14 +184,14 @@ def choose_beta(
     retrieval rate is at most `budget` (objective "budget"); ties go to the lower retrieval rate, then the
     smaller β."""
     if objective not in OBJECTIVES:
-        raise ValueError(f"cbdr.objective={objective!r} is not one of {OBJECTIVES}")
+        raise ValueError(f"objective={objective!r} is not one of {OBJECTIVES}")
     result = sweep(dev, betas, [k])
     accuracy, rate = result.accuracy[k], result.retrieval_rate
     feasible = np.ones_like(rate, dtype=bool)
     if objective == "budget":
         if budget is None:
-            raise ValueError("cbdr.objective=budget needs cbdr.retrieval_budget, a fraction in [0, 1]")
-        budget = check_beta(budget, "cbdr.retrieval_budget")
+            raise ValueError("objective=budget needs budget, a fraction in [0, 1]")
+        budget = check_beta(budget, "budget")
         feasible = rate <= budget + 1e-12
         if not feasible.any():
             raise ValueError(
@@ -280,7 +280,7 @@ def flip_analysis(data: SweepData, k: int, beta_a: float, beta_b: float, max_exa
     difference analysis). Examples are the most confident such questions first."""
     if data.metric == "f1":
         raise ValueError("flips need a 0/1 metric (has_answer or em), not f1")
-    beta_a, beta_b = check_beta(beta_a, "cbdr.flip_betas[0]"), check_beta(beta_b, "cbdr.flip_betas[1]")
+    beta_a, beta_b = check_beta(beta_a, "beta_a"), check_beta(beta_b, "beta_b")
     retrieve_a, retrieve_b = should_retrieve(data.confidence, beta_a), should_retrieve(data.confidence, beta_b)
     right_a, right_b = data.correct(k, beta_a).astype(bool), data.correct(k, beta_b).astype(bool)
     by_confidence = np.argsort(-data.confidence, kind="stable")

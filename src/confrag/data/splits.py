@@ -57,7 +57,7 @@ def select_questions(rows: Sequence[QARow], num_questions: int | None, seed: int
             )
         return list(rows)
     if num_questions < 2:
-        raise ValueError(f"data.num_questions must be >= 2 (got {num_questions})")
+        raise ValueError(f"num_questions must be >= 2 (got {num_questions})")
     chosen = np.sort(np.random.default_rng(seed).choice(len(rows), num_questions, replace=False))
     return [rows[i] for i in chosen]
 
@@ -184,7 +184,7 @@ def cross_fit_plan(plan: QuestionPlan, folds: int, seed: int) -> QuestionPlan:
     """`plan` cross-fitted: the preference and held-out questions together (file order kept within each fold),
     split at random into `folds` folds of nearly equal size. The probe's and the base reranker's questions stay
     as `plan_questions` drew them, so the base reranker is the one the plain runs train."""
-    checks.integer(folds, "preferences.cross_fit", 2, describe=CROSS_FIT)
+    checks.integer(folds, "folds", 2, describe=CROSS_FIT)
     order = {r.qid: i for i, r in enumerate([*plan.preference, *plan.held_out])}
     pool = sorted([*plan.preference, *plan.held_out], key=lambda r: order[r.qid])
     if len(pool) < 2 * folds:

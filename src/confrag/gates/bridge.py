@@ -115,18 +115,18 @@ class BridgeGate(Gate):
         seed: int,
     ) -> None:
         # T_Ret and T_LLM lie in [0, 2]; BRIDGE grid-searches both thresholds in [0.1, 2.0].
-        checks.number(alpha, "gate.alpha", 0.0, 2.0)
-        checks.number(beta, "gate.beta", 0.0, 2.0)
+        checks.number(alpha, "alpha", 0.0, 2.0)
+        checks.number(beta, "beta", 0.0, 2.0)
         if beta < alpha:
-            raise ValueError(f"gate.beta={beta} must be >= gate.alpha={alpha} (the retriever needs the higher trust)")
-        checks.number(dense_weight, "gate.dense_weight", 0.0)
-        checks.number(sparse_weight, "gate.sparse_weight", 0.0)
+            raise ValueError(f"beta={beta} must be >= alpha={alpha} (the retriever needs the higher trust)")
+        checks.number(dense_weight, "dense_weight", 0.0)
+        checks.number(sparse_weight, "sparse_weight", 0.0)
         if dense_weight + sparse_weight <= 0:
-            raise ValueError("gate.dense_weight + gate.sparse_weight must be > 0")
-        checks.choice(allocator, "gate.allocator", ALLOCATORS)
-        checks.number(soft_bias_min, "gate.soft_bias_min", 0.0, 0.5)
-        checks.number(soft_bias_max, "gate.soft_bias_max", 0.5, 1.0)
-        checks.integer(seed, "gate.seed")
+            raise ValueError("dense_weight + sparse_weight must be > 0")
+        checks.choice(allocator, "allocator", ALLOCATORS)
+        checks.number(soft_bias_min, "soft_bias_min", 0.0, 0.5)
+        checks.number(soft_bias_max, "soft_bias_max", 0.5, 1.0)
+        checks.integer(seed, "seed")
         super().__init__(
             alpha=alpha,
             beta=beta,

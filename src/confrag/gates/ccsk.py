@@ -175,25 +175,25 @@ class CCSKGate(Gate):
         folds: int,
         seed: int,
     ) -> None:
-        checks.positive_int(k, "gate.k")
-        checks.number(novelty_threshold, "gate.novelty_threshold", -1.0, 1.0)
-        checks.number(rouge_weight, "gate.rouge_weight", 0.0)
-        checks.number(cosine_weight, "gate.cosine_weight", 0.0)
+        checks.positive_int(k, "k")
+        checks.number(novelty_threshold, "novelty_threshold", -1.0, 1.0)
+        checks.number(rouge_weight, "rouge_weight", 0.0)
+        checks.number(cosine_weight, "cosine_weight", 0.0)
         if rouge_weight + cosine_weight <= 0:
-            raise ValueError("gate.rouge_weight + gate.cosine_weight must be > 0")
+            raise ValueError("rouge_weight + cosine_weight must be > 0")
         for key, value in (("tau_pred", tau_pred), ("tau_conf", tau_conf), ("tau_single", tau_single)):
-            checks.number(value, f"gate.{key}", 0.0, 1.0)
-        checks.number(rqm_learning_rate, "gate.rqm_learning_rate", 1e-6, 1.0)
-        checks.integer(rqm_num_leaves, "gate.rqm_num_leaves", 2)
-        checks.positive_int(rqm_max_rounds, "gate.rqm_max_rounds")
-        checks.positive_int(rqm_early_stopping, "gate.rqm_early_stopping")
-        checks.positive_int(heads, "gate.heads")
-        checks.positive_int(hidden, "gate.hidden")
-        checks.number(dropout, "gate.dropout", 0.0, 0.99)
-        checks.positive_int(epochs, "gate.epochs")
-        checks.number(lr, "gate.lr", 1e-8, 1.0)
-        checks.integer(folds, "gate.folds", 2)
-        checks.integer(seed, "gate.seed")
+            checks.number(value, key, 0.0, 1.0)
+        checks.number(rqm_learning_rate, "rqm_learning_rate", 1e-6, 1.0)
+        checks.integer(rqm_num_leaves, "rqm_num_leaves", 2)
+        checks.positive_int(rqm_max_rounds, "rqm_max_rounds")
+        checks.positive_int(rqm_early_stopping, "rqm_early_stopping")
+        checks.positive_int(heads, "heads")
+        checks.positive_int(hidden, "hidden")
+        checks.number(dropout, "dropout", 0.0, 0.99)
+        checks.positive_int(epochs, "epochs")
+        checks.number(lr, "lr", 1e-8, 1.0)
+        checks.integer(folds, "folds", 2)
+        checks.integer(seed, "seed")
         config = dict(
             k=k,
             novelty_threshold=novelty_threshold,
@@ -268,7 +268,7 @@ class CCSKGate(Gate):
     def _train_fusion(self, q: np.ndarray, r: np.ndarray, f: np.ndarray, y: np.ndarray) -> None:
         dim = q.shape[1]
         if dim % self.heads:
-            raise ValueError(f"gate.heads={self.heads} must divide the embedding width {dim}")
+            raise ValueError(f"heads={self.heads} must divide the embedding width {dim}")
         with _one_thread(), torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG
             torch.manual_seed(self.seed)
             module = FusionModule(dim, self.heads, self.hidden, self.dropout)

@@ -38,8 +38,8 @@ def contrastive_prompts(
     unconfident_template: str,
 ) -> tuple[list[str], list[str]]:
     """Paired chat prompts (confident, unconfident) per question, through the model's chat template."""
-    check_template("gate.confident_template", confident_template)
-    check_template("gate.unconfident_template", unconfident_template)
+    check_template("confident_template", confident_template)
+    check_template("unconfident_template", unconfident_template)
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template; set llm.chat_template")
 
@@ -66,13 +66,13 @@ class CtrlAGate(Gate):
     ) -> None:
         # The templates are what the direction is computed from (contrastive_prompts): part of
         # the gate's identity even though decide() only reads the finished direction.
-        checks.number(threshold, "gate.threshold")
-        check_template("gate.confident_template", confident_template)
-        check_template("gate.unconfident_template", unconfident_template)
+        checks.number(threshold, "threshold")
+        check_template("confident_template", confident_template)
+        check_template("unconfident_template", unconfident_template)
         if layers is not None:
-            layers = [int(checks.integer(layer, "gate.layers[]", 0)) for layer in layers]
+            layers = [int(checks.integer(layer, "layers[]", 0)) for layer in layers]
             if not layers:
-                raise ValueError("gate.layers must be null (the direction's layers) or a non-empty list of layers")
+                raise ValueError("layers must be null (the direction's layers) or a non-empty list of layers")
         super().__init__(
             threshold=threshold,
             layers=layers,
@@ -88,8 +88,8 @@ class CtrlAGate(Gate):
         direction = train.confidence_direction
         if self.layers is not None and sorted(direction.layers) != sorted(self.layers):
             raise ValueError(
-                f"gate.layers={self.layers} but the confidence direction was computed at layers "
-                f"{list(direction.layers)}; recompute it at gate.layers"
+                f"layers={self.layers} but the confidence direction was computed at layers "
+                f"{list(direction.layers)}; recompute it at those layers"
             )
         self.direction = direction
 

@@ -57,7 +57,7 @@ class DraginGate(Gate):
 
     def __init__(self, threshold: float) -> None:
         # conf/gate/dragin.yaml's 1.4: the hallucination_threshold of DRAGIN's released configs (Llama2-7b-chat).
-        checks.number(threshold, "gate.threshold", 0.0)
+        checks.number(threshold, "threshold", 0.0)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)
 

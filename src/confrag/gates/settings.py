@@ -1,17 +1,20 @@
 """The validated `gates` node (and `gate=<name>`): which gates run, each gate's `_target_` config, the
 threshold curves, the answer and timing settings. Every gate is built once here, so a bad value fails
-before anything expensive runs, named by its key."""
+before anything expensive runs, named by its key: a gate's constructor names its parameter (`k`), and
+`gate_from_config` puts it under the node the user wrote (`gates.configs.ccsk.k`, or `gate.k` after `gate=ccsk`)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from confrag.gates import GATES, Gate
 from confrag.infra import checks
+from confrag.instantiators import built, node_parameters
 from confrag.rag.stats import BINARY_METRICS
 from confrag.reranker.systems import check_reranker
 
@@ -36,20 +39,33 @@ class GateSettings:
     internal_max_new_tokens: int
     batch_size: int
     n_resamples: int
+    selected: str | None = None  # the gate of `gate=<name>`, whose values the user wrote as `gate.<key>`
+
+    def key(self, name: str) -> str:
+        """The config node gate `name` was built from, as the user wrote it."""
+        return gate_key(name, self.selected)
 
     def build(self, name: str, **overrides: Any) -> Gate:
-        return gate_from_config(name, self.configs[name], **overrides)
+        return gate_from_config(name, self.configs[name], self.key(name), **overrides)
+
+    def fitting(self, name: str) -> AbstractContextManager[None]:
+        """Where gate `name` is fitted: a refusal of one of its parameters (`heads=3 must divide ...`) reads as
+        that node's key; any other error passes as it is."""
+        return checks.config_key(self.key(name), node_parameters(self.configs[name]), others=False)
 
 
-def gate_from_config(name: str, config: dict[str, Any], **overrides: Any) -> Gate:
-    """The gate of `gates.configs.<name>` (with `overrides`); a bad value is reported under that key."""
-    try:
-        gate = instantiate({**config, **overrides}, _convert_="all")
-    except Exception as err:  # Hydra wraps the constructor's ValueError; show the constructor's message
-        raise ValueError(f"gates.configs.{name}: {err.__cause__ or err}") from err
+def gate_key(name: str, selected: str | None = None) -> str:
+    return "gate" if name == selected else f"gates.configs.{name}"
+
+
+def gate_from_config(name: str, config: dict[str, Any], key: str | None = None, **overrides: Any) -> Gate:
+    """The gate of `gates.configs.<name>` (with `overrides`); a bad value is reported under that node's key
+    (`key`: `gate` for the gate of `gate=<name>`)."""
+    key = key or gate_key(name)
+    gate = built({**config, **overrides}, key)
     if not isinstance(gate, Gate):
         raise ValueError(
-            f"gates.configs.{name} builds a {type(gate).__name__}, not a gate; its _target_ must be one "
+            f"{key} builds a {type(gate).__name__}, not a gate; its _target_ must be one "
             f"of {', '.join(f'{c.__module__}.{c.__name__}' for c in GATES.values())}"
         )
     return gate
@@ -88,9 +104,11 @@ def gate_settings(
             "conf/experiment/gates_smollm2.yaml)"
         )
     configs = OmegaConf.to_container(section.configs, resolve=True)
+    selected = None
     names = [str(n) for n in section.names]
     if gate_node is not None:  # `gate=<name>` on the command line: that gate between the two bounds
         name, configs[name] = selected_gate(gate_node, configs)
+        selected = name
         names = list(dict.fromkeys(["always", "never", name]))
     if not names:
         raise ValueError(f"gates.names is empty; available gates: {', '.join(sorted(configs))}")
@@ -102,7 +120,7 @@ def gate_settings(
             )
     if len(set(names)) != len(names):
         raise ValueError(f"gates.names lists a gate twice: {names}")
-    gates = {name: gate_from_config(name, configs[name]) for name in names}
+    gates = {name: gate_from_config(name, configs[name], gate_key(name, selected)) for name in names}
     curves = {}
     curve_section = section.get("curves")
     for name, spec in (OmegaConf.to_container(curve_section, resolve=True) if curve_section else {}).items():
@@ -123,7 +141,7 @@ def gate_settings(
         if values is not None:
             values = tuple(float(v) for v in values)
             for value in values:  # out-of-range thresholds fail here, named by the gate's config key
-                gate_from_config(name, configs[name], **{param: value})
+                gate_from_config(name, configs[name], gate_key(name, selected), **{param: value})
         curves[name] = CurveSpec(param, values)
     top_k = checks.integer(section.top_k, "gates.top_k", 1)
     if top_k > top_n and not candidates_file:
@@ -142,4 +160,5 @@ def gate_settings(
         internal_max_new_tokens=checks.integer(section.internal_max_new_tokens, "gates.internal_max_new_tokens", 1),
         batch_size=checks.integer(section.batch_size, "gates.batch_size", 1),
         n_resamples=checks.integer(section.n_resamples, "gates.n_resamples", 100),
+        selected=selected,
     )

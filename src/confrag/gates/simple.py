@@ -47,7 +47,7 @@ class CBDRGate(Gate):
 
     def __init__(self, beta: float) -> None:
         # The rule and its check are CBDR's own (confrag.cbdr), so this gate and the β sweep agree.
-        self.beta = check_beta(beta, key="gate.beta")
+        self.beta = check_beta(beta)
         super().__init__(beta=beta)
 
     retrieves_below = True

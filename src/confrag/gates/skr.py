@@ -47,8 +47,8 @@ class SKRKnnGate(Gate):
     training_needs = frozenset({"outcomes", "question_embedding"})
 
     def __init__(self, k: int, threshold: float) -> None:
-        checks.positive_int(k, "gate.k")
-        checks.number(threshold, "gate.threshold", 0.0, 1.0)
+        checks.positive_int(k, "k")
+        checks.number(threshold, "threshold", 0.0, 1.0)
         super().__init__(k=k, threshold=threshold)
         self.k = int(k)
         self.threshold = float(threshold)

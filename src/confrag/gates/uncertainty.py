@@ -37,7 +37,7 @@ class UncertaintyGate(Gate):
     threshold_range: ClassVar[tuple[float | None, float | None]] = (None, None)
 
     def __init__(self, threshold: float) -> None:
-        checks.number(threshold, "gate.threshold", *self.threshold_range)
+        checks.number(threshold, "threshold", *self.threshold_range)
         super().__init__(threshold=threshold)
         self.threshold = float(threshold)
 

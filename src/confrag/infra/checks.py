@@ -6,13 +6,22 @@ writing `isinstance(x, bool) or not isinstance(x, int) or x < 1` again (bool is 
 assignment; each raises `ValueError` (or the `error` type a caller names, e.g. a data file's
 `DataFormatError`) with the message `<key> must be <allowed>[ <hint>]; got <value>`.
 
+Who names what (one convention, both halves here): below the config boundary a check names the parameter as the
+Python code knows it (`k must be an integer >= 1; got 0`), never a config key, because the library does not know
+which node of which run built it (the same gate is `gate.k` after `gate=ccsk` and `gates.configs.ccsk.k` in the
+`gates` list). The boundary that builds the object from a config node (`instantiators.settings_from`,
+`gates.settings.gate_from_config`, the recipes) runs the constructor inside `config_key(node_key, parameters)`,
+which re-raises the refusal under the node's key: `gate.k must be an integer >= 1; got 0`.
+
 No Hydra here: plain values in, plain values out, importable from every layer.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+import re
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +188,21 @@ def existing_path(
     return Path(value)
 
 
+class Refusals(ValueError):
+    """Every refusal of a settings object at once (gathered with `collect`): one message, its parts joined by
+    "; ", each put under the node's key on its own by `config_key`."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+def refuse(problems: Sequence[str]) -> None:
+    """Raise the refusals `collect` gathered, if any."""
+    if problems:
+        raise Refusals(problems)
+
+
 def collect(problems: list[str], check: Callable[..., Any], *args: Any, **options: Any) -> Any:
     """`check(*args, **options)`, its refusal appended to `problems` instead of raised: for settings that
     report every bad value at once. Returns what the check returned (None when it refused)."""
@@ -187,3 +211,40 @@ def collect(problems: list[str], check: Callable[..., Any], *args: Any, **option
     except ValueError as err:
         problems.append(str(err))
         return None
+
+
+_LEADING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def keyed(message: str, node_key: str, parameters: Collection[str]) -> str:
+    """A library message under config node `node_key`: one that opens with a parameter's name (`k must be ...`,
+    `top_k=5 asks ...`) reads as the full key (`gate.k must be ...`); any other gets the node as its place
+    (`gate: the confidence direction ...`)."""
+    if message.startswith((f"{node_key}.", f"{node_key}:", f"{node_key}=")):
+        return message  # already under its key (a check written at the boundary)
+    lead = _LEADING_NAME.match(message)
+    if lead and lead.group() in parameters and message[lead.end() : lead.end() + 1] in ("", " ", "=", "[", ".", ":"):
+        return f"{node_key}.{message}"
+    return f"{node_key}: {message}"
+
+
+@contextmanager
+def config_key(node_key: str, parameters: Collection[str], others: bool = True) -> Iterator[None]:
+    """The boundary's half of the convention: a `ValueError` raised inside (a constructor's or a settings
+    dataclass's check) is raised again under `node_key` (see `keyed`), of the same type where that type takes
+    a message alone, chained to the original. `parameters`: the node's keys the code knows by the same name
+    (a dataclass's fields, a constructor's arguments). `others=False`: only a message that opens with a parameter
+    is re-keyed (around a stage's use of a built object, whose other errors are not about its settings)."""
+    try:
+        yield
+    except Refusals as err:
+        raise Refusals([keyed(p, node_key, parameters) for p in err.problems]) from err
+    except ValueError as err:
+        message = keyed(str(err), node_key, parameters)
+        if not others and message.startswith(f"{node_key}: "):
+            raise
+        try:
+            again = type(err)(message)
+        except TypeError:  # an error type whose constructor takes more than the message
+            again = ValueError(message)
+        raise again from err

@@ -57,7 +57,7 @@ def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num
     try:
         extracted = resolve_layers(layers, num_layers)
     except ValueError as err:
-        raise ValueError(f"data.layers={layers!r}: {err}") from None
+        raise (err if str(err).startswith("layers=") else ValueError(f"layers={layers!r}: {err}")) from None
     chosen = num_layers // 2 if layer in (None, "mid") else layer
     if isinstance(chosen, str) and chosen.strip().lstrip("-").isdigit():
         chosen = int(chosen)
@@ -78,14 +78,14 @@ def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num
 
 
 def check_loader_settings(batch_size: Any, num_workers: Any, max_new_tokens: Any) -> None:
-    """`data.batch_size` >= 1 (or null: whole-split batches, for L-BFGS), `data.num_workers` >= 0,
-    `data.max_new_tokens` >= 1, each an integer."""
+    """`batch_size` >= 1 (or null: whole-split batches, for L-BFGS), `num_workers` >= 0, `max_new_tokens` >= 1,
+    each an integer."""
     for key, value, least in (
-        ("data.batch_size", batch_size, 1),
-        ("data.num_workers", num_workers, 0),
-        ("data.max_new_tokens", max_new_tokens, 1),
+        ("batch_size", batch_size, 1),
+        ("num_workers", num_workers, 0),
+        ("max_new_tokens", max_new_tokens, 1),
     ):
-        if key == "data.batch_size" and value is None:
+        if key == "batch_size" and value is None:
             continue
         checks.integer(value, key, least, numpy=True)
 
@@ -137,23 +137,21 @@ class NQConfidenceDataModule(LightningDataModule):
             ("ranking_top_n", ranking_top_n, 2),
             ("ranking_test_questions", ranking_test_questions, 0),
         ):
-            checks.integer(value, f"data.{key}", least, allow_none=True)
+            checks.integer(value, key, least, allow_none=True)
         self.question_splits = question_splits
         self.ranking_top_n, self.ranking_test_questions = ranking_top_n, int(ranking_test_questions or 0)
         self.ranking: dict[str, RankingSet] = {}
         if uses_candidates(train_states):
-            checks.positive_int(
-                candidates_top_n, "data.candidates_top_n", hint=f"with data.train_states={train_states!r}"
-            )
+            checks.positive_int(candidates_top_n, "candidates_top_n", hint=f"with train_states={train_states!r}")
         self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
         # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
         self.extract_compile = extract_compile
-        checks.positive_int(extract_threads, "data.extract_threads", allow_none=True)
+        checks.positive_int(extract_threads, "extract_threads", allow_none=True)
         self.extract_threads = extract_threads
-        self.generation = GreedyOptions.from_mapping(generation, "data.generation")
+        self.generation = GreedyOptions.from_mapping(generation, "generation")
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
-        checks.choice(questions_format, "data.questions_format", QUESTION_FORMAT_CHOICES)
+        checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
         self.nq_path, self.questions_format, self.layer_spec, self.layers = nq_path, questions_format, layer, layers
         self.num_questions, self.train_states = num_questions, train_states
         self.split_sizes, self.balance, self.seed = split_sizes, balance, seed
@@ -175,8 +173,8 @@ class NQConfidenceDataModule(LightningDataModule):
         """Refuse a layer setting the model does not have, from its config alone (no weights are loaded),
         and batch sizes, workers and token counts out of range: before any answer is generated, not after."""
         check_loader_settings(self.batch_size, self.num_workers, self.max_new_tokens)
-        check_batch_size(self.gen_batch_size, "data.gen_batch_size")
-        check_batch_size(self.extract_batch_size, "data.extract_batch_size")
+        check_batch_size(self.gen_batch_size, "gen_batch_size")
+        check_batch_size(self.extract_batch_size, "extract_batch_size")
         probe_layers(self.layer_spec, self.layers, model_num_layers(self.llm_cfg))
 
     def check_gold_paragraphs(self, rows) -> None:
@@ -313,7 +311,8 @@ class NQConfidenceDataModule(LightningDataModule):
 
     def extra_test_rows(self, all_rows, probe_rows) -> list:
         """`ranking_test_questions` seeded questions of the file outside the probe's questions."""
-        outside = held_out(all_rows, probe_rows, "the probe's ranking test", "data.ranking_test_questions")
+        key = f"{self.config_node}.ranking_test_questions"
+        outside = held_out(all_rows, probe_rows, "the probe's ranking test", key)
         extra = select_questions(outside, self.ranking_test_questions, self.seed)
         check_disjoint(extra, {"the probe's questions": probe_rows}, "the ranking test questions")
         return extra

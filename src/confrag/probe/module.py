@@ -31,6 +31,7 @@ from torch import nn
 from torchmetrics import MetricCollection, SumMetric
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryCalibrationError
 
+from confrag.infra import checks
 from confrag.infra.atomic import swapped_in
 from confrag.infra.digests import require_whole_folder, write_folder_digest
 from confrag.infra.finite import require_finite
@@ -223,24 +224,24 @@ CLASS_WEIGHTS = (None, "balanced")
 
 
 def check_probe_settings(**settings: Any) -> None:
-    """Refuse settings no probe trains with, naming the `model.*` key and what is allowed; each setting given is
-    checked (ProbeModule gives them all; the defaults live in conf/model/probe.yaml)."""
+    """Refuse settings no probe trains with, naming the parameter (the config boundary adds the node: `model.lr`)
+    and what is allowed; each setting given is checked (ProbeModule gives them all; the defaults live in
+    conf/model/probe.yaml)."""
     rules = {
         "input_dim": (lambda v: v is None or v >= 1, "input_dim must be >= 1 (got {v})"),
-        "dropout": (lambda v: 0.0 <= float(v) < 1.0, "model.dropout must be in [0, 1) (got {v})"),
-        "lr": (lambda v: float(v) > 0, "model.lr must be > 0 (got {v})"),
-        "weight_decay": (lambda v: float(v) >= 0, "model.weight_decay must be >= 0 (got {v})"),
-        "l2": (lambda v: float(v) >= 0, "model.l2 must be >= 0 (got {v})"),
-        "optimizer": (lambda v: v in OPTIMIZERS, "model.optimizer={v!r} is not one of " + str(tuple(OPTIMIZERS))),
-        "class_weight": (lambda v: v in CLASS_WEIGHTS, "model.class_weight={v!r} is not one of " + str(CLASS_WEIGHTS)),
+        "dropout": (lambda v: 0.0 <= float(v) < 1.0, "dropout must be in [0, 1) (got {v})"),
+        "lr": (lambda v: float(v) > 0, "lr must be > 0 (got {v})"),
+        "weight_decay": (lambda v: float(v) >= 0, "weight_decay must be >= 0 (got {v})"),
+        "l2": (lambda v: float(v) >= 0, "l2 must be >= 0 (got {v})"),
+        "optimizer": (lambda v: v in OPTIMIZERS, "optimizer={v!r} is not one of " + str(tuple(OPTIMIZERS))),
+        "class_weight": (lambda v: v in CLASS_WEIGHTS, "class_weight={v!r} is not one of " + str(CLASS_WEIGHTS)),
     }
     problems = [
         message.format(v=settings[key])
         for key, (ok, message) in rules.items()
         if key in settings and not ok(settings[key])
     ]
-    if problems:
-        raise ValueError("probe: " + "; ".join(problems))
+    checks.refuse(problems)  # each under the node's key at the boundary (`model.lr`)
 
 
 # --- saved probes ------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def resolve_layers(spec: str | int | Sequence[int], num_layers: int) -> list[int
     if isinstance(spec, (int, np.integer)):
         spec = [int(spec)]
     if isinstance(spec, str):
-        raise ValueError(f"data.layers={spec!r}: use 'all', 'mid', an integer or a list of integers")
+        raise ValueError(f"layers={spec!r}: use 'all', 'mid', an integer or a list of integers")
     return validate_layers(list(spec), num_layers)
 
 
@@ -220,11 +220,11 @@ def build_confidence_data(
     kinds = kinds_of(train_states, 0 if pairs_only(train_states) else num_candidates)
     if uses_candidates(train_states) and num_candidates == 0:
         raise ValueError(
-            f"data.train_states={train_states!r} needs retrieved candidates for every question "
-            "(data.candidates_top_n >= 1)"
+            f"{config_node}.train_states={train_states!r} needs retrieved candidates for every question "
+            f"({config_node}.candidates_top_n >= 1)"
         )
-    sizes = check_splits(settings.split_sizes or PAPER_SPLIT_SIZES, "data.split_sizes")
-    proportions = check_splits(settings.question_splits or sizes, "data.question_splits")
+    sizes = check_splits(settings.split_sizes or PAPER_SPLIT_SIZES, f"{config_node}.split_sizes")
+    proportions = check_splits(settings.question_splits or sizes, f"{config_node}.question_splits")
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}

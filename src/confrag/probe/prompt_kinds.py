@@ -33,7 +33,7 @@ def pairs_only(train_states: str) -> bool:
 def kinds_of(train_states: str, num_candidates: int) -> tuple[str, ...]:
     """The prompt kinds of a `train_states` option; `+candidates` adds one kind per retrieved candidate."""
     if train_states not in TRAIN_STATES:
-        raise ValueError(f"data.train_states={train_states!r} is not one of {tuple(TRAIN_STATES)}")
+        raise ValueError(f"train_states={train_states!r} is not one of {tuple(TRAIN_STATES)}")
     extra = tuple(f"{CANDIDATE_KIND}{j}" for j in range(num_candidates)) if uses_candidates(train_states) else ()
     return TRAIN_STATES[train_states] + extra
 

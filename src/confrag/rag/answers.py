@@ -98,10 +98,10 @@ class AnswerStore:
         generation: GreedyOptions | None = None,
         truncate_passages: bool = False,
     ) -> None:
-        self.truncate_passages = checks.flag(truncate_passages, "rag.truncate_passages")
+        self.truncate_passages = checks.flag(truncate_passages, "truncate_passages")
         for key, value in (("max_new_tokens", max_new_tokens), ("chunk_size", chunk_size)):
-            checks.positive_int(value, f"rag.{key}")
-        check_batch_size(batch_size, "rag.batch_size")
+            checks.positive_int(value, key)
+        check_batch_size(batch_size, "batch_size")
         self.generation = generation or GreedyOptions()
         self.llm, self.templates = llm, templates
         self.root = Path(cache_dir)

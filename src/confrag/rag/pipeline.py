@@ -84,12 +84,12 @@ class RagRun:
     capped: dict[int, int] = field(default_factory=dict)  # K -> questions with fewer than K candidates
 
 
-def check_ks(ks: Sequence[int]) -> tuple[int, ...]:
+def check_ks(ks: Sequence[int], key: str = "ks") -> tuple[int, ...]:
     if isinstance(ks, int):
         ks = (ks,)
     bad = [k for k in ks if not checks.is_integer(k, numpy=True) or k < 1]
     if not ks or bad:
-        raise ValueError(f"rag.top_k must be a non-empty list of integers >= 1 (e.g. [1, 3]); got {list(ks)!r}")
+        raise ValueError(f"{key} must be a non-empty list of integers >= 1 (e.g. [1, 3]); got {list(ks)!r}")
     return tuple(sorted({int(k) for k in ks}))
 
 

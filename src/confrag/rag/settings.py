@@ -1,7 +1,7 @@
 """The validated settings of end-to-end evaluation (`rag`, `eval`), shared by the cbdr and gates tasks.
 
 Built from plain values (the config nodes as containers) before anything expensive runs: a bad value
-fails at once, named by its key.
+fails at once, named by its field; `instantiators.settings_from` reports it under the node's key (`rag.top_k`).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ class AnswerSettings:
     truncate_passages: bool  # a RAG prompt longer than the context: refused (false) or its passages cut
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "top_k", check_ks(as_list(self.top_k)))
+        object.__setattr__(self, "top_k", check_ks(as_list(self.top_k), "top_k"))
         for key in ("max_new_tokens", "chunk_size"):
-            checks.positive_int(getattr(self, key), f"rag.{key}")
+            checks.positive_int(getattr(self, key), key)
         for key in ("batch_size", "extract_batch_size"):  # or "auto": from free device memory
-            check_batch_size(getattr(self, key), f"rag.{key}")
-        checks.flag(self.truncate_passages, "rag.truncate_passages")
+            check_batch_size(getattr(self, key), key)
+        checks.flag(self.truncate_passages, "truncate_passages")
         if not isinstance(self.generation, GreedyOptions):
-            object.__setattr__(self, "generation", GreedyOptions.from_mapping(self.generation, "rag.generation"))
+            object.__setattr__(self, "generation", GreedyOptions.from_mapping(self.generation, "generation"))
 
     def store(self, llm: Any, templates: Any, cache_dir: Any, progress: bool = True) -> AnswerStore:
         """The answer cache these settings describe, for `llm` (a LoadedLLM) and its prompt templates."""
@@ -76,22 +76,22 @@ class EvalSettings:
     expected_discordance: float  # the design's discordance for Table 2's detectable difference (fixed beforehand)
 
     def __post_init__(self) -> None:
-        checks.choice(self.metric, "eval.metric", BINARY_METRICS, hint="(the tests need 0/1 outcomes)")
+        checks.choice(self.metric, "metric", BINARY_METRICS, hint="(the tests need 0/1 outcomes)")
         checks.fraction(
             self.dev_fraction,
-            "eval.dev_fraction",
+            "dev_fraction",
             hint="(the share of evaluation questions used to choose β, or to fit the gates)",
         )
         checks.existing_path(self.nq_path, "eval.nq_path", allow_none=True, hint="(a JSONL of NQ-format questions)")
-        checks.integer(self.num_questions, "eval.num_questions", 2, allow_none=True)
-        checks.integer(self.hotpotqa_num_questions, "eval.hotpotqa_num_questions", 2, allow_none=True)
-        checks.integer(self.n_resamples, "eval.n_resamples", 100)
+        checks.integer(self.num_questions, "num_questions", 2, allow_none=True)
+        checks.integer(self.hotpotqa_num_questions, "hotpotqa_num_questions", 2, allow_none=True)
+        checks.integer(self.n_resamples, "n_resamples", 100)
         if not 0 < self.expected_discordance <= 1:
             raise ValueError(
-                f"eval.expected_discordance must be in (0, 1] (the share of questions a row and the base are "
+                f"expected_discordance must be in (0, 1] (the share of questions a row and the base are "
                 f"expected to disagree on); got {self.expected_discordance!r}"
             )
-        check_reranker(self.base_reranker, "eval.base_reranker")
+        check_reranker(self.base_reranker, "base_reranker")
         if self.rerankers is not None:
-            ids = tuple(check_reranker(r, f"eval.rerankers[{i}]") for i, r in enumerate(self.rerankers))
+            ids = tuple(check_reranker(r, f"rerankers[{i}]") for i, r in enumerate(self.rerankers))
             object.__setattr__(self, "rerankers", ids)

@@ -185,11 +185,9 @@ def table2_rows(
     power, comes from the design (`expected_discordance`, fixed before the run), not from the row's own observed
     discordance, which would make a row that barely moves look well powered."""
     if metric not in BINARY_METRICS:
-        raise ValueError(f"eval.metric={metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)")
+        raise ValueError(f"metric={metric!r} is not one of {BINARY_METRICS} (the tests need 0/1 outcomes)")
     if not any(reranker == base_reranker for _, reranker, _ in runs):
-        raise ValueError(
-            f"eval.base_reranker={base_reranker!r} names no run; rerankers: {sorted({r for _, r, _ in runs})}"
-        )
+        raise ValueError(f"base_reranker={base_reranker!r} names no run; rerankers: {sorted({r for _, r, _ in runs})}")
     rows = []
     for (llm, reranker, dataset), outcomes in runs.items():
         where = f"run ({llm}, {reranker}, {dataset})"

@@ -40,7 +40,7 @@ from confrag.reranker.rows import RowSource, candidate_lists, load_rows, validat
 def check_group_size(group_size: int) -> int:
     if isinstance(group_size, bool) or int(group_size) != group_size or group_size < 2:
         raise ValueError(
-            f"data.group_size must be an integer >= 2 (one positive and at least one negative); got {group_size!r}"
+            f"group_size must be an integer >= 2 (one positive and at least one negative); got {group_size!r}"
         )
     return int(group_size)
 
@@ -130,12 +130,12 @@ class PreferenceDataModule(LightningDataModule):
         self.encode = self.kind.encode
         self.sources = {"train": train, "val": val, "test": test}
         self.tokenizer_name = tokenizer
-        self.query_max_len = checks.positive_int(query_max_len, "data.query_max_len")
-        self.passage_max_len = checks.positive_int(passage_max_len, "data.passage_max_len")
-        self.batch_size = checks.positive_int(batch_size, "data.batch_size")
-        self.eval_batch_size = checks.positive_int(eval_batch_size, "data.eval_batch_size")
+        self.query_max_len = checks.positive_int(query_max_len, "query_max_len")
+        self.passage_max_len = checks.positive_int(passage_max_len, "passage_max_len")
+        self.batch_size = checks.positive_int(batch_size, "batch_size")
+        self.eval_batch_size = checks.positive_int(eval_batch_size, "eval_batch_size")
         self.group_size = check_group_size(group_size)
-        checks.non_negative_int(num_workers, "data.num_workers")
+        checks.non_negative_int(num_workers, "num_workers")
         self.num_workers, self.seed = num_workers, seed
         self.rows: dict[str, list[dict]] = {}
         self.truncation: dict[str, dict[str, int]] = {}

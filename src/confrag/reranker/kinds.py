@@ -69,7 +69,7 @@ class RerankerKind(ABC):
 
     def _no_head(self, fresh_head: bool, why: str) -> None:
         if fresh_head:
-            raise ValueError(f"model.fresh_head must be false with model.kind={self.id} ({why}) (got {fresh_head!r})")
+            raise ValueError(f"fresh_head must be false with kind={self.id} ({why}) (got {fresh_head!r})")
 
     def lora_settings(self, lora: dict[str, Any]) -> dict[str, Any]:
         """peft.LoraConfig fields for this kind's model, from the user's `model.lora`."""
@@ -97,9 +97,9 @@ def register_kind(cls: type[RerankerKind]) -> type[RerankerKind]:
 
 
 def reranker_kind(kind: str) -> RerankerKind:
-    """The registered kind of `model.kind`; anything else is refused, naming the choices."""
+    """The registered kind of `kind` (the `model.kind` key); anything else is refused, naming the choices."""
     if kind not in KINDS:
-        raise ValueError(f"model.kind must be one of {', '.join(KINDS)} (got {kind!r})")
+        raise ValueError(f"kind must be one of {', '.join(KINDS)} (got {kind!r})")
     return KINDS[kind]
 
 

@@ -13,7 +13,7 @@ def select_by_sign(inc: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
     """Indices of the top-K contexts with Inc > 0 (largest first) and with Inc < 0 (smallest first).
     Ties keep the retrieval order."""
     if top_k < 1:
-        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
+        raise ValueError(f"top_k must be >= 1 (got {top_k})")
     order_pos = sorted((i for i in range(len(inc)) if inc[i] > 0), key=lambda i: -inc[i])
     order_neg = sorted((i for i in range(len(inc)) if inc[i] < 0), key=lambda i: inc[i])
     return order_pos[:top_k], order_neg[:top_k]
@@ -23,7 +23,7 @@ def select_by_rank(conf: np.ndarray, top_k: int) -> tuple[list[int], list[int]]:
     """Indices of the K highest Conf(Q + Ci) (highest first) and the K lowest (lowest first), at most half of
     the candidates each so that no context is on both sides. Ties keep the retrieval order."""
     if top_k < 1:
-        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
+        raise ValueError(f"top_k must be >= 1 (got {top_k})")
     k = min(top_k, len(conf) // 2)
     order = sorted(range(len(conf)), key=lambda i: -conf[i])
     low = sorted(range(len(conf)), key=lambda i: conf[i])
@@ -34,7 +34,7 @@ def select_by_utility(correct: Sequence[bool], top_k: int) -> tuple[list[int], l
     """Indices of the first K candidates under which the LLM answered correctly, and the first K under
     which it did not (retrieval order)."""
     if top_k < 1:
-        raise ValueError(f"preferences.top_k must be >= 1 (got {top_k})")
+        raise ValueError(f"top_k must be >= 1 (got {top_k})")
     return ([i for i, ok in enumerate(correct) if ok][:top_k], [i for i, ok in enumerate(correct) if not ok][:top_k])
 
 
@@ -75,9 +75,9 @@ SELECTIONS = tuple(RULES)
 
 def check_selection(selection: str, utility: Sequence[np.ndarray] | None = None) -> str:
     if selection not in RULES:
-        raise ValueError(f"preferences.selection={selection!r} is not one of {SELECTIONS}")
+        raise ValueError(f"selection={selection!r} is not one of {SELECTIONS}")
     if RULES[selection].needs_answers and utility is None:
-        raise ValueError(f"preferences.selection={selection} needs the LLM's answer under every candidate (utility)")
+        raise ValueError(f"selection={selection} needs the LLM's answer under every candidate (utility)")
     return selection
 
 
@@ -86,5 +86,5 @@ def select(
 ) -> tuple[list[int], list[int]]:
     """One question's (pos, neg) indices under a rule (see the module docstring)."""
     if selection not in RULES:
-        raise ValueError(f"preferences.selection={selection!r} is not one of {SELECTIONS}")
+        raise ValueError(f"selection={selection!r} is not one of {SELECTIONS}")
     return RULES[selection].pick(inc, conf, correct, top_k)

@@ -28,7 +28,7 @@ def _check_groups(scores: torch.Tensor) -> None:
 
 def group_infonce(scores: torch.Tensor, temperature: float) -> torch.Tensor:
     """Mean cross-entropy of scores / τ with the positive at index 0 of each group."""
-    tau = _check_temperature(temperature, "model.tau")
+    tau = _check_temperature(temperature, "temperature")
     _check_groups(scores)
     target = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
     return F.cross_entropy(scores.float() / tau, target)
@@ -43,8 +43,10 @@ def distillation_kl(
     differences of probabilities (|Inc| ≤ 1, typically a few hundredths), so with τ_t = τ = 1 the
     teacher is almost uniform and the term pulls the student towards indifference; a small
     `teacher_temperature` (model.distill_tau) sharpens it. The teacher gets no gradient."""
-    tau = _check_temperature(temperature, "model.tau")
-    tau_t = _check_temperature(temperature if teacher_temperature is None else teacher_temperature, "model.distill_tau")
+    tau = _check_temperature(temperature, "temperature")
+    tau_t = _check_temperature(
+        temperature if teacher_temperature is None else teacher_temperature, "teacher_temperature"
+    )
     _check_groups(scores)
     if teacher_scores.shape != scores.shape:
         raise ValueError(

@@ -91,23 +91,24 @@ def _check_settings(
 ) -> None:
     reranker_kind(kind).check(fresh_head)
     allowed = "a model folder, a Hugging Face id or `minilm` (the embedded all-MiniLM-L6-v2)"
-    _check(isinstance(backbone, str) and bool(backbone), "model.backbone", allowed, backbone)
-    _check(tau > 0, "model.tau", "> 0", tau)
-    _check(lr > 0, "model.lr", "> 0", lr)
-    _check(weight_decay >= 0, "model.weight_decay", ">= 0", weight_decay)
-    _check(0 <= warmup_ratio < 1, "model.warmup_ratio", "in [0, 1)", warmup_ratio)
-    _check(distill_weight >= 0, "model.distill_weight", ">= 0", distill_weight)
-    _check(distill_tau is None or distill_tau > 0, "model.distill_tau", "null or > 0", distill_tau)
-    _check(lora is None or isinstance(lora, dict), "model.lora", "null or a mapping of peft.LoraConfig fields", lora)
+    _check(isinstance(backbone, str) and bool(backbone), "backbone", allowed, backbone)
+    _check(tau > 0, "tau", "> 0", tau)
+    _check(lr > 0, "lr", "> 0", lr)
+    _check(weight_decay >= 0, "weight_decay", ">= 0", weight_decay)
+    _check(0 <= warmup_ratio < 1, "warmup_ratio", "in [0, 1)", warmup_ratio)
+    _check(distill_weight >= 0, "distill_weight", ">= 0", distill_weight)
+    _check(distill_tau is None or distill_tau > 0, "distill_tau", "null or > 0", distill_tau)
+    _check(lora is None or isinstance(lora, dict), "lora", "null or a mapping of peft.LoraConfig fields", lora)
 
 
 def check_settings(**settings: Any) -> None:
-    """RerankerModule's checks of its `model.*` settings, without loading the backbone: what a task runs before
-    any stage. A setting the node lacks (the YAML holds every default) is named."""
+    """RerankerModule's checks of its settings, each named as its parameter (the task's check reports it under
+    `model.`), without loading the backbone: what a task runs before any stage. A setting the node lacks (the YAML
+    holds every default) is named."""
     try:
         bound = inspect.signature(RerankerModule.__init__).bind(None, **settings)
     except TypeError as err:
-        raise ValueError(f"model: {err}; compose a shipped model node (conf/model/reranker_*.yaml)") from None
+        raise ValueError(f"{err}; compose a shipped model node (conf/model/reranker_*.yaml)") from None
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     _check_settings(**{k: arguments[k] for k in inspect.signature(_check_settings).parameters})

@@ -131,7 +131,7 @@ def labelled(
     """Per question: its candidates, the Inc of each against `reference`, and the rule's (pos, neg) indices;
     the one loop the rows and the gold-placement diagnostic both read, so they cannot label differently."""
     if reference not in REFERENCES:
-        raise ValueError(f"preferences.reference={reference!r} is not one of {REFERENCES}")
+        raise ValueError(f"reference={reference!r} is not one of {REFERENCES}")
     check_selection(selection, utility)
     for i, cs in enumerate(candidate_sets):
         inc = shifts.candidates[i] - shifts.reference[reference][i]
@@ -295,7 +295,7 @@ def relevance_rows(candidate_sets: Sequence[Candidates], qids: set[str], top_k: 
 
 def split_by_question(rows: list[dict], test_fraction: float, seed: int) -> dict[str, list[dict]]:
     if not 0 < test_fraction < 1:
-        raise ValueError(f"preferences.test_fraction must be in (0, 1) (got {test_fraction})")
+        raise ValueError(f"test_fraction must be in (0, 1) (got {test_fraction})")
     qids = sorted({r["qid"] for r in rows})
     rng = np.random.default_rng(seed)
     test = set(rng.permutation(qids)[: round(len(qids) * test_fraction)].tolist())

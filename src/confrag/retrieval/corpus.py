@@ -112,10 +112,10 @@ def document_text(passage: CorpusPassage) -> str:
     return f"{passage.title}\n{passage.text}" if passage.title else passage.text
 
 
-def check_words_per_passage(words_per_passage: int | None) -> None:
+def check_words_per_passage(words_per_passage: int | None, key: str = "words_per_passage") -> None:
     """A positive integer, or None (each document one passage, as given)."""
     if words_per_passage is not None:
-        checks.positive_int(words_per_passage, "retrieval.words_per_passage", hint="(or null: passages as given)")
+        checks.positive_int(words_per_passage, key, hint="(or null: passages as given)")
 
 
 def split_passages(
@@ -204,7 +204,7 @@ def iter_documents(path: str | os.PathLike[str], corpus_format: str = "auto") ->
 def located_documents(path: str | os.PathLike[str], corpus_format: str = "auto") -> Iterator[tuple[str, str, str, str]]:
     """(position, id, title, text) of every document (`iter_documents`), the position as errors name it
     ("line N" of a JSONL file, "row N" of a parquet file)."""
-    checks.choice(corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
+    checks.choice(corpus_format, "corpus_format", CORPUS_FORMAT_CHOICES)
     path = Path(path)
     if not path.is_file():
         reason = "is a directory, not a file" if path.is_dir() else "not found"

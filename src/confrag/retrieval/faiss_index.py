@@ -54,7 +54,7 @@ INDEX_FILES = (_INDEX_FILE, _META_FILE)  # what `save` writes beside the folder 
 def choose_index_kind(count: int, requested: str = "auto") -> str:
     """`exact` (numpy), `flat` or `ivf` (FAISS) for a corpus of `count` passages; `auto` decides by size."""
     if requested not in DENSE_INDEX_KINDS:
-        raise ValueError(f"retrieval.dense_index={requested!r} is not one of {DENSE_INDEX_KINDS}")
+        raise ValueError(f"dense_index={requested!r} is not one of {DENSE_INDEX_KINDS}")
     if requested != "auto":
         return requested
     if count <= EXACT_MAX_PASSAGES:

@@ -168,7 +168,7 @@ def _flashrag_lists(path: Path) -> list[RankedList]:
 
 def read_ranked_lists(path: str | Path, candidates_format: str = "auto") -> list[RankedList]:
     """Every question's ranked ids of a `flashrag` or `ranked_ids` file, checked as read."""
-    checks.choice(candidates_format, "retrieval.candidates_format", CANDIDATES_FORMATS)
+    checks.choice(candidates_format, "candidates_format", CANDIDATES_FORMATS)
     path = Path(path)
     if not path.is_file():
         raise DataFormatError(f"candidates file {path} not found; set it with retrieval.candidates_path")

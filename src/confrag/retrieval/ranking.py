@@ -10,7 +10,7 @@ Hits = list[tuple[int, float]]
 
 
 def check_top_n(top_n: int) -> None:
-    checks.positive_int(top_n, "retrieval.top_n")
+    checks.positive_int(top_n, "top_n")
 
 
 def top_n_hits(scores: np.ndarray, top_n: int) -> Hits:

@@ -56,10 +56,10 @@ class BaseRerankerSettings:
 
     def __post_init__(self) -> None:
         for key, minimum in (("negatives", 1), ("negatives_top_n", 2), ("max_epochs", 1)):
-            checks.integer(getattr(self, key), f"base_reranker.{key}", minimum)
-        checks.number(self.lr, "base_reranker.lr", 0, low_open=True, allow_none=True)
-        checks.number(self.warmup_ratio, "base_reranker.warmup_ratio", 0, 1, high_open=True, allow_none=True)
-        checks.integer(self.num_questions, "base_reranker.num_questions", 2, allow_none=True)
+            checks.integer(getattr(self, key), key, minimum)
+        checks.number(self.lr, "lr", 0, low_open=True, allow_none=True)
+        checks.number(self.warmup_ratio, "warmup_ratio", 0, 1, high_open=True, allow_none=True)
+        checks.integer(self.num_questions, "num_questions", 2, allow_none=True)
 
 
 @dataclass

@@ -94,7 +94,8 @@ def run_gates(
         gate = gates[name] if gates is not None else settings.build(name)
         train = training_data(gate, evaluation, settings)
         start = time.perf_counter()
-        gate.fit(train)
+        with settings.fitting(name):
+            gate.fit(train)
         fits[name] = {
             "split": None if train is None else train.split,
             "qids": [] if train is None else list(train.signals.qids),
@@ -128,7 +129,8 @@ def threshold_curves(evaluation: GateEvaluation, settings: GateSettings, results
             closed_book, rag = correct_of(evaluation.test_outcomes[condition], settings.metric, settings.top_k)
             values = spec.values or quantile_grid(base.threshold_scores(signals), settings.curve_points)
             for value in values:
-                gate = settings.build(name, **{spec.param: value}).fit(train)
+                with settings.fitting(name):
+                    gate = settings.build(name, **{spec.param: value}).fit(train)
                 decided = gate.decide(signals)
                 correct = score_decisions(decided, closed_book, rag)
                 points.append(

@@ -89,23 +89,20 @@ class PreferenceSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(self.compare or ()))
         problems = []
-        collect(problems, checks.choice, self.reference, "preferences.reference", REFERENCES)
-        collect(problems, checks.choice, self.confidence, "preferences.confidence", tuple(CONFIDENCE_SOURCES))
-        for key, rule in [("preferences.selection", self.selection)] + [
-            ("preferences.compare", r) for r in self.compare
-        ]:
+        collect(problems, checks.choice, self.reference, "reference", REFERENCES)
+        collect(problems, checks.choice, self.confidence, "confidence", tuple(CONFIDENCE_SOURCES))
+        for key, rule in [("selection", self.selection)] + [("compare", r) for r in self.compare]:
             collect(problems, checks.choice, rule, key, tuple(RULES))
-        collect(problems, checks.positive_int, self.top_k, "preferences.top_k")
+        collect(problems, checks.positive_int, self.top_k, "top_k")
         # or "auto": from free device memory
-        collect(problems, check_batch_size, self.extract_batch_size, "preferences.extract_batch_size")
-        collect(problems, checks.integer, self.cross_fit, "preferences.cross_fit", 2, also=(0,), describe=CROSS_FIT)
-        collect(problems, checks.choice, self.teacher, "preferences.teacher", tuple(TEACHERS))
-        collect(problems, checks.choice, self.select_on, "preferences.select_on", SELECT_ON)
+        collect(problems, check_batch_size, self.extract_batch_size, "extract_batch_size")
+        collect(problems, checks.integer, self.cross_fit, "cross_fit", 2, also=(0,), describe=CROSS_FIT)
+        collect(problems, checks.choice, self.teacher, "teacher", tuple(TEACHERS))
+        collect(problems, checks.choice, self.select_on, "select_on", SELECT_ON)
         for key in ("dev_fraction", "test_fraction"):
-            collect(problems, checks.fraction, getattr(self, key), f"preferences.{key}")
-        collect(problems, checks.flag, self.mix_relevance, "preferences.mix_relevance")
-        if problems:
-            raise ValueError("; ".join(problems))
+            collect(problems, checks.fraction, getattr(self, key), key)
+        collect(problems, checks.flag, self.mix_relevance, "mix_relevance")
+        checks.refuse(problems)
 
     @property
     def needs_answers(self) -> bool:

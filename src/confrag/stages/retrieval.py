@@ -100,22 +100,20 @@ class RetrievalSettings:
 
     def __post_init__(self) -> None:
         problems = []
-        collect(problems, checks.choice, self.retriever, "retrieval.retriever", RETRIEVERS)
-        collect(problems, checks.integer, self.top_n, "retrieval.top_n", 2, hint="(candidates per question)")
-        collect(problems, checks.choice, self.questions_format, "retrieval.questions_format", QUESTION_FORMAT_CHOICES)
-        collect(problems, checks.choice, self.corpus_format, "retrieval.corpus_format", CORPUS_FORMAT_CHOICES)
-        collect(problems, checks.choice, self.dense_index, "retrieval.dense_index", DENSE_INDEX_KINDS)
+        collect(problems, checks.choice, self.retriever, "retriever", RETRIEVERS)
+        collect(problems, checks.integer, self.top_n, "top_n", 2, hint="(candidates per question)")
+        collect(problems, checks.choice, self.questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
+        collect(problems, checks.choice, self.corpus_format, "corpus_format", CORPUS_FORMAT_CHOICES)
+        collect(problems, checks.choice, self.dense_index, "dense_index", DENSE_INDEX_KINDS)
         collect(problems, check_words_per_passage, self.words_per_passage)
-        collect(problems, checks.choice, self.candidates_format, "retrieval.candidates_format", CANDIDATES_FORMATS)
-        collect(problems, checks.positive_int, self.max_passage_tokens, "retrieval.max_passage_tokens", allow_none=True)
-        collect(problems, checks.flag, self.cut_passages, "retrieval.cut_passages")
+        collect(problems, checks.choice, self.candidates_format, "candidates_format", CANDIDATES_FORMATS)
+        collect(problems, checks.positive_int, self.max_passage_tokens, "max_passage_tokens", allow_none=True)
+        collect(problems, checks.flag, self.cut_passages, "cut_passages")
         if self.dense_encoder and not self.dense_index_path:
             problems.append(
-                "retrieval.dense_encoder names the encoder of a prebuilt FAISS index: set retrieval.dense_index_path "
-                "to that index file too"
+                "dense_encoder names the encoder of a prebuilt FAISS index: set dense_index_path to that index file too"
             )
-        if problems:
-            raise ValueError("; ".join(problems))
+        checks.refuse(problems)
 
     @property
     def candidates_kind(self) -> str | None:
@@ -138,8 +136,8 @@ class RetrievalSettings:
         if self.dense_encoder:
             if self.words_per_passage is not None:
                 raise ValueError(
-                    "retrieval.dense_encoder (a prebuilt FAISS index: vector i is document i of the corpus) needs "
-                    "the corpus's documents as given: set retrieval.words_per_passage=null "
+                    "dense_encoder (a prebuilt FAISS index: vector i is document i of the corpus) needs "
+                    "the corpus's documents as given: set words_per_passage=null "
                     f"(got {self.words_per_passage})"
                 )
             index = read_index_header(self.dense_index_path)

@@ -17,14 +17,14 @@ from omegaconf import DictConfig
 
 from confrag.cbdr import ConfidenceGate
 from confrag.cbdr.analysis import cbdr_results
-from confrag.cbdr.settings import CBDRSettings, cbdr_settings
+from confrag.cbdr.settings import CBDRSettings
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.run_context import RunContext
 from confrag.infra.timing import StageTimer
-from confrag.instantiators import config_yaml, plain, question_set_label, run_context, task_loggers
+from confrag.instantiators import config_yaml, question_set_label, run_context, task_loggers
 from confrag.llm.loading import load_llm
 from confrag.rag.settings import AnswerSettings, EvalSettings
-from confrag.recipes import evaluation_recipe, templates
+from confrag.recipes import cbdr_recipe, evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
 from confrag.stages.evaluation import (
@@ -50,9 +50,7 @@ class Checked:
 def check(cfg: DictConfig) -> Checked:
     """The rerank stage's settings and the task's own (`rag`, `eval`, `cbdr`), before anything runs."""
     recipe, answers, evaluation = evaluation_recipe(cfg)
-    settings = cbdr_settings(
-        plain(cfg.cbdr), answers, evaluation, recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
-    )
+    settings = cbdr_recipe(cfg, answers, evaluation, recipe.retrieval)
     check_chosen_rows(settings, planned_rows(recipe))  # a row this run does not build: refused before it runs
     check_recipe_questions(recipe, evaluation, int(cfg.seed))  # the question budget, the evaluation file's overlap
     return Checked(recipe, answers, evaluation, settings)
