@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
-from confrag.instantiators import instantiate_list, plain, settings_from
+from confrag.instantiators import instantiate_list, plain, renamed_in, renamed_keys, settings_from
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
@@ -43,6 +43,7 @@ def probe_recipe(node: DictConfig, monitor: str | None = None, where: str = "") 
     the node's key in the run's config ("probe." in a later task), so that messages name overrides that work."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
     node_key = f"{where}data"
+    renamed_in(data_cfg, node_key)  # `data.nq_path` -> `data.questions_path` (a task's check has done it already)
     instantiate(data_cfg, config_node=node_key, _convert_="all").check_settings()
     # A throwaway probe of input size 1: its own checks (dropout, lr, ...) run now, not after NQ_Confidence.
     try:
@@ -106,7 +107,9 @@ def templates(cfg: DictConfig) -> PromptTemplates:
 
 
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
-    """Everything the rerank stage is built from; every setting checked here, before anything runs."""
+    """Everything the rerank stage is built from; every setting checked here, before anything runs. Renamed keys
+    set under their old names are read into the new ones first (`renamed_keys`: in `cfg` itself)."""
+    renamed_keys(cfg)
     retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
     retrieval.check_files()
     preferences = settings_from(PreferenceSettings, cfg.preferences, "preferences")
