@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from scipy.stats import binomtest
 from sklearn.metrics import roc_auc_score
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.data.qa_metrics import has_answer
 from confrag.infra.paths import default_cache_dir
 from confrag.llm.hidden_states import HiddenStateEngine
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--closed-book", type=int, default=300)
     args = parser.parse_args()
     start = time.time()
-    rows = load_nq_jsonl(default_nq_path(), limit=args.rag + args.closed_book)
+    rows = load_questions_jsonl(default_questions_path(), limit=args.rag + args.closed_book)
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
     cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml")) | {"cache_dir": None}
     found = {}

@@ -27,14 +27,14 @@ import torch
 from omegaconf import OmegaConf
 
 from confrag.cbdr.gate import ConfidenceGate
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.instantiators import shipped
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe, load_probe
 from confrag.retrieval.bm25 import BM25Retriever
-from confrag.retrieval.corpus import corpus_from_nq
+from confrag.retrieval.corpus import corpus_from_gold_paragraphs
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_BETA, RETRIEVE_BETA = 1e-6, 1.0
@@ -86,9 +86,9 @@ def main() -> None:
 
     llm = load_llm(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml")) | {"cache_dir": None})
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
-    all_rows = load_nq_jsonl(default_nq_path())
+    all_rows = load_questions_jsonl(default_questions_path())
     questions = [row.question for row in all_rows[: args.questions]]
-    corpus = corpus_from_nq(all_rows)
+    corpus = corpus_from_gold_paragraphs(all_rows)
     bm25 = BM25Retriever(corpus)
     retrieve = lambda q: [corpus.passages[i] for i, _ in bm25.search([q], args.top_k)[0]]  # noqa: E731
     probe = load_probe(args.probe) if args.probe else seeded_probe(llm, templates)

@@ -159,11 +159,11 @@ def converted_model(repeats: int) -> None:
 def bm25_indexes(repeats: int, synthetic: int) -> None:
     import bm25s
 
-    from confrag.data.nq import default_nq_path, load_nq_jsonl
-    from confrag.retrieval import BM25Retriever, corpus_from_nq
+    from confrag.data.nq import default_questions_path, load_questions_jsonl
+    from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs
     from confrag.retrieval.corpus import Corpus, CorpusPassage, passages_fingerprint
 
-    nq = corpus_from_nq(load_nq_jsonl(default_nq_path()), words_per_passage=100)
+    nq = corpus_from_gold_paragraphs(load_questions_jsonl(default_questions_path()), words_per_passage=100)
     words = np.array(" ".join(p.text for p in nq.passages).split())
     rng = np.random.default_rng(0)
     passages = [

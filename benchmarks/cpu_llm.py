@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.data.qa_metrics import has_answer
 from confrag.llm.generation import GreedyOptions, generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length
@@ -81,7 +81,7 @@ def main() -> None:
     llms = {dtype: load_llm(cfg | {"dtype": dtype}) for dtype in ("float32", "bfloat16")}
     tok = llms["float32"].tokenizer
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
-    rows = load_nq_jsonl(default_nq_path(), limit=args.prompts)
+    rows = load_questions_jsonl(default_questions_path(), limit=args.prompts)
     prompts = [templates.rag_prompt(tok, r.question, r.contexts[:1]) for r in rows]
     answers = [r.answers[:3] for r in rows]
     ids = encode_prompts(tok, prompts)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length, naive_hidden_states
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates, encode_prompts
@@ -64,7 +64,7 @@ def main() -> None:
 
     llm = load_llm(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml")) | {"cache_dir": None})
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
-    rows = load_nq_jsonl(default_nq_path(), limit=args.prompts)
+    rows = load_questions_jsonl(default_questions_path(), limit=args.prompts)
     prompts = [templates.rag_prompt(llm.tokenizer, row.question, row.contexts[:1]) for row in rows]
     ids = encode_prompts(llm.tokenizer, prompts)
     tokens = sum(len(seq) for seq in ids)

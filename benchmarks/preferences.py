@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.infra.sharded import ShardedCache
 from confrag.instantiators import shipped
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
@@ -35,7 +35,7 @@ from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates, encode_prompts
 from confrag.probe.module import SavedProbe
 from confrag.reranker.preferences import ConfidenceShifts, build_rows, confidence_shifts
-from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
+from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrieve_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,8 +74,8 @@ def main() -> None:
 
     llm = load_llm(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml")) | {"cache_dir": None})
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
-    all_rows = load_nq_jsonl(default_nq_path())
-    corpus = corpus_from_nq(all_rows)
+    all_rows = load_questions_jsonl(default_questions_path())
+    corpus = corpus_from_gold_paragraphs(all_rows)
     candidates = retrieve_candidates(all_rows[: args.questions], corpus, BM25Retriever(corpus), top_n=args.top_n)
     torch.manual_seed(0)
     module = shipped("model/probe.yaml", input_dim=llm.model.config.hidden_size, layer=args.layer)

@@ -17,7 +17,7 @@ import time
 import torch
 from lightning import Trainer
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.instantiators import shipped
 from confrag.reranker.loss import group_infonce
 from confrag.reranker.module import RerankerModule, build_optimizer
@@ -26,7 +26,7 @@ from confrag.retrieval.corpus import document_text, split_passages
 
 def nq_rows(count: int, negatives: int) -> list[dict]:
     """Preference-shaped rows from real NQ paragraphs (first ~100-word passage of each)."""
-    rows = load_nq_jsonl(default_nq_path(), limit=count + negatives)
+    rows = load_questions_jsonl(default_questions_path(), limit=count + negatives)
     texts = [document_text(split_passages(r.contexts[0].title, r.contexts[0].text, r.qid)[0]) for r in rows]
     return [
         {

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
@@ -44,7 +44,7 @@ def main() -> None:
     cfg.cache_dir = None  # the default cache (CONFRAG_CACHE or <repo>/.cache), not the unresolved ${paths.model_dir}
     llm = load_llm(OmegaConf.to_container(cfg))
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "prompts" / "paper.yaml")))
-    rows = load_nq_jsonl(default_nq_path(), limit=args.prompts)
+    rows = load_questions_jsonl(default_questions_path(), limit=args.prompts)
     prompts = [templates.qa_prompt(llm.tokenizer, row.question) for row in rows]
     layer = llm.mid_layer
     print(f"{args.llm}, {len(prompts)} QA prompts, layer {layer}, torch {torch.__version__}")

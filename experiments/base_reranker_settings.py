@@ -27,7 +27,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from confrag.data.nq import load_nq_jsonl
+from confrag.data.nq import load_questions_jsonl
 from confrag.infra.paths import register_resolvers
 from confrag.instantiators import run_context
 from confrag.recipes import rerank_recipe
@@ -79,7 +79,7 @@ def main() -> None:
         cfg.paths.output_dir = str(Path(args.cache) / "runs")
     recipe, ctx = rerank_recipe(cfg), run_context(cfg)
     retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir)
-    rows = load_nq_jsonl(cfg.probe.data.nq_path)
+    rows = load_questions_jsonl(cfg.probe.data.questions_path)
     order = np.random.default_rng(args.seed).permutation(len(rows))
     evaluated, _ = question_candidates(retrieval, [rows[i] for i in order[:150]], top_n=8)
     evaluated = [c for c in evaluated if any(c.from_gold)]  # the own paragraph among the candidates

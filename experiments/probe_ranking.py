@@ -20,16 +20,24 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from confrag.infra.paths import register_resolvers
+from confrag.instantiators import renamed_keys
 from confrag.probe.module import load_probe
 from confrag.probe.ranking import gold_rank
 from confrag.rag.stats import accuracy_ci, holm, mcnemar_exact
 
-SAME_QUESTIONS = ("num_questions", "seed", "nq_path", "ranking_top_n", "ranking_test_questions", "words_per_passage")
+SAME_QUESTIONS = (
+    "num_questions",
+    "seed",
+    "questions_path",
+    "ranking_top_n",
+    "ranking_test_questions",
+    "words_per_passage",
+)
 
 
 def heldout_set(run: Path):
     """The run's held-out ranking questions with their candidates' states (from the cache)."""
-    cfg = OmegaConf.load(run / "config_resolved.yaml")
+    cfg = renamed_keys(OmegaConf.load(run / "config_resolved.yaml"), warn=False)  # a run saved as data.nq_path too
     datamodule = instantiate(cfg.data, _convert_="all")
     if not datamodule.ranking_test_questions:
         raise SystemExit(f"{run}: data.ranking_test_questions is 0, so it has no held-out ranking questions")
@@ -45,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     register_resolvers()
     cfg, ranking = heldout_set(args.runs[0])
     for run in args.runs[1:]:
-        other = OmegaConf.load(run / "config_resolved.yaml")
+        other = renamed_keys(OmegaConf.load(run / "config_resolved.yaml"), warn=False)
         differ = [k for k in SAME_QUESTIONS if other.data.get(k) != cfg.data.get(k)]
         if differ:
             raise SystemExit(f"{run}: other held-out questions than {args.runs[0]} (data.{', data.'.join(differ)})")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 
@@ -101,4 +101,4 @@ def templates() -> PromptTemplates:
 
 @pytest.fixture(scope="session")
 def nq_rows():
-    return load_nq_jsonl(default_nq_path(), limit=64)
+    return load_questions_jsonl(default_questions_path(), limit=64)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 import confrag.probe.nq_confidence as nq_confidence
 import confrag.rag.answers as answers
-from confrag.data.nq import load_nq_jsonl
+from confrag.data.nq import load_questions_jsonl
 from confrag.infra.distributed import rank_info
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.loading import load_llm
@@ -45,13 +45,13 @@ def counting(stage: str, fn, counter: str):
 
 
 def main() -> None:
-    root, out, cache, nq_path, counter = sys.argv[1:6]
+    root, out, cache, questions_path, counter = sys.argv[1:6]
     info = rank_info()
     nq_confidence.generate_greedy = counting("nq_confidence", nq_confidence.generate_greedy, counter)
     answers.generate_greedy = counting("answers", answers.generate_greedy, counter)
     llm = load_llm(dict(name="tiny_llama", source="tiny", device="rank", tiny=TINY))
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(Path(root) / "conf/prompts/paper.yaml")))
-    rows = load_nq_jsonl(nq_path, limit=NUM_ROWS)
+    rows = load_questions_jsonl(questions_path, limit=NUM_ROWS)
 
     settings = nq_confidence.ConfidenceDataSettings(
         layers=[1, 2], train_states="qa+rag", max_new_tokens=8, gen_batch_size=4, extract_batch_size=3

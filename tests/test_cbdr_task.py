@@ -15,7 +15,7 @@ from omegaconf import open_dict
 
 from confrag.cbdr import SweepData, default_beta_grid
 from confrag.cbdr.analysis import cbdr_results
-from confrag.data.nq import load_nq_jsonl
+from confrag.data.nq import load_questions_jsonl
 from confrag.data.splits import plan_questions, select_questions, split_dev_test
 from confrag.probe.module import ProbeMismatchError, SavedProbe
 from confrag.rag import QuestionOutcome, load_outcomes_jsonl
@@ -105,7 +105,10 @@ def test_the_rows_planned_at_check_time_are_the_rows_the_run_built(first):
 def test_evaluation_questions_are_held_out_and_split(first):
     cfg = first.cfg
     probe_qids = {
-        r.qid for r in select_questions(load_nq_jsonl(cfg.probe.data.nq_path), cfg.probe.data.num_questions, cfg.seed)
+        r.qid
+        for r in select_questions(
+            load_questions_jsonl(cfg.probe.data.questions_path), cfg.probe.data.num_questions, cfg.seed
+        )
     }
     dev, test = set(first.record["eval"]["dev"]), set(first.record["eval"]["test"])
     assert len(dev) + len(test) == cfg.eval.num_questions and not dev & test
@@ -265,10 +268,10 @@ def test_a_reranker_that_is_not_a_known_id_is_refused_at_check_time(override, ke
 
 def test_evaluation_needs_questions_the_probe_did_not_use(tmp_path):
     cfg = compose_cfg(TINY, tmp_path)
-    everything = load_nq_jsonl(cfg.probe.data.nq_path)
+    everything = load_questions_jsonl(cfg.probe.data.questions_path)
     with pytest.raises(ValueError, match=r"lower probe\.data\.num_questions"):
-        plan_questions(everything, everything, 10, 10, cfg.seed, cfg.probe.data.nq_path)
-    rows = load_nq_jsonl(cfg.probe.data.nq_path, limit=40)
+        plan_questions(everything, everything, 10, 10, cfg.seed, cfg.probe.data.questions_path)
+    rows = load_questions_jsonl(cfg.probe.data.questions_path, limit=40)
     split = split_dev_test(rows, 0.25, seed=3)
     assert (len(split["dev"]), len(split["test"])) == (10, 30) and split == split_dev_test(rows, 0.25, seed=3)
     assert {r.qid for r in split["dev"]} | {r.qid for r in split["test"]} == {r.qid for r in rows}

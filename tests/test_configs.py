@@ -227,8 +227,8 @@ def test_probe_layer_out_of_range_lists_the_valid_range(tmp_path):
 
 @pytest.mark.task
 def test_missing_nq_file_names_the_path_and_the_setting(tmp_path):
-    cfg = compose_cfg(["+experiment=probe_tiny_llama", f"paths.nq_path={tmp_path}/missing.jsonl"], tmp_path)
-    with pytest.raises(Exception, match=r"missing\.jsonl[\s\S]*paths\.nq_path"):
+    cfg = compose_cfg(["+experiment=probe_tiny_llama", f"paths.questions_path={tmp_path}/missing.jsonl"], tmp_path)
+    with pytest.raises(Exception, match=r"missing\.jsonl[\s\S]*paths\.questions_path"):
         run_task(cfg)
 
 

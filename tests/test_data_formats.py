@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from confrag.data.nq import DataFormatError, QARow, load_nq_jsonl, rows_from_hf
+from confrag.data.nq import DataFormatError, QARow, load_questions_jsonl, rows_from_hf
 from confrag.retrieval.corpus import iter_documents, iter_passages, load_corpus_jsonl
 from confrag.stages.retrieval import RetrievalSettings, build_retrieval
 
@@ -60,9 +60,9 @@ WRITERS = {"jsonl": write_jsonl, "parquet": write_parquet}
 @pytest.mark.parametrize(("records", "fmt"), [(FLASHRAG_QUESTIONS, "flashrag"), (CONFRAG_QUESTIONS, "confrag")])
 def test_both_question_formats_read_the_same_rows(tmp_path: Path, suffix: str, records: list, fmt: str) -> None:
     path = WRITERS[suffix](tmp_path / f"q.{suffix}", records)
-    assert load_nq_jsonl(path) == EXPECTED_ROWS  # auto
-    assert load_nq_jsonl(path, questions_format=fmt) == EXPECTED_ROWS
-    assert load_nq_jsonl(path, limit=1, questions_format=fmt) == EXPECTED_ROWS[:1]
+    assert load_questions_jsonl(path) == EXPECTED_ROWS  # auto
+    assert load_questions_jsonl(path, questions_format=fmt) == EXPECTED_ROWS
+    assert load_questions_jsonl(path, limit=1, questions_format=fmt) == EXPECTED_ROWS[:1]
 
 
 def test_in_memory_records_in_either_format() -> None:
@@ -74,7 +74,7 @@ def test_in_memory_records_in_either_format() -> None:
 def test_a_question_file_in_neither_format_names_both_and_the_line(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "q.jsonl", [{"query": "who?", "answer_list": ["me"]}, FLASHRAG_QUESTIONS[0]])
     with pytest.raises(DataFormatError) as info:
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
     message = str(info.value)
     assert message.startswith(f"{path}, line 1: ")
     assert '{"question", "answers", "ctxs"}' in message and '{"id", "question", "golden_answers"}' in message
@@ -84,27 +84,27 @@ def test_a_question_file_in_neither_format_names_both_and_the_line(tmp_path: Pat
 def test_a_row_outside_the_detected_format_names_it_and_where_it_was_detected(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "q.jsonl", [FLASHRAG_QUESTIONS[0], CONFRAG_QUESTIONS[1]])
     with pytest.raises(DataFormatError, match=r'line 2: missing field "golden_answers".*format flashrag .*line 1'):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
     # Named explicitly, a file in the other format fails on its first line, the format named.
     with pytest.raises(DataFormatError, match=r'line 1: missing field "answers".*questions_format=confrag'):
-        load_nq_jsonl(write_jsonl(tmp_path / "f.jsonl", FLASHRAG_QUESTIONS), questions_format="confrag")
+        load_questions_jsonl(write_jsonl(tmp_path / "f.jsonl", FLASHRAG_QUESTIONS), questions_format="confrag")
 
 
 def test_bad_parquet_rows_are_named_by_row(tmp_path: Path) -> None:
     records = [FLASHRAG_QUESTIONS[0], {**FLASHRAG_QUESTIONS[1], "golden_answers": []}]
     path = write_parquet(tmp_path / "q.parquet", records)
     with pytest.raises(DataFormatError, match=re.escape(f"{path}, row 2: ") + r'field "golden_answers" must be'):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
     broken = tmp_path / "broken.parquet"
     broken.write_text("not parquet")
     with pytest.raises(DataFormatError, match="not a readable parquet file"):
-        load_nq_jsonl(broken)
+        load_questions_jsonl(broken)
 
 
 def test_unknown_question_format_value_is_refused(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "q.jsonl", FLASHRAG_QUESTIONS)
     with pytest.raises(ValueError, match=r"questions_format='dpr' is not one of \('auto', 'confrag', 'flashrag'\)"):
-        load_nq_jsonl(path, questions_format="dpr")
+        load_questions_jsonl(path, questions_format="dpr")
 
 
 # ---------------------------------------------------------------- corpora
@@ -154,7 +154,7 @@ def test_flashrag_questions_over_a_flashrag_corpus_retrieve(tmp_path: Path) -> N
     settings = shipped_settings(
         RetrievalSettings,
         "retrieval",
-        nq_path=str(write_jsonl(tmp_path / "q.jsonl", FLASHRAG_QUESTIONS)),
+        questions_path=str(write_jsonl(tmp_path / "q.jsonl", FLASHRAG_QUESTIONS)),
         corpus_path=str(write_jsonl(tmp_path / "c.jsonl", FLASHRAG_CORPUS)),
         retriever="bm25",
         top_n=2,
@@ -165,7 +165,7 @@ def test_flashrag_questions_over_a_flashrag_corpus_retrieve(tmp_path: Path) -> N
     best = retrieval.bm25.search(["capital city of Italy"], top_n=2)[0][0][0]
     assert retrieval.corpus.passages[best].source_id == "1"
     with pytest.raises(ValueError, match=r"retrieval.corpus_format='tsv' is not one of"):
-        shipped_settings(RetrievalSettings, "retrieval", nq_path="q.jsonl", corpus_format="tsv")
+        shipped_settings(RetrievalSettings, "retrieval", questions_path="q.jsonl", corpus_format="tsv")
 
 
 # ---------------------------------------------------------------- dataset configs
@@ -173,7 +173,7 @@ def test_flashrag_questions_over_a_flashrag_corpus_retrieve(tmp_path: Path) -> N
 
 def test_the_default_dataset_is_the_shared_nq_sample(tmp_path: Path) -> None:
     cfg = compose_cfg(["+experiment=probe_tiny_llama"], tmp_path)
-    assert cfg.dataset.name == "nq" and cfg.data.nq_path == cfg.paths.nq_path
+    assert cfg.dataset.name == "nq" and cfg.data.questions_path == cfg.paths.questions_path
     assert cfg.data.questions_format == "auto"
 
 
@@ -185,7 +185,7 @@ def test_dataset_configs_point_every_task_at_the_users_files(tmp_path: Path, nam
     overrides = [f"dataset={name}", f"paths.data_dir={tmp_path}/data", f"paths.corpus_path={tmp_path}/wiki.jsonl"]
     cfg = compose_cfg(["+experiment=cbdr_tiny_llama", *overrides], tmp_path)
     if split is not None:
-        assert cfg.probe.data.nq_path == cfg.retrieval.nq_path == f"{tmp_path}/data/{name}/{split}.jsonl"
+        assert cfg.probe.data.questions_path == cfg.retrieval.questions_path == f"{tmp_path}/data/{name}/{split}.jsonl"
         assert cfg.retrieval.corpus_path == f"{tmp_path}/wiki.jsonl"
         assert cfg.probe.data.questions_format == cfg.retrieval.questions_format == "flashrag"
     assert cfg.retrieval.corpus_format == "auto"
@@ -199,7 +199,7 @@ def test_reports_name_where_the_candidates_come_from() -> None:
 
     from helpers.settings import shipped_settings
 
-    settings = shipped_settings(RetrievalSettings, "retrieval", nq_path="q.jsonl", corpus_path=None)
+    settings = shipped_settings(RetrievalSettings, "retrieval", questions_path="q.jsonl", corpus_path=None)
     assert settings.source == "the NQ paragraphs"
     assert replace(settings, corpus_path="/data/wiki/my_corpus.jsonl").source == "the corpus my_corpus.jsonl"
     assert replace(settings, candidates_path="/x/cands.jsonl").source == "the candidates file cands.jsonl"
@@ -218,6 +218,6 @@ def test_an_empty_parquet_file_is_named_as_empty(tmp_path: Path) -> None:
     pq.write_table(pa.table({"question": pa.array([], pa.string())}), no_rows)
     for path, what in ((blank, r"the file is empty \(0 bytes\)"), (no_rows, r"the parquet file is empty \(0 rows\)")):
         with pytest.raises(DataFormatError, match=re.escape(str(path)) + ": " + what):
-            load_nq_jsonl(path)
+            load_questions_jsonl(path)
         with pytest.raises(DataFormatError, match=what):
             validate_corpus_jsonl(path)

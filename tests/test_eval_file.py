@@ -1,4 +1,4 @@
-"""Evaluation questions from a file of their own (`eval.nq_path`): disjoint from every training pool."""
+"""Evaluation questions from a file of their own (`eval.questions_path`): disjoint from every training pool."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def test_an_eval_file_sharing_a_training_question_is_refused(nq_rows, tmp_path):
 def test_a_missing_eval_file_is_refused_in_the_settings(tmp_path):
     with pytest.raises(
         ValueError,
-        match="eval.nq_path must be an existing file or null .a JSONL of NQ-format questions.; got '.*nope.jsonl'",
+        match=r"eval.questions_path must be an existing file or null .a question file: \.jsonl, .*; got '.*nope.jsonl'",
     ):
-        shipped_settings(EvalSettings, "eval", nq_path=str(tmp_path / "nope.jsonl"))
+        shipped_settings(EvalSettings, "eval", questions_path=str(tmp_path / "nope.jsonl"))
 
 
 NEW_QUESTIONS = [  # made-up facts: no NQ paragraph holds them, so only their own paragraphs can
@@ -86,8 +86,9 @@ def write_records(path, records):
 
 
 def test_the_evaluation_files_paragraphs_join_the_corpus_and_its_ids_never_collide(nq_rows, tmp_path):
-    """With eval.nq_path, the file's gold paragraphs were never in the corpus (retrieved for 0 % of its questions)
-    and a file without ids got the NQ file's qids (nq-00000...), so "own paragraph" was another question's."""
+    """With eval.questions_path, the file's gold paragraphs were never in the corpus (retrieved for 0 % of its
+    questions) and a file without ids got the NQ file's qids (nq-00000...), so "own paragraph" was another
+    question's."""
     from dataclasses import asdict
 
     from confrag.reports.rerank import retrieval_line
@@ -108,7 +109,7 @@ def test_the_evaluation_files_paragraphs_join_the_corpus_and_its_ids_never_colli
     )
     new_file = write_records(tmp_path / "new.jsonl.gz", new_question_rows(nq_rows))
     settings = shipped_settings(
-        RetrievalSettings, "retrieval", nq_path=nq_file, eval_questions_path=new_file, bi_encoder=False, top_n=5
+        RetrievalSettings, "retrieval", questions_path=nq_file, eval_questions_path=new_file, bi_encoder=False, top_n=5
     )
     assert shipped_settings(RetrievalSettings, "retrieval").eval_questions_path is None  # no eval node: none
     retrieval = build_retrieval(settings, tmp_path / "cache")
@@ -128,7 +129,8 @@ def test_the_evaluation_files_paragraphs_join_the_corpus_and_its_ids_never_colli
     assert candidates[3].gold_source == retrieval.corpus.gold_source_of[nq_rows[50].qid]  # the shared paragraph
     # Without the file, the same questions find no paragraph of theirs (the issue's 0 %).
     plain = build_retrieval(
-        shipped_settings(RetrievalSettings, "retrieval", nq_path=nq_file, bi_encoder=False, top_n=5), tmp_path / "cache"
+        shipped_settings(RetrievalSettings, "retrieval", questions_path=nq_file, bi_encoder=False, top_n=5),
+        tmp_path / "cache",
     )
     assert question_candidates(plain, rows[:3])[1]["gold_retrieved"] == 0.0
     line = retrieval_line({**stats, "eval_file": retrieval.joined})

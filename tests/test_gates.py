@@ -40,7 +40,7 @@ from confrag.gates.signals import (
 )
 from confrag.llm.hidden_states import naive_hidden_states
 from confrag.llm.prompts import encode_prompts
-from confrag.retrieval import DenseRetriever, corpus_from_nq
+from confrag.retrieval import DenseRetriever, corpus_from_gold_paragraphs
 
 from helpers.gates import SHIPPED_GATES, make_gate, shipped_config
 
@@ -572,7 +572,7 @@ def test_sparse_matcher_is_a_bounded_lexical_match():
 @pytest.fixture(scope="module")
 def minilm():
     # The pipeline's dense retriever is the encoder; its corpus does not matter here.
-    corpus = corpus_from_nq([QARow("q0", "a question", ("an answer",), (Passage("t", "a passage"),))])
+    corpus = corpus_from_gold_paragraphs([QARow("q0", "a question", ("an answer",), (Passage("t", "a passage"),))])
     return DenseRetriever(corpus, progress=False, device="cpu")
 
 

@@ -196,7 +196,7 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
 def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
     from dataclasses import asdict
 
-    common = dict(llm=dict(name="tiny_llama", source="tiny"), prompts=asdict(templates), nq_path="unused.jsonl")
+    common = dict(llm=dict(name="tiny_llama", source="tiny"), prompts=asdict(templates), questions_path="unused.jsonl")
     module = confidence_data(
         **common,
         extract_batch_size="auto",

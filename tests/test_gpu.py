@@ -24,7 +24,7 @@ from confrag.rag import load_outcomes_jsonl
 from confrag.recipes import reranker_recipe
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.systems import BI_ENCODER, confidence_ft
-from confrag.retrieval import DenseRetriever, corpus_from_nq
+from confrag.retrieval import DenseRetriever, corpus_from_gold_paragraphs
 from confrag.stages.rerankers import load_reranker
 from confrag.train import run_task
 
@@ -168,7 +168,7 @@ def test_bf16_states_on_cuda_match_the_cpu(prompt_sets):
 
 def test_dense_index_on_cuda_matches_the_cpu(nq_rows):
     """The bi-encoder picks the GPU by itself whenever there is one: its index must not depend on that."""
-    corpus = corpus_from_nq(nq_rows)
+    corpus = corpus_from_gold_paragraphs(nq_rows)
     on_cuda = DenseRetriever(corpus, device="cuda", progress=False)
     assert on_cuda.model.device.type == "cuda"
     on_cpu = DenseRetriever(corpus, device="cpu", progress=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from confrag.data import DataFormatError, Passage, QARow, hotpotqa_rows_from_records, load_hotpotqa
-from confrag.retrieval.corpus import corpus_from_nq
+from confrag.retrieval.corpus import corpus_from_gold_paragraphs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 OFFICIAL = FIXTURES / "hotpotqa_distractor_sample.json"
@@ -56,7 +56,7 @@ def test_hf_rows_equal_official_rows_in_files_and_in_memory(tmp_path):
 def test_limit_and_corpus_from_gold_paragraphs():
     rows = load_hotpotqa(OFFICIAL, limit=2)
     assert len(rows) == 2 and all(isinstance(row, QARow) for row in rows)
-    corpus = corpus_from_nq(rows)  # the gold paragraphs form a retrieval pool like NQ's
+    corpus = corpus_from_gold_paragraphs(rows)  # the gold paragraphs form a retrieval pool like NQ's
     assert {p.title for p in corpus.passages} == {"Harbour at Dusk", "Elsworth Mill", "Tarrow Bridge", "Pellin Viaduct"}
 
 

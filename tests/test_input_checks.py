@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import confrag.llm.loading as loading_module
 import confrag.probe.datamodule as datamodule_module
-from confrag.data import DataFormatError, default_nq_path, load_nq_jsonl
+from confrag.data import DataFormatError, default_questions_path, load_questions_jsonl
 from confrag.data.splits import select_questions
 from confrag.infra.atomic import CacheReadOnlyError
 from confrag.llm.context import PromptLimit, PromptTooLongError, fit_questions
@@ -32,12 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = tiny_llm_config("llama")
 
 
-def datamodule(tmp_path, nq_path, **overrides) -> NQConfidenceDataModule:
+def datamodule(tmp_path, questions_path, **overrides) -> NQConfidenceDataModule:
     prompts = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "prompts" / "paper.yaml"))
     settings = dict(
         llm=TINY,
         prompts=prompts,
-        nq_path=str(nq_path),
+        questions_path=str(questions_path),
         layer="mid",
         layers="all",
         num_questions=None,
@@ -67,7 +67,7 @@ def test_an_empty_nq_file_is_named_as_empty(tmp_path, content):
     path = tmp_path / "nq.jsonl"
     path.write_bytes(content)
     with pytest.raises(DataFormatError, match=rf"{path} is empty \(no rows\)"):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
 
 
 def test_an_empty_nq_file_fails_the_probe_stage_by_name_before_the_llm(tmp_path, monkeypatch):
@@ -78,7 +78,7 @@ def test_an_empty_nq_file_fails_the_probe_stage_by_name_before_the_llm(tmp_path,
 
 
 def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, caplog):
-    rows = load_nq_jsonl(default_nq_path(), limit=6)
+    rows = load_questions_jsonl(default_questions_path(), limit=6)
     with caplog.at_level(logging.WARNING, logger="confrag.data.splits"):
         assert select_questions(rows, 5000, seed=0) == rows
     assert "num_questions=5000 asks for more questions than the data holds: using all 6" in caplog.text
@@ -153,7 +153,7 @@ def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_
 )
 def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, monkeypatch, layer, layers, message):
     nothing_expensive(monkeypatch)
-    module = datamodule(tmp_path, default_nq_path(), layer=layer, layers=layers, num_questions=8)
+    module = datamodule(tmp_path, default_questions_path(), layer=layer, layers=layers, num_questions=8)
     with pytest.raises(ValueError, match=message):  # before: refused only after answers and states were computed
         module.build()
     assert not (tmp_path / "cache").exists()
@@ -266,7 +266,7 @@ def test_a_question_longer_than_the_context_is_refused_by_row_before_the_llm_loa
     """An 80,000-character question used to pass every check and fail in generation, naming neither."""
     import dataclasses
 
-    rows = load_nq_jsonl(default_nq_path(), limit=6)
+    rows = load_questions_jsonl(default_questions_path(), limit=6)
     rows[3] = dataclasses.replace(rows[3], question="why " * 20000)
     path = nq_file(tmp_path / "nq.jsonl", rows)
     nothing_expensive(monkeypatch)
@@ -280,7 +280,7 @@ def test_a_question_longer_than_the_context_is_refused_by_row_before_the_llm_loa
 def test_truncation_cuts_a_long_question_to_fit_when_asked(tiny_llama, templates, caplog):
     import dataclasses
 
-    rows = load_nq_jsonl(default_nq_path(), limit=3)
+    rows = load_questions_jsonl(default_questions_path(), limit=3)
     rows[1] = dataclasses.replace(rows[1], question="why " * 5000)
     with caplog.at_level(logging.WARNING):
         fitted = fit_questions(rows, PromptLimit(templates, tiny_llama.tokenizer, 2048, 24), truncate=True)
@@ -297,7 +297,7 @@ def test_a_cut_question_leaves_room_for_the_passages_of_its_rag_prompts(tiny_lla
 
     from confrag.llm.context import fit_rag_prompts
 
-    rows = load_nq_jsonl(default_nq_path(), limit=3)
+    rows = load_questions_jsonl(default_questions_path(), limit=3)
     rows[1] = dataclasses.replace(rows[1], question="why " * 20000)
     tok = tiny_llama.tokenizer
     limit = PromptLimit(templates, tok, 2048, 24)
@@ -337,12 +337,12 @@ def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads
     from confrag.stages.rerank import fitted_questions
 
     nothing_expensive(monkeypatch)
-    rows = load_nq_jsonl(default_nq_path(), limit=5)
+    rows = load_questions_jsonl(default_questions_path(), limit=5)
     rows[4] = dataclasses.replace(rows[4], question="why " * 20000)
     path = nq_file(tmp_path / "nq.jsonl", rows)
     recipe = SimpleNamespace(llm=TINY, templates=templates, answers=SimpleNamespace(max_new_tokens=24))
     probe_data = SimpleNamespace(
-        nq_path=path,
+        questions_path=path,
         questions_format="auto",
         max_new_tokens=24,
         truncate_questions=False,
@@ -396,7 +396,7 @@ def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):
 
     from confrag.data.splits import plan_questions
 
-    rows = load_nq_jsonl(default_nq_path(), limit=40)
+    rows = load_questions_jsonl(default_questions_path(), limit=40)
     rows += [dataclasses.replace(rows[i], qid=f"copy-{i}", question=rows[i].question.upper() + "?") for i in range(5)]
     with caplog.at_level(logging.WARNING, logger="confrag.data.splits"):
         chosen = select_questions(rows, None, seed=0)
@@ -448,7 +448,7 @@ def test_a_read_only_cache_missing_a_shard_is_refused_before_the_llm_loads(tmp_p
     import confrag.infra.locks as locks
     import confrag.infra.sharded as sharded
 
-    path = nq_file(tmp_path / "nq.jsonl", load_nq_jsonl(default_nq_path(), limit=6))
+    path = nq_file(tmp_path / "nq.jsonl", load_questions_jsonl(default_questions_path(), limit=6))
     datamodule(tmp_path, path, layers=[2]).build()  # fills the cache
     monkeypatch.setattr(loading_module, "load_llm", lambda *args: pytest.fail("the LLM was loaded"))
     assert datamodule(tmp_path, path, layers=[2]).build().summary()["questions"] == 6  # complete: no LLM at all

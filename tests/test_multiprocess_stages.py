@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from confrag.data.nq import default_nq_path
+from confrag.data.nq import default_questions_path
 from confrag.infra.paths import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def run(command: list[str], out: Path) -> None:
 
 
 def args(out: Path, cache: Path, counter: Path) -> list[str]:
-    return [str(WORKER), str(ROOT), str(out), str(cache), str(default_nq_path()), str(counter)]
+    return [str(WORKER), str(ROOT), str(out), str(cache), str(default_questions_path()), str(counter)]
 
 
 def llm_calls(counter: Path) -> dict[str, list[tuple[int, str]]]:

@@ -1,4 +1,4 @@
-"""NQ-open loading: file formats, validation messages, fingerprints and the shared data file."""
+"""Question files (NQ-open, any other set): file formats, validation messages, fingerprints and the shared data file."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from confrag.data import (
     DataFormatError,
     Passage,
     QARow,
-    default_nq_path,
-    load_nq_jsonl,
+    default_questions_path,
+    load_questions_jsonl,
     rows_fingerprint,
     rows_from_hf,
 )
@@ -47,7 +47,7 @@ def write_rows(path: Path, rows: list[object]) -> Path:
 
 def test_loads_shared_format_and_hf_style_rows(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "nq.jsonl", [NOBEL, DEADPOOL])
-    rows = load_nq_jsonl(path)
+    rows = load_questions_jsonl(path)
     assert rows == [
         QARow(
             qid="nq-00000",
@@ -67,51 +67,51 @@ def test_loads_shared_format_and_hf_style_rows(tmp_path: Path) -> None:
 
 
 def test_reads_gzip_file_by_suffix(tmp_path: Path) -> None:
-    plain = load_nq_jsonl(write_rows(tmp_path / "nq.jsonl", [NOBEL, DEADPOOL]))
-    gzipped = load_nq_jsonl(write_rows(tmp_path / "nq.jsonl.gz", [NOBEL, DEADPOOL]))
+    plain = load_questions_jsonl(write_rows(tmp_path / "nq.jsonl", [NOBEL, DEADPOOL]))
+    gzipped = load_questions_jsonl(write_rows(tmp_path / "nq.jsonl.gz", [NOBEL, DEADPOOL]))
     assert gzipped == plain
 
 
 def test_blank_lines_skipped_and_qids_count_non_blank_lines(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "nq.jsonl", ["", json.dumps(NOBEL), "   ", json.dumps(DEADPOOL), ""])
-    assert [row.qid for row in load_nq_jsonl(path)] == ["nq-00000", "nq-00001"]
+    assert [row.qid for row in load_questions_jsonl(path)] == ["nq-00000", "nq-00001"]
 
 
 def test_id_field_becomes_qid(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "nq.jsonl", [{**NOBEL, "id": 17}, {**DEADPOOL, "id": "dev-3"}])
-    assert [row.qid for row in load_nq_jsonl(path)] == ["17", "dev-3"]
+    assert [row.qid for row in load_questions_jsonl(path)] == ["17", "dev-3"]
 
 
 def test_extra_fields_ignored(tmp_path: Path) -> None:
     ctx = {"title": "T", "text": "x", "score": 1.5, "hasanswer": True}
     path = write_rows(tmp_path / "nq.jsonl", [{**NOBEL, "ctxs": [ctx], "extra": 1}])
-    assert load_nq_jsonl(path)[0].contexts == (Passage("T", "x"),)
+    assert load_questions_jsonl(path)[0].contexts == (Passage("T", "x"),)
 
 
 def test_answers_preferred_over_answer_when_both_present(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "nq.jsonl", [{**NOBEL, "answer": ["other"]}])
-    assert load_nq_jsonl(path)[0].answers == ("Wilhelm Conrad Röntgen",)
+    assert load_questions_jsonl(path)[0].answers == ("Wilhelm Conrad Röntgen",)
 
 
 def test_utf8_byte_order_mark_accepted(tmp_path: Path) -> None:
     path = tmp_path / "nq.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(NOBEL).encode("utf-8") + b"\n")
-    assert load_nq_jsonl(path)[0].question == NOBEL["question"]
+    assert load_questions_jsonl(path)[0].question == NOBEL["question"]
 
 
 def test_limit_keeps_first_rows_and_stops_reading(tmp_path: Path) -> None:
     # The broken third line is never parsed when only two rows are wanted.
     path = write_lines(tmp_path / "nq.jsonl", [json.dumps(NOBEL), "", json.dumps(DEADPOOL), "{broken"])
-    rows = load_nq_jsonl(path, limit=2)
+    rows = load_questions_jsonl(path, limit=2)
     assert [row.qid for row in rows] == ["nq-00000", "nq-00001"]
-    assert load_nq_jsonl(path, limit=1) == rows[:1]
+    assert load_questions_jsonl(path, limit=1) == rows[:1]
 
 
 @pytest.mark.parametrize("limit", [0, -1, True, 1.5])
 def test_invalid_limit_rejected(tmp_path: Path, limit: object) -> None:
     path = write_rows(tmp_path / "nq.jsonl", [NOBEL])
     with pytest.raises(ValueError, match=r"limit must be an integer >= 1 or None"):
-        load_nq_jsonl(path, limit=limit)  # type: ignore[arg-type]
+        load_questions_jsonl(path, limit=limit)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- file-level errors
@@ -120,32 +120,32 @@ def test_invalid_limit_rejected(tmp_path: Path, limit: object) -> None:
 def test_missing_file_names_path_and_how_to_configure(tmp_path: Path) -> None:
     missing = tmp_path / "absent.jsonl.gz"
     with pytest.raises(DataFormatError) as info:
-        load_nq_jsonl(missing)
+        load_questions_jsonl(missing)
     message = str(info.value)
     assert str(missing) in message
     assert "not found" in message
-    assert "paths.nq_path" in message and "CONFRAG_NQ_PATH" in message
+    assert "paths.questions_path" in message and "CONFRAG_QUESTIONS_PATH" in message
 
 
 def test_directory_rejected(tmp_path: Path) -> None:
     folder = tmp_path / "nq.jsonl"
     folder.mkdir()
     with pytest.raises(DataFormatError, match="is a directory"):
-        load_nq_jsonl(folder)
+        load_questions_jsonl(folder)
 
 
 def test_unsupported_suffix_rejected(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "nq.json", [NOBEL])
     expected = r"nq\.json: unsupported file name; allowed suffixes are \.jsonl, \.jsonl\.gz"
     with pytest.raises(DataFormatError, match=expected):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
 
 
 def test_gz_file_that_is_not_gzip_rejected(tmp_path: Path) -> None:
     path = tmp_path / "nq.jsonl.gz"
     path.write_text(json.dumps(NOBEL) + "\n", encoding="utf-8")
     with pytest.raises(DataFormatError, match=r"nq\.jsonl\.gz: not a complete gzip file"):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
 
 
 def test_truncated_gzip_rejected(tmp_path: Path) -> None:
@@ -153,14 +153,14 @@ def test_truncated_gzip_rejected(tmp_path: Path) -> None:
     full = gzip.compress(("\n".join(json.dumps(NOBEL) for _ in range(50)) + "\n").encode("utf-8"))
     path.write_bytes(full[: len(full) - 12])  # drop the trailer (CRC and size)
     with pytest.raises(DataFormatError, match=r"nq\.jsonl\.gz: not a complete gzip file"):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "nq.jsonl"
     path.write_bytes(json.dumps(NOBEL).encode("utf-8") + b"\n" + b'{"question": "caf\xe9"}\n')
     with pytest.raises(DataFormatError, match=r"nq\.jsonl, line 2: not valid UTF-8"):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
 
 
 # ---------------------------------------------------------------- row-level errors
@@ -209,7 +209,7 @@ def test_bad_row_message_names_file_and_line(tmp_path: Path, suffix: str, bad_li
     # A blank line 2 checks that reported numbers are physical lines, blank ones included.
     path = write_lines(tmp_path / f"broken{suffix}", [json.dumps(NOBEL), "", bad_line, json.dumps(DEADPOOL)])
     with pytest.raises(DataFormatError) as info:
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
     message = str(info.value)
     assert message.startswith(f"{path}, line 3: "), message
     assert f"broken{suffix}" in message and "line 3" in message
@@ -219,7 +219,7 @@ def test_bad_row_message_names_file_and_line(tmp_path: Path, suffix: str, bad_li
 def test_duplicate_id_names_both_lines(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "nq.jsonl", [{**NOBEL, "id": "a"}, {**DEADPOOL, "id": "a"}])
     with pytest.raises(DataFormatError, match=r"nq\.jsonl, line 2: duplicate id 'a' \(first at .*nq\.jsonl, line 1\)"):
-        load_nq_jsonl(path)
+        load_questions_jsonl(path)
 
 
 def test_data_format_error_is_a_value_error() -> None:
@@ -236,7 +236,7 @@ def test_rows_from_hf_matches_file_loader(tmp_path: Path) -> None:
         QARow(qid="nq-00000", question="q one", answers=("a1", "a2"), contexts=()),
         QARow(qid="nq-00001", question="q two", answers=("b",), contexts=()),
     ]
-    assert rows == load_nq_jsonl(write_rows(tmp_path / "hf.jsonl", records))
+    assert rows == load_questions_jsonl(write_rows(tmp_path / "hf.jsonl", records))
 
 
 def test_rows_from_hf_accepts_a_generator() -> None:
@@ -292,26 +292,70 @@ def test_fingerprint_does_not_confuse_field_boundaries() -> None:
 # ---------------------------------------------------------------- default path and the shared file
 
 
-def test_default_nq_path_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("CONFRAG_NQ_PATH", str(tmp_path / "mine.jsonl"))
-    assert default_nq_path() == tmp_path / "mine.jsonl"
-
-
-def test_default_nq_path_next_to_project(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_questions_path_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
-    assert default_nq_path() == project_root().parent / "shared" / "data" / "nq_open_gold.jsonl.gz"
+    monkeypatch.setenv("CONFRAG_QUESTIONS_PATH", str(tmp_path / "mine.jsonl"))
+    assert default_questions_path() == tmp_path / "mine.jsonl"
+
+
+def test_the_old_environment_variable_is_read_with_a_warning(monkeypatch, tmp_path: Path, caplog) -> None:
+    monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
+    monkeypatch.setenv("CONFRAG_NQ_PATH", str(tmp_path / "old.jsonl"))
+    with caplog.at_level("WARNING", logger="confrag.data.nq"):
+        assert default_questions_path() == tmp_path / "old.jsonl"
+    assert "CONFRAG_NQ_PATH is deprecated" in caplog.text and "CONFRAG_QUESTIONS_PATH=" in caplog.text
+    monkeypatch.setenv("CONFRAG_QUESTIONS_PATH", str(tmp_path / "old.jsonl"))  # the same file under both: read
+    assert default_questions_path() == tmp_path / "old.jsonl"
+
+
+def test_the_old_and_new_environment_variables_naming_different_files_are_refused(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CONFRAG_NQ_PATH", str(tmp_path / "old.jsonl"))
+    monkeypatch.setenv("CONFRAG_QUESTIONS_PATH", str(tmp_path / "new.jsonl"))
+    with pytest.raises(ValueError, match=r"CONFRAG_NQ_PATH=.*old\.jsonl and CONFRAG_QUESTIONS_PATH=.*new\.jsonl"):
+        default_questions_path()
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("confrag.data", "load_nq_jsonl", "load_questions_jsonl"),
+        ("confrag.data.nq", "default_nq_path", "default_questions_path"),
+        ("confrag.retrieval", "corpus_from_nq", "corpus_from_gold_paragraphs"),
+    ],
+)
+def test_an_old_public_name_still_works_and_warns(module, old, new, monkeypatch, tmp_path: Path) -> None:
+    import importlib
+
+    monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
+    monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
+    namespace = importlib.import_module(module)
+    args = {
+        "load_nq_jsonl": (write_lines(tmp_path / "q.jsonl", [json.dumps(NOBEL)]),),
+        "default_nq_path": (),
+        "corpus_from_nq": ([QARow("q1", "q", ("a",), (Passage("T", "some text"),))],),
+    }[old]
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated .*use confrag\.[a-z.]*\.{new}"):
+        got = getattr(namespace, old)(*args)
+    assert got == getattr(namespace, new)(*args)
+
+
+def test_default_questions_path_next_to_project(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
+    monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
+    assert default_questions_path() == project_root().parent / "shared" / "data" / "nq_open_gold.jsonl.gz"
     assert (project_root() / "pyproject.toml").is_file()
 
 
 def test_shared_nq_open_gold_file(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
-    path = default_nq_path()
+    monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
+    path = default_questions_path()
     if not path.is_file():
         # CI always has ../shared beside the clone: there a missing file is a failure, not a skip.
         if os.environ.get("CI"):
             pytest.fail(f"shared NQ-open file not present at {path} (CI expects ../shared/data beside the clone)")
         pytest.skip(f"shared NQ-open file not present at {path}")
-    rows = load_nq_jsonl(path)
+    rows = load_questions_jsonl(path)
     assert len(rows) == 2155
     assert len({row.question for row in rows}) == 2155
     assert len({row.qid for row in rows}) == 2155
@@ -319,4 +363,4 @@ def test_shared_nq_open_gold_file(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(passage.text.strip() for row in rows for passage in row.contexts)
     assert rows[0].question == "who got the first nobel prize in physics"
     assert rows[0].answers == ("Wilhelm Conrad Röntgen",)
-    assert load_nq_jsonl(path, limit=5) == rows[:5]
+    assert load_questions_jsonl(path, limit=5) == rows[:5]

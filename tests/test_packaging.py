@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from setuptools import find_packages
 
-from confrag.data.nq import default_nq_path
+from confrag.data.nq import default_questions_path
 from confrag.infra.paths import config_dir, project_root, source_checkout
 
 from helpers.runs import MODEL_DIR, ROOT
@@ -54,8 +54,8 @@ def test_a_source_checkout_finds_its_own_conf_folder() -> None:
     assert source_checkout() == ROOT and project_root() == ROOT
     assert config_dir() == ROOT / "conf"
     # The default data path is the shared sample next to the checkout, as before.
-    assert default_nq_path() == ROOT.parent / "shared" / "data" / "nq_open_gold.jsonl.gz" or os.environ.get(
-        "CONFRAG_NQ_PATH"
+    assert default_questions_path() == ROOT.parent / "shared" / "data" / "nq_open_gold.jsonl.gz" or (
+        os.environ.get("CONFRAG_QUESTIONS_PATH") or os.environ.get("CONFRAG_NQ_PATH")
     )
 
 
@@ -83,17 +83,19 @@ def test_the_wheel_carries_every_config_and_its_layout_composes_an_experiment(tm
     assert Path(found) == tmp_path / "site" / "confrag" / "conf" and Path(root) == work
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=found, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["+experiment=probe_tiny_llama", "paths.nq_path=/data/nq.jsonl"])
-    assert cfg.llm.name == "tiny_llama" and cfg.data.nq_path == "/data/nq.jsonl"
+        cfg = compose(
+            config_name="train", overrides=["+experiment=probe_tiny_llama", "paths.questions_path=/data/nq.jsonl"]
+        )
+    assert cfg.llm.name == "tiny_llama" and cfg.data.questions_path == "/data/nq.jsonl"
 
 
 @pytest.mark.task
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_confrag_train_from_an_installed_wheel_runs_in_any_folder(tmp_path: Path) -> None:
-    nq_path = default_nq_path()
-    if not nq_path.is_file():
-        pytest.skip(f"needs the shared NQ sample at {nq_path}")
+    questions_path = default_questions_path()
+    if not questions_path.is_file():
+        pytest.skip(f"needs the shared NQ sample at {questions_path}")
     wheel = build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
@@ -119,7 +121,12 @@ def test_confrag_train_from_an_installed_wheel_runs_in_any_folder(tmp_path: Path
         [python, "-c", "import confrag; print(confrag.__file__)"], cwd=work, env=env, capture_output=True, text=True
     )
     assert where.stdout.strip().startswith(site), where.stdout + where.stderr
-    overrides = [f"paths.nq_path={nq_path}", "logger=none", "data.num_questions=24", "trainer.max_epochs=1"]
+    overrides = [
+        f"paths.questions_path={questions_path}",
+        "logger=none",
+        "data.num_questions=24",
+        "trainer.max_epochs=1",
+    ]
     done = subprocess.run(
         [venv / "bin" / "confrag-train", "+experiment=probe_tiny_llama", *overrides],
         cwd=work,

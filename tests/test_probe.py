@@ -124,7 +124,7 @@ def test_the_one_class_override_is_a_flag(templates):
     from helpers.models import tiny_llm_config
 
     with pytest.raises(ValueError, match=r"data.allow_one_class must be true or false; got 'yes'"):
-        confidence_data(llm=tiny_llm_config(), prompts=asdict(templates), nq_path="x", allow_one_class="yes")
+        confidence_data(llm=tiny_llm_config(), prompts=asdict(templates), questions_path="x", allow_one_class="yes")
 
 
 def test_a_skipped_layer_scan_says_why(caplog, tmp_path):

@@ -119,13 +119,13 @@ def test_has_answer_dpr_splits_what_squad_normalization_glues():
 def test_has_answer_dpr_finds_every_gold_paragraphs_answer_in_the_shared_sample():
     """The counts the module docstring states: DPR's rule finds the answer in every gold paragraph of the
     shared NQ sample, the normalized-substring rule in 2,134 of 2,155."""
-    from confrag.data.nq import default_nq_path, load_nq_jsonl
+    from confrag.data.nq import default_questions_path, load_questions_jsonl
     from confrag.data.qa_metrics import has_answer_dpr
 
-    path = default_nq_path()
+    path = default_questions_path()
     if not path.is_file():
         pytest.skip(f"the shared NQ sample is not at {path}")
-    rows = load_nq_jsonl(path)
+    rows = load_questions_jsonl(path)
     assert len(rows) == 2155
     assert sum(has_answer_dpr(r.contexts[0].text, r.answers) for r in rows) == 2155
     assert sum(has_answer(r.contexts[0].text, r.answers) for r in rows) == 2134

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 import confrag.llm.loading as loading_module
-from confrag.data.nq import Passage, default_nq_path, load_nq_jsonl
+from confrag.data.nq import Passage, default_questions_path, load_questions_jsonl
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.context import PromptLimit, PromptTooLongError, fit_rag_prompts
 from confrag.llm.prompts import encode_prompts
@@ -53,7 +53,7 @@ def test_a_passage_longer_than_the_context_is_refused_by_row_or_cut_when_asked(t
 
 
 def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path, monkeypatch):
-    rows = load_nq_jsonl(default_nq_path(), limit=6)
+    rows = load_questions_jsonl(default_questions_path(), limit=6)
     rows[2] = dataclasses.replace(rows[2], contexts=(Passage(rows[2].contexts[0].title, LONG),))
     path = nq_file(tmp_path / "nq.jsonl", rows)
 
@@ -75,7 +75,7 @@ def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path
 def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, tiny_llama, templates):
     from confrag.probe.nq_confidence import ConfidenceDataSettings, build_confidence_data
 
-    rows = load_nq_jsonl(default_nq_path(), limit=8)
+    rows = load_questions_jsonl(default_questions_path(), limit=8)
     settings = dict(layers=[1], train_states="qa+rag", split_sizes={"train": 2, "dev": 1, "test": 1}, max_new_tokens=2)
     cache = ShardedCache(str(tmp_path / "cache"), progress=False)
     rows[2] = dataclasses.replace(rows[2], contexts=(Passage(rows[2].contexts[0].title, LONG),))

@@ -13,7 +13,7 @@ from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.probe.module import SavedProbe
 from confrag.reranker.preferences import build_rows, confidence_shifts, relevance_rows
-from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
+from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrieve_candidates
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 from confrag.stages.retrieval import without_duplicates
@@ -45,7 +45,7 @@ class CountingEngine(HiddenStateEngine):
 
 @pytest.fixture(scope="module")
 def setting(tiny_llama, templates, nq_rows):
-    corpus = corpus_from_nq(nq_rows)
+    corpus = corpus_from_gold_paragraphs(nq_rows)
     candidates = retrieve_candidates(nq_rows[:6], corpus, BM25Retriever(corpus), top_n=4)
     module = probe_module(input_dim=tiny_llama.model.config.hidden_size, layer=LAYER)
     module.set_standardization(np.zeros(module.hparams.input_dim), np.ones(module.hparams.input_dim))

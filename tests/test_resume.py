@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from confrag.data.nq import default_nq_path
+from confrag.data.nq import default_questions_path
 from confrag.infra.paths import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,17 +37,17 @@ SCRIPT = textwrap.dedent(
     from omegaconf import OmegaConf
 
     from confrag.infra.sharded import ShardedArtifact
-    from confrag.data.nq import load_nq_jsonl
+    from confrag.data.nq import load_questions_jsonl
     from confrag.llm.hidden_states import HiddenStateEngine
     from confrag.llm.loading import load_llm
     from confrag.llm.prompts import PromptTemplates
 
-    root, cache, nq_path, delay = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+    root, cache, questions_path, delay = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
     llm = load_llm(dict(name="tiny_llama", source="tiny", tiny=dict(
         arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2)))
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(root / "conf" / "prompts" / "paper.yaml")))
-    rows = load_nq_jsonl(nq_path, limit=%(n)d)
+    rows = load_questions_jsonl(questions_path, limit=%(n)d)
     prompts = [templates.qa_prompt(llm.tokenizer, row.question) for row in rows]
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=3, progress=False)
     spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layers": %(layers)r, "test": "resume"}
@@ -74,7 +74,7 @@ def script(tmp_path_factory) -> Path:
 
 
 def command(script: Path, cache: Path, delay: float) -> list[str]:
-    return [sys.executable, str(script), str(ROOT), str(cache), str(default_nq_path()), str(delay)]
+    return [sys.executable, str(script), str(ROOT), str(cache), str(default_questions_path()), str(delay)]
 
 
 def environment() -> dict[str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from confrag.data import DataFormatError, Passage, QARow, default_nq_path, load_nq_jsonl
+from confrag.data import DataFormatError, Passage, QARow, default_questions_path, load_questions_jsonl
 from confrag.infra.sharded import ShardedArtifact
 from confrag.retrieval import (
     BM25Retriever,
@@ -20,7 +20,7 @@ from confrag.retrieval import (
     CorpusPassage,
     DenseRetriever,
     MeanPoolEncoder,
-    corpus_from_nq,
+    corpus_from_gold_paragraphs,
     default_model_dir,
     load_candidates_jsonl,
     load_corpus_jsonl,
@@ -104,19 +104,19 @@ def test_nq_corpus_collapses_shared_paragraphs_and_keeps_gold_mapping() -> None:
         QARow("q3", "third?", ("c",), (shared,)),  # same paragraph as q1
         QARow("q4", "no gold?", ("d",), ()),
     ]
-    corpus = corpus_from_nq(rows)
+    corpus = corpus_from_gold_paragraphs(rows)
     assert [p.pid for p in corpus.passages] == ["q1#0", "q1#1", "q2#0"]
     assert corpus.gold_source_of == {"q1": "q1", "q2": "q2", "q3": "q1"}
     # The fingerprint follows the passages: a changed paragraph or split size gives another key.
     changed = [rows[0], QARow("q2", "second?", ("b",), (Passage("Own", words(31)),))]
-    assert corpus_from_nq(rows).fingerprint == corpus.fingerprint
-    assert corpus_from_nq(changed).fingerprint != corpus.fingerprint
-    assert corpus_from_nq(rows, words_per_passage=50).fingerprint != corpus.fingerprint
+    assert corpus_from_gold_paragraphs(rows).fingerprint == corpus.fingerprint
+    assert corpus_from_gold_paragraphs(changed).fingerprint != corpus.fingerprint
+    assert corpus_from_gold_paragraphs(rows, words_per_passage=50).fingerprint != corpus.fingerprint
 
 
 def test_nq_corpus_of_shared_file_has_its_36_duplicates() -> None:
-    rows = load_nq_jsonl(default_nq_path())
-    corpus = corpus_from_nq(rows)
+    rows = load_questions_jsonl(default_questions_path())
+    corpus = corpus_from_gold_paragraphs(rows)
     assert len(corpus.gold_source_of) == len(rows)
     assert len(rows) - len(set(corpus.gold_source_of.values())) == 36
     assert len({p.pid for p in corpus.passages}) == len(corpus.passages)
@@ -124,7 +124,7 @@ def test_nq_corpus_of_shared_file_has_its_36_duplicates() -> None:
 
 def test_nq_corpus_without_paragraphs_is_refused() -> None:
     with pytest.raises(DataFormatError, match="ctxs"):
-        corpus_from_nq([QARow("q", "why?", ("a",), ())])
+        corpus_from_gold_paragraphs([QARow("q", "why?", ("a",), ())])
 
 
 def test_corpus_jsonl_loads_and_splits(tmp_path: Path) -> None:
@@ -273,8 +273,8 @@ def test_dense_cache_round_trips(tmp_path: Path, dense_toy: DenseRetriever) -> N
 
 
 def test_bm25_candidates_on_real_nq_rows_mostly_hold_gold() -> None:
-    rows = load_nq_jsonl(default_nq_path(), limit=200)
-    corpus = corpus_from_nq(rows)
+    rows = load_questions_jsonl(default_questions_path(), limit=200)
+    corpus = corpus_from_gold_paragraphs(rows)
     candidates = retrieve_candidates(rows[:30], corpus, BM25Retriever(corpus), top_n=20)
     assert [c.qid for c in candidates] == [r.qid for r in rows[:30]]
     assert all(len(c.passages) == len(c.scores) == len(c.has_answer) == 20 for c in candidates)
@@ -303,8 +303,8 @@ def test_retrieve_candidates_checks_top_n_and_corpus() -> None:
 
 
 def test_candidates_jsonl_round_trip(tmp_path: Path) -> None:
-    rows = load_nq_jsonl(default_nq_path(), limit=20)
-    corpus = corpus_from_nq(rows)
+    rows = load_questions_jsonl(default_questions_path(), limit=20)
+    corpus = corpus_from_gold_paragraphs(rows)
     candidates = retrieve_candidates(rows[:5], corpus, BM25Retriever(corpus), top_n=4)
     for name in ("cands.jsonl", "cands.jsonl.gz"):
         path = save_candidates_jsonl(candidates, tmp_path / name)
@@ -374,8 +374,8 @@ def shifted_candidates_file(tmp_path: Path, rows: list[QARow], corpus: Corpus) -
 
 
 def test_candidates_under_the_right_qids_but_other_questions_are_refused(tmp_path: Path) -> None:
-    rows = load_nq_jsonl(default_nq_path(), limit=12)
-    corpus = corpus_from_nq(rows)
+    rows = load_questions_jsonl(default_questions_path(), limit=12)
+    corpus = corpus_from_gold_paragraphs(rows)
     path = shifted_candidates_file(tmp_path, rows, corpus)
     loaded = load_candidates_jsonl(path)
     assert [c.qid for c in loaded] == [r.qid for r in rows[:11]]  # by qid alone, every row "has" candidates
@@ -393,8 +393,8 @@ def test_candidates_under_the_right_qids_but_other_questions_are_refused(tmp_pat
 
 
 def test_matching_candidates_come_back_in_row_order_up_to_normalization(tmp_path: Path) -> None:
-    rows = load_nq_jsonl(default_nq_path(), limit=6)
-    corpus = corpus_from_nq(rows)
+    rows = load_questions_jsonl(default_questions_path(), limit=6)
+    corpus = corpus_from_gold_paragraphs(rows)
     candidates = retrieve_candidates(rows, corpus, BM25Retriever(corpus), top_n=2)
     retyped = [
         make_candidates(c.qid, f"  {c.question.upper()}? ", c.answers, c.passages, c.scores, c.gold_source)

@@ -64,3 +64,17 @@ def test_compare_runs_is_a_console_command_of_the_package():
     assert scripts["confrag-sweep-summary"] == "confrag.infra.sweep_summary:main"
     # The checkout's script is the same command, not a second copy of it.
     assert "from confrag.reports.run_comparison import main" in (ROOT / "experiments" / "compare_runs.py").read_text()
+
+
+@pytest.mark.parametrize("key", ["questions_path", "nq_path"])
+def test_gold_sources_read_the_question_file_of_a_run_saved_under_either_name(tmp_path, key):
+    """A run saved before `retrieval.nq_path` was renamed `retrieval.questions_path` names its file the old way."""
+    from confrag.reports.run_comparison import gold_sources
+
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question": f"q{i}?", "answers": ["a"], "ctxs": [{"title": "T", "text": f"text {i}"}]} for i in range(2)]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config_resolved.yaml").write_text(f"retrieval:\n  {key}: {questions}\n  words_per_passage: 100\n")
+    assert gold_sources(run) == {"nq-00000": "nq-00000", "nq-00001": "nq-00001"}

@@ -6,8 +6,10 @@ else in the library takes typed arguments.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -16,14 +18,16 @@ from typing import Any, TypeVar
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.loggers import Logger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from confrag.data.nq import questions_path_from_env
 from confrag.infra import checks
 from confrag.infra.distributed import rank_info
 from confrag.infra.paths import config_dir
 from confrag.infra.run_context import RunContext
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def plain(node: Any) -> Any:
@@ -79,6 +83,7 @@ def shipped(path: str, **values: Any) -> Any:
         raise ValueError(f"conf/{path} extends another node (its `defaults` list): compose it with Hydra instead")
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ValueError(f"conf/{path} is not a `_target_` node")
+    renamed_in(node, Path(path).parent.as_posix())  # a renamed key's old name (null as shipped) is left out
     raw = OmegaConf.to_container(node, resolve=False)
     borrowed = {k: raw[k] for k in raw if k not in values and OmegaConf.is_interpolation(node, k)}
     if borrowed:
@@ -121,13 +126,70 @@ MOVED = {
     "preferences.answer_batch_size": "rag.batch_size (the utility rule answers with the rag node's settings)",
     "preferences.answer_chunk_size": "rag.chunk_size (the utility rule answers with the rag node's settings)",
 }
+# Keys renamed but still read for one release (`renamed_keys`): old key -> new key, in the same node. The shipped
+# YAML keeps each old key at null, so that an override of it (`eval.nq_path=FILE`) still composes.
+RENAMED = {
+    # A question file of any set (NQ-open, a FlashRAG set, one's own), not only NQ's.
+    f"{node}.nq_path": f"{node}.questions_path"
+    for node in ("paths", "data", "probe.data", "retrieval", "base_reranker", "eval")
+}
+
+
+def renamed_keys(cfg: DictConfig, warn: bool = True) -> DictConfig:
+    """`cfg` with every old key of RENAMED read into its new one, in place (and returned; `renamed_in` on each
+    node that has one): what reads the config then sees the new names only, and a second call changes nothing.
+    A task's `check` calls it first, so that `paths.nq_path` reaches `dataset.questions_path` before any node is
+    read. The old environment variable `CONFRAG_NQ_PATH` is checked the same way. `warn=False`: an old run's saved
+    config, read quietly."""
+    if warn:
+        questions_path_from_env()  # warns about, or refuses, the old variable beside the new one
+    for parent in dict.fromkeys(old.rpartition(".")[0] for old in RENAMED):
+        node = OmegaConf.select(cfg, parent, default=None)
+        if isinstance(node, DictConfig):
+            renamed_in(node, parent, warn)
+    return cfg
+
+
+def renamed_in(node: DictConfig | dict, key: str, warn: bool = True) -> None:
+    """The old keys of RENAMED in config node `key` (e.g. "eval"), read into their new ones in place: an old key
+    set (not null) moves to its new key, with a warning naming both; if the new key holds a value of its own
+    (neither null nor an interpolation: a shipped default such as `${dataset.questions_path}`) that differs,
+    the node is refused naming both keys. Each old key is then removed."""
+    for old, new in RENAMED.items():
+        parent, _, old_key = old.rpartition(".")
+        new_key = new.rpartition(".")[2]
+        if parent != key or old_key not in node:
+            continue
+        value = node[old_key]
+        with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
+            if value is not None:
+                if _holds_own_value(node, new_key) and node[new_key] != value:
+                    raise ValueError(
+                        f"{old}={value} and {new}={node[new_key]} are both set: {old} is the old name of {new} "
+                        f"(read for one release); set {new} only"
+                    )
+                if warn:
+                    log.warning(
+                        "%s is deprecated (read for one release): it is now %s; set %s=%s", old, new, new, value
+                    )
+                node[new_key] = value
+            del node[old_key]
+
+
+def _holds_own_value(node: DictConfig | dict, key: str) -> bool:
+    interpolated = isinstance(node, DictConfig) and key in node and OmegaConf.is_interpolation(node, key)
+    return key in node and not interpolated and node[key] is not None
 
 
 def settings_from(cls: type[T], node: Any, key: str) -> T:
     """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes, and so are
     missing ones (a settings dataclass has no default for what its YAML node provides: docs/architecture.md,
-    "Settings pattern"); a value the dataclass refuses is reported under `key` (`checks.config_key`)."""
-    values = plain(node) or {}
+    "Settings pattern"); a value the dataclass refuses is reported under `key` (`checks.config_key`). A renamed key
+    under its old name is read into its new one first (`renamed_in`; a DictConfig node in place)."""
+    if isinstance(node, DictConfig):
+        renamed_in(node, key)
+    values = dict(plain(node) or {})  # a copy: the caller's own dict is left as it is
+    renamed_in(values, key)  # a plain node: its interpolations are already resolved
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
@@ -165,10 +227,10 @@ def config_yaml(cfg: DictConfig) -> str:
 
 
 def question_set_label(cfg: DictConfig) -> str:
-    """How the reports name the evaluation's question set: the evaluation file's name (`eval.nq_path`), else the
+    """How the reports name the evaluation's question set: the evaluation file's name (`eval.questions_path`), else the
     dataset's label (`dataset.label`: NQ, PopQA, ...); never the HotpotQA set's name beside it."""
     evaluation, dataset = cfg.get("eval") or {}, cfg.get("dataset") or {}
-    if evaluation.get("nq_path"):
-        return Path(str(evaluation.nq_path)).name
+    if evaluation.get("questions_path"):
+        return Path(str(evaluation.questions_path)).name
     label = str(dataset.get("label") or dataset.get("name") or "NQ")
     return f"{label} (dataset)" if label == "HotpotQA" and evaluation.get("hotpotqa_path") else label

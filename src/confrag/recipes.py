@@ -15,7 +15,15 @@ from omegaconf import DictConfig, OmegaConf
 from confrag.cbdr.settings import CBDRNode, CBDRSettings, cbdr_settings
 from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
-from confrag.instantiators import built, instantiate_list, node_parameters, plain, settings_from
+from confrag.instantiators import (
+    built,
+    instantiate_list,
+    node_parameters,
+    plain,
+    renamed_in,
+    renamed_keys,
+    settings_from,
+)
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
@@ -43,6 +51,7 @@ def probe_recipe(node: DictConfig, monitor: str | None = None, where: str = "") 
     the node's key in the run's config ("probe." in a later task), so that messages name overrides that work."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
     node_key = f"{where}data"
+    renamed_in(data_cfg, node_key)  # `data.nq_path` -> `data.questions_path` (a task's check has done it already)
     datamodule = built(data_cfg, node_key, config_node=node_key)
     with checks.config_key(node_key, node_parameters(data_cfg)):  # its checks against the model's config
         datamodule.check_settings()
@@ -107,7 +116,9 @@ def templates(cfg: DictConfig) -> PromptTemplates:
 
 
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
-    """Everything the rerank stage is built from; every setting checked here, before anything runs."""
+    """Everything the rerank stage is built from; every setting checked here, before anything runs. Renamed keys
+    set under their old names are read into the new ones first (`renamed_keys`: in `cfg` itself)."""
+    renamed_keys(cfg)
     retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
     with checks.config_key("retrieval", node_parameters(cfg.retrieval), others=False):  # not a file's own errors
         retrieval.check_files()

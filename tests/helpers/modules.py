@@ -34,9 +34,9 @@ def probe_module(**values: Any):
 
 
 def confidence_data(**values: Any):
-    """An NQConfidenceDataModule from conf/data/nq_confidence.yaml (`llm`, `prompts`, `nq_path` in `values`), with
-    what a run's config gives it: the model node's layer (`mid`), the NQ dataset's questions format, the default
-    cache folder."""
+    """An NQConfidenceDataModule from conf/data/nq_confidence.yaml (`llm`, `prompts`, `questions_path` in
+    `values`), with what a run's config gives it: the model node's layer (`mid`), the NQ dataset's questions
+    format, the default cache folder."""
     layer = OmegaConf.load(config_dir() / "model" / "probe.yaml").layer
     questions_format = OmegaConf.load(config_dir() / "dataset" / "nq.yaml").questions_format
     borrowed = {

@@ -12,8 +12,13 @@ Files are `.jsonl` / `.jsonl.gz` (errors name the line) or `.parquet` (read with
 in streaming mode; errors name the 1-based row).
 
 An optional "id" field (str or int) becomes the row's qid; otherwise the qid is "nq-" and the row's
-0-based position among non-blank lines (or records), zero-padded. Extra fields are ignored. A second file read
-beside the first (`eval.nq_path`) gets an `id_prefix`, so that its qids never equal the first file's.
+0-based position among non-blank lines (or records), zero-padded (the prefix is the shared NQ file's; kept for any
+file, as cached states and reports are keyed on these qids). Extra fields are ignored. A second file read beside
+the first (`eval.questions_path`) gets an `id_prefix`, so that its qids never equal the first file's.
+
+The module keeps NQ-open's name: the shared file and the first format are NQ-open's. Its functions are not
+NQ-specific: `load_questions_jsonl` reads any question set; `load_nq_jsonl` and `default_nq_path` are the old names,
+kept one release as deprecated aliases.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,10 +36,16 @@ from typing import Any
 
 from confrag.data.jsonl import JSONL_SUFFIXES, DataFormatError, read_jsonl
 from confrag.infra import checks
+from confrag.infra.deprecated import deprecated_alias
 from confrag.infra.paths import project_root
 
-NQ_PATH_ENV = "CONFRAG_NQ_PATH"
-_PATH_HINT = f"set the path with the `paths.nq_path` config value or the `{NQ_PATH_ENV}` environment variable"
+log = logging.getLogger(__name__)
+
+QUESTIONS_PATH_ENV = "CONFRAG_QUESTIONS_PATH"
+NQ_PATH_ENV = "CONFRAG_NQ_PATH"  # the old name of QUESTIONS_PATH_ENV, still read for one release (with a warning)
+_PATH_HINT = (
+    f"set the path with the `paths.questions_path` config value or the `{QUESTIONS_PATH_ENV}` environment variable"
+)
 _PARQUET_SUFFIX = ".parquet"
 # Bump when the serialization below changes, so caches keyed on old fingerprints are not reused.
 _FINGERPRINT_SCHEMA = "confrag.nq.rows.v1"
@@ -53,9 +65,25 @@ class QARow:
     contexts: tuple[Passage, ...]
 
 
-def default_nq_path() -> Path:
-    """`$CONFRAG_NQ_PATH` if set, else `<project root>/../shared/data/nq_open_gold.jsonl.gz`."""
-    env = os.environ.get(NQ_PATH_ENV)
+def questions_path_from_env() -> str | None:
+    """The question file the environment names: `$CONFRAG_QUESTIONS_PATH`, else the old `$CONFRAG_NQ_PATH` (with a
+    warning naming the new variable); both set to different files is refused, naming both. None: neither is set."""
+    new, old = os.environ.get(QUESTIONS_PATH_ENV) or None, os.environ.get(NQ_PATH_ENV) or None
+    if old is None:
+        return new
+    if new is not None and new != old:
+        raise ValueError(
+            f"{NQ_PATH_ENV}={old} and {QUESTIONS_PATH_ENV}={new} name different question files: {NQ_PATH_ENV} is the "
+            f"old name of {QUESTIONS_PATH_ENV}; unset it"
+        )
+    log.warning("%s is deprecated (read for one release): set %s=%s instead", NQ_PATH_ENV, QUESTIONS_PATH_ENV, old)
+    return old
+
+
+def default_questions_path() -> Path:
+    """`$CONFRAG_QUESTIONS_PATH` (or the old `$CONFRAG_NQ_PATH`) if set, else the shared NQ-open sample,
+    `<project root>/../shared/data/nq_open_gold.jsonl.gz`."""
+    env = questions_path_from_env()
     if env:
         return Path(env).expanduser()
     return project_root().parent / "shared" / "data" / "nq_open_gold.jsonl.gz"
@@ -232,7 +260,7 @@ def _check_limit(limit: int | None) -> None:
     checks.positive_int(limit, "limit", allow_none=True, none="None")
 
 
-def load_nq_jsonl(
+def load_questions_jsonl(
     path: str | os.PathLike[str], limit: int | None = None, questions_format: str = "auto", id_prefix: str = ""
 ) -> list[QARow]:
     """Rows of a question file (`.jsonl`, `.jsonl.gz` or `.parquet`), in file order; `limit` keeps the first
@@ -274,7 +302,7 @@ def load_nq_jsonl(
 
 def rows_from_hf(records: Iterable[Mapping[str, Any]], questions_format: str = "auto") -> list[QARow]:
     """Rows from in-memory dicts such as `datasets.load_dataset("nq_open")["validation"]` or a FlashRAG
-    split; `questions_format` as in `load_nq_jsonl` (`auto`: the first record's)."""
+    split; `questions_format` as in `load_questions_jsonl` (`auto`: the first record's)."""
     checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
     fmt = None if questions_format == "auto" else QUESTION_FORMATS[questions_format]
     collector = _RowCollector()
@@ -295,3 +323,8 @@ def rows_fingerprint(rows: Sequence[QARow]) -> str:
         line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
         digest.update(line.encode("utf-8") + b"\n")
     return digest.hexdigest()
+
+
+# The old names, for one release (each call warns with the new name).
+load_nq_jsonl = deprecated_alias("confrag.data.nq.load_nq_jsonl", load_questions_jsonl)
+default_nq_path = deprecated_alias("confrag.data.nq.default_nq_path", default_questions_path)

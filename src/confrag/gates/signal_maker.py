@@ -19,7 +19,7 @@ from confrag.gates.registry import SIGNALS, UnavailableSignalError, check_signal
 from confrag.gates.signals import bridge_matching_scores, embed_texts, external_knowledge
 from confrag.llm.loading import LLMConfig, LoadedLLM, prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates
-from confrag.retrieval import DenseRetriever, corpus_from_nq
+from confrag.retrieval import DenseRetriever, corpus_from_gold_paragraphs
 
 
 def text_encoder(retriever: Any) -> DenseRetriever:
@@ -27,7 +27,7 @@ def text_encoder(retriever: Any) -> DenseRetriever:
     a one-passage corpus: only its `encode` is used, and indexing the real corpus would cost minutes."""
     if isinstance(retriever, DenseRetriever):
         return retriever
-    stub = corpus_from_nq([QARow("encoder", "encoder", ("encoder",), (Passage("encoder", "encoder"),))])
+    stub = corpus_from_gold_paragraphs([QARow("encoder", "encoder", ("encoder",), (Passage("encoder", "encoder"),))])
     return DenseRetriever(stub, progress=False, device="cpu")
 
 

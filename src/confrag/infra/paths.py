@@ -3,7 +3,7 @@
 confrag runs either from a source checkout (pyproject.toml, conf/ and src/confrag/ in one folder: the
 project root) or from an installed package (a wheel), which carries the same configs as `confrag/conf`
 (pyproject.toml maps the package `confrag.conf` to the top-level conf/ folder). Installed, the project
-root is the current folder: logs and caches go there, and paths to data (`paths.nq_path`, `dataset.*`)
+root is the current folder: logs and caches go there, and paths to data (`paths.questions_path`, `dataset.*`)
 are set on the command line or through their environment variables (docs/usage.md#installing-confrag).
 """
 

@@ -25,7 +25,7 @@ from lightning import LightningDataModule
 from torch.utils.data import DataLoader
 
 from confrag.data.jsonl import DataFormatError
-from confrag.data.nq import QUESTION_FORMAT_CHOICES, load_nq_jsonl
+from confrag.data.nq import QUESTION_FORMAT_CHOICES, load_questions_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.infra import checks
 from confrag.infra.sharded import ShardedCache
@@ -45,7 +45,7 @@ from confrag.probe.nq_confidence import (
 )
 from confrag.probe.prompt_kinds import kinds_of, uses_candidates
 from confrag.probe.ranking import RankingSet, candidate_states
-from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
+from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrieve_candidates
 from confrag.retrieval.candidates import without_duplicates
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class NQConfidenceDataModule(LightningDataModule):
         self,
         llm: dict[str, Any],
         prompts: dict[str, Any],
-        nq_path: str,
+        questions_path: str,
         *,
         layer: int | str,
         layers: str | Sequence[int],
@@ -152,7 +152,8 @@ class NQConfidenceDataModule(LightningDataModule):
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
         checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
-        self.nq_path, self.questions_format, self.layer_spec, self.layers = nq_path, questions_format, layer, layers
+        self.questions_path, self.questions_format = questions_path, questions_format
+        self.layer_spec, self.layers = layer, layers
         self.num_questions, self.train_states = num_questions, train_states
         self.split_sizes, self.balance, self.seed = split_sizes, balance, seed
         self.max_new_tokens, self.gen_batch_size, self.extract_batch_size = (
@@ -196,7 +197,7 @@ class NQConfidenceDataModule(LightningDataModule):
             )
         if needs:
             raise DataFormatError(
-                f'{self.nq_path}: none of its {len(rows)} questions has a gold paragraph ("ctxs"), which '
+                f'{self.questions_path}: none of its {len(rows)} questions has a gold paragraph ("ctxs"), which '
                 + "; and ".join(needs)
             )
 
@@ -204,7 +205,7 @@ class NQConfidenceDataModule(LightningDataModule):
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
         num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
         self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
-        all_rows = load_nq_jsonl(self.nq_path, questions_format=self.questions_format)
+        all_rows = load_questions_jsonl(self.questions_path, questions_format=self.questions_format)
         rows = select_questions(all_rows, self.num_questions, self.seed)
         self.check_gold_paragraphs(all_rows)
         own = llm is None
@@ -216,7 +217,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 rows,
                 PromptLimit(self.templates, llm.tokenizer, llm.context, self.max_new_tokens),
                 self.truncate_questions,
-                str(self.nq_path),
+                str(self.questions_path),
                 option=f"{self.config_node}.truncate_questions",
                 # Questions that also go into RAG prompts leave half the budget to the passages.
                 room=(llm.context - self.max_new_tokens) // 2 if self.rag_prompts else 0,
@@ -263,7 +264,7 @@ class NQConfidenceDataModule(LightningDataModule):
     def retrieved(self, all_rows, rows) -> list[list]:
         """Each question's top `candidates_top_n` BM25 passages over every paragraph of the NQ file (cached),
         repeated texts removed as where the probe is applied."""
-        corpus = corpus_from_nq(all_rows, words_per_passage=self.words_per_passage)
+        corpus = corpus_from_gold_paragraphs(all_rows, words_per_passage=self.words_per_passage)
         found = retrieve_candidates(
             rows, corpus, BM25Retriever(corpus, cache_dir=self.cache_dir), top_n=self.candidates_top_n
         )
@@ -277,7 +278,7 @@ class NQConfidenceDataModule(LightningDataModule):
         groups = {s: [r for r, split in zip(data.rows, data.split_of) if split == s] for s in ("dev", "test")}
         if self.ranking_test_questions:
             groups["test_extra"] = self.extra_test_rows(all_rows, data.rows)
-        corpus = corpus_from_nq(all_rows, words_per_passage=self.words_per_passage)
+        corpus = corpus_from_gold_paragraphs(all_rows, words_per_passage=self.words_per_passage)
         retriever = BM25Retriever(corpus, cache_dir=self.cache_dir)
         # Built at the first shard to compute: a complete cache loads no weights.
         engine = functools.cache(

@@ -72,7 +72,7 @@ class EvalSettings:
     hotpotqa_path: str | None  # HotpotQA (official JSON or JSONL); None = NQ only
     hotpotqa_num_questions: int | None
     diagnostics: bool  # Table 2's probe-as-reranker and utility-oracle rows (one answer per candidate)
-    nq_path: str | None  # evaluation questions from their own file (NQ format), checked disjoint from training
+    questions_path: str | None  # evaluation questions from a file of their own, checked disjoint from training
     expected_discordance: float  # the design's discordance for Table 2's detectable difference (fixed beforehand)
 
     def __post_init__(self) -> None:
@@ -82,7 +82,12 @@ class EvalSettings:
             "dev_fraction",
             hint="(the share of evaluation questions used to choose β, or to fit the gates)",
         )
-        checks.existing_path(self.nq_path, "eval.nq_path", allow_none=True, hint="(a JSONL of NQ-format questions)")
+        checks.existing_path(
+            self.questions_path,
+            "questions_path",
+            allow_none=True,
+            hint="(a question file: .jsonl, .jsonl.gz or .parquet)",
+        )
         checks.integer(self.num_questions, "num_questions", 2, allow_none=True)
         checks.integer(self.hotpotqa_num_questions, "hotpotqa_num_questions", 2, allow_none=True)
         checks.integer(self.n_resamples, "n_resamples", 100)

@@ -35,7 +35,7 @@ class ReportHeader(RunHeader):
     gold_known: bool  # passages cut from the questions' own paragraphs: "own paragraph in the contexts" is known
     candidates_source: str  # where the candidates come from (RetrievalSettings.source)
     questions: str = NQ  # the evaluation's question set, by its dataset (NQ, PopQA, ...) or file
-    eval_file: str | None = None  # the evaluation file's name (`eval.nq_path`), when the questions come from one
+    eval_file: str | None = None  # the evaluation file's name (`eval.questions_path`), when the questions come from one
 
 
 def run_record(

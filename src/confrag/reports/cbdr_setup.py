@@ -56,11 +56,11 @@ def stage_line(stage: RerankStage) -> str:
 
 def evaluation_pool_line(stage: RerankStage, eval_file: str | None = None) -> str:
     """Which questions the evaluation drew from, and why none of them trained what answers it (`eval_file`: the
-    file's name when they come from `eval.nq_path`)."""
+    file's name when they come from `eval.questions_path`)."""
     if eval_file:
         return (
-            f"from the evaluation file {eval_file} (eval.nq_path), checked before the run against every question "
-            "the probe, the base reranker and the rerankers train on"
+            f"from the evaluation file {eval_file} (eval.questions_path), checked before the run against every "
+            "question the probe, the base reranker and the rerankers train on"
         )
     folds = stage.questions.folds
     if not folds:

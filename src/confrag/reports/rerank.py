@@ -49,7 +49,7 @@ def base_line(info: dict[str, Any]) -> str:
 def retrieval_line(stats: dict[str, Any]) -> str:
     """How often the retrieved candidates hold the question's gold paragraph and a gold answer (the retrieval
     stage's `question_candidates` statistics), in every report that states it."""
-    joined = stats.get("eval_file")  # eval.nq_path: its paragraphs joined the corpus (stages.retrieval)
+    joined = stats.get("eval_file")  # eval.questions_path: its paragraphs joined the corpus (stages.retrieval)
     known = stats.get("gold_known", 1.0)
     if known == 0:  # "0 %" would read as a measurement: nothing names the questions' paragraphs
         gold = "the question's gold paragraph is unknown (no question's gold document is named: gold_source), "

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import yaml
 
-from confrag.data.nq import load_nq_jsonl
+from confrag.data.nq import load_questions_jsonl
 from confrag.rag.pipeline import load_outcomes_jsonl
 from confrag.rag.stats import BINARY_METRICS, mcnemar_exact, paired_cell, table2_rows
 from confrag.reports.cbdr_answers import own_paragraph_flags
-from confrag.retrieval import corpus_from_nq
+from confrag.retrieval import corpus_from_gold_paragraphs
 
 
 def run_arg(text: str) -> tuple[str, Path]:
@@ -48,8 +48,9 @@ def gold_sources(run: Path) -> dict[str, str] | None:
     retrieval = run_config(run).get("retrieval") or {}
     if retrieval.get("corpus_path") or retrieval.get("words_per_passage") is None:
         return None
-    rows = load_nq_jsonl(retrieval["nq_path"])
-    return corpus_from_nq(rows, int(retrieval["words_per_passage"])).gold_source_of
+    # `nq_path`: the key's name in a run saved before it was renamed (confrag.instantiators.RENAMED).
+    rows = load_questions_jsonl(retrieval.get("questions_path") or retrieval["nq_path"])
+    return corpus_from_gold_paragraphs(rows, int(retrieval["words_per_passage"])).gold_source_of
 
 
 def run_config(run: Path) -> dict:

@@ -15,6 +15,7 @@ from confrag.retrieval.candidates import (
 from confrag.retrieval.corpus import (
     Corpus,
     CorpusPassage,
+    corpus_from_gold_paragraphs,
     corpus_from_nq,
     document_text,
     load_corpus_jsonl,
@@ -32,7 +33,8 @@ __all__ = [
     "DenseRetriever",
     "MeanPoolEncoder",
     "Retriever",
-    "corpus_from_nq",
+    "corpus_from_gold_paragraphs",
+    "corpus_from_nq",  # the old name of corpus_from_gold_paragraphs, kept one release (deprecated)
     "default_model_dir",
     "document_text",
     "load_candidates_jsonl",

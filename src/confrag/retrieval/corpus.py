@@ -2,8 +2,9 @@
 
 Two sources:
 
-- `corpus_from_nq(rows)`: the gold paragraphs of NQ-open rows, so every question's own evidence is in
-  the pool and "was the gold document retrieved" can be measured. A paragraph shared by several
+- `corpus_from_gold_paragraphs(rows)`: the gold paragraphs ("ctxs") of question rows (NQ-open's, or any file
+  in the `confrag` format), so every question's own evidence is in the pool and "was the gold document
+  retrieved" can be measured. A paragraph shared by several
   questions is kept once; `Corpus.gold_source_of` maps each question to the document holding it.
 - `load_corpus_jsonl(path)`: a user corpus in one of two formats (`corpus_format`; `auto` detects it from
   the first record): `confrag`, one `{"id": str, "title": str, "text": str}` per record, or `flashrag`,
@@ -31,6 +32,7 @@ from typing import Any
 
 from confrag.data.nq import DataFormatError, QARow, detect_format, read_records
 from confrag.infra import checks
+from confrag.infra.deprecated import deprecated_alias
 from confrag.infra.digests import fingerprint
 
 DEFAULT_WORDS_PER_PASSAGE = 100
@@ -156,7 +158,9 @@ def _make_corpus(passages: list[CorpusPassage], gold_source_of: dict[str, str]) 
     return Corpus(passages=passages, gold_source_of=gold_source_of, fingerprint=passages_fingerprint(passages))
 
 
-def corpus_from_nq(rows: Sequence[QARow], words_per_passage: int | None = DEFAULT_WORDS_PER_PASSAGE) -> Corpus:
+def corpus_from_gold_paragraphs(
+    rows: Sequence[QARow], words_per_passage: int | None = DEFAULT_WORDS_PER_PASSAGE
+) -> Corpus:
     """The gold paragraphs of `rows` as a corpus. A (title, text) paragraph that several questions
     share is one document, named after the first of them; every question maps to it in
     `gold_source_of`. A row with several paragraphs maps to the first one's document (the shared NQ
@@ -262,3 +266,7 @@ def validate_corpus_jsonl(path: str | os.PathLike[str], corpus_format: str = "au
     """Parse and check a whole corpus file without splitting it or building any index: a bad file fails
     here, naming the file, line and format, before any expensive work. Returns the number of documents."""
     return sum(1 for _ in iter_documents(path, corpus_format))
+
+
+# The old name, for one release (each call warns with the new name).
+corpus_from_nq = deprecated_alias("confrag.retrieval.corpus.corpus_from_nq", corpus_from_gold_paragraphs)

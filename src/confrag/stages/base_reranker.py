@@ -43,7 +43,7 @@ class BaseRerankerSettings:
 
     train: bool  # false: `model.backbone` already is a reranker and is the base as it is
     num_questions: int | None  # NQ questions used by no other stage; None = all that are left
-    nq_path: str | None  # another NQ file to draw them from (e.g. NQ train); None = the probe's file
+    questions_path: str | None  # another question file to draw them from (e.g. NQ train); None = the probe's file
     negatives: int  # BM25 hard negatives per row (no answer, not from the gold paragraph)
     negatives_top_n: int  # how deep in BM25's ranking they are drawn from
     max_epochs: int
@@ -136,7 +136,7 @@ def ensure_base_reranker(
             # e.g. FlashRAG question sets: their rows name no gold passage to train relevance on.
             hint = (
                 'these questions carry no gold paragraph ("ctxs"): train the base on a file that has them '
-                "(base_reranker.nq_path=...), or start from a reranker as it comes (base_reranker.train=false "
+                "(base_reranker.questions_path=...), or start from a reranker as it comes (base_reranker.train=false "
                 "with model=reranker_bge_m3)"
             )
         raise ValueError(f"the base reranker has no training rows ({len(rows)} questions, dropped {dropped}); {hint}")

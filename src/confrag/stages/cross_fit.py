@@ -5,7 +5,7 @@ With `preferences.cross_fit = k`, the questions no probe and no base reranker us
 other folds. A `FoldedReranker` puts the k of them behind the one `score` a Table 1 / Table 2 row calls,
 routing each (question, passage) pair to the reranker of the question's fold, so every question of the
 pool is evaluated once, by rerankers that never saw it (the evaluation asserts it:
-`confrag.stages.evaluation.check_held_out`). Questions outside every fold (HotpotQA, `eval.nq_path`) were
+`confrag.stages.evaluation.check_held_out`). Questions outside every fold (HotpotQA, `eval.questions_path`) were
 seen by no fold; they go to fold 0's reranker.
 """
 

@@ -66,11 +66,11 @@ class EvalSet:
 
 
 def evaluation_rows(
-    stage: RerankStage, num_questions: int | None, seed: int, nq_path: str | None = None
+    stage: RerankStage, num_questions: int | None, seed: int, questions_path: str | None = None
 ) -> list[QARow]:
-    """A seeded sample of the NQ questions no stage trained on; with `nq_path` (`eval.nq_path`), of that
+    """A seeded sample of the NQ questions no stage trained on; with `questions_path` (`eval.questions_path`), of that
     file's questions instead, each checked by normalized text against every training pool."""
-    pool = evaluation_file_rows(nq_path) if nq_path else stage.questions.evaluation_pool
+    pool = evaluation_file_rows(questions_path) if questions_path else stage.questions.evaluation_pool
     rows = select_questions(pool, num_questions, seed)
     check_held_out(stage, rows)
     return rows
@@ -278,7 +278,7 @@ def evaluate(
     """Held-out questions (sampled and split with the run's seed) → candidates → Conf(H(Q)) → answers under
     every reranker and K (cached per prompt in the run's cache), saved as outcomes in the run folder; then the
     live gate on a few test questions."""
-    eval_rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.nq_path)
+    eval_rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.questions_path)
     splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), ctx.seed)
     candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
     if stage.retrieval.joined:  # the evaluation file's paragraphs in the corpus (the report says how many)

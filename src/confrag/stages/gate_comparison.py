@@ -80,7 +80,7 @@ def prepare_gate_evaluation(
     as the cbdr task's): answers in both conditions (cached per prompt in the run's cache), the signals the
     configured gates read, CtrlA's directions, and the timed parts. The question sets are split with the run's
     seed, by `evaluation.dev_fraction`."""
-    rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.nq_path)
+    rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.questions_path)
     check_row("gates.reranker", settings.reranker, stage.scorers)
     check_llm_signals(gates, llm)
     check_held_out(stage, rows)

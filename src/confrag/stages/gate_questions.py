@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from confrag.data.conflicts import ConflictExample, build_conflicts
-from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.data.nq import QARow, load_questions_jsonl
 from confrag.data.splits import split_dev_test
 from confrag.gates.base import Gate
 from confrag.gates.signal_maker import check_signals_before_loading
@@ -55,8 +55,8 @@ def check_before_any_stage(gates: dict[str, Gate], llm_cfg: Any, probe_data: Any
     the LLM cannot give (from its tokenizer), and a question file without gold paragraphs (`probe_data`: the
     probe's unbuilt data module, whose file every question of the run comes from)."""
     check_signals_before_loading(gates, llm_cfg)
-    rows = load_nq_jsonl(probe_data.nq_path, questions_format=probe_data.questions_format)
-    require_gold_paragraphs(rows, str(probe_data.nq_path))
+    rows = load_questions_jsonl(probe_data.questions_path, questions_format=probe_data.questions_format)
+    require_gold_paragraphs(rows, str(probe_data.questions_path))
 
 
 def question_sets(rows: Sequence[QARow], dev_fraction: float, seed: int) -> QuestionSets:

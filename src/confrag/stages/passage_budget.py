@@ -104,7 +104,10 @@ def _locator(settings: RetrievalSettings, corpus: Corpus):
     def locate(indices: Sequence[int]) -> list[str]:
         wanted = {corpus.passages[i].source_id for i in indices}
         if not settings.corpus_path:
-            return [f"{settings.nq_path}, the paragraph of question {corpus.passages[i].source_id!r}" for i in indices]
+            return [
+                f"{settings.questions_path}, the paragraph of question {corpus.passages[i].source_id!r}"
+                for i in indices
+            ]
         found: dict[str, str] = {}
         for position, doc_id, _, _ in located_documents(settings.corpus_path, settings.corpus_format):
             if doc_id in wanted:

@@ -4,7 +4,7 @@ Every stage takes its questions from one file in a fixed order (`confrag.data.sp
 then NQ_Rerank's, then the base reranker's; what is left is the evaluation's. A file too small for the settings
 used to fail inside a stage after the LLM had loaded ("2 of its 2 questions are used before ..."); here the
 budget is computed first (what the file holds, what each stage takes, what is left, what to lower) and refused
-whole. The same plan then checks the evaluation file (`eval.nq_path`) against every training pool, naming the
+whole. The same plan then checks the evaluation file (`eval.questions_path`) against every training pool, naming the
 file, the line and the question: the evaluation stage checked it only after the probe and the rerankers.
 
 The plan is drawn as the stages draw it (same rows, seeds and order), from the questions as written: the stages
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from confrag.data.nq import QARow, load_nq_jsonl, read_records
+from confrag.data.nq import QARow, load_questions_jsonl, read_records
 from confrag.data.splits import (
     QuestionPlan,
     cross_fit_plan,
@@ -43,7 +43,7 @@ MIN_LEFT = 2  # questions the plan must leave after the probe, NQ_Rerank and the
 class ProbeQuestions:
     """The probe data settings the budget reads (`probe.data.*`: the file, its format, the sample)."""
 
-    nq_path: str
+    questions_path: str
     questions_format: str
     num_questions: int | None
     seed: int
@@ -53,7 +53,7 @@ class ProbeQuestions:
     def of(cls, datamodule: NQConfidenceDataModule) -> ProbeQuestions:
         """From the probe's data module as configured (nothing is built)."""
         return cls(
-            str(datamodule.nq_path),
+            str(datamodule.questions_path),
             datamodule.questions_format,
             datamodule.num_questions,
             int(datamodule.seed),
@@ -71,7 +71,7 @@ class QuestionBudget:
     preference: int
     base: int  # 0 when the base reranker is not trained, or when it draws from a file of its own
     left: int  # held out: the evaluation's pool (cross-fitted: every preference and held-out question)
-    evaluation: int  # the evaluation questions (from the left ones, or from eval.nq_path)
+    evaluation: int  # the evaluation questions (from the left ones, or from eval.questions_path)
     dev: int
     problems: tuple[str, ...]
 
@@ -100,7 +100,7 @@ def question_budget(
     holds = len(drop_duplicate_questions(rows))
     n_probe = _taken(probe.num_questions, holds)
     n_pref = _taken(preferences.num_questions, holds - n_probe)
-    own_base = base.train and not base.nq_path
+    own_base = base.train and not base.questions_path
     n_base = _taken(base.num_questions, holds - n_probe - n_pref) if own_base else 0
     left = holds - n_probe - n_pref - n_base
     problems = []
@@ -120,9 +120,13 @@ def question_budget(
     n_eval = dev = 0
     if evaluation is not None:
         pool = n_pref + left if folds else left
-        where = "the questions left" if not evaluation.nq_path else f"eval.nq_path={evaluation.nq_path}"
-        if evaluation.nq_path:
-            pool = len(drop_duplicate_questions(evaluation_file_rows(evaluation.nq_path)))
+        where = (
+            "the questions left"
+            if not evaluation.questions_path
+            else f"eval.questions_path={evaluation.questions_path}"
+        )
+        if evaluation.questions_path:
+            pool = len(drop_duplicate_questions(evaluation_file_rows(evaluation.questions_path)))
         n_eval = _taken(evaluation.num_questions, pool)
         dev = int(round(n_eval * float(evaluation.dev_fraction)))
         if not 0 < dev < n_eval:
@@ -131,7 +135,7 @@ def question_budget(
                 f"an empty dev or test split: raise eval.num_questions={evaluation.num_questions} (or leave more "
                 "questions to the evaluation), or change eval.dev_fraction"
             )
-    return QuestionBudget(probe.nq_path, holds, n_probe, n_pref, n_base, left, n_eval, dev, tuple(problems))
+    return QuestionBudget(probe.questions_path, holds, n_probe, n_pref, n_base, left, n_eval, dev, tuple(problems))
 
 
 def check_recipe_questions(recipe: RerankRecipe, evaluation: EvalSettings | None, seed: int) -> QuestionPlan:
@@ -148,31 +152,31 @@ def check_question_plan(
     seed: int,
 ) -> QuestionPlan:
     """The budget (refused whole, with every count, when a stage would run short) and the plan the stages will
-    draw; with `eval.nq_path`, that file checked against every training pool of the plan."""
-    rows = load_nq_jsonl(probe.nq_path, questions_format=probe.questions_format)
+    draw; with `eval.questions_path`, that file checked against every training pool of the plan."""
+    rows = load_questions_jsonl(probe.questions_path, questions_format=probe.questions_format)
     budget = question_budget(probe, preferences, base, evaluation, rows)
     if budget.problems:
         raise ValueError(f"Too few questions: {budget.table()}. " + "; ".join(budget.problems))
     log.info("Question budget: %s", budget.table())
     probe_rows = select_questions(rows, probe.num_questions, probe.seed)
-    base_rows = load_nq_jsonl(base.nq_path) if base.nq_path else None
+    base_rows = load_questions_jsonl(base.questions_path) if base.questions_path else None
     plan = plan_questions(
         rows,
         probe_rows,
         preferences.num_questions,
         base.num_questions if base.train else 0,
         seed,
-        probe.nq_path,
+        probe.questions_path,
         base_rows=base_rows,
     )
     if preferences.cross_fit:
         plan = cross_fit_plan(plan, preferences.cross_fit, seed)
-    if evaluation is not None and evaluation.nq_path:
-        check_evaluation_file(evaluation.nq_path, plan, rows, probe.nq_path)
+    if evaluation is not None and evaluation.questions_path:
+        check_evaluation_file(evaluation.questions_path, plan, rows, probe.questions_path)
     return plan
 
 
-def check_evaluation_file(path: str, plan: QuestionPlan, file_rows: Sequence[QARow], nq_path: str) -> None:
+def check_evaluation_file(path: str, plan: QuestionPlan, file_rows: Sequence[QARow], questions_path: str) -> None:
     """No question of the evaluation file is one the probe, the base reranker or the rerankers train on (by
     normalized text, as `check_disjoint`): refused naming each such question's line and text and the pool it is
     in: the preference questions, unless cross-fitted (then each fold's questions are answered by rerankers that
@@ -181,8 +185,8 @@ def check_evaluation_file(path: str, plan: QuestionPlan, file_rows: Sequence[QAR
     clashing = [r.qid for r in file_rows if r.qid.startswith(EVAL_IDS)]
     if clashing:
         raise ValueError(
-            f"{nq_path}: ids {clashing[:3]} start with {EVAL_IDS!r}, the prefix of the evaluation file's "
-            "(eval.nq_path) questions: rename them"
+            f"{questions_path}: ids {clashing[:3]} start with {EVAL_IDS!r}, the prefix of the evaluation file's "
+            "(eval.questions_path) questions: rename them"
         )
     pools: Mapping[str, Sequence[QARow]] = {
         "the probe's": plan.probe,
@@ -203,7 +207,7 @@ def check_evaluation_file(path: str, plan: QuestionPlan, file_rows: Sequence[QAR
             for position, row, name, used in shared[:5]
         )
         raise ValueError(
-            f"eval.nq_path={path}: {len(shared)} of its {len(rows)} questions are training questions of {nq_path} "
-            f"(compared by normalized text): {examples}. Training and evaluation questions must be disjoint: remove "
-            "them from the evaluation file"
+            f"eval.questions_path={path}: {len(shared)} of its {len(rows)} questions are training questions of "
+            f"{questions_path} (compared by normalized text): {examples}. Training and evaluation questions must be "
+            "disjoint: remove them from the evaluation file"
         )

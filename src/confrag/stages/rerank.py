@@ -19,7 +19,7 @@ import numpy as np
 from lightning.pytorch.loggers import Logger
 from tqdm.auto import tqdm
 
-from confrag.data.nq import QARow, load_nq_jsonl
+from confrag.data.nq import QARow, load_questions_jsonl
 from confrag.data.splits import QuestionPlan, cross_fit_plan, plan_questions, select_questions
 from confrag.infra.digests import fingerprint
 from confrag.infra.locks import claimed_first
@@ -98,9 +98,9 @@ def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -
     and an overlong one failed only inside generation (tens of GB asked, no row named). Checked, and cut
     with `data.truncate_questions`, exactly as the probe's data module fits its own questions, so a question
     both see reads the same (the plan's disjointness holds on the fitted text)."""
-    rows = load_nq_jsonl(probe_data.nq_path, questions_format=probe_data.questions_format)
+    rows = load_questions_jsonl(probe_data.questions_path, questions_format=probe_data.questions_format)
     tokenizer, context = prompt_tokenizer(recipe.llm)
-    where = str(probe_data.nq_path)
+    where = str(probe_data.questions_path)
     rows = fit_questions(
         rows,
         PromptLimit(recipe.templates, tokenizer, context, probe_data.max_new_tokens),
@@ -134,11 +134,11 @@ def rerank_stage(
     # drawn as the plan below draws them (the probe's questions as its data module samples them), checked now.
     if label_checks.checks_candidates(recipe.preferences):
         probe_rows = select_questions(rows, probe_settings.num_questions, probe_settings.seed)
-        early = question_plan(recipe, rows, probe_rows, ctx.seed, str(probe_settings.nq_path))
+        early = question_plan(recipe, rows, probe_rows, ctx.seed, str(probe_settings.questions_path))
         candidates, _ = question_candidates(retrieval, early.preference, recipe.retrieval.candidates_path)
         label_checks.check_label_sources(recipe.preferences, candidates, ctx.seed)
     probe, probe_data = ensure_probe(recipe.probe, ctx)
-    questions = question_plan(recipe, rows, probe_data.data.rows, ctx.seed, probe_data.nq_path)
+    questions = question_plan(recipe, rows, probe_data.data.rows, ctx.seed, probe_data.questions_path)
     stage = build_nq_rerank(
         recipe.preferences,
         recipe.answers,
@@ -217,7 +217,7 @@ def question_plan(
         recipe.base.num_questions if recipe.base.train else 0,
         seed,
         where,
-        base_rows=load_nq_jsonl(recipe.base.nq_path) if recipe.base.nq_path else None,
+        base_rows=load_questions_jsonl(recipe.base.questions_path) if recipe.base.questions_path else None,
     )
     if recipe.preferences.cross_fit:
         questions = cross_fit_plan(questions, recipe.preferences.cross_fit, seed)

@@ -2,7 +2,7 @@
 
 The corpus is every gold paragraph of the NQ file split into passages (or `retrieval.corpus_path`, a
 JSONL of documents); candidates are the retriever's top N with repeated texts removed, or a prebuilt
-list read from `retrieval.candidates_path`. An evaluation file of its own (`eval.nq_path`, read here as
+list read from `retrieval.candidates_path`. An evaluation file of its own (`eval.questions_path`, read here as
 `retrieval.eval_questions_path`) adds its questions' gold paragraphs to the NQ paragraphs, as the NQ file's
 held-out questions have theirs there; its qids carry the prefix `EVAL_IDS`, so that "own paragraph" is never
 looked up under another file's question.
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from confrag.data.nq import QUESTION_FORMAT_CHOICES, QARow, load_nq_jsonl
+from confrag.data.nq import QUESTION_FORMAT_CHOICES, QARow, load_questions_jsonl
 from confrag.infra import checks
 from confrag.infra.checks import collect
 from confrag.infra.digests import fingerprint
@@ -28,7 +28,7 @@ from confrag.retrieval import (
     Candidates,
     Corpus,
     DenseRetriever,
-    corpus_from_nq,
+    corpus_from_gold_paragraphs,
     document_text,
     load_candidates_jsonl,
     load_corpus_jsonl,
@@ -63,16 +63,16 @@ EVAL_IDS = "eval:"  # the qid prefix of the evaluation file's questions (`evalua
 
 
 def evaluation_file_rows(path: str | Path) -> list[QARow]:
-    """The questions of the evaluation file (`eval.nq_path`), each qid prefixed with `EVAL_IDS`: a file without
+    """The questions of the evaluation file (`eval.questions_path`), each qid prefixed with `EVAL_IDS`: a file without
     ids numbers its rows as the NQ file does (`nq-00000`), and these must name other questions."""
-    return load_nq_jsonl(path, id_prefix=EVAL_IDS)
+    return load_questions_jsonl(path, id_prefix=EVAL_IDS)
 
 
 @dataclass(frozen=True)
 class RetrievalSettings:
     """The `retrieval` config node. Defaults: conf/retrieval/nq.yaml."""
 
-    nq_path: str
+    questions_path: str
     retriever: str  # bm25 | dense (MiniLM bi-encoder, exact search)
     top_n: int
     words_per_passage: int | None  # null: the corpus's own passages, one per document (its id the passage's)
@@ -87,7 +87,7 @@ class RetrievalSettings:
     max_passage_tokens: int | None  # a passage's LLM tokens at most; null: what one passage may hold in a prompt
     cut_passages: bool  # a passage past that: refused (false) or cut to it
     dense_encoder: str | None  # the sentence-transformers folder of a prebuilt FAISS index file (dense_index_path)
-    eval_questions_path: str | None  # `eval.nq_path`: its gold paragraphs join the NQ paragraphs' corpus
+    eval_questions_path: str | None  # `eval.questions_path`: its gold paragraphs join the NQ paragraphs' corpus
 
     @property
     def source(self) -> str:
@@ -175,14 +175,14 @@ def load_corpus(settings: RetrievalSettings, rows: Sequence[QARow] | None = None
     `retrieval.words_per_passage`-word passages (null: as given)."""
     words = settings.words_per_passage
     if rows is not None:
-        return corpus_from_nq(rows, words_per_passage=words)
+        return corpus_from_gold_paragraphs(rows, words_per_passage=words)
     if settings.corpus_path:
         if settings.eval_questions_path:
             log.info("The evaluation file's paragraphs stay out of the corpus retrieval.corpus_path (used as given)")
         return load_corpus_jsonl(settings.corpus_path, words_per_passage=words, corpus_format=settings.corpus_format)
-    rows_of_file = load_nq_jsonl(settings.nq_path, questions_format=settings.questions_format)
+    rows_of_file = load_questions_jsonl(settings.questions_path, questions_format=settings.questions_format)
     extra = evaluation_file_rows(settings.eval_questions_path) if settings.eval_questions_path else []
-    return corpus_from_nq([*rows_of_file, *extra], words_per_passage=words)
+    return corpus_from_gold_paragraphs([*rows_of_file, *extra], words_per_passage=words)
 
 
 def joined_counts(settings: RetrievalSettings, corpus: Corpus, rows: Sequence[QARow] | None) -> dict[str, int]:

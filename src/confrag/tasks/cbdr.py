@@ -117,7 +117,7 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -
         gold_known=not (recipe.retrieval.corpus_path or recipe.retrieval.candidates_path),
         candidates_source=recipe.retrieval.source,
         questions=evaluation.name(NQ),
-        eval_file=Path(checked.evaluation.nq_path).name if checked.evaluation.nq_path else None,
+        eval_file=Path(checked.evaluation.questions_path).name if checked.evaluation.questions_path else None,
     )
     secondary = [
         cbdr_answers.closed_book_line(tables, settings.eval_metric, n_resamples, ctx.seed),
