@@ -20,7 +20,7 @@ from helpers.modules import probe_module, reranker_module
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-MAX_README_LINES = 150  # the README is a map; the details live in docs/
+MAX_README_LINES = 149  # under 150: the README is a map; the details live in docs/
 
 
 def python_blocks(text: str) -> list[str]:
