@@ -40,7 +40,7 @@ import numpy as np
 from omegaconf import OmegaConf
 from sklearn.metrics import roc_auc_score
 
-from confrag.data.nq import default_nq_path, load_nq_jsonl
+from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.data.splits import drop_duplicate_questions
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
@@ -48,7 +48,7 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore, score_answer
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
 from confrag.reranker.likelihood_teacher import candidate_likelihoods
-from confrag.retrieval import BM25Retriever, corpus_from_nq, retrieve_candidates
+from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrieve_candidates
 from confrag.retrieval.candidates import Candidates, without_duplicates
 from confrag.retrieval.corpus import document_text
 from confrag.retrieval.dense import MeanPoolEncoder
@@ -79,8 +79,8 @@ def load_study(questions: int, dev: int, seed: int, dtype: str, cache: str) -> S
     llm_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml"))
     llm = load_llm(llm_cfg | {"cache_dir": str(Path(cache) / "models"), "dtype": dtype})
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
-    rows = drop_duplicate_questions(load_nq_jsonl(default_nq_path()))
-    corpus = corpus_from_nq(rows)
+    rows = drop_duplicate_questions(load_questions_jsonl(default_questions_path()))
+    corpus = corpus_from_gold_paragraphs(rows)
     order = np.random.default_rng(seed).permutation(len(rows))[:questions]
     picked = [rows[i] for i in order]
     dev_ids, test_ids = {r.qid for r in picked[:dev]}, {r.qid for r in picked[dev:]}
