@@ -12,6 +12,9 @@ for the same number of steps, warmup and learning rate:
   the own paragraph's passages): what the same training does with a target that knows relevance only;
 - `answer_bearing`: the query tower on the candidates holding a gold answer string (multi-positive);
 - `residual`: the base frozen, a head on q ⊙ p trained on the `likelihood` teacher, f = base + w · head;
+- `utility` (with `--utility-depth N`): the query tower on the candidates the LLM answered right under (greedy,
+  each of the base's top N alone), multi-positive, answer-bearing failures and unanswered candidates left out of
+  the list; its own lr and λ chosen on dev over the same grid;
 - `lsr_small` (diagnostic): `lsr`'s training on a seeded subset of `--small-train` of each fold's training
   questions, same steps: the learning curve that says whether a student short of questions is the broken link.
 
@@ -28,7 +31,8 @@ on or reported: lr, λ and τ_T (query tower) and w (residual head) are chosen o
 students of fold 0's training questions, a tie going to the smaller change (lower lr, larger λ).
 
     python experiments/likelihood_training.py --questions 600 --dev 100 [--folds 5] [--seeds 3] [--small-train 400]
-        [--out DIR]
+        [--utility-depth 20] [--out DIR]
+        [--utility-depth 20 --answers-only --threads 1]   # fill the utility answers (one process per core)
         [--export-rows rows.jsonl]   # every question's graded ℓ list, FlagEmbedding's fields
 """
 
@@ -44,6 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from likelihood_teacher import ROOT, Study, load_study  # noqa: E402
@@ -111,6 +116,26 @@ class Outcomes:
         return [score_answer(a, sets[i].answers) for a, i in zip(self.store.answer(items), at)]
 
 
+def utility_labels(study: Study, base: np.ndarray, depth: int, cache: str) -> list[np.ndarray]:
+    """The `utility` teacher's labels: per question, 1 where the LLM's greedy answer under the candidate alone is
+    right (has_answer), 0 where wrong, -1 where not asked (below the base's top `depth`). Generated rank by rank
+    over all questions (every question's base top-1 first, then every top-2, ...), so a run stopped early leaves
+    a complete shallower depth, and the answer cache is shared with every other row of the study. Two processes
+    asking at once split the chunks between them (`AnswerStore`), so one per core uses both."""
+    sets = study.candidate_sets
+    order = [np.argsort(-base[i][: len(c.passages)], kind="stable") for i, c in enumerate(sets)]
+    labels = [np.full(len(c.passages), -1, dtype=np.int8) for c in sets]
+    outcomes = Outcomes(study, cache)
+    for rank in range(depth):
+        at = [i for i, c in enumerate(sets) if rank < len(c.passages)]
+        picks = [int(order[i][rank]) for i in at]
+        for i, j, o in zip(at, picks, outcomes(at, picks)):
+            labels[i][j] = int(o.has_answer)
+        log.info("utility labels: depth %d of %d answered (%d generated so far)", rank + 1, depth,
+                 outcomes.store.generated)  # fmt: skip
+    return labels
+
+
 def top1(scores: np.ndarray, at: list[int]) -> list[int]:
     return [int(np.argmax(scores[i])) for i in at]
 
@@ -138,16 +163,29 @@ def main() -> None:
         help="the `lsr_small` diagnostic row: the primary's training on this many of each fold's training questions "
         "(a seeded subset; 0 leaves the row out)",
     )  # fmt: skip
+    parser.add_argument(
+        "--utility-depth", type=int, default=0,
+        help="label every question's top N candidates by the base with the LLM's greedy answer and train the "
+        "`utility` row on them (0: no utility row)",
+    )  # fmt: skip
+    parser.add_argument("--answers-only", action="store_true", help="fill the utility answer cache and stop")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--export-rows", default=None, help="also write every question's ℓ list as FlagEmbedding rows")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     study = load_study(args.questions, args.dev, args.seed, "float32", args.cache)
     tower0, head0 = replace(TOWER, steps=args.steps), replace(HEAD, steps=args.steps)
     sets = study.candidate_sets
     ell = likelihoods(study, args.block, args.cache)
     data = embeddings(study, args.cache)
-    inputs = [TeacherInputs(c, e) for c, e in zip(sets, ell)]
+    if args.answers_only:
+        utility_labels(study, data.base_scores, args.utility_depth, args.cache)
+        return
+    utility = utility_labels(study, data.base_scores, args.utility_depth, args.cache) if args.utility_depth else None
+    inputs = [TeacherInputs(c, e, utility[i] if utility else None) for i, (c, e) in enumerate(zip(sets, ell))]
     if args.export_rows:
         keep = [i for i, c in enumerate(sets) if len(c.passages) >= 2]
         exported = likelihood_rows([sets[i] for i in keep], [ell[i] for i in keep])
@@ -196,6 +234,18 @@ def main() -> None:
         if right > best:
             w, best = weight, right
     log.info("dev chose lr=%g τ_T=%.2f λ=%.1f w=%.1f (%.0f s)", lr, tau_t, anchor, w, time.time() - start)
+    # The utility row's own lr and λ (its target has no temperature), on the same dev questions and grid.
+    utility_tower = None
+    if utility:
+        best = -1.0
+        for u_lr, u_anchor in itertools.product(args.learning_rates, ANCHORS):
+            settings = replace(tower0, lr=u_lr, anchor=u_anchor)
+            student, _ = train(settings, "utility", tau_t, data, inputs, fold_train(0))
+            right = dev_right(student.score(data))
+            dev_log.append({"student": "utility query_tower", "lr": u_lr, "anchor": u_anchor, "dev_has_answer": right})
+            log.info("dev: utility query tower lr=%g λ=%.1f has_answer %.3f", u_lr, u_anchor, right)
+            if right > best:
+                utility_tower, best = settings, right
 
     capacity = capacity_curve(tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell)
     log.info("capacity curve done (%.0f s)", time.time() - start)
@@ -209,11 +259,13 @@ def main() -> None:
         "relevance": (tower, "relevance", args.seeds),
         "answer_bearing": (tower, "answer_bearing", 1),
         "residual": (replace(head0, anchor=anchor), "likelihood", 1),
+        **({"utility": (utility_tower, "utility", 1)} if utility else {}),
     }
     scores = {name: [np.full(data.mask.shape, -np.inf, dtype=np.float32) for _ in range(n)]
               for name, (_, _, n) in rows.items()}  # fmt: skip
     missing = {name: 0 for name in rows}
-    fitted: dict[str, list] = {"lsr": [], "relevance": [], **({"lsr_small": []} if args.small_train else {})}
+    fitted: dict[str, list] = {"lsr": [], "relevance": [], **({"lsr_small": []} if args.small_train else {}),
+                               **({"utility": []} if utility else {})}  # fmt: skip
     for k in range(args.folds):
         for name, (settings, teacher, n_seeds) in rows.items():
             train_rows = fold_train(k, args.small_train if name == "lsr_small" else None)
@@ -232,16 +284,26 @@ def main() -> None:
         for seed, s in enumerate(per_seed):
             picks[f"{name}@{seed}"] = top1(s, test_at)
     results = {name: outcomes(test_at, p) for name, p in picks.items()}
-    fit = fit_lines(study, ell, data, fitted, scores, folds)
-    chosen = {"lr": lr, "tau_t": tau_t, "anchor": anchor, "w": w, "train_questions": len(fold_train(0)),
+    fit = fit_lines(study, ell, data, fitted, scores, folds, utility)
+    if utility:
+        chosen_utility = {"utility_lr": utility_tower.lr, "utility_anchor": utility_tower.anchor,
+                          "utility_depth": args.utility_depth,
+                          "utility_any_right": float(np.mean([(utility[i] == 1).any() for i in test_at]))}  # fmt: skip
+    else:
+        chosen_utility = {}
+    chosen = {**chosen_utility, "lr": lr, "tau_t": tau_t, "anchor": anchor, "w": w,
+              "train_questions": len(fold_train(0)),
               "small_train": len(fold_train(0, args.small_train)) if args.small_train else 0}  # fmt: skip
     report(args, study, ell, test_at, picks, results, missing, chosen, dev_log + fit + capacity, time.time() - start)
 
 
-def agreement(name: str, study: Study, ell, rows: list[int], scores: np.ndarray) -> float:
+def agreement(name: str, study: Study, ell, rows: list[int], scores: np.ndarray, utility=None) -> float:
     """`lsr`-like rows: the share of `rows` whose top-1 is ℓ's top-1; `relevance`: the own paragraph first (of the
-    questions whose own paragraph was retrieved). `scores` is aligned with `rows`."""
+    questions whose own paragraph was retrieved); `utility`: the top-1 answered right under (from its labels, so on
+    training questions too). `scores` is aligned with `rows`."""
     sets = study.candidate_sets
+    if name == "utility":
+        return float(np.mean([utility[i][int(np.argmax(scores[r]))] == 1 for r, i in enumerate(rows)]))
     if name != "relevance":
         return float(np.mean([np.argmax(scores[r]) == np.argmax(ell[i]) for r, i in enumerate(rows)]))
     return float(
@@ -271,13 +333,13 @@ def capacity_curve(tower, tau_t, data, inputs, train_rows, held_rows, study, ell
     return out
 
 
-def fit_lines(study: Study, ell, data, fitted, scores, folds) -> list[dict]:
+def fit_lines(study: Study, ell, data, fitted, scores, folds, utility=None) -> list[dict]:
     """In-sample against held-out, fold 0-k students of `lsr` (agreement with ℓ's top-1) and `relevance` (own
     paragraph first), each beside the base on the same questions: did the student learn its target, and does
     what it learned carry to questions it did not see?"""
 
     def measure(name: str, rows: list[int], s: np.ndarray) -> float:
-        return agreement(name, study, ell, rows, s)
+        return agreement(name, study, ell, rows, s, utility)
 
     out = []
     for name, per_fold in fitted.items():
@@ -286,7 +348,7 @@ def fit_lines(study: Study, ell, data, fitted, scores, folds) -> list[dict]:
         held_rows = [i for fold in folds for i in fold]
         held = measure(name, held_rows, scores[name][0][held_rows])
         held_base = measure(name, held_rows, data.base_scores[held_rows])
-        what = "= ℓ's top-1" if name.startswith("lsr") else "own ¶ first"
+        what = {"utility": "top-1 answered right"}.get(name, "= ℓ's top-1" if name.startswith("lsr") else "own ¶ first")
         out.append({"student": f"{name}@0 fit", "measure": what, "training_questions": float(np.mean(trained)),
                     "training_questions_base": float(np.mean(trained_base)), "held_out": held,
                     "held_out_base": held_base})  # fmt: skip
@@ -301,7 +363,7 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
     em = {name: np.array([o.em for o in r], dtype=float) for name, r in results.items()}
     oracle_pick = picks["likelihood_oracle"]
     shown = ["likelihood_oracle", "lsr@0", *(["lsr_small@0"] if "lsr_small@0" in picks else []), "relevance@0",
-             "answer_bearing@0", "residual@0"]  # fmt: skip
+             "answer_bearing@0", "residual@0", *(["utility@0"] if "utility@0" in picks else [])]  # fmt: skip
     tests = {name: mcnemar_exact(right[name], right["base"]) for name in shown}
     adjusted = dict(zip(shown, holm([tests[name].pvalue for name in shown])))
 
@@ -360,9 +422,17 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
             f"questions (base {100 * entry['training_questions_base']:.1f} %), {100 * entry['held_out']:.1f} % held "
             f"out (base {100 * entry['held_out_base']:.1f} %)."
         )
+    utility_note = []
+    if "utility_depth" in chosen:
+        utility_note.append(
+            f"Utility labels: the greedy answer under each of the base's top {chosen['utility_depth']} candidates; "
+            f"dev chose lr = {chosen['utility_lr']}, λ = {chosen['utility_anchor']} for `utility`. The utility "
+            f"oracle (some candidate answered right): {100 * chosen['utility_any_right']:.1f} % of the test questions."
+        )
     lines += [
         "",
         f"Questions without a positive, left out of training (fold by fold, summed): {missing}.",
+        *utility_note,
         f"Wall time: {seconds:.0f} s.",
     ]
     out = Path(args.out)

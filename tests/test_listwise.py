@@ -8,6 +8,7 @@ import torch
 
 from confrag.infra.finite import NonFiniteError
 from confrag.reranker.listwise_student import (
+    ListTarget,
     ListwiseData,
     ListwiseSettings,
     build_student,
@@ -91,6 +92,26 @@ def test_teachers_give_each_its_target_and_none_without_positive():
         teacher_targets("likelihood", [TeacherInputs(c, ell[:2])], 1.0)
     with pytest.raises(NonFiniteError, match="question q1's candidates"):
         teacher_targets("likelihood", [TeacherInputs(c, np.array([0.0, np.nan, 1.0]))], 1.0)
+
+
+def test_utility_teacher_is_multi_positive_and_leaves_out_what_it_cannot_call():
+    # candidates: right / wrong without answer / wrong with the answer string / never answered / right
+    c = _candidates("q1", [False] * 5, [True, False, True, False, False])
+    ell = np.zeros(5, dtype=np.float32)
+    labels = np.array([1, 0, 0, -1, 1], dtype=np.int8)
+    (target,), none = teacher_targets("utility", [TeacherInputs(c, ell, labels)], 1.0)
+    assert isinstance(target, ListTarget) and none == 0
+    np.testing.assert_array_equal(target.logits, [0.0, NEG, NEG, NEG, 0.0])
+    # the answer-bearing failure and the unanswered candidate are out of the list, not negatives
+    np.testing.assert_array_equal(target.in_list, [True, True, False, False, True])
+    targets, none = teacher_targets("utility", [TeacherInputs(c, ell, np.array([0, 0, -1, 0, 0]))], 1.0)
+    assert targets == [None] and none == 1
+    with pytest.raises(ValueError, match="no answer labels"):
+        teacher_targets("utility", [TeacherInputs(c, ell)], 1.0)
+    with pytest.raises(ValueError, match=r"one label in \{-1, 0, 1\}"):
+        teacher_targets("utility", [TeacherInputs(c, ell, np.array([2, 0, 0, 0, 0]))], 1.0)
+    with pytest.raises(ValueError, match="no candidate in the list"):
+        ListTarget(np.array([NEG, 0.0]), np.array([True, False]))
 
 
 QUESTIONS = [
@@ -200,3 +221,22 @@ def test_likelihood_rows_carry_the_graded_list_in_flagembedding_fields():
     assert validate_row(row, "row") == row
     with pytest.raises(ValueError, match="3 candidates, 2"):
         likelihood_rows([c], [np.array([-2.0, -0.25])])
+
+
+def test_a_candidate_left_out_of_the_list_is_not_pushed_down(data):
+    """The same target (each question's last candidate first) with the base's own top candidate once a negative
+    and once left out of the list: only as a negative is it pushed below where the base had it."""
+    targets = _last_first(data)
+    top = [int(np.argmax(data.base_scores[i])) for i in range(len(targets))]
+    left_out = [ListTarget(t, np.arange(len(t)) != j) for t, j in zip(targets, top)]
+    settings = _settings("residual_head", lr=0.05, steps=30)
+    as_negative = fit_listwise(settings, data, targets).score(data)
+    out_of_list = fit_listwise(settings, data, left_out).score(data)
+
+    def top_margin(scores: np.ndarray) -> float:  # the base's top candidate against the target's positive
+        return float(np.mean([scores[i, j] - scores[i, data.mask[i].sum() - 1] for i, j in enumerate(top)]))
+
+    base_margin = top_margin(data.base_scores)
+    assert top_margin(as_negative) < base_margin - 1.0
+    # left out, it gets no gradient of its own (it moves only as far as the shared head moves it)
+    assert top_margin(out_of_list) > top_margin(as_negative) + 0.5

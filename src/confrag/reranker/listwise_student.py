@@ -43,6 +43,23 @@ from confrag.retrieval.mean_pooling import mean_pool
 
 
 @dataclass(frozen=True)
+class ListTarget:
+    """A target that also leaves candidates out of the list the student is scored over (`in_list` False): a
+    candidate the teacher can call neither positive nor negative (for `utility`: an answer-bearing candidate the LLM
+    failed under, one never answered), which a -inf logit would instead push down as a negative. A plain array of
+    logits is a target with every candidate in the list."""
+
+    logits: np.ndarray
+    in_list: np.ndarray
+
+    def __post_init__(self) -> None:
+        if np.shape(self.logits) != np.shape(self.in_list):
+            raise ValueError(f"ListTarget: logits {np.shape(self.logits)} and in_list {np.shape(self.in_list)} differ")
+        if not np.any(np.isfinite(self.logits) & self.in_list):
+            raise ValueError("ListTarget: no candidate in the list has a finite logit (nothing to learn)")
+
+
+@dataclass(frozen=True)
 class ListwiseSettings:
     """How a student trains. `steps` optimizer steps of `batch_size` questions, whatever the training set's size,
     so rows trained on different numbers of questions get the same updates."""
@@ -194,9 +211,10 @@ class ResidualHeadStudent(ListwiseStudent):
 STUDENTS = {"query_tower": QueryTowerStudent, "residual_head": ResidualHeadStudent}
 
 
-def _batch(data: ListwiseData, rows: list[int], targets: np.ndarray | None) -> dict:
+def _batch(data: ListwiseData, rows: list[int], targets: np.ndarray | None, in_list: np.ndarray | None = None) -> dict:
     base = data.base_scores[rows]
-    mask = torch.from_numpy(data.mask[rows])
+    # Training scores a question over the candidates its target keeps in the list; scoring, over all of them.
+    mask = torch.from_numpy(data.mask[rows] & (in_list[rows] if in_list is not None else True))
     batch = {
         "questions": [data.questions[i] for i in rows],
         "query_vectors": torch.from_numpy(data.query_vectors[rows]),
@@ -209,16 +227,28 @@ def _batch(data: ListwiseData, rows: list[int], targets: np.ndarray | None) -> d
     return batch
 
 
-def padded_targets(targets: list[np.ndarray | None], width: int) -> tuple[np.ndarray, list[int]]:
-    """(Q, width) target logits (-inf on padding and on a question without target) and the questions that have
-    one."""
+def padded_targets(targets: list[np.ndarray | ListTarget | None], width: int) -> tuple[np.ndarray, list[int]]:
+    """(Q, width) target logits (-inf on padding, on a question without target and on a candidate its target
+    leaves out of the list) and the questions that have one."""
     out = np.full((len(targets), width), -np.inf, dtype=np.float32)
     kept = []
     for i, t in enumerate(targets):
-        if t is not None:
+        if isinstance(t, ListTarget):
+            out[i, : len(t.logits)] = np.where(t.in_list, t.logits, -np.inf)
+            kept.append(i)
+        elif t is not None:
             out[i, : len(t)] = t
             kept.append(i)
     return out, kept
+
+
+def padded_in_list(targets: list[np.ndarray | ListTarget | None], width: int) -> np.ndarray:
+    """(Q, width): False where a target leaves a candidate out of the list (padding is data.mask's to drop)."""
+    out = np.ones((len(targets), width), dtype=bool)
+    for i, t in enumerate(targets):
+        if isinstance(t, ListTarget):
+            out[i, : len(t.in_list)] = t.in_list
+    return out
 
 
 def build_student(settings: ListwiseSettings, base_dir: str | Path | None = None) -> ListwiseStudent:
@@ -230,13 +260,14 @@ def build_student(settings: ListwiseSettings, base_dir: str | Path | None = None
 
 
 def fit_listwise(
-    settings: ListwiseSettings, data: ListwiseData, targets: list[np.ndarray | None], base_dir=None
+    settings: ListwiseSettings, data: ListwiseData, targets: list[np.ndarray | ListTarget | None], base_dir=None
 ) -> ListwiseStudent:
     """A student trained on the questions that have a target, for `settings.steps` steps (seeded: the same
     settings and data give the same student)."""
     if len(targets) != len(data.questions):
         raise ValueError(f"{len(targets)} targets for {len(data.questions)} questions")
     table, kept = padded_targets(targets, data.mask.shape[1])
+    in_list = padded_in_list(targets, data.mask.shape[1])
     if not kept:
         raise ValueError(f"listwise {settings.student}: no question has a target (nothing to train on)")
     L.seed_everything(settings.seed, workers=True, verbose=False)
@@ -248,7 +279,7 @@ def fit_listwise(
         shuffle=True,
         generator=generator,
         drop_last=len(kept) >= settings.batch_size,
-        collate_fn=lambda rows: _batch(data, list(rows), table),
+        collate_fn=lambda rows: _batch(data, list(rows), table, in_list),
     )
     trainer = L.Trainer(
         max_steps=settings.steps,

@@ -12,6 +12,10 @@ teacher cannot label (no positive) gets None and is left out of training, counte
   a target that knows relevance and nothing about the LLM.
 - `answer_bearing`: uniform over the candidates whose text holds a gold answer (distant supervision, DPR's
   positives): a multi-positive target that, unlike `relevance`, rewards any passage with the answer string.
+- `utility`: uniform over the candidates the LLM answered right under (its greedy answer holds a gold answer):
+  the utility labels used fully, multi-positive. An answer-bearing candidate the LLM failed under is left out of
+  the list rather than pushed down as a negative (the passage holds the answer; the failure is the LLM's), and so
+  is a candidate never answered (below the depth the labels were generated to).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from confrag.infra.finite import require_finite
+from confrag.reranker.listwise_student import ListTarget
 from confrag.retrieval.candidates import Candidates
 
 
@@ -31,6 +36,8 @@ class TeacherInputs:
 
     candidates: Candidates
     likelihood: np.ndarray  # ℓ per candidate, aligned with candidates.passages
+    # The LLM's greedy answer under each candidate alone: 1 right, 0 wrong, -1 not answered (`utility` reads it).
+    utility: np.ndarray | None = None
 
 
 def _uniform_over(flags: list[bool]) -> np.ndarray | None:
@@ -59,15 +66,36 @@ def answer_bearing_target(inputs: TeacherInputs, temperature: float) -> np.ndarr
     return _uniform_over(inputs.candidates.has_answer)
 
 
+def utility_target(inputs: TeacherInputs, temperature: float) -> ListTarget | None:
+    c = inputs.candidates
+    labels = inputs.utility
+    if labels is None:
+        raise ValueError(f"utility teacher: question {c.qid} has no answer labels (TeacherInputs.utility)")
+    labels = np.asarray(labels)
+    if labels.shape != (len(c.passages),) or not np.isin(labels, (-1, 0, 1)).all():
+        raise ValueError(
+            f"utility teacher: question {c.qid} needs one label in {{-1, 0, 1}} per candidate ({len(c.passages)}); "
+            f"got {labels.tolist()}"
+        )
+    right = labels == 1
+    if not right.any():
+        return None
+    wrong_without_answer = (labels == 0) & ~np.asarray(c.has_answer, dtype=bool)
+    return ListTarget(np.where(right, 0.0, -np.inf).astype(np.float32), right | wrong_without_answer)
+
+
 # name -> target logits of one question (None: no positive); τ_T divides ℓ and is ignored by the others.
-TEACHERS: dict[str, Callable[[TeacherInputs, float], np.ndarray | None]] = {
+TEACHERS: dict[str, Callable[[TeacherInputs, float], np.ndarray | ListTarget | None]] = {
     "likelihood": likelihood_target,
     "relevance": relevance_target,
     "answer_bearing": answer_bearing_target,
+    "utility": utility_target,
 }
 
 
-def teacher_targets(name: str, inputs: list[TeacherInputs], temperature: float) -> tuple[list[np.ndarray | None], int]:
+def teacher_targets(
+    name: str, inputs: list[TeacherInputs], temperature: float
+) -> tuple[list[np.ndarray | ListTarget | None], int]:
     """Each question's target logits (None where the teacher has no positive) and how many got None."""
     if name not in TEACHERS:
         raise ValueError(f"teacher must be one of {sorted(TEACHERS)}; got {name!r}")
