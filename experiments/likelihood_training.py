@@ -80,6 +80,18 @@ HEAD_WEIGHTS = (0.5, 1.0, 2.0)
 # The capacity curve (diagnostic, no answers needed): fold 0's query tower pushed harder and harder toward its
 # teacher (λ = 0), each measured on its own training questions and held out. (lr, steps), mildest first.
 CAPACITY = ((3e-6, 150), (3e-5, 150), (1e-4, 600))
+ROWS = ("lsr", "lsr_small", "relevance", "answer_bearing", "residual", "utility")
+# The rows that use the dev choice of the `likelihood` query tower (lr, λ, τ_T) and the residual head's w.
+LSR_CHOICE_ROWS = {"lsr", "lsr_small", "relevance", "answer_bearing", "residual"}
+
+
+def earlier_run(folder: str, qids: list[str]) -> dict:
+    """An earlier run's picks, choices and diagnostics, refused unless it read the same test questions in order."""
+    picks = json.loads((Path(folder) / "picks.json").read_text())
+    metrics = json.loads((Path(folder) / "metrics.json").read_text())
+    if picks["qids"] != qids:
+        raise ValueError(f"--picks-from {folder}: its test questions are not this study's (other --questions/--seed?)")
+    return {"picks": picks["picks"], "chosen": metrics["chosen"], "dev": metrics["dev"]}
 
 
 def likelihoods(study: Study, block: int, cache: str) -> list[np.ndarray]:
@@ -169,6 +181,15 @@ def main() -> None:
         "`utility` row on them (0: no utility row)",
     )  # fmt: skip
     parser.add_argument("--answers-only", action="store_true", help="fill the utility answer cache and stop")
+    parser.add_argument(
+        "--capacity", action=argparse.BooleanOptionalAction, default=True, help="fold 0's capacity curve (with lsr)"
+    )
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the cross-fitted rows to train")
+    parser.add_argument(
+        "--picks-from", default=None,
+        help="an earlier run's output folder (same study): the rows not trained here are read from its picks.json, "
+        "with its dev choices and diagnostics, so the report and Holm cover every row compared",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--export-rows", default=None, help="also write every question's ℓ list as FlagEmbedding rows")
     args = parser.parse_args()
@@ -211,10 +232,24 @@ def main() -> None:
     def dev_right(scores: np.ndarray) -> float:
         return float(np.mean([o.has_answer for o in outcomes(dev_at, top1(scores, dev_at))]))
 
+    trained = (
+        set(args.rows) - ({"utility"} if not utility else set()) - ({"lsr_small"} if not args.small_train else set())
+    )
+    earlier = earlier_run(args.picks_from, [sets[i].qid for i in test_at]) if args.picks_from else None
+    if earlier and trained & LSR_CHOICE_ROWS:
+        parser.error(f"--picks-from adds rows to an earlier run: train only rows outside {sorted(LSR_CHOICE_ROWS)}")
+    if not (trained >= LSR_CHOICE_ROWS - {"lsr_small"} or earlier):
+        parser.error("--rows without every ℓ row needs --picks-from (the earlier run's choices and picks)")
     choice, best = None, -1.0
     dev_log = [{"student": "base", "dev_has_answer": dev_right(data.base_scores)}]
     log.info("dev: base has_answer %.3f", dev_log[0]["dev_has_answer"])
+    if not trained & LSR_CHOICE_ROWS:  # the ℓ rows come from the earlier run, with its choices and diagnostics
+        c = earlier["chosen"]
+        choice = (c["lr"], c["anchor"], c["tau_t"])
+        dev_log += [e for e in earlier["dev"] if e["student"] != "base" and "utility" not in e["student"]]
     for lr, anchor, tau_t in itertools.product(args.learning_rates, ANCHORS, TEACHER_TAUS):
+        if not trained & LSR_CHOICE_ROWS:
+            break
         settings = replace(tower0, lr=lr, anchor=anchor)
         student, _ = train(settings, "likelihood", tau_t, data, inputs, fold_train(0))
         right = dev_right(student.score(data))
@@ -224,9 +259,10 @@ def main() -> None:
             choice, best = (lr, anchor, tau_t), right
     lr, anchor, tau_t = choice
     tower = replace(tower0, lr=lr, anchor=anchor)
-    head, _ = train(replace(head0, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
-    w, best = None, -1.0
-    for weight in HEAD_WEIGHTS:
+    w, best = (earlier["chosen"]["w"] if earlier else None), -1.0
+    if "residual" in trained:
+        head, _ = train(replace(head0, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
+    for weight in HEAD_WEIGHTS if "residual" in trained else ():
         head.weight_at_scoring = weight
         right = dev_right(head.score(data))
         dev_log.append({"student": "residual_head", "w": weight, "dev_has_answer": right})
@@ -236,7 +272,7 @@ def main() -> None:
     log.info("dev chose lr=%g τ_T=%.2f λ=%.1f w=%.1f (%.0f s)", lr, tau_t, anchor, w, time.time() - start)
     # The utility row's own lr and λ (its target has no temperature), on the same dev questions and grid.
     utility_tower = None
-    if utility:
+    if "utility" in trained:
         best = -1.0
         for u_lr, u_anchor in itertools.product(args.learning_rates, ANCHORS):
             settings = replace(tower0, lr=u_lr, anchor=u_anchor)
@@ -247,8 +283,10 @@ def main() -> None:
             if right > best:
                 utility_tower, best = settings, right
 
-    capacity = capacity_curve(tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell)
-    log.info("capacity curve done (%.0f s)", time.time() - start)
+    capacity = []
+    if "lsr" in trained and args.capacity:
+        capacity = capacity_curve(tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell)
+        log.info("capacity curve done (%.0f s)", time.time() - start)
 
     # ---- cross-fitted rows
     rows = {  # name -> (settings, teacher, seeds)
@@ -261,11 +299,11 @@ def main() -> None:
         "residual": (replace(head0, anchor=anchor), "likelihood", 1),
         **({"utility": (utility_tower, "utility", 1)} if utility else {}),
     }
+    rows = {name: row for name, row in rows.items() if name in trained}
     scores = {name: [np.full(data.mask.shape, -np.inf, dtype=np.float32) for _ in range(n)]
               for name, (_, _, n) in rows.items()}  # fmt: skip
     missing = {name: 0 for name in rows}
-    fitted: dict[str, list] = {"lsr": [], "relevance": [], **({"lsr_small": []} if args.small_train else {}),
-                               **({"utility": []} if utility else {})}  # fmt: skip
+    fitted: dict[str, list] = {name: [] for name in ("lsr", "relevance", "lsr_small", "utility") if name in rows}
     for k in range(args.folds):
         for name, (settings, teacher, n_seeds) in rows.items():
             train_rows = fold_train(k, args.small_train if name == "lsr_small" else None)
@@ -280,12 +318,14 @@ def main() -> None:
         log.info("fold %d of %d trained (%.0f s)", k + 1, args.folds, time.time() - start)
 
     picks = {"base": top1(data.base_scores, test_at), "likelihood_oracle": [int(np.argmax(ell[i])) for i in test_at]}
+    if earlier:  # the rows not trained here, as the earlier run picked them
+        picks |= {k: v for k, v in earlier["picks"].items() if k.split("@")[0] not in rows and k not in picks}
     for name, per_seed in scores.items():
         for seed, s in enumerate(per_seed):
             picks[f"{name}@{seed}"] = top1(s, test_at)
     results = {name: outcomes(test_at, p) for name, p in picks.items()}
     fit = fit_lines(study, ell, data, fitted, scores, folds, utility)
-    if utility:
+    if "utility" in rows:
         chosen_utility = {"utility_lr": utility_tower.lr, "utility_anchor": utility_tower.anchor,
                           "utility_depth": args.utility_depth,
                           "utility_any_right": float(np.mean([(utility[i] == 1).any() for i in test_at]))}  # fmt: skip

@@ -21,8 +21,9 @@ import confrag.probe.datamodule as datamodule_module
 from confrag.data import DataFormatError, default_questions_path, load_questions_jsonl
 from confrag.data.splits import select_questions
 from confrag.infra.atomic import CacheReadOnlyError
+from confrag.llm.config import LLMNotAvailableError
 from confrag.llm.context import PromptLimit, PromptTooLongError, fit_questions
-from confrag.llm.loading import LLMNotAvailableError, prompt_tokenizer
+from confrag.llm.loading import prompt_tokenizer
 from confrag.probe.datamodule import NQConfidenceDataModule
 
 from helpers.models import tiny_llm_config
@@ -129,14 +130,14 @@ def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
 
 
 def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_path):
-    import confrag.llm.loading as loading
+    import confrag.llm.sources as sources
     from confrag.llm.loading import model_num_layers
 
     def offline(*args, **kwargs):  # what from_pretrained raises offline without the files (without its retries)
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.setattr(loading.AutoConfig, "from_pretrained", offline)
+    monkeypatch.setattr(sources.AutoConfig, "from_pretrained", offline)
     with pytest.raises(LLMNotAvailableError, match="not available offline. Missing .*config.json"):
         model_num_layers(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
 

@@ -16,10 +16,38 @@ from helpers.models import tiny_llm_config
 
 
 def test_unknown_source_and_dtype_are_refused():
-    with pytest.raises(ValueError, match=r"llm.source='ftp' is not one of \('hf', 'local', 'gguf', 'tiny', 'random'\)"):
+    with pytest.raises(ValueError, match=r"^source='ftp' is not one of \('hf', 'local', 'gguf', 'tiny', 'random'\)"):
         LLMConfig(name="x", source="ftp")
-    with pytest.raises(ValueError, match="llm.dtype"):
+    with pytest.raises(ValueError, match="^dtype='int3'"):
         LLMConfig(name="x", source="tiny", dtype="int3")
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"source": "hf"}, "repo_id is required when source=hf"),
+        ({"source": "local"}, "local_dir is required when source=local"),
+        ({"source": "gguf", "gguf_file": "m.gguf"}, "gguf_path, or gguf_package with gguf_file, is required"),
+        ({"source": "tiny", "tiny": {"arch": "gpt2"}}, "tiny.arch='gpt2' is not one of \\('llama', 'qwen2'\\)"),
+    ],
+)
+def test_what_a_source_needs_is_refused_before_any_file_is_read(values, message):
+    with pytest.raises(ValueError, match=message):
+        LLMConfig(name="x", **values)
+
+
+def test_the_llm_node_is_checked_under_its_key_every_problem_at_once():
+    from omegaconf import OmegaConf
+
+    from confrag.recipes import llm_node
+
+    node = OmegaConf.create({"name": "x", "source": "hf", "dtype": "int3"})
+    with pytest.raises(ValueError) as info:
+        llm_node(node)
+    message = str(info.value)
+    assert "llm.dtype='int3' is not one of" in message and "llm.repo_id is required when source=hf" in message
+    good = OmegaConf.create({"name": "x", "source": "tiny"})
+    assert llm_node(good) == {"name": "x", "source": "tiny"}
 
 
 def test_hub_model_missing_offline_names_the_files_and_the_fix(monkeypatch, tmp_path):
@@ -125,3 +153,15 @@ def test_the_identity_and_context_are_known_before_the_weights_load(tiny_llama, 
     monkeypatch.setattr(loading, "llm_identity", lambda cfg: {**tiny_llama.identity, "ref": "tiny:llama@other"})
     with pytest.raises(RuntimeError, match="the caches keyed by it would mix models"):
         _ = loading.DeferredLLM(tiny).model
+
+
+def test_every_source_has_one_reader_and_a_random_shape_is_read_without_weights():
+    from confrag.llm.config import SOURCES
+    from confrag.llm.loading import llm_identity, model_num_layers
+    from confrag.llm.sources import SOURCE_READERS
+
+    assert tuple(SOURCE_READERS) == SOURCES
+    cfg = LLMConfig(name="r", source="random", random={"shape": "llama3_8b", "num_hidden_layers": 2})
+    assert model_num_layers(cfg) == 2
+    assert model_num_layers(LLMConfig(name="r", source="random", random={"shape": "qwen2_5_7b"})) == 28
+    assert llm_identity(cfg) is None  # only the drawn weights can name a random model

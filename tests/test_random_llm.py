@@ -9,9 +9,10 @@ import torch
 from omegaconf import OmegaConf
 
 import confrag.llm.random_weights as random_weights
+from confrag.llm.config import LLMNotAvailableError
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
-from confrag.llm.loading import LLMNotAvailableError, load_llm
+from confrag.llm.loading import load_llm
 from confrag.llm.prompts import encode_prompts
 from test_configs import ROOT, compose_cfg
 
@@ -73,9 +74,9 @@ def test_too_large_for_the_memory_is_refused_before_building(monkeypatch):
 
 
 def test_bad_random_settings_are_named():
-    with pytest.raises(ValueError, match=r"llm.random.shape='llama2' is not one of \('llama3_8b', 'qwen2_5_7b'\)"):
+    with pytest.raises(ValueError, match=r"random.shape='llama2' is not one of \('llama3_8b', 'qwen2_5_7b'\)"):
         load_llm(random_cfg(random={"shape": "llama2"}))
-    with pytest.raises(ValueError, match=r"llm.random: key\(s\) \['vocab_size'\] cannot be set .* tokenizer's"):
+    with pytest.raises(ValueError, match=r"random: key\(s\) \['vocab_size'\] cannot be set .* tokenizer's"):
         load_llm(random_cfg(random={"vocab_size": 128256}))
 
 

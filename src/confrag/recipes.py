@@ -6,7 +6,7 @@ every stage shares (cache, seed, progress, run folder, rank) is not in a recipe:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 from hydra.utils import instantiate
@@ -24,6 +24,7 @@ from confrag.instantiators import (
     renamed_keys,
     settings_from,
 )
+from confrag.llm.config import LLMConfig
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
@@ -35,6 +36,8 @@ from confrag.stages.probe import DEFAULT_MONITOR, ProbeRecipe
 from confrag.stages.rerank import RerankRecipe
 from confrag.stages.rerankers import RerankerRecipe
 from confrag.stages.retrieval import RetrievalSettings
+
+LLM_FIELDS = tuple(f.name for f in fields(LLMConfig))
 
 R = TypeVar("R")
 
@@ -111,6 +114,15 @@ def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
     )
 
 
+def llm_node(node: DictConfig) -> dict:
+    """The `llm` node as the plain mapping the stages load the LLM from, checked once here as an `LLMConfig`
+    (every problem at once, under `llm.`: `llm.repo_id is required when source=hf`)."""
+    values = plain(node)
+    with checks.config_key("llm", LLM_FIELDS):
+        LLMConfig(**values)
+    return values
+
+
 def templates(cfg: DictConfig) -> PromptTemplates:
     return PromptTemplates(**plain(cfg.prompts))
 
@@ -138,7 +150,7 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
         )
     return RerankRecipe(
         probe=probe_recipe(cfg.probe, where="probe."),
-        llm=plain(cfg.llm),
+        llm=llm_node(cfg.llm),
         templates=templates(cfg),
         retrieval=retrieval,
         preferences=preferences,

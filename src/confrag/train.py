@@ -25,6 +25,7 @@ from confrag.infra import distributed
 from confrag.infra.paths import config_dir, register_resolvers, task_folder
 from confrag.infra.run_info import save_failure, save_run_info
 from confrag.instantiators import run_context
+from confrag.recipes import llm_node
 from confrag.tasks import cbdr, gates, probe, rerank
 
 TASKS: dict[str, ModuleType] = {"probe": probe, "rerank": rerank, "cbdr": cbdr, "gates": gates}
@@ -45,6 +46,8 @@ def run_task(cfg: DictConfig) -> float | None:
     ctx = run_context(cfg)
     L.seed_everything(ctx.seed, workers=True)
     check_launch(cfg, ctx.rank)
+    if "llm" in cfg:  # every task loads it: its node is checked first, whatever the task reads next
+        llm_node(cfg.llm)
     checked = task.check(cfg)  # a bad value fails before the run folder gets any file; checked once per run
     # The ranks of a multi-process launch share one run folder: every rank computes, rank 0 writes it.
     ctx.on_main(save_run_info, cfg, ctx.output_dir)

@@ -17,7 +17,8 @@ from confrag.gates.base import TRAINING_SOURCES, Gate, GateSignals
 from confrag.gates.cache import cached_drafts, cached_internal_passages, cached_p_true, cached_states
 from confrag.gates.registry import SIGNALS, UnavailableSignalError, check_signal_names, with_required
 from confrag.gates.signals import bridge_matching_scores, embed_texts, external_knowledge
-from confrag.llm.loading import LLMConfig, LoadedLLM, prompt_tokenizer
+from confrag.llm.config import LLMConfig
+from confrag.llm.loading import LoadedLLM, prompt_tokenizer
 from confrag.llm.prompts import PromptTemplates
 from confrag.retrieval import DenseRetriever, corpus_from_gold_paragraphs
 

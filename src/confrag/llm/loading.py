@@ -11,39 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from confrag.infra.digests import folder_problem
 from confrag.infra.distributed import rank_device
-from confrag.llm.config import LLMConfig, LLMNotAvailableError
-from confrag.llm.pretrained import (
-    dir_fingerprint,
-    ensure_converted,
-    file_sha256,
-    gguf_block_count,
-    gguf_location,
-    hf_missing_message,
-    hf_ref,
-    load_gguf,
-    load_hf,
-    load_local,
-    local_dir,
-    model_cache,
-)
-from confrag.llm.random_weights import (
-    QWEN2_CHAT_TEMPLATE,
-    TINY_ARCHS,
-    load_random,
-    load_tiny,
-    tiny_ref,
-    tiny_shape,
-    tiny_tokenizer,
-)
-from confrag.llm.shapes import PUBLISHED_SHAPES
+from confrag.llm.config import LLMConfig
+from confrag.llm.sources import SOURCE_READERS
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +53,7 @@ def load_llm(cfg: LLMConfig | dict[str, Any]) -> LoadedLLM:
         cfg = LLMConfig(**dict(cfg))
     if cfg.device == "rank":  # one device per process of a torchrun / SLURM launch
         cfg = dataclasses.replace(cfg, device=rank_device())
-    loader = {"hf": load_hf, "local": load_local, "gguf": load_gguf, "tiny": load_tiny, "random": load_random}[
-        cfg.source
-    ]
-    model, tokenizer, ref = loader(cfg)
+    model, tokenizer, ref = SOURCE_READERS[cfg.source].load(cfg)
     if cfg.chat_template:
         tokenizer.chat_template = cfg.chat_template
     if tokenizer.pad_token is None:
@@ -97,34 +69,10 @@ def model_num_layers(cfg: LLMConfig | dict[str, Any]) -> int:
     """The model's number of decoder layers (`num_hidden_layers`), read from its configuration without
     loading weights or converting anything: the HF cache's or the local folder's config.json, for a GGUF
     file its converted folder's config.json or else the file's metadata (`<arch>.block_count`), or the
-    tiny model's shape. Layer settings can so be checked before any generation."""
+    tiny or random model's shape. Layer settings can so be checked before any generation."""
     if not isinstance(cfg, LLMConfig):
         cfg = LLMConfig(**dict(cfg))
-    if cfg.source == "tiny":
-        arch = cfg.tiny.get("arch", "llama")
-        if arch not in TINY_ARCHS:
-            raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
-        return int(cfg.tiny.get("num_hidden_layers", AutoConfig.for_model(arch).num_hidden_layers))
-    if cfg.source == "gguf":
-        path = gguf_location(cfg)
-        converted = model_cache(cfg) / f"{path.stem}-{file_sha256(path)[:16]}"
-        # A JSON read (its digest checked), where parsing the GGUF metadata takes seconds.
-        if not folder_problem(converted, only=("config.json",)):
-            return int(AutoConfig.from_pretrained(converted).num_hidden_layers)
-        return gguf_block_count(path, cfg.name)
-    if cfg.source == "local":
-        if not cfg.local_dir:
-            raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
-        path = Path(cfg.local_dir).expanduser()
-        if not (path / "config.json").is_file():
-            raise LLMNotAvailableError(f"LLM '{cfg.name}': directory {path} lacks config.json")
-        return int(AutoConfig.from_pretrained(path).num_hidden_layers)
-    if not cfg.repo_id:
-        raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
-    try:
-        return int(AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision).num_hidden_layers)
-    except (OSError, ValueError) as err:
-        raise LLMNotAvailableError(hf_missing_message(cfg, err)) from err
+    return SOURCE_READERS[cfg.source].num_layers(cfg)
 
 
 def prompt_tokenizer(cfg: LLMConfig | dict[str, Any]) -> tuple[PreTrainedTokenizerBase, int]:
@@ -133,39 +81,7 @@ def prompt_tokenizer(cfg: LLMConfig | dict[str, Any]) -> tuple[PreTrainedTokeniz
     LLM loads. A GGUF model is converted first (as `load_llm` would)."""
     if not isinstance(cfg, LLMConfig):
         cfg = LLMConfig(**dict(cfg))
-    if cfg.source == "tiny":
-        arch = cfg.tiny.get("arch", "llama")
-        if arch not in TINY_ARCHS:
-            raise ValueError(f"llm.tiny.arch={arch!r} is not one of {TINY_ARCHS}")
-        tokenizer = tiny_tokenizer(cfg)
-        limit = AutoConfig.for_model(arch, **tiny_shape(cfg)).max_position_embeddings
-        if arch == "qwen2":
-            tokenizer.chat_template = QWEN2_CHAT_TEMPLATE
-    elif cfg.source == "random":
-        shape = cfg.random.get("shape")
-        if shape not in PUBLISHED_SHAPES:
-            raise ValueError(f"llm.random.shape={shape!r} is not one of {tuple(PUBLISHED_SHAPES)}")
-        tokenizer = tiny_tokenizer(cfg)
-        limit = cfg.random.get("max_position_embeddings") or PUBLISHED_SHAPES[shape]["max_position_embeddings"]
-    else:
-        if cfg.source == "gguf":
-            path = gguf_location(cfg)
-            where: Any = model_cache(cfg) / f"{path.stem}-{file_sha256(path)[:16]}"
-            ensure_converted(path, where)
-            kwargs = {}
-        elif cfg.source == "local":
-            where, kwargs = local_dir(cfg), {}
-        else:
-            if not cfg.repo_id:
-                raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
-            where, kwargs = cfg.repo_id, {"revision": cfg.revision}
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-            limit = AutoConfig.from_pretrained(where, **kwargs).max_position_embeddings
-        except (OSError, ValueError) as err:
-            if cfg.source == "hf":
-                raise LLMNotAvailableError(hf_missing_message(cfg, err)) from err
-            raise LLMNotAvailableError(f"LLM '{cfg.name}': no tokenizer or config in {where} ({err})") from err
+    tokenizer, limit = SOURCE_READERS[cfg.source].tokenizer(cfg)
     if cfg.chat_template:
         tokenizer.chat_template = cfg.chat_template
     if tokenizer.pad_token is None:
@@ -178,21 +94,9 @@ def llm_identity(cfg: LLMConfig | dict[str, Any]) -> dict[str, Any] | None:
     None for `source: random`, whose identity samples the weights themselves."""
     if not isinstance(cfg, LLMConfig):
         cfg = LLMConfig(**dict(cfg))
-    if cfg.source == "random":
+    ref = SOURCE_READERS[cfg.source].ref(cfg)
+    if ref is None:
         return None
-    if cfg.source == "tiny":
-        ref = tiny_ref(cfg)
-    elif cfg.source == "gguf":
-        path = gguf_location(cfg)
-        ref = f"gguf:{path.name}@{file_sha256(path)[:16]}"
-    elif cfg.source == "local":
-        ref = f"local:{dir_fingerprint(local_dir(cfg))}"
-    else:
-        try:
-            config = AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision)
-        except (OSError, ValueError) as err:
-            raise LLMNotAvailableError(hf_missing_message(cfg, err)) from err
-        ref = hf_ref(cfg, config)
     return {"name": cfg.name, "source": cfg.source, "ref": ref, "dtype": cfg.dtype}
 
 

@@ -48,8 +48,6 @@ _HF_REQUIRED = ("config.json", "tokenizer_config.json")
 
 
 def load_hf(cfg: LLMConfig):
-    if not cfg.repo_id:
-        raise ValueError(f"llm.repo_id is required when llm.source=hf (config {cfg.name})")
     try:
         config = AutoConfig.from_pretrained(cfg.repo_id, revision=cfg.revision)
         tokenizer = AutoTokenizer.from_pretrained(cfg.repo_id, revision=cfg.revision)
@@ -89,8 +87,6 @@ def hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
 
 def local_dir(cfg: LLMConfig) -> Path:
     """`llm.local_dir`, holding a config, weights and a tokenizer (else the missing files are named)."""
-    if not cfg.local_dir:
-        raise ValueError(f"llm.local_dir is required when llm.source=local (config {cfg.name})")
     path = Path(cfg.local_dir).expanduser()
     missing = _missing_local_files(path)
     if missing:
@@ -136,8 +132,6 @@ def gguf_location(cfg: LLMConfig) -> Path:
     if cfg.gguf_path:
         path = Path(cfg.gguf_path).expanduser()
     else:
-        if not cfg.gguf_package or not cfg.gguf_file:
-            raise ValueError(f"llm.gguf_path, or llm.gguf_package with llm.gguf_file, is required (config {cfg.name})")
         # find_spec locates the package without importing it (its import pulls in llama.cpp bindings).
         spec = importlib.util.find_spec(cfg.gguf_package)
         if spec is None or not spec.submodule_search_locations:

@@ -30,10 +30,11 @@ from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.infra import checks
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.batching import check_batch_size
+from confrag.llm.config import LLMConfig
 from confrag.llm.context import PromptLimit, fit_questions
 from confrag.llm.generation import GreedyOptions
 from confrag.llm.hidden_states import HiddenStateEngine, extraction_key
-from confrag.llm.loading import DeferredLLM, LLMConfig, model_num_layers
+from confrag.llm.loading import DeferredLLM, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.activation_dataset import ActivationDataset, unrepeated_sampler
 from confrag.probe.nq_confidence import (

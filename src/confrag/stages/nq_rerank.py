@@ -29,8 +29,9 @@ from confrag.infra.checks import collect
 from confrag.infra.digests import fingerprint
 from confrag.infra.run_context import RunContext
 from confrag.llm.batching import check_batch_size
+from confrag.llm.config import LLMConfig
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.llm.loading import LLMConfig, load_llm
+from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
