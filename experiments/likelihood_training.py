@@ -284,8 +284,13 @@ def main() -> None:
                 utility_tower, best = settings, right
 
     capacity = []
-    if "lsr" in trained and args.capacity:
-        capacity = capacity_curve(tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell)
+    # The teachers whose fit is measured: ℓ and relevance with the ℓ rows, the utility labels with theirs.
+    fitted_teachers = [("likelihood", "lsr"), ("relevance", "relevance")] if "lsr" in trained else []
+    fitted_teachers += [("utility", "utility")] if "utility" in trained else []
+    if fitted_teachers and args.capacity:
+        capacity = capacity_curve(
+            tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell, fitted_teachers, utility
+        )
         log.info("capacity curve done (%.0f s)", time.time() - start)
 
     # ---- cross-fitted rows
@@ -351,23 +356,25 @@ def agreement(name: str, study: Study, ell, rows: list[int], scores: np.ndarray,
     )
 
 
-def capacity_curve(tower, tau_t, data, inputs, train_rows, held_rows, study, ell) -> list[dict]:
-    """Can the query tower fit its teacher at all? Fold 0's students of ℓ and of the relevance target, λ = 0, at
+def capacity_curve(tower, tau_t, data, inputs, train_rows, held_rows, study, ell, teachers, utility) -> list[dict]:
+    # 10 parameters: the one study's parts (data, inputs, study, ℓ, labels) the three ways of measuring share.
+    """Can the query tower fit its teacher at all? Fold 0's students of each teacher (ℓ, relevance, utility), λ = 0, at
     rising (lr, steps): their agreement with the target on their own training questions against held out. A
     student that cannot reach the target even where it trained lacks capacity; one that fits there and not held
     out lacks questions (or the target does not generalise)."""
     out = []
-    for teacher, name in (("likelihood", "lsr"), ("relevance", "relevance")):
-        base_in = agreement(name, study, ell, train_rows, data.base_scores[train_rows])
-        base_out = agreement(name, study, ell, held_rows, data.base_scores[held_rows])
+    for teacher, name in teachers:
+        base_in = agreement(name, study, ell, train_rows, data.base_scores[train_rows], utility)
+        base_out = agreement(name, study, ell, held_rows, data.base_scores[held_rows], utility)
         for lr, steps in CAPACITY:
             student, _ = train(replace(tower, lr=lr, steps=steps, anchor=0.0), teacher, tau_t, data, inputs, train_rows)
             out.append({
                 "student": f"{name} capacity lr={lr:g} steps={steps}",
-                "measure": "= ℓ's top-1" if name == "lsr" else "own ¶ first",
-                "training_questions": agreement(name, study, ell, train_rows, student.score(data.subset(train_rows))),
+                "measure": {"lsr": "= ℓ's top-1", "utility": "top-1 answered right"}.get(name, "own ¶ first"),
+                "training_questions": agreement(name, study, ell, train_rows, student.score(data.subset(train_rows)),
+                                                utility),
                 "training_questions_base": base_in,
-                "held_out": agreement(name, study, ell, held_rows, student.score(data.subset(held_rows))),
+                "held_out": agreement(name, study, ell, held_rows, student.score(data.subset(held_rows)), utility),
                 "held_out_base": base_out,
             })  # fmt: skip
     return out
