@@ -182,7 +182,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--answers-only", action="store_true", help="fill the utility answer cache and stop")
     parser.add_argument(
-        "--capacity", action=argparse.BooleanOptionalAction, default=True, help="fold 0's capacity curve (with lsr)"
+        "--capacity",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fold 0's capacity curve for each teacher trained (ℓ and relevance with lsr, the labels with utility)",
     )
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), help="the cross-fitted rows to train")
     parser.add_argument(
@@ -193,6 +196,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--export-rows", default=None, help="also write every question's ℓ list as FlagEmbedding rows")
     args = parser.parse_args()
+    # The rows to train, checked before anything loads (the study's ℓ can take an hour to compute).
+    if "utility" in args.rows and not args.utility_depth and args.rows != list(ROWS):
+        parser.error("--rows utility needs --utility-depth N (the depth of the base's list the LLM answers under)")
+    trained = set(args.rows) - ({"utility"} if not args.utility_depth else set())
+    trained -= {"lsr_small"} if not args.small_train else set()
+    if args.picks_from and trained & LSR_CHOICE_ROWS:
+        parser.error(f"--picks-from adds rows to an earlier run: train only rows outside {sorted(LSR_CHOICE_ROWS)}")
+    if not (trained >= LSR_CHOICE_ROWS - {"lsr_small"} or args.picks_from):
+        parser.error(
+            f"--rows {' '.join(args.rows)} leaves out rows that need the ℓ query tower's dev choice "
+            f"({', '.join(sorted(LSR_CHOICE_ROWS - trained - {'lsr_small'}))}): train them too (leave --rows out), or "
+            "add the rows to an earlier run of the same study with --picks-from ITS_OUT_FOLDER"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = time.time()
     if args.threads:
@@ -232,14 +248,7 @@ def main() -> None:
     def dev_right(scores: np.ndarray) -> float:
         return float(np.mean([o.has_answer for o in outcomes(dev_at, top1(scores, dev_at))]))
 
-    trained = (
-        set(args.rows) - ({"utility"} if not utility else set()) - ({"lsr_small"} if not args.small_train else set())
-    )
     earlier = earlier_run(args.picks_from, [sets[i].qid for i in test_at]) if args.picks_from else None
-    if earlier and trained & LSR_CHOICE_ROWS:
-        parser.error(f"--picks-from adds rows to an earlier run: train only rows outside {sorted(LSR_CHOICE_ROWS)}")
-    if not (trained >= LSR_CHOICE_ROWS - {"lsr_small"} or earlier):
-        parser.error("--rows without every ℓ row needs --picks-from (the earlier run's choices and picks)")
     choice, best = None, -1.0
     dev_log = [{"student": "base", "dev_has_answer": dev_right(data.base_scores)}]
     log.info("dev: base has_answer %.3f", dev_log[0]["dev_has_answer"])
@@ -291,7 +300,7 @@ def main() -> None:
         capacity = capacity_curve(
             tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell, fitted_teachers, utility
         )
-        log.info("capacity curve done (%.0f s)", time.time() - start)
+        log.info("capacity curve done (%.0f s since the start)", time.time() - start)
 
     # ---- cross-fitted rows
     rows = {  # name -> (settings, teacher, seeds)
@@ -320,7 +329,7 @@ def main() -> None:
                 scores[name][seed][folds[k]] = student.score(data.subset(folds[k]))
                 if seed == 0 and name in fitted:  # the student on the questions it trained on
                     fitted[name].append((train_rows, student.score(data.subset(train_rows))))
-        log.info("fold %d of %d trained (%.0f s)", k + 1, args.folds, time.time() - start)
+        log.info("fold %d of %d trained (%.0f s since the start)", k + 1, args.folds, time.time() - start)
 
     picks = {"base": top1(data.base_scores, test_at), "likelihood_oracle": [int(np.argmax(ell[i])) for i in test_at]}
     if earlier:  # the rows not trained here, as the earlier run picked them
@@ -492,6 +501,7 @@ def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, 
     qids = [sets[i].qid for i in test_at]
     (out / "picks.json").write_text(json.dumps({"qids": qids, "picks": picks}))
     print("\n".join(lines))
+    print(f"\nWritten to {out}/: report.md, metrics.json, picks.json (the folder --picks-from reads).")
 
 
 if __name__ == "__main__":
