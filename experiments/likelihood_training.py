@@ -366,7 +366,7 @@ def agreement(name: str, study: Study, ell, rows: list[int], scores: np.ndarray,
 
 
 def capacity_curve(tower, tau_t, data, inputs, train_rows, held_rows, study, ell, teachers, utility) -> list[dict]:
-    # 10 parameters: the one study's parts (data, inputs, study, ℓ, labels) the three ways of measuring share.
+    # wide: 10 parameters, the one study's parts (data, inputs, study, ℓ, labels) every teacher's curve shares.
     """Can the query tower fit its teacher at all? Fold 0's students of each teacher (ℓ, relevance, utility), λ = 0, at
     rising (lr, steps): their agreement with the target on their own training questions against held out. A
     student that cannot reach the target even where it trained lacks capacity; one that fits there and not held

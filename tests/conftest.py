@@ -102,3 +102,17 @@ def templates() -> PromptTemplates:
 @pytest.fixture(scope="session")
 def nq_rows():
     return load_questions_jsonl(default_questions_path(), limit=64)
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fails the test if a stage starts (the LLM loads or the probe's data is built) before the settings are
+    checked."""
+    import confrag.llm.loading as loading_module
+    import confrag.probe.datamodule as datamodule_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stage ran before the settings were checked")
+
+    monkeypatch.setattr(loading_module, "load_llm", refuse)
+    monkeypatch.setattr(datamodule_module, "build_confidence_data", refuse)

@@ -28,6 +28,7 @@ from confrag.probe.datamodule import NQConfidenceDataModule
 
 from helpers.models import tiny_llm_config
 from helpers.modules import confidence_data, probe_module
+from helpers.questions import write_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = tiny_llm_config("llama")
@@ -86,19 +87,7 @@ def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, cap
     assert len(select_questions(rows, 4, seed=0)) == 4 and select_questions(rows, None, seed=0) == rows
 
     path = tmp_path / "nq.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "question": r.question,
-                    "answers": list(r.answers),
-                    "ctxs": [{"title": c.title, "text": c.text} for c in r.contexts],
-                }
-            )
-            + "\n"
-            for r in rows
-        )
-    )
+    write_questions(path, rows)
     data = datamodule(tmp_path, path, num_questions=5000, layers=[2]).build()
     summary = data.summary()
     assert summary["questions"] == 6 and summary["questions_requested"] == 5000

@@ -3,39 +3,16 @@ the LLM loads), naming the counts, the settings to lower, and the evaluation fil
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
-import confrag.llm.loading as loading_module
-import confrag.probe.datamodule as datamodule_module
 from confrag.data import default_questions_path, load_questions_jsonl
 from confrag.data.splits import select_questions
 from confrag.tasks import cbdr, gates, rerank
 
+from helpers.questions import write_questions
 from helpers.runs import compose_cfg
-
-
-def write_questions(path, rows, blank_after: int | None = None) -> str:
-    lines = []
-    for i, r in enumerate(rows):
-        record = {"question": r.question, "answers": list(r.answers)}
-        record["ctxs"] = [{"title": c.title, "text": c.text} for c in r.contexts]
-        lines.append(json.dumps(record) + "\n")
-        if i == blank_after:
-            lines.append("\n")
-    path.write_text("".join(lines))
-    return str(path)
-
-
-@pytest.fixture
-def nothing_runs(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a stage ran before the settings were checked")
-
-    monkeypatch.setattr(loading_module, "load_llm", refuse)
-    monkeypatch.setattr(datamodule_module, "build_confidence_data", refuse)
 
 
 def tiny(tmp_path, questions_path, *overrides):

@@ -6,18 +6,16 @@ naming both. The old environment variable `CONFRAG_NQ_PATH` likewise."""
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 from omegaconf import OmegaConf
 
-import confrag.llm.loading as loading_module
-import confrag.probe.datamodule as datamodule_module
 from confrag.data import default_questions_path, load_questions_jsonl
 from confrag.instantiators import RENAMED, renamed_keys, settings_from
 from confrag.rag.settings import EvalSettings
 from confrag.tasks import cbdr, probe
 
+from helpers.questions import write_questions
 from helpers.runs import compose_cfg
 
 LOGGER = "confrag.instantiators"
@@ -36,23 +34,6 @@ CASES = [
 def _no_question_variables(monkeypatch):
     monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
     monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
-
-
-def write_questions(path, rows) -> str:
-    path.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "question": r.question,
-                    "answers": list(r.answers),
-                    "ctxs": [{"title": c.title, "text": c.text} for c in r.contexts],
-                }
-            )
-            + "\n"
-            for r in rows
-        )
-    )
-    return str(path)
 
 
 def test_the_cases_cover_every_renamed_key():
@@ -151,15 +132,6 @@ def test_a_settings_node_read_on_its_own_reads_its_old_key_too(composed, caplog)
 
 
 # --- through the tasks' own check, as a command line reaches it ---------------------------------------------------
-
-
-@pytest.fixture
-def nothing_runs(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a stage ran before the settings were checked")
-
-    monkeypatch.setattr(loading_module, "load_llm", refuse)
-    monkeypatch.setattr(datamodule_module, "build_confidence_data", refuse)
 
 
 def test_the_probe_task_reads_its_questions_from_the_old_key(tmp_path, nothing_runs, caplog):

@@ -54,8 +54,9 @@ class LLMSource(ABC):
 class _FolderSource(LLMSource):
     """A source whose config and tokenizer are read from a folder or a Hub id."""
 
+    @abstractmethod
     def where(self, cfg: LLMConfig) -> tuple[Any, dict[str, Any]]:
-        raise NotImplementedError
+        """The folder or Hub id `from_pretrained` reads, and its keyword arguments."""
 
     def unavailable(self, cfg: LLMConfig, where: Any, err: Exception) -> LLMNotAvailableError:
         return LLMNotAvailableError(f"LLM '{cfg.name}': no tokenizer or config in {where} ({err})")
