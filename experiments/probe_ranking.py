@@ -1,6 +1,6 @@
 """Compare trained probes as rerankers on the same held-out questions, paired.
 
-Each probe run of `data.ranking_test_questions=N` scores the candidates of the same N questions from outside
+Each probe run of `data.ranking.test_questions=N` scores the candidates of the same N questions from outside
 the probe's questions, whatever its recipe or splits (`heldout/*` in its metrics.json). This script reads the
 probes those runs saved (`<run>/probe/`), scores those questions' candidates again (the states come from the
 cache), and prints, per probe: the share of questions whose own paragraph comes first with its 95 % bootstrap
@@ -29,9 +29,9 @@ SAME_QUESTIONS = (
     "num_questions",
     "seed",
     "questions_path",
-    "ranking_top_n",
-    "ranking_test_questions",
-    "words_per_passage",
+    "ranking.top_n",
+    "ranking.test_questions",
+    "candidates.words_per_passage",
 )
 
 
@@ -39,8 +39,8 @@ def heldout_set(run: Path):
     """The run's held-out ranking questions with their candidates' states (from the cache)."""
     cfg = renamed_keys(OmegaConf.load(run / "config_resolved.yaml"), warn=False)  # a run saved as data.nq_path too
     datamodule = instantiate(cfg.data, _convert_="all")
-    if not datamodule.ranking_test_questions:
-        raise SystemExit(f"{run}: data.ranking_test_questions is 0, so it has no held-out ranking questions")
+    if not datamodule.ranking_options.test_questions:
+        raise SystemExit(f"{run}: data.ranking.test_questions is 0, so it has no held-out ranking questions")
     datamodule.progress = False
     datamodule.prepare_data()
     return cfg, datamodule.ranking["heldout"]
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, ranking = heldout_set(args.runs[0])
     for run in args.runs[1:]:
         other = renamed_keys(OmegaConf.load(run / "config_resolved.yaml"), warn=False)
-        differ = [k for k in SAME_QUESTIONS if other.data.get(k) != cfg.data.get(k)]
+        differ = [k for k in SAME_QUESTIONS if OmegaConf.select(other.data, k) != OmegaConf.select(cfg.data, k)]
         if differ:
             raise SystemExit(f"{run}: other held-out questions than {args.runs[0]} (data.{', data.'.join(differ)})")
     has_gold = [any(g) for g in ranking.gold]

@@ -26,6 +26,7 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore
 
 from helpers.models import TINY_SHAPE
+from helpers.settings import data_settings
 
 NUM_ROWS, SHARD_SIZE, RAG_ROWS, CHUNK = 16, 4, 12, 4
 TINY = dict(arch="llama", **TINY_SHAPE)
@@ -53,8 +54,8 @@ def main() -> None:
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(Path(root) / "conf/prompts/paper.yaml")))
     rows = load_questions_jsonl(questions_path, limit=NUM_ROWS)
 
-    settings = nq_confidence.ConfidenceDataSettings(
-        layers=[1, 2], train_states="qa+rag", max_new_tokens=8, gen_batch_size=4, extract_batch_size=3
+    settings = data_settings(
+        "qa+rag", extraction={"layers": [1, 2], "batch_size": 3}, answers={"max_new_tokens": 8, "batch_size": 4}
     )
     data = nq_confidence.build_confidence_data(
         llm, templates, rows, settings=settings, cache=ShardedCache(cache, SHARD_SIZE, progress=False), seed=0

@@ -343,7 +343,11 @@ CONFIG_KEYS_LEFT = {
     "confrag.llm.context": (2, "the option that cuts a too-long prompt (data.truncate_questions, rag.truncate_...)"),
     "confrag.rag.answers": (1, "rag.truncate_passages, named when an answer prompt does not fit"),
     "confrag.rag.stats": (1, "Table 2's caption names eval.expected_discordance for the reader"),
-    "confrag.probe.datamodule": (4, "model.layer read by interpolation (the key the user sets); the monitor key"),
+    "confrag.probe.datamodule": (
+        3,
+        "model.layer read by interpolation (the key the user sets); the monitor key; extraction.layers (its own "
+        "option group's field, keyed by the boundary)",
+    ),
     "confrag.retrieval.corpus": (2, "a corpus file's detected format, naming retrieval.corpus_format to set"),
     "confrag.retrieval.dense": (1, "a stale dense index: point retrieval.dense_index_path at a new one"),
     "confrag.retrieval.prebuilt_index": (3, "a prebuilt FAISS index or its encoder, refused as it is read"),

@@ -199,14 +199,13 @@ def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
     common = dict(llm=dict(name="tiny_llama", source="tiny"), prompts=asdict(templates), questions_path="unused.jsonl")
     module = confidence_data(
         **common,
-        extract_batch_size="auto",
-        gen_batch_size="auto",
-        extract_compile=True,
-        generation={"static_cache": True, "cache_buckets": [256, 512]},
+        extraction={"batch_size": "auto", "compile": True},
+        answers={"batch_size": "auto", "generation": {"static_cache": True, "cache_buckets": [256, 512]}},
     )
-    assert module.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
-    with pytest.raises(ValueError, match=r"^generation: unknown key\(s\) \['static'\]"):
-        confidence_data(**common, generation={"static": True})
+    assert module.answers.generation == GreedyOptions(static_cache=True, cache_buckets=(256, 512))
+    assert module.extraction.compile and module.extraction.batch_size == module.answers.batch_size == "auto"
+    with pytest.raises(ValueError, match=r"^data.answers.generation: unknown key\(s\) \['static'\]"):
+        confidence_data(**common, answers={"generation": {"static": True}})
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])

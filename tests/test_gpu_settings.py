@@ -23,7 +23,7 @@ GPU_EXPERIMENTS = ["cbdr_llama3", "cbdr_qwen2_5", "cbdr_llama3_shape", "reranker
 @pytest.mark.parametrize("name", GPU_EXPERIMENTS)
 def test_gpu_experiments_size_their_batches_from_free_memory(name, tmp_path):
     cfg = compose_cfg([f"+experiment={name}"], tmp_path)
-    assert cfg.probe.data.gen_batch_size == "auto" and cfg.probe.data.extract_batch_size == "auto"
+    assert cfg.probe.data.answers.batch_size == "auto" and cfg.probe.data.extraction.batch_size == "auto"
     preferences = settings_from(PreferenceSettings, cfg.preferences, "preferences")
     assert preferences.extract_batch_size == "auto"
     if name.startswith("cbdr"):
@@ -38,7 +38,7 @@ def test_gpu_experiments_size_their_batches_from_free_memory(name, tmp_path):
 @pytest.mark.parametrize("name", ["probe_llama3", "probe_qwen2_5"])
 def test_gpu_probe_experiments_size_their_batches_from_free_memory(name, tmp_path):
     cfg = compose_cfg([f"+experiment={name}"], tmp_path)
-    assert cfg.data.gen_batch_size == "auto" and cfg.data.extract_batch_size == "auto"
+    assert cfg.data.answers.batch_size == "auto" and cfg.data.extraction.batch_size == "auto"
 
 
 def test_rag_generation_node_reaches_the_answer_settings():

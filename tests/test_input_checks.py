@@ -41,15 +41,17 @@ def datamodule(tmp_path, questions_path, **overrides) -> NQConfidenceDataModule:
         prompts=prompts,
         questions_path=str(questions_path),
         layer="mid",
-        layers="all",
         num_questions=None,
-        max_new_tokens=2,
-        gen_batch_size=8,
-        extract_batch_size=8,
+        answers={"max_new_tokens": 2, "batch_size": 8},
+        extraction={"batch_size": 8},
         cache_dir=str(tmp_path / "cache"),
         progress=False,
-        split_sizes={"train": 2, "dev": 1, "test": 1},
+        splits={"sizes": {"train": 2, "dev": 1, "test": 1}},
     )
+    if "layers" in overrides:  # the extracted layers (data.extraction.layers)
+        settings["extraction"] = {**settings["extraction"], "layers": overrides.pop("layers")}
+    if "ranking_top_n" in overrides:  # the dev questions' candidates ranked (data.ranking.top_n)
+        overrides["ranking"] = {"top_n": overrides.pop("ranking_top_n")}
     return confidence_data(**{**settings, **overrides})
 
 
@@ -137,8 +139,8 @@ def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_
         (99, "all", r"model.layer=99 out of range: valid layers are 0\.\.4"),
         (-1, "all", r"model.layer=-1 out of range"),
         ("middle", "all", r"model.layer='middle': use 'mid' or an integer in 0\.\.4"),
-        (3, [1, 2], r"model.layer=3 is not among the extracted data.layers=\[1, 2\]"),
-        ("mid", [9], r"^layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
+        (3, [1, 2], r"model.layer=3 is not among the extracted data.extraction.layers=\[1, 2\]"),
+        ("mid", [9], r"^extraction.layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
     ],
 )
 def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, monkeypatch, layer, layers, message):
@@ -334,7 +336,7 @@ def test_the_rerank_stage_checks_every_question_of_the_file_before_its_llm_loads
     probe_data = SimpleNamespace(
         questions_path=path,
         questions_format="auto",
-        max_new_tokens=24,
+        answers=SimpleNamespace(max_new_tokens=24),
         truncate_questions=False,
         rag_prompts=True,
         config_node="probe.data",
@@ -366,14 +368,14 @@ def test_questions_without_gold_paragraphs_are_refused_before_the_llm_when_the_p
     with pytest.raises(DataFormatError, match=r"none of its 12 questions has a gold paragraph") as err:
         datamodule(tmp_path, path, train_states="qa+rag").build()
     message = str(err.value)
-    assert "data.ranking_top_n=null callbacks.model_checkpoint.monitor=val/auroc" in message
+    assert "data.ranking.top_n=null callbacks.model_checkpoint.monitor=val/auroc" in message
     assert "data.train_states=qa" in message
     # In a later task the probe's settings live under `probe`: the advice names those keys.
     with pytest.raises(DataFormatError) as err:
         datamodule(tmp_path, path, train_states="qa+rag", config_node="probe.data").build()
-    assert "set probe.data.ranking_top_n=null probe.monitor=val/auroc" in str(err.value)
+    assert "set probe.data.ranking.top_n=null probe.monitor=val/auroc" in str(err.value)
     assert "set probe.data.train_states=qa" in str(err.value)
-    with pytest.raises(DataFormatError, match=r"data.ranking_top_n=20") as err:
+    with pytest.raises(DataFormatError, match=r"data.ranking.top_n=20") as err:
         datamodule(tmp_path, path, train_states="qa").build()
     assert "train_states" not in str(err.value)
     # Without ranking sets a QA probe goes on to the (here refused) expensive part.
@@ -403,7 +405,7 @@ def test_duplicate_questions_are_dropped_with_a_count_and_never_split(caplog):
         ("data.batch_size=0", "data.batch_size must be an integer >= 1"),
         ("model.dropout=2.0", r"model.dropout must be in \[0, 1\)"),
         ("model.lr=-1", "model.lr must be > 0"),
-        ("data.extract_batch_size=-2", "data.extract_batch_size must be an integer >= 1 or 'auto'"),
+        ("data.extraction.batch_size=-2", "data.extraction.batch_size must be an integer >= 1 or 'auto'"),
     ],
 )
 def test_probe_settings_are_refused_by_the_tasks_check(override, message, tmp_path, monkeypatch):

@@ -15,7 +15,6 @@ from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.probe.confidence_splits import PAPER_SPLIT_SIZES, balanced_examples, stratified_question_splits
 from confrag.probe.nq_confidence import (
-    ConfidenceDataSettings,
     build_confidence_data,
     build_prompts,
     partner_indices,
@@ -24,6 +23,7 @@ from confrag.probe.nq_confidence import (
 from confrag.probe.prompt_kinds import KINDS, Example
 
 # --- resolve_layers --------------------------------------------------------------------------------
+from helpers.settings import data_settings
 
 
 @pytest.mark.parametrize(
@@ -165,13 +165,18 @@ def test_balanced_examples_with_a_missing_class_is_empty():
 LAYERS = [0, 2]
 
 
-def build(llm, templates, rows, cache, candidates=None, **overrides):
-    settings = dict(layers=LAYERS, train_states="qa+rag", max_new_tokens=3, gen_batch_size=4, extract_batch_size=4)
+def build(llm, templates, rows, cache, candidates=None, train_states="qa+rag", layers=LAYERS, splits=None):
+    settings = data_settings(
+        train_states,
+        extraction={"layers": layers, "batch_size": 4},
+        answers={"max_new_tokens": 3, "batch_size": 4},
+        splits=splits or {},
+    )
     return build_confidence_data(
         llm,
         templates,
         rows,
-        settings=ConfidenceDataSettings(**{**settings, **overrides}),
+        settings=settings,
         cache=ShardedCache(str(cache), shard_size=5, progress=False),
         candidates=candidates,
     )
@@ -271,8 +276,8 @@ def test_build_confidence_data_end_to_end(tiny_llama, templates, rows, tmp_path,
 def test_build_confidence_data_rejects_bad_settings(tiny_llama, templates, rows, tmp_path):
     with pytest.raises(ValueError, match="train_states"):
         build(tiny_llama, templates, rows, tmp_path, train_states="rag")
-    with pytest.raises(ValueError, match="split_sizes"):
-        build(tiny_llama, templates, rows, tmp_path, split_sizes={"train": 1, "dev": 1})
+    with pytest.raises(ValueError, match=r"splits\.sizes"):
+        build(tiny_llama, templates, rows, tmp_path, splits={"sizes": {"train": 1, "dev": 1}})
     with pytest.raises(ValueError, match=r"0\.\.4"):
         build(tiny_llama, templates, rows, tmp_path, layers=[9])
     assert not list(tmp_path.iterdir())  # refused before anything was computed
@@ -285,7 +290,9 @@ def test_candidates_option_trains_on_every_candidate_labelled_by_its_answer(tiny
     from confrag.probe.prompt_kinds import PAIRS_KIND
 
     lists = [[row.contexts[0], rows[(i + 1) % len(rows)].contexts[0]][: 1 + i % 2] for i, row in enumerate(rows)]
-    data = build(tiny_llama, templates, rows, tmp_path, train_states="candidates", candidates=lists, balance=False)
+    data = build(
+        tiny_llama, templates, rows, tmp_path, train_states="candidates", candidates=lists, splits={"balance": False}
+    )
     assert set(data.stores) == {PAIRS_KIND}
     pairs = sum(len(c) for c in lists)
     assert len(data.stores[PAIRS_KIND]) == pairs == len(data.labels[PAIRS_KIND]) == len(data.pair_question)

@@ -87,7 +87,7 @@ def one_class_datamodule(train_positives: int, dev_positives: int, allow: bool):
     return SimpleNamespace(
         data=SimpleNamespace(summary=lambda: summary),
         config_node="probe.data",
-        allow_one_class=allow,
+        splits=SimpleNamespace(allow_one_class=allow),
         input_dim=4,
         layer=1,
     )
@@ -111,7 +111,7 @@ def test_a_probe_without_one_class_in_train_or_dev_is_refused_before_training(tr
         raise AssertionError("the probe was built although a split has one class")
 
     recipe = SimpleNamespace(make_model=no_model)
-    with pytest.raises(ValueError, match=message + r".*set probe\.data\.allow_one_class=true"):
+    with pytest.raises(ValueError, match=message + r".*set probe\.data\.splits\.allow_one_class=true"):
         fit_probe(recipe, [], [], datamodule=one_class_datamodule(train, dev, allow=False))
     # The explicit override trains it anyway (here: reaches the model), with a warning.
     with pytest.raises(AssertionError, match="the probe was built"):
@@ -123,8 +123,10 @@ def test_the_one_class_override_is_a_flag(templates):
 
     from helpers.models import tiny_llm_config
 
-    with pytest.raises(ValueError, match=r"data.allow_one_class must be true or false; got 'yes'"):
-        confidence_data(llm=tiny_llm_config(), prompts=asdict(templates), questions_path="x", allow_one_class="yes")
+    with pytest.raises(ValueError, match=r"data.splits.allow_one_class must be true or false; got 'yes'"):
+        confidence_data(
+            llm=tiny_llm_config(), prompts=asdict(templates), questions_path="x", splits={"allow_one_class": "yes"}
+        )
 
 
 def test_a_skipped_layer_scan_says_why(caplog, tmp_path):
@@ -142,7 +144,8 @@ def test_a_skipped_layer_scan_says_why(caplog, tmp_path):
     why = "2 positive and 8 negative examples; 5-fold cross-validation needs at least 5 of each class"
     assert f"layer_scan skipped: {why}" in caplog.text
     summary = {"questions": 10, **{f"{s}/{k}": 1 for s in ("train", "dev", "test") for k in ("examples", "positives")}}
-    datamodule = SimpleNamespace(layer=1, train_states="qa", balance=True, data=data, num_layers=2)
+    splits = SimpleNamespace(balance=True)
+    datamodule = SimpleNamespace(layer=1, train_states="qa", splits=splits, data=data, num_layers=2)
     text = write_probe_report(
         tmp_path,
         "tiny",

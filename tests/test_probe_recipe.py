@@ -182,8 +182,8 @@ def test_probe_task_selects_on_the_dev_ranking_and_reports_the_test_ranking(tmp_
             "+experiment=probe_tiny_llama",
             "logger=csv",
             "trainer.max_epochs=3",
-            "data.ranking_top_n=4",
-            "data.ranking_test_questions=6",
+            "data.ranking.top_n=4",
+            "data.ranking.test_questions=6",
             "model.lr=1e-3",  # (the tiny random model answers nothing right: no class weights to compute)
             "optimized_metric=val/gold_mrr",
         ],
@@ -209,8 +209,8 @@ def test_a_ranking_monitor_without_a_ranking_set_is_refused(tmp_path):
 
     from helpers.runs import compose_cfg
 
-    cfg = compose_cfg(["+experiment=probe_tiny_llama", "logger=csv", "data.ranking_top_n=null"], tmp_path)
-    with pytest.raises(ValueError, match="monitors 'val/gold_mrr'.*data.ranking_top_n is null"):
+    cfg = compose_cfg(["+experiment=probe_tiny_llama", "logger=csv", "data.ranking.top_n=null"], tmp_path)
+    with pytest.raises(ValueError, match="monitors 'val/gold_mrr'.*data.ranking.top_n is null"):
         run_task(cfg)
     cfg = compose_cfg(
         ["+experiment=probe_tiny_llama", "logger=csv", "model=probe_logistic", "trainer.max_epochs=1"], tmp_path

@@ -17,6 +17,8 @@ from confrag.llm.prompts import encode_prompts
 from confrag.rag.answers import AnswerStore
 from test_input_checks import datamodule, nq_file
 
+from helpers.settings import data_settings
+
 LONG = "The long passage says nothing at all. " * 3000  # about 24,000 tokens: far past 2,048
 
 
@@ -73,15 +75,17 @@ def test_nq_confidence_refuses_a_long_gold_passage_before_the_llm_loads(tmp_path
 
 @pytest.mark.heavy
 def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, tiny_llama, templates):
-    from confrag.probe.nq_confidence import ConfidenceDataSettings, build_confidence_data
+    from confrag.probe.nq_confidence import build_confidence_data
 
     rows = load_questions_jsonl(default_questions_path(), limit=8)
-    settings = dict(layers=[1], train_states="qa+rag", split_sizes={"train": 2, "dev": 1, "test": 1}, max_new_tokens=2)
+    settings = dict(
+        extraction={"layers": [1]}, splits={"sizes": {"train": 2, "dev": 1, "test": 1}}, answers={"max_new_tokens": 2}
+    )
     cache = ShardedCache(str(tmp_path / "cache"), progress=False)
     rows[2] = dataclasses.replace(rows[2], contexts=(Passage(rows[2].contexts[0].title, LONG),))
     with pytest.raises(PromptTooLongError, match=r"'nq-00002 \[rag_gold\]'"):
-        build_confidence_data(tiny_llama, templates, rows, settings=ConfidenceDataSettings(**settings), cache=cache)
-    cut_settings = ConfidenceDataSettings(truncate_passages=True, **settings)
+        build_confidence_data(tiny_llama, templates, rows, settings=data_settings("qa+rag", **settings), cache=cache)
+    cut_settings = data_settings("qa+rag", truncate_passages=True, **settings)
     cut = build_confidence_data(tiny_llama, templates, rows, settings=cut_settings, cache=cache)
     specs = {kind: store.artifact.spec for kind, store in cut.stores.items()}
     assert set(specs) == {"qa", "rag_gold", "rag_other"} and all(len(s) == 8 for s in cut.stores.values())

@@ -97,7 +97,7 @@ def test_the_8b_shaped_cbdr_experiment_composes(tmp_path):
     assert cfg["probe"]["data"]["llm"] == cfg["llm"] and cfg["model"]["backbone"] == "minilm"
     assert cfg["trainer"]["accelerator"] == "gpu" and cfg["probe"]["trainer"]["accelerator"] == "gpu"
     # cbdr_llama3's GPU sizes: chosen from free device memory (docs/gpu.md)
-    assert cfg["rag"]["batch_size"] == "auto" and cfg["probe"]["data"]["gen_batch_size"] == "auto"
+    assert cfg["rag"]["batch_size"] == "auto" and cfg["probe"]["data"]["answers"]["batch_size"] == "auto"
     qwen = OmegaConf.to_container(
         compose_cfg(["+experiment=cbdr_llama3_shape", "llm=qwen2_5_7b_shape"], tmp_path), resolve=True
     )

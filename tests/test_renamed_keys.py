@@ -8,15 +8,15 @@ from __future__ import annotations
 import copy
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from confrag.data import default_questions_path, load_questions_jsonl
-from confrag.instantiators import RENAMED, renamed_keys, settings_from
+from confrag.instantiators import GROUPED, RENAMED, grouped_overrides, renamed_keys, settings_from
 from confrag.rag.settings import EvalSettings
 from confrag.tasks import cbdr, probe
 
 from helpers.questions import write_questions
-from helpers.runs import compose_cfg
+from helpers.runs import ROOT, compose_cfg
 
 LOGGER = "confrag.instantiators"
 # (experiment, old key, new key): every renamed key, in a task whose config holds its node.
@@ -157,3 +157,69 @@ def test_the_cbdr_task_reads_its_evaluation_file_from_the_old_key(tmp_path, noth
     clash = compose_cfg(["+experiment=cbdr_tiny_llama", *overrides, f"eval.questions_path={train}"], tmp_path)
     with pytest.raises(ValueError, match=rf"eval.nq_path={mine} and eval.questions_path={train} are both set"):
         cbdr.check(clash)
+
+
+# --- the probe data node's flat keys, moved into its option groups (GROUPED) -------------------------------------
+
+
+def test_every_grouped_key_has_its_place_in_the_shipped_node_and_the_old_one_is_gone():
+    node = OmegaConf.load(ROOT / "conf" / "data" / "nq_confidence.yaml")
+    for old, new in GROUPED.items():
+        assert old not in node, f"conf/data/nq_confidence.yaml still holds {old}"
+        group, _, field = new.partition(".")
+        assert field in node[group], f"{new} is not in conf/data/nq_confidence.yaml"
+
+
+def test_an_old_command_line_key_is_rewritten_to_its_group_with_a_warning(caplog):
+    arguments = [
+        "+experiment=probe_tiny_llama",
+        "data.balance=false",
+        "probe.data.gen_batch_size=4",
+        "+data.extract_compile=true",  # added a key the YAML lacked; its group holds it now
+        "data.generation.static_cache=true",
+        "data.layers=1,2",  # a sweep's values pass unchanged
+        "data.num_questions=10",  # not moved
+        "--multirun",
+    ]
+    with caplog.at_level("WARNING", logger=LOGGER):
+        rewritten = grouped_overrides(arguments)
+    assert rewritten == [
+        "+experiment=probe_tiny_llama",
+        "data.splits.balance=false",
+        "probe.data.answers.batch_size=4",
+        "data.extraction.compile=true",
+        "data.answers.generation.static_cache=true",
+        "data.extraction.layers=1,2",
+        "data.num_questions=10",
+        "--multirun",
+    ]
+    assert "data.balance is deprecated (read for one release): it is now data.splits.balance" in caplog.text
+    assert caplog.text.count("is deprecated") == 5
+    assert grouped_overrides(rewritten) == rewritten  # the new keys pass as they are
+
+
+def test_a_rewritten_command_line_composes_and_lands_in_the_group(tmp_path):
+    old = ["+experiment=probe_tiny_llama", "data.balance=true", "data.extract_batch_size=3", "data.ranking_top_n=7"]
+    cfg = compose_cfg(grouped_overrides(old), tmp_path)
+    assert cfg.data.splits.balance is True and cfg.data.extraction.batch_size == 3 and cfg.data.ranking.top_n == 7
+    with pytest.raises(Exception, match="Could not override 'data.balance'"):  # Hydra, to the old key unrewritten
+        compose_cfg(old, tmp_path)
+
+
+def test_an_old_key_in_a_config_file_moves_into_its_group_and_wins(composed, caplog):
+    cfg = copy_of(composed, "cbdr_tiny_llama", "shipped")
+    with open_dict(cfg):
+        cfg.probe.data.extract_batch_size = 5  # as a user's own experiment file written before the groups sets it
+        cfg.probe.data.question_splits = {"train": 8, "dev": 1, "test": 1}
+    with caplog.at_level("WARNING", logger=LOGGER):
+        renamed_keys(cfg)
+    assert cfg.probe.data.extraction.batch_size == 5 and "extract_batch_size" not in cfg.probe.data
+    assert cfg.probe.data.splits.proportions == {"train": 8, "dev": 1, "test": 1}
+    assert "probe.data.extract_batch_size is deprecated (read for one release): it is now " in caplog.text
+    assert "probe.data.extraction.batch_size=5 (it replaces the shipped probe.data.extraction.batch_size=16)" in (
+        caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=LOGGER):
+        renamed_keys(cfg)  # a second call changes nothing
+    assert not caplog.text and cfg.probe.data.extraction.batch_size == 5

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from confrag import instantiators
 from confrag.instantiators import RENAMED, renamed_keys, settings_from
 from confrag.llm.generation import GreedyOptions
+from confrag.probe.data_options import AnswerOptions, CandidateOptions, ExtractionOptions, RankingOptions, SplitOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
 from confrag.stages.base_reranker import BaseRerankerSettings
@@ -111,6 +112,42 @@ def test_a_moved_key_names_where_it_went(tmp_path: Path):
         ValueError, match=r"unknown key\(s\) \['max_new_tokens'\].*preferences\.max_new_tokens is now rag"
     ):
         settings_from(PreferenceSettings, cfg.preferences, "preferences")
+
+
+# --- the option groups of the probe data node -------------------------------------------------------------------
+
+# (shipped YAML, group key) -> the dataclass the data module builds from that group (confrag.probe.data_options).
+GROUPS = {
+    ("data/nq_confidence.yaml", "splits"): SplitOptions,
+    ("data/nq_confidence.yaml", "extraction"): ExtractionOptions,
+    ("data/nq_confidence.yaml", "answers"): AnswerOptions,
+    ("data/nq_confidence.yaml", "candidates"): CandidateOptions,
+    ("data/nq_confidence.yaml", "ranking"): RankingOptions,
+}
+
+
+def test_the_groups_cover_every_mapping_of_the_data_node():
+    node = shipped("data/nq_confidence.yaml")
+    mappings = {k for k, v in node.items() if isinstance(v, dict)}
+    assert mappings == {group for _, group in GROUPS}
+
+
+@pytest.mark.parametrize(("path", "group"), sorted(GROUPS))
+def test_an_option_group_default_is_written_once(path, group):
+    cls, node = GROUPS[path, group], shipped(path)[group]
+    assert not defaults_of(cls), f"{cls.__name__} writes defaults the YAML holds: {defaults_of(cls)}"
+    assert {f.name for f in dataclasses.fields(cls)} == set(node), f"conf/{path} {group}: {sorted(node)}"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_builds_its_data_option_groups(name, tmp_path: Path):
+    cfg = renamed_keys(compose_cfg([f"+experiment={name}"], tmp_path))
+    for where in ("data", "probe.data"):
+        node = OmegaConf.select(cfg, where)
+        if node is None or not str(node.get("_target_", "")).endswith("NQConfidenceDataModule"):
+            continue
+        for (_, group), cls in GROUPS.items():
+            cls.of(OmegaConf.to_container(node[group], resolve=True), f"{where}.{group}")
 
 
 # --- the classes YAML instantiates ------------------------------------------------------------------------------

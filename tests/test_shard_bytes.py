@@ -10,9 +10,13 @@ import torch
 
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, fixed_threads
-from confrag.probe.nq_confidence import ConfidenceDataSettings, build_confidence_data
+from confrag.probe.nq_confidence import build_confidence_data
 
-SETTINGS = dict(layers=[2], train_states="qa", split_sizes={"train": 2, "dev": 1, "test": 1}, max_new_tokens=2)
+from helpers.settings import data_settings
+
+SETTINGS = dict(
+    extraction={"layers": [2]}, splits={"sizes": {"train": 2, "dev": 1, "test": 1}}, answers={"max_new_tokens": 2}
+)
 
 
 @pytest.fixture
@@ -42,7 +46,7 @@ def test_activation_shards_do_not_depend_on_the_process_thread_count(
             tiny_llama,
             templates,
             nq_rows[:32],
-            settings=ConfidenceDataSettings(**SETTINGS),
+            settings=data_settings(**SETTINGS),
             cache=ShardedCache(str(tmp_path / f"t{threads}"), progress=False),
         )
         found[threads] = shard_bytes(data)
@@ -69,11 +73,13 @@ def test_a_batch_size_other_than_the_default_keys_its_own_states(tmp_path, tiny_
     assert extraction_key(8) == {"extract_batch_size": 8} and extraction_key(threads=4) == {"extract_threads": 4}
     cache = ShardedCache(str(tmp_path / "cache"), progress=False)
     rows = nq_rows[:32]
-    default = build_confidence_data(
-        tiny_llama, templates, rows, settings=ConfidenceDataSettings(**SETTINGS), cache=cache
-    )
+    default = build_confidence_data(tiny_llama, templates, rows, settings=data_settings(**SETTINGS), cache=cache)
     other = build_confidence_data(
-        tiny_llama, templates, rows, settings=ConfidenceDataSettings(extract_batch_size=8, **SETTINGS), cache=cache
+        tiny_llama,
+        templates,
+        rows,
+        settings=data_settings(**{**SETTINGS, "extraction": {"layers": [2], "batch_size": 8}}),
+        cache=cache,
     )
     assert default.stores["qa"].key != other.stores["qa"].key
     assert "extract_batch_size" not in default.stores["qa"].artifact.spec

@@ -39,7 +39,8 @@ def test_a_small_or_one_class_test_split_is_marked_with_its_intervals(tmp_path):
     assert ranking[0].startswith("  probe as reranker, test: own paragraph first 15.4 [") and "(below 30)" in ranking[0]
     summary = {"questions": 10, "test/examples": 8, "test/positives": 3}
     summary.update({f"{s}/{k}": 4 for s in ("train", "dev") for k in ("examples", "positives")})
-    datamodule = SimpleNamespace(layer=1, train_states="qa", balance=True, data=None, num_layers=2)
+    splits = SimpleNamespace(balance=True)
+    datamodule = SimpleNamespace(layer=1, train_states="qa", splits=splits, data=None, num_layers=2)
     write_probe_report(
         tmp_path, "tiny", datamodule, metrics, summary, [], reliability_bins(np.array([0.2, 0.9]), np.array([0, 1])), []
     )

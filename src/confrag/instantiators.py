@@ -134,6 +134,59 @@ RENAMED = {
     for node in ("paths", "data", "probe.data", "retrieval", "base_reranker", "eval")
 }
 
+# The probe data node's options, once flat, now in groups (`data.splits`, `data.extraction`, `data.answers`,
+# `data.candidates`, `data.ranking`; confrag.probe.data_options): old key -> its place in the same node, read for one
+# release. A command line is rewritten before Hydra reads it (`grouped_overrides`: Hydra refuses an override of a
+# key the YAML no longer holds); a config file's old key is moved by `renamed_in`, its value winning over the
+# group's shipped default with a warning naming both.
+GROUPED = {
+    "layers": "extraction.layers",
+    "extract_batch_size": "extraction.batch_size",
+    "extract_threads": "extraction.threads",
+    "extract_compile": "extraction.compile",
+    "max_new_tokens": "answers.max_new_tokens",
+    "gen_batch_size": "answers.batch_size",
+    "generation": "answers.generation",
+    "split_sizes": "splits.sizes",
+    "balance": "splits.balance",
+    "question_splits": "splits.proportions",
+    "allow_one_class": "splits.allow_one_class",
+    "candidates_top_n": "candidates.top_n",
+    "words_per_passage": "candidates.words_per_passage",
+    "ranking_top_n": "ranking.top_n",
+    "ranking_test_questions": "ranking.test_questions",
+}
+GROUPED_NODES = ("data", "probe.data")
+
+
+def grouped_key(key: str) -> str | None:
+    """The new place of an old probe-data key (`data.balance` -> `data.splits.balance`, `probe.data.generation.x`
+    -> `probe.data.answers.generation.x`); None for any other key."""
+    for node in GROUPED_NODES:
+        for old, new in GROUPED.items():
+            full = f"{node}.{old}"
+            if key == full or key.startswith(f"{full}."):
+                return f"{node}.{new}{key[len(full) :]}"
+    return None
+
+
+def grouped_overrides(arguments: list[str]) -> list[str]:
+    """Command-line arguments with every override of an old probe-data key rewritten to its group, each with a
+    warning (`data.balance=false` -> `data.splits.balance=false`; a `+` that added a key the YAML then lacked is
+    dropped, as the YAML now holds it). Every other argument, Hydra's own included, passes unchanged."""
+    out = []
+    for argument in arguments:
+        prefix = argument[: len(argument) - len(argument.lstrip("+~"))]
+        key, equals, value = argument[len(prefix) :].partition("=")
+        new = grouped_key(key) if not key.startswith("-") else None
+        if new is None:
+            out.append(argument)
+            continue
+        prefix = "" if prefix == "+" else prefix
+        log.warning("%s is deprecated (read for one release): it is now %s; set %s%s%s", key, new, new, equals, value)
+        out.append(f"{prefix}{new}{equals}{value}")
+    return out
+
 
 def renamed_keys(cfg: DictConfig, warn: bool = True) -> DictConfig:
     """`cfg` with every old key of RENAMED read into its new one, in place (and returned; `renamed_in` on each
@@ -143,7 +196,7 @@ def renamed_keys(cfg: DictConfig, warn: bool = True) -> DictConfig:
     config, read quietly."""
     if warn:
         questions_path_from_env()  # warns about, or refuses, the old variable beside the new one
-    for parent in dict.fromkeys(old.rpartition(".")[0] for old in RENAMED):
+    for parent in dict.fromkeys([*(old.rpartition(".")[0] for old in RENAMED), *GROUPED_NODES]):
         node = OmegaConf.select(cfg, parent, default=None)
         if isinstance(node, DictConfig):
             renamed_in(node, parent, warn)
@@ -174,6 +227,27 @@ def renamed_in(node: DictConfig | dict, key: str, warn: bool = True) -> None:
                     )
                 node[new_key] = value
             del node[old_key]
+    if key in GROUPED_NODES:
+        _grouped_in(node, key, warn)
+
+
+def _grouped_in(node: DictConfig | dict, key: str, warn: bool) -> None:
+    """GROUPED's old keys in probe-data node `key`, moved into their groups in place (the old value wins)."""
+    for old_key in [k for k in GROUPED if k in node]:
+        group, _, field = GROUPED[old_key].partition(".")
+        value = node[old_key]
+        with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
+            if node.get(group) is None:
+                node[group] = {}
+            if warn:
+                new, before = f"{key}.{group}.{field}", node[group].get(field)
+                replaced = f" (it replaces the shipped {new}={before})" if before not in (None, value) else ""
+                log.warning(
+                    "%s.%s is deprecated (read for one release): it is now %s; set %s=%s%s",
+                    key, old_key, new, new, value, replaced,
+                )  # fmt: skip
+            node[group][field] = value
+            del node[old_key]
 
 
 def _holds_own_value(node: DictConfig | dict, key: str) -> bool:
@@ -191,22 +265,14 @@ def settings_from(cls: type[T], node: Any, key: str) -> T:
     values = dict(plain(node) or {})  # a copy: the caller's own dict is left as it is
     renamed_in(values, key)  # a plain node: its interpolations are already resolved
     fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        moved = [f"{key}.{k} is now {MOVED[f'{key}.{k}']}" for k in unknown if f"{key}.{k}" in MOVED]
-        raise ValueError(
-            f"{key}: unknown key(s) {unknown}; allowed: {sorted(fields)}" + (f" ({'; '.join(moved)})" if moved else "")
-        )
-    required = {
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }
-    missing = sorted(required - set(values))
-    if missing:
-        raise ValueError(f"{key}: missing key(s) {missing}; compose the group's shipped node (conf/{key}/)")
+    moved = [f"{key}.{k} is now {MOVED[f'{key}.{k}']}" for k in sorted(set(values) - fields) if f"{key}.{k}" in MOVED]
     with checks.config_key(key, fields):  # the dataclass names its field (`top_k`); the user reads `key.top_k`
-        return cls(**values)
+        try:
+            return checks.dataclass_from(cls, values, key, f"compose the group's shipped node (conf/{key}/)")
+        except ValueError as err:
+            if moved:  # an unknown key that moved elsewhere: say where
+                raise ValueError(f"{err} ({'; '.join(moved)})") from None
+            raise
 
 
 def run_command(cfg: DictConfig) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from confrag.infra import distributed
 from confrag.infra.paths import config_dir, register_resolvers, task_folder
 from confrag.infra.run_info import save_failure, save_run_info
-from confrag.instantiators import run_context
+from confrag.instantiators import grouped_overrides, run_context
 from confrag.recipes import llm_node
 from confrag.tasks import cbdr, gates, probe, rerank
 
@@ -122,6 +123,7 @@ def main() -> None:
     import hydra
 
     register_resolvers()
+    sys.argv[1:] = grouped_overrides(sys.argv[1:])  # old probe-data keys, read for one release
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
     def _main(cfg: DictConfig) -> float | None:

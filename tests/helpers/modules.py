@@ -36,7 +36,8 @@ def probe_module(**values: Any):
 def confidence_data(**values: Any):
     """An NQConfidenceDataModule from conf/data/nq_confidence.yaml (`llm`, `prompts`, `questions_path` in
     `values`), with what a run's config gives it: the model node's layer (`mid`), the NQ dataset's questions
-    format, the default cache folder."""
+    format, the default cache folder. An option group in `values` (`splits={"balance": False}`) is merged into the
+    shipped one."""
     layer = OmegaConf.load(config_dir() / "model" / "probe.yaml").layer
     questions_format = OmegaConf.load(config_dir() / "dataset" / "nq.yaml").questions_format
     borrowed = {
@@ -45,4 +46,7 @@ def confidence_data(**values: Any):
         "questions_format": questions_format,
         "cache_dir": str(default_cache_dir()),
     }
-    return shipped("data/nq_confidence.yaml", **{**borrowed, **values})
+    node = OmegaConf.to_container(OmegaConf.load(config_dir() / "data" / "nq_confidence.yaml"))
+    # An option group given in part (`answers={"max_new_tokens": 2}`) keeps the shipped values of its other keys.
+    groups = {k: {**node[k], **v} for k, v in values.items() if isinstance(v, dict) and isinstance(node.get(k), dict)}
+    return shipped("data/nq_confidence.yaml", **{**borrowed, **values, **groups})

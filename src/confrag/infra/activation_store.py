@@ -39,7 +39,7 @@ class ActivationStore:
         if layer not in self.layers:
             raise ValueError(
                 f"layer {layer} was not extracted; this cache holds layers {self.layers} "
-                f"(set data.layers to include it)"
+                f"(set data.extraction.layers to include it)"
             )
         return self.layers.index(layer)
 

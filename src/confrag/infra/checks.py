@@ -18,12 +18,13 @@ No Hydra here: plain values in, plain values out, importable from every layer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -195,6 +196,32 @@ class Refusals(ValueError):
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
         super().__init__("; ".join(self.problems))
+
+
+T = TypeVar("T")
+
+
+def dataclass_from(cls: type[T], values: Mapping[str, Any] | None, key: str, missing_hint: str = "") -> T:
+    """The dataclass `cls` from the mapping at `key` (a settings node, or one of its option groups): an unknown
+    key is named with the ones `cls` takes, and so is a missing one (a field without a default); the dataclass's
+    own refusal of a value is its own."""
+    if values is not None and not isinstance(values, Mapping):
+        allowed = sorted(f.name for f in dataclasses.fields(cls))
+        raise ValueError(f"{key} must be a mapping of {allowed}; got {values!r}")
+    values = dict(values or {})
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"{key}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    missing = sorted(required - set(values))
+    if missing:
+        raise ValueError(f"{key}: missing key(s) {missing}" + (f"; {missing_hint}" if missing_hint else ""))
+    return cls(**values)
 
 
 def refuse(problems: Sequence[str]) -> None:

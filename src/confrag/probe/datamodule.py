@@ -3,12 +3,12 @@
 Hidden states are read from memory-mapped shards example by example: training never needs the
 whole activation cache in memory. `prepare_data` loads the LLM only when something is missing
 from the cache and frees it afterwards. With `train_states` ending in `+candidates`, each question's
-top `candidates_top_n` BM25 passages over the NQ file's paragraphs (the retrieval stage's default
+top `candidates.top_n` BM25 passages over the NQ file's paragraphs (the retrieval stage's default
 corpus) are added as prompt kinds, labelled by the LLM's answer under each.
 
-With `ranking_top_n` (the default), the dev and test questions' candidates (the same top-N BM25 passages
+With `ranking.top_n` (the default), the dev and test questions' candidates (the same top-N BM25 passages
 with repeated texts removed that NQ_Rerank and the evaluation use) are scored too (`confrag.probe.ranking`):
-the dev set chooses the checkpoint, the test set (plus `ranking_test_questions` held-out questions from the
+the dev set chooses the checkpoint, the test set (plus `ranking.test_questions` held-out questions from the
 rest of the file, states only) reports the probe as a reranker.
 """
 
@@ -29,14 +29,19 @@ from confrag.data.nq import QUESTION_FORMAT_CHOICES, load_questions_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.infra import checks
 from confrag.infra.sharded import ShardedCache
-from confrag.llm.batching import check_batch_size
 from confrag.llm.config import LLMConfig
 from confrag.llm.context import PromptLimit, fit_questions
-from confrag.llm.generation import GreedyOptions
 from confrag.llm.hidden_states import HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, model_num_layers
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.activation_dataset import ActivationDataset, unrepeated_sampler
+from confrag.probe.data_options import (
+    AnswerOptions,
+    CandidateOptions,
+    ExtractionOptions,
+    RankingOptions,
+    SplitOptions,
+)
 from confrag.probe.nq_confidence import (
     ConfidenceData,
     ConfidenceDataSettings,
@@ -50,122 +55,94 @@ from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrie
 from confrag.retrieval.candidates import without_duplicates
 
 log = logging.getLogger(__name__)
+# The probe's layer reaches this module by interpolation (`layer: ${..model.layer}`): its messages name the key the
+# user sets, not the parameter.
+LAYER_KEY = "model.layer"
 
 
 def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num_layers: int) -> tuple[int, list[int]]:
-    """The probe's layer (`model.layer`; `mid` or None = Layer/2) and the extracted layers (`data.layers`),
+    """The probe's layer (`model.layer`; `mid` or None = Layer/2) and the extracted layers (`data.extraction.layers`),
     checked against the model's layer count: the layer must be in range and among the extracted ones."""
     try:
         extracted = resolve_layers(layers, num_layers)
     except ValueError as err:
-        raise (err if str(err).startswith("layers=") else ValueError(f"layers={layers!r}: {err}")) from None
+        raise ValueError(f"extraction.layers={layers!r}: {str(err).removeprefix(f'layers={layers!r}: ')}") from None
     chosen = num_layers // 2 if layer in (None, "mid") else layer
     if isinstance(chosen, str) and chosen.strip().lstrip("-").isdigit():
         chosen = int(chosen)
     if not checks.is_integer(chosen, numpy=True):
-        raise ValueError(f"model.layer={layer!r}: use 'mid' or an integer in 0..{num_layers}")
+        raise ValueError(f"{LAYER_KEY}={layer!r}: use 'mid' or an integer in 0..{num_layers}")
     chosen = int(chosen)
     if not 0 <= chosen <= num_layers:
         raise ValueError(
-            f"model.layer={chosen} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
+            f"{LAYER_KEY}={chosen} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
             f"{num_layers // 2} = the paper's Layer/2, {num_layers} = final norm output)"
         )
     if chosen not in extracted:
         raise ValueError(
-            f"model.layer={chosen} is not among the extracted data.layers={extracted}; add it there "
-            f"(or use data.layers=all)"
+            f"{LAYER_KEY}={chosen} is not among the extracted data.extraction.layers={extracted}; add it there "
+            f"(or use data.extraction.layers=all)"
         )
     return chosen, extracted
 
 
-def check_loader_settings(batch_size: Any, num_workers: Any, max_new_tokens: Any) -> None:
-    """`batch_size` >= 1 (or null: whole-split batches, for L-BFGS), `num_workers` >= 0, `max_new_tokens` >= 1,
-    each an integer."""
-    for key, value, least in (
-        ("batch_size", batch_size, 1),
-        ("num_workers", num_workers, 0),
-        ("max_new_tokens", max_new_tokens, 1),
-    ):
-        if key == "batch_size" and value is None:
-            continue
-        checks.integer(value, key, least, numpy=True)
+def check_loader_settings(batch_size: Any, num_workers: Any) -> None:
+    """`batch_size` >= 1 (or null: whole-split batches, for L-BFGS) and `num_workers` >= 0, each an integer."""
+    checks.integer(batch_size, "batch_size", 1, allow_none=True, numpy=True)
+    checks.integer(num_workers, "num_workers", 0, numpy=True)
 
 
 class NQConfidenceDataModule(LightningDataModule):
     # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
-    # checks them against it); the signature shrinks when the node itself is grouped.
+    # checks them against it); the options that travel together arrive as its five groups (confrag.probe.data_options).
     def __init__(
         self,
         llm: dict[str, Any],
         prompts: dict[str, Any],
         questions_path: str,
         *,
+        questions_format: str,
         layer: int | str,
-        layers: str | Sequence[int],
         num_questions: int | None,
         train_states: str,
-        split_sizes: dict[str, int] | None,
-        balance: bool,
-        max_new_tokens: int,
-        gen_batch_size: int | str,
-        extract_batch_size: int | str,
+        splits: SplitOptions | dict[str, Any],
+        extraction: ExtractionOptions | dict[str, Any],
+        answers: AnswerOptions | dict[str, Any],
+        candidates: CandidateOptions | dict[str, Any],
+        ranking: RankingOptions | dict[str, Any],
+        truncate_questions: bool,
+        truncate_passages: bool,
         batch_size: int | None,
         num_workers: int,
         cache_dir: str,
         seed: int,
         progress: bool,
-        candidates_top_n: int,
-        words_per_passage: int,
-        extract_threads: int | None,
-        question_splits: dict[str, int] | None,
-        ranking_top_n: int | None,
-        ranking_test_questions: int,
-        truncate_questions: bool,
-        truncate_passages: bool,
-        allow_one_class: bool,
-        questions_format: str,
-        # Not in conf/data/nq_confidence.yaml (which holds the defaults of everything above): an option one
-        # adds with `+data.<key>=`, and where the node sits in the run's config.
-        extract_compile: bool = False,
-        generation: dict[str, Any] | None = None,
+        # Where the node sits in the run's config (`probe.data` in a later task): given by the config boundary.
         config_node: str = "data",
     ) -> None:
         super().__init__()
         # Where this module's settings live in the run's config (`probe.data` in a later task): messages that
         # advise a setting name it so that the advice works as an override.
         self.config_node = str(config_node)
-        for key, value, least in (
-            ("ranking_top_n", ranking_top_n, 2),
-            ("ranking_test_questions", ranking_test_questions, 0),
-        ):
-            checks.integer(value, key, least, allow_none=True)
-        self.question_splits = question_splits
-        self.ranking_top_n, self.ranking_test_questions = ranking_top_n, int(ranking_test_questions or 0)
+        node = self.config_node
+        self.splits = SplitOptions.of(splits, f"{node}.splits")
+        self.extraction = ExtractionOptions.of(extraction, f"{node}.extraction")
+        self.answers = AnswerOptions.of(answers, f"{node}.answers")
+        self.candidates = CandidateOptions.of(candidates, f"{node}.candidates")
+        self.ranking_options = RankingOptions.of(ranking, f"{node}.ranking")
         self.ranking: dict[str, RankingSet] = {}
         if uses_candidates(train_states):
-            checks.positive_int(candidates_top_n, "candidates_top_n", hint=f"with train_states={train_states!r}")
-        self.candidates_top_n, self.words_per_passage = candidates_top_n, words_per_passage
-        # GPU speed options (docs/gpu.md): compiled engine blocks, the greedy-generation path.
-        self.extract_compile = extract_compile
-        checks.positive_int(extract_threads, "extract_threads", allow_none=True)
-        self.extract_threads = extract_threads
-        self.generation = GreedyOptions.from_mapping(generation, "generation")
+            hint = f"with {node}.train_states={train_states!r}"
+            checks.positive_int(self.candidates.top_n, f"{node}.candidates.top_n", hint=hint)
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
         checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
         self.questions_path, self.questions_format = questions_path, questions_format
-        self.layer_spec, self.layers = layer, layers
-        self.num_questions, self.train_states = num_questions, train_states
-        self.split_sizes, self.balance, self.seed = split_sizes, balance, seed
-        self.max_new_tokens, self.gen_batch_size, self.extract_batch_size = (
-            max_new_tokens,
-            gen_batch_size,
-            extract_batch_size,
-        )
+        self.layer_spec, self.num_questions, self.train_states = layer, num_questions, train_states
+        self.seed = seed
         self.batch_size, self.num_workers, self.cache_dir, self.progress = batch_size, num_workers, cache_dir, progress
-        self.truncate_questions = bool(truncate_questions)
-        self.truncate_passages = bool(truncate_passages)
-        self.allow_one_class = checks.flag(allow_one_class, f"{self.config_node}.allow_one_class")
+        self.truncate_questions = checks.flag(truncate_questions, "truncate_questions")
+        self.truncate_passages = checks.flag(truncate_passages, "truncate_passages")
         self.data: ConfidenceData | None = None
         self.layer: int | None = None
         self.llm_identity: dict[str, Any] | None = None
@@ -174,10 +151,8 @@ class NQConfidenceDataModule(LightningDataModule):
     def check_settings(self) -> None:
         """Refuse a layer setting the model does not have, from its config alone (no weights are loaded),
         and batch sizes, workers and token counts out of range: before any answer is generated, not after."""
-        check_loader_settings(self.batch_size, self.num_workers, self.max_new_tokens)
-        check_batch_size(self.gen_batch_size, "gen_batch_size")
-        check_batch_size(self.extract_batch_size, "extract_batch_size")
-        probe_layers(self.layer_spec, self.layers, model_num_layers(self.llm_cfg))
+        check_loader_settings(self.batch_size, self.num_workers)
+        probe_layers(self.layer_spec, self.extraction.layers, model_num_layers(self.llm_cfg))
 
     def check_gold_paragraphs(self, rows) -> None:
         """The ranking sets (own paragraph first) and the gold / other-paragraph RAG states read each question's
@@ -187,10 +162,11 @@ class NQConfidenceDataModule(LightningDataModule):
             return
         needs, node = [], self.config_node
         monitor = "callbacks.model_checkpoint.monitor" if node == "data" else f"{node.rsplit('.', 1)[0]}.monitor"
-        if self.ranking_top_n:
+        if self.ranking_options.top_n:
             needs.append(
-                f"{node}.ranking_top_n={self.ranking_top_n} (the dev questions' own paragraphs ranked to choose the "
-                f"checkpoint): set {node}.ranking_top_n=null {monitor}=val/auroc (the checkpoint chosen by dev AUROC)"
+                f"{node}.ranking.top_n={self.ranking_options.top_n} (the dev questions' own paragraphs ranked to "
+                f"choose the checkpoint): set {node}.ranking.top_n=null {monitor}=val/auroc (the checkpoint chosen by "
+                "dev AUROC)"
             )
         if set(kinds_of(self.train_states, 0)) & {"rag_gold", "rag_other"}:
             needs.append(
@@ -205,7 +181,7 @@ class NQConfidenceDataModule(LightningDataModule):
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
         num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
-        self.layer, _ = probe_layers(self.layer_spec, self.layers, num_layers)
+        self.layer, _ = probe_layers(self.layer_spec, self.extraction.layers, num_layers)
         all_rows = load_questions_jsonl(self.questions_path, questions_format=self.questions_format)
         rows = select_questions(all_rows, self.num_questions, self.seed)
         self.check_gold_paragraphs(all_rows)
@@ -216,27 +192,20 @@ class NQConfidenceDataModule(LightningDataModule):
         if own:
             rows = fit_questions(
                 rows,
-                PromptLimit(self.templates, llm.tokenizer, llm.context, self.max_new_tokens),
+                PromptLimit(self.templates, llm.tokenizer, llm.context, self.answers.max_new_tokens),
                 self.truncate_questions,
                 str(self.questions_path),
                 option=f"{self.config_node}.truncate_questions",
                 # Questions that also go into RAG prompts leave half the budget to the passages.
-                room=(llm.context - self.max_new_tokens) // 2 if self.rag_prompts else 0,
+                room=(llm.context - self.answers.max_new_tokens) // 2 if self.rag_prompts else 0,
             )
         candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         try:
             settings = ConfidenceDataSettings(
-                layers=self.layers,
                 train_states=self.train_states,
-                split_sizes=self.split_sizes,
-                balance=self.balance,
-                question_splits=self.question_splits,
-                max_new_tokens=self.max_new_tokens,
-                gen_batch_size=self.gen_batch_size,
-                generation=self.generation,
-                extract_batch_size=self.extract_batch_size,
-                extract_compile=self.extract_compile,
-                extract_threads=self.extract_threads,
+                splits=self.splits,
+                extraction=self.extraction,
+                answers=self.answers,
                 truncate_passages=self.truncate_passages,
                 config_node=self.config_node,
             )
@@ -251,7 +220,7 @@ class NQConfidenceDataModule(LightningDataModule):
             )
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)
-            if self.ranking_top_n:
+            if self.ranking_options.top_n:
                 self.ranking = self.ranking_sets(llm, data, all_rows)
             self.num_layers = llm.num_layers
             self.llm_identity = llm.identity
@@ -263,37 +232,38 @@ class NQConfidenceDataModule(LightningDataModule):
         return data
 
     def retrieved(self, all_rows, rows) -> list[list]:
-        """Each question's top `candidates_top_n` BM25 passages over every paragraph of the NQ file (cached),
+        """Each question's top `candidates.top_n` BM25 passages over every paragraph of the NQ file (cached),
         repeated texts removed as where the probe is applied."""
-        corpus = corpus_from_gold_paragraphs(all_rows, words_per_passage=self.words_per_passage)
+        corpus = corpus_from_gold_paragraphs(all_rows, words_per_passage=self.candidates.words_per_passage)
         found = retrieve_candidates(
-            rows, corpus, BM25Retriever(corpus, cache_dir=self.cache_dir), top_n=self.candidates_top_n
+            rows, corpus, BM25Retriever(corpus, cache_dir=self.cache_dir), top_n=self.candidates.top_n
         )
         return [without_duplicates(c)[0].passages for c in found]
 
     def ranking_sets(self, llm, data: ConfidenceData, all_rows) -> dict[str, RankingSet]:
-        """The dev and test questions' top-`ranking_top_n` candidates (repeated texts removed, as where the
+        """The dev and test questions' top-`ranking.top_n` candidates (repeated texts removed, as where the
         probe is applied) with their states at the probe's layer (cached); the test set adds
-        `ranking_test_questions` questions from outside the probe's questions (their own artifact, so that
+        `ranking.test_questions` questions from outside the probe's questions (their own artifact, so that
         they are computed once whatever the probe's splits)."""
         groups = {s: [r for r, split in zip(data.rows, data.split_of) if split == s] for s in ("dev", "test")}
-        if self.ranking_test_questions:
+        if self.ranking_options.test_questions:
             groups["test_extra"] = self.extra_test_rows(all_rows, data.rows)
-        corpus = corpus_from_gold_paragraphs(all_rows, words_per_passage=self.words_per_passage)
+        corpus = corpus_from_gold_paragraphs(all_rows, words_per_passage=self.candidates.words_per_passage)
         retriever = BM25Retriever(corpus, cache_dir=self.cache_dir)
         # Built at the first shard to compute: a complete cache loads no weights.
         engine = functools.cache(
             lambda: HiddenStateEngine(
                 llm.model,
                 llm.tokenizer,
-                batch_size=self.extract_batch_size,
+                batch_size=self.extraction.batch_size,
                 progress=self.progress,
-                threads=self.extract_threads,
+                threads=self.extraction.threads,
             )
         )
         parts = {}
         for name, rows in groups.items():
-            found = [without_duplicates(c)[0] for c in retrieve_candidates(rows, corpus, retriever, self.ranking_top_n)]
+            ranked = retrieve_candidates(rows, corpus, retriever, self.ranking_options.top_n)
+            found = [without_duplicates(c)[0] for c in ranked]
             states, _ = candidate_states(
                 llm,
                 self.templates,
@@ -302,7 +272,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 engine=engine,
                 cache=ShardedCache(self.cache_dir, progress=self.progress),
                 layers=data.layers,  # every extracted layer: a layer sweep extracts the candidates once
-                extraction=extraction_key(self.extract_batch_size, threads=self.extract_threads),
+                extraction=extraction_key(self.extraction.batch_size, threads=self.extraction.threads),
             )
             parts[name] = (found, states)
         test = [parts["test"], *([parts["test_extra"]] if "test_extra" in parts else [])]
@@ -312,10 +282,10 @@ class NQConfidenceDataModule(LightningDataModule):
         return sets
 
     def extra_test_rows(self, all_rows, probe_rows) -> list:
-        """`ranking_test_questions` seeded questions of the file outside the probe's questions."""
-        key = f"{self.config_node}.ranking_test_questions"
+        """`ranking.test_questions` seeded questions of the file outside the probe's questions."""
+        key = f"{self.config_node}.ranking.test_questions"
         outside = held_out(all_rows, probe_rows, "the probe's ranking test", key)
-        extra = select_questions(outside, self.ranking_test_questions, self.seed)
+        extra = select_questions(outside, self.ranking_options.test_questions, self.seed)
         check_disjoint(extra, {"the probe's questions": probe_rows}, "the ranking test questions")
         return extra
 
@@ -338,7 +308,7 @@ class NQConfidenceDataModule(LightningDataModule):
     @property
     def rag_prompts(self) -> bool:
         """Whether the probe's questions also go into RAG prompts (training states or the ranking sets)."""
-        return self.train_states != "qa" or bool(self.ranking_top_n)
+        return self.train_states != "qa" or bool(self.ranking_options.top_n)
 
     @property
     def input_dim(self) -> int:

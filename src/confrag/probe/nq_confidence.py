@@ -11,9 +11,9 @@ For each selected question and each prompt kind
 the stage caches the greedy answer and the last-prompt-token hidden states of the requested layers.
 The label of a state is "the answer under that prompt contains a gold answer" (has_answer; exact
 match is kept beside it). Questions are split train/dev/test by question, stratified on the
-closed-book label in the proportions of `question_splits` (default: the paper's 1000/300/500); with
-`balance`, each split's examples are class-balanced by down-sampling the majority class, at most
-`split_sizes` per class (the paper's 1000/300/500). Without it every state is kept, and the probe
+closed-book label in the proportions of `splits.proportions` (default: the paper's 1000/300/500); with
+`splits.balance`, each split's examples are class-balanced by down-sampling the majority class, at most
+`splits.sizes` per class (the paper's 1000/300/500). Without it every state is kept, and the probe
 balances the classes by weighting its loss (`model.class_weight=balanced`).
 """
 
@@ -34,17 +34,16 @@ from confrag.infra.digests import fingerprint
 from confrag.infra.locks import compute_shards
 from confrag.infra.sharded import ShardedArtifact, ShardedCache
 from confrag.llm.context import PromptLimit, fit_rag_prompts
-from confrag.llm.generation import GreedyOptions, generate_greedy
-from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, validate_layers
+from confrag.llm.generation import generate_greedy
+from confrag.llm.hidden_states import HiddenStateEngine, extraction_key, validate_layers
 from confrag.llm.loading import LoadedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.confidence_splits import (
-    PAPER_SPLIT_SIZES,
     SPLITS,
     balanced_examples,
-    check_splits,
     stratified_question_splits,
 )
+from confrag.probe.data_options import AnswerOptions, ExtractionOptions, SplitOptions
 from confrag.probe.prompt_kinds import (
     CANDIDATE_KIND,
     KINDS,
@@ -178,23 +177,16 @@ def fitted_prompts(
 
 @dataclass(frozen=True)
 class ConfidenceDataSettings:
-    """How NQ_Confidence is built (the probe data module's settings): which states of which layers, the
-    splits and their balance, how answers are generated and states extracted, and how a RAG prompt longer
-    than the context is treated. `config_node`: where these settings live in the run's config (`data`, or
-    `probe.data` in a later task), so that an error's advice works as an override."""
+    """How NQ_Confidence is built (the probe data module's settings): which states, the splits and their balance,
+    how answers are generated and states extracted (confrag.probe.data_options), and how a RAG prompt longer than
+    the context is treated. `config_node`: where these settings live in the run's config (`data`, or `probe.data`
+    in a later task), so that an error's advice works as an override."""
 
-    layers: str | Sequence[int] = "all"
-    train_states: str = "qa"
-    split_sizes: dict[str, int] | None = None
-    balance: bool = True
-    question_splits: dict[str, int] | None = None
-    max_new_tokens: int = 24
-    gen_batch_size: int | str = 16
-    generation: GreedyOptions | None = None
-    extract_batch_size: int | str = 16
-    extract_compile: bool = False
-    extract_threads: int | None = CPU_THREADS
-    truncate_passages: bool = False
+    train_states: str
+    splits: SplitOptions
+    extraction: ExtractionOptions
+    answers: AnswerOptions
+    truncate_passages: bool
     config_node: str = "data"
 
 
@@ -210,9 +202,10 @@ def build_confidence_data(
 ) -> ConfidenceData:
     """NQ_Confidence for `rows`, its answers and states in `cache`; `candidates[i]` (passages with .title and
     .text) are question i's retrieved contexts, needed by the `+candidates` options (one prompt kind per rank)."""
-    layers, train_states, max_new_tokens = settings.layers, settings.train_states, settings.max_new_tokens
-    gen_batch_size, generation = settings.gen_batch_size, settings.generation
-    extract_batch_size, extract_threads = settings.extract_batch_size, settings.extract_threads
+    train_states, layers = settings.train_states, settings.extraction.layers
+    max_new_tokens, gen_batch_size = settings.answers.max_new_tokens, settings.answers.batch_size
+    generation = settings.answers.generation
+    extract_batch_size, extract_threads = settings.extraction.batch_size, settings.extraction.threads
     truncate_passages, config_node = settings.truncate_passages, settings.config_node
     cache_dir, shard_size, progress = cache.root, cache.shard_size, cache.progress
     num_candidates = min((len(c) for c in candidates), default=0) if candidates is not None else 0
@@ -221,10 +214,9 @@ def build_confidence_data(
     if uses_candidates(train_states) and num_candidates == 0:
         raise ValueError(
             f"{config_node}.train_states={train_states!r} needs retrieved candidates for every question "
-            f"({config_node}.candidates_top_n >= 1)"
+            f"({config_node}.candidates.top_n >= 1)"
         )
-    sizes = check_splits(settings.split_sizes or PAPER_SPLIT_SIZES, f"{config_node}.split_sizes")
-    proportions = check_splits(settings.question_splits or sizes, f"{config_node}.question_splits")
+    sizes, proportions = settings.splits.checked_sizes(f"{config_node}.splits")
     rows = list(rows)
     layer_list = resolve_layers(layers, llm.num_layers)
     base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
@@ -237,7 +229,7 @@ def build_confidence_data(
             llm.tokenizer,
             batch_size=extract_batch_size,
             progress=progress,
-            compile=settings.extract_compile,
+            compile=settings.extraction.compile,
             threads=extract_threads,
         )
     )
@@ -343,7 +335,8 @@ def build_confidence_data(
             for j, i in enumerate(owners[kind])
             if split_of[i] == split
         ]
-        examples[split] = balanced_examples(candidates, int(sizes[split]), seed) if settings.balance else candidates
+        balanced = settings.splits.balance
+        examples[split] = balanced_examples(candidates, int(sizes[split]), seed) if balanced else candidates
     identity = {
         **base_spec,
         "layers": layer_list,

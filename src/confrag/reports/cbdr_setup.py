@@ -40,7 +40,7 @@ def stage_line(stage: RerankStage) -> str:
     )
     examples = (
         "balanced examples"
-        if stage.probe_data.balance
+        if stage.probe_data.splits.balance
         else "examples (every state, loss weighted by class)"
         if stage.probe.meta.get("class_weights")
         else "examples (every state)"

@@ -58,7 +58,7 @@ def write_probe_report(
         ),
         (
             "  balanced examples: "
-            if datamodule.balance
+            if datamodule.splits.balance
             else "  examples (every state, loss weighted by model.class_weight): "
         )
         + ", ".join(

@@ -69,21 +69,21 @@ def ranking_callbacks(datamodule: NQConfidenceDataModule, monitor: str) -> list[
     if dev is None:
         if monitor.startswith("val/gold_"):
             raise ValueError(
-                f"the probe's checkpoint monitors {monitor!r}, a candidate-ranking metric, but data.ranking_top_n "
-                "is null: set data.ranking_top_n (e.g. 20) or monitor val/auroc"
+                f"the probe's checkpoint monitors {monitor!r}, a candidate-ranking metric, but data.ranking.top_n "
+                "is null: set data.ranking.top_n (e.g. 20) or monitor val/auroc"
             )
         return []
     if not dev.metrics(np.zeros(len(dev.states)))["questions"]:
         raise ValueError(
             "no dev question has its own paragraph among its candidates, so the probe cannot be selected on "
-            f"{monitor!r}: raise data.num_questions or data.ranking_top_n, or monitor val/auroc"
+            f"{monitor!r}: raise data.num_questions or data.ranking.top_n, or monitor val/auroc"
         )
     return [CandidateRanking(dev)]
 
 
 def ranking_results(model: ProbeModule, datamodule: NQConfidenceDataModule) -> dict[str, float]:
     """The probe as a reranker of its dev and test questions' candidates (`val/gold_first`, `test/gold_mrr`,
-    ...; `heldout/...` for the `data.ranking_test_questions` alone, the same questions whatever the probe's
+    ...; `heldout/...` for the `data.ranking.test_questions` alone, the same questions whatever the probe's
     splits; none without ranking sets), for the weights given: the chosen checkpoint's, not the last epoch's."""
     found = {}
     for split, prefix in (("dev", "val"), ("test", "test"), ("heldout", "heldout")):
@@ -113,7 +113,7 @@ def fit_probe(
     datamodule = datamodule or prepared_datamodule(recipe)
     summary = datamodule.data.summary()
     log.info("NQ_Confidence summary: %s", summary)
-    check_classes(summary, datamodule.config_node, datamodule.allow_one_class)
+    check_classes(summary, datamodule.config_node, datamodule.splits.allow_one_class)
     model = recipe.make_model(input_dim=datamodule.input_dim, layer=datamodule.layer)
     model.set_standardization(*datamodule.feature_stats())
     model.set_class_weights([e.label for e in datamodule.data.examples["train"]])
@@ -143,7 +143,7 @@ def fit_probe(
 def check_classes(summary: dict[str, Any], node: str, allow_one_class: bool) -> None:
     """A train or dev split without one of the two classes (no answer right, or none wrong) trains a probe that
     says one thing and a checkpoint chosen on nothing: refused before training, naming the split and its counts,
-    unless `<node>.allow_one_class` (then a warning)."""
+    unless `<node>.splits.allow_one_class` (then a warning)."""
     problems = []
     for split in ("train", "dev"):
         examples, positives = int(summary[f"{split}/examples"]), int(summary[f"{split}/positives"])
@@ -154,11 +154,13 @@ def check_classes(summary: dict[str, Any], node: str, allow_one_class: bool) -> 
         return
     text = "; ".join(problems)
     if allow_one_class:
-        log.warning("The probe trains on one class (%s.allow_one_class=true): %s; its scores mean nothing", node, text)
+        log.warning(
+            "The probe trains on one class (%s.splits.allow_one_class=true): %s; its scores mean nothing", node, text
+        )
         return
     raise ValueError(
         f"{text}: a probe needs both classes in train and dev. Raise {node}.num_questions, use another LLM or "
-        f"{node}.train_states, or set {node}.allow_one_class=true to train it anyway (a smoke test)"
+        f"{node}.train_states, or set {node}.splits.allow_one_class=true to train it anyway (a smoke test)"
     )
 
 
@@ -181,12 +183,14 @@ def best_epoch_metrics(best: str, trainer: Trainer) -> dict[str, float]:
 def probe_cache_dir(ctx: RunContext, datamodule: NQConfidenceDataModule, recipe: ProbeRecipe) -> Path:
     """Where a probe trained with exactly these activations and settings (and the run's seed) is kept for
     later stages: under the run's cache."""
+    splits, ranking = datamodule.splits, datamodule.ranking_options
     key = fingerprint(
         {
             "activations": datamodule.activations()["key"],
-            "split": [datamodule.split_sizes, datamodule.balance],
-            **({"question_splits": datamodule.question_splits} if datamodule.question_splits else {}),
-            **({"ranking_top_n": datamodule.ranking_top_n} if datamodule.ranking_top_n else {}),
+            # Named as before the data node's options were grouped, so that a probe trained then is found again.
+            "split": [splits.sizes, splits.balance],
+            **({"question_splits": splits.proportions} if splits.proportions else {}),
+            **({"ranking_top_n": ranking.top_n} if ranking.top_n else {}),
             "monitor": recipe.monitor,
             **recipe.identity,
             "seed": ctx.seed,

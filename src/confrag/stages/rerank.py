@@ -103,13 +103,13 @@ def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -
     where = str(probe_data.questions_path)
     rows = fit_questions(
         rows,
-        PromptLimit(recipe.templates, tokenizer, context, probe_data.max_new_tokens),
+        PromptLimit(recipe.templates, tokenizer, context, probe_data.answers.max_new_tokens),
         probe_data.truncate_questions,
         where,
         option=f"{probe_data.config_node}.truncate_questions",
-        room=(context - probe_data.max_new_tokens) // 2 if probe_data.rag_prompts else 0,
+        room=(context - probe_data.answers.max_new_tokens) // 2 if probe_data.rag_prompts else 0,
     )
-    if recipe.answers.max_new_tokens > probe_data.max_new_tokens:  # the answers may generate more
+    if recipe.answers.max_new_tokens > probe_data.answers.max_new_tokens:  # the answers may generate more
         answers_limit = PromptLimit(recipe.templates, tokenizer, context, recipe.answers.max_new_tokens)
         fit_questions(rows, answers_limit, False, where)
     return rows
