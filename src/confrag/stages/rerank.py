@@ -123,7 +123,7 @@ def rerank_stage(
     probe_settings = recipe.probe.make_datamodule()
     rows = fitted_questions(recipe, probe_settings)
     # Every passage too (corpus and candidates file, in the LLM's tokens), and a ranked-ids file's ids.
-    max_new_tokens = max(probe_settings.max_new_tokens, recipe.answers.max_new_tokens)
+    max_new_tokens = max(probe_settings.answers.max_new_tokens, recipe.answers.max_new_tokens)
     budget = llm_passage_budget(recipe.llm, recipe.templates, rows, max_new_tokens, recipe.retrieval)
     corpus, lengths = checked_corpus(recipe.retrieval, budget, rows)
     retrieval = build_retrieval(recipe.retrieval, ctx.cache_dir, corpus=corpus, llm_budget=budget)  # no LLM either
