@@ -348,7 +348,7 @@ CONFIG_KEYS_LEFT = {
         "model.layer read by interpolation (the key the user sets); the monitor key; extraction.layers (its own "
         "option group's field, keyed by the boundary)",
     ),
-    "confrag.retrieval.corpus": (2, "a corpus file's detected format, naming retrieval.corpus_format to set"),
+    "confrag.retrieval.corpus": (1, "a corpus file's detected format, naming retrieval.corpus_format to set"),
     "confrag.retrieval.dense": (1, "a stale dense index: point retrieval.dense_index_path at a new one"),
     "confrag.retrieval.prebuilt_index": (3, "a prebuilt FAISS index or its encoder, refused as it is read"),
     "confrag.reranker.module": (2, "model.lora (peft's refusal, at load), model.distill_weight (training rows)"),

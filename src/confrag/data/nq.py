@@ -29,12 +29,13 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confrag.data.jsonl import JSONL_SUFFIXES, DataFormatError, read_jsonl
+from confrag.data.jsonl import DataFormatError
+from confrag.data.records import RecordFile, detect_format, formats_text
 from confrag.infra import checks
 from confrag.infra.deprecated import deprecated_alias
 from confrag.infra.paths import project_root
@@ -46,7 +47,6 @@ NQ_PATH_ENV = "CONFRAG_NQ_PATH"  # the old name of QUESTIONS_PATH_ENV, still rea
 _PATH_HINT = (
     f"set the path with the `paths.questions_path` config value or the `{QUESTIONS_PATH_ENV}` environment variable"
 )
-_PARQUET_SUFFIX = ".parquet"
 # Bump when the serialization below changes, so caches keyed on old fingerprints are not reused.
 _FINGERPRINT_SCHEMA = "confrag.nq.rows.v1"
 
@@ -131,10 +131,6 @@ QUESTION_FORMATS = {
 QUESTION_FORMAT_CHOICES = ("auto", *QUESTION_FORMATS)
 
 
-def _formats_text(formats: Mapping[str, Any]) -> str:
-    return " or ".join(f"{f.name} {f.fields}" for f in formats.values())
-
-
 def _parse_answers(row: Mapping[str, Any], where: str, fmt: QuestionFormat) -> tuple[str, ...]:
     field = next((f for f in fmt.answer_fields if f in row), None)
     if field is None:
@@ -185,20 +181,6 @@ def _row_from_mapping(row: Any, index: int, where: str, fmt: QuestionFormat = QU
     )
 
 
-def detect_format(obj: Any, where: str, formats: Mapping[str, Any], key: str) -> Any:
-    """The first of `formats` whose `matches(obj)` holds; else a DataFormatError naming every format. A
-    record that is not an object gets the first format, whose parser then says what a record must be."""
-    if not isinstance(obj, Mapping):
-        return next(iter(formats.values()))
-    for fmt in formats.values():
-        if fmt.matches(obj):
-            return fmt
-    raise DataFormatError(
-        f"{where}: this record is in none of the known formats: {_formats_text(formats)}; "
-        f"fix the file, or name its format with `{key}`"
-    )
-
-
 class _RowCollector:
     """Accumulates rows and rejects duplicate qids, which would collide as cache keys."""
 
@@ -216,44 +198,15 @@ class _RowCollector:
         self.rows.append(row)
 
 
-def _check_parquet_not_empty(path: Path) -> None:
-    """An empty file (0 bytes) or a parquet file of no rows named as empty: pyarrow and `datasets` report both as
-    an unreadable file ("Parquet file size is 0 bytes", "BatchSize must be greater than 0")."""
-    if path.stat().st_size == 0:
-        raise DataFormatError(f"{path}: the file is empty (0 bytes); a .parquet file of records is expected")
-    import pyarrow.parquet as pq
-
-    try:
-        rows = pq.ParquetFile(path).metadata.num_rows
-    except Exception as exc:  # not parquet at all: named as such below, by the reader
-        raise DataFormatError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from exc
-    if rows == 0:
-        raise DataFormatError(f"{path}: the parquet file is empty (0 rows)")
-
-
-def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
-    # Streaming: rows are read batch by batch from the file, nothing is copied into the datasets cache.
-    from datasets import load_dataset
-
-    _check_parquet_not_empty(path)
-    try:
-        stream = load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-        for index, record in enumerate(stream, start=1):
-            yield f"row {index}", record
-    except Exception as exc:  # pyarrow and datasets raise many types for a file that is not parquet
-        raise DataFormatError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from exc
-
-
-def read_records(path: Path, expected: str) -> Iterator[tuple[str, Any]]:
-    """(position, record) of every record of a `.jsonl` / `.jsonl.gz` file ("line N", blank lines skipped)
-    or of a `.parquet` file ("row N", 1-based, streamed by Hugging Face `datasets`). A line that is not
-    JSON raises DataFormatError naming the file, the line and `expected` (what each line must be)."""
-    if path.name.lower().endswith(_PARQUET_SUFFIX):
-        yield from _parquet_records(path)
-        return
-    with contextlib.closing(read_jsonl(path, expected)) as lines:
-        for lineno, obj in lines:
-            yield f"line {lineno}", obj
+# What a question file is to the one record reader (confrag.data.records).
+QUESTION_FILE = RecordFile(
+    noun="question file",
+    hint=_PATH_HINT,
+    formats=QUESTION_FORMATS,
+    format_key="questions_format",
+    expected="one JSON object",
+    parse=_row_from_mapping,
+)
 
 
 def _check_limit(limit: int | None) -> None:
@@ -269,32 +222,15 @@ def load_questions_jsonl(
     before every qid (an "id" field's or the position's)."""
     _check_limit(limit)
     checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
-    path = Path(path)
-    if not path.is_file():
-        reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataFormatError(f"question file {path} {reason}; {_PATH_HINT}")
-    if not path.name.lower().endswith((*JSONL_SUFFIXES, _PARQUET_SUFFIX)):
-        allowed = ", ".join((*JSONL_SUFFIXES, _PARQUET_SUFFIX))
-        raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {allowed}")
-    fmt = None if questions_format == "auto" else QUESTION_FORMATS[questions_format]
-    chosen = f"questions_format={questions_format}"
     collector = _RowCollector()
-    with contextlib.closing(read_records(path, "one JSON object")) as records:
-        for position, obj in records:
-            where = f"{path}, {position}"
-            if fmt is None:
-                fmt = detect_format(obj, where, QUESTION_FORMATS, "questions_format")
-                chosen = f"format {fmt.name} {fmt.fields}, detected at {position}"
-            try:
-                row = _row_from_mapping(obj, len(collector.rows), where, fmt)
-            except DataFormatError as exc:
-                raise DataFormatError(f"{exc} ({chosen})") from None
+    with contextlib.closing(QUESTION_FILE.parsed(path, questions_format)) as rows:
+        for _, where, row in rows:
             collector.add(dataclasses.replace(row, qid=id_prefix + row.qid) if id_prefix else row, where)
             if limit is not None and len(collector.rows) >= limit:
                 break  # before reading another record: what lies beyond the limit is never parsed
     if not collector.rows:
         raise DataFormatError(
-            f"question file {path} is empty (no rows); each record must be {_formats_text(QUESTION_FORMATS)}; "
+            f"question file {path} is empty (no rows); each record must be {formats_text(QUESTION_FORMATS)}; "
             f"{_PATH_HINT}"
         )
     return collector.rows

@@ -27,10 +27,10 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from confrag.data.nq import DataFormatError, QARow, detect_format, read_records
+from confrag.data.nq import DataFormatError, QARow
+from confrag.data.records import RecordFile, formats_text
 from confrag.infra import checks
 from confrag.infra.deprecated import deprecated_alias
 from confrag.infra.digests import fingerprint
@@ -40,7 +40,6 @@ MIN_LAST_WORDS = 20
 # Bump when splitting or the passage serialization changes, so caches keyed on old corpora are not reused.
 _CORPUS_SCHEMA = "confrag.retrieval.corpus.v1"
 _CORPUS_FIELDS = '{"id": str, "title": str, "text": str}'
-_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 
 def _confrag_document(obj: Mapping[str, Any], where: str) -> tuple[str, str]:
@@ -196,6 +195,17 @@ def _parse_document(obj: Any, where: str, fmt: CorpusFormat) -> tuple[str, str, 
     return doc_id, title, text
 
 
+# What a corpus file is to the one record reader (confrag.data.records).
+CORPUS_FILE = RecordFile(
+    noun="corpus file",
+    hint="set it with the `retrieval.corpus_path` config value",
+    formats=CORPUS_FORMATS,
+    format_key="retrieval.corpus_format",
+    expected=formats_text(CORPUS_FORMATS),
+    parse=lambda record, _index, where, fmt: _parse_document(record, where, fmt),
+)
+
+
 def iter_documents(path: str | os.PathLike[str], corpus_format: str = "auto") -> Iterator[tuple[str, str, str]]:
     """(id, title, text) of every document of a corpus file, one record at a time (a corpus of any size is
     never held whole), checked as it is read; blank lines skipped. `corpus_format` is one of
@@ -209,27 +219,10 @@ def located_documents(path: str | os.PathLike[str], corpus_format: str = "auto")
     """(position, id, title, text) of every document (`iter_documents`), the position as errors name it
     ("line N" of a JSONL file, "row N" of a parquet file)."""
     checks.choice(corpus_format, "corpus_format", CORPUS_FORMAT_CHOICES)
-    path = Path(path)
-    if not path.is_file():
-        reason = "is a directory, not a file" if path.is_dir() else "not found"
-        raise DataFormatError(f"corpus file {path} {reason}; set it with the `retrieval.corpus_path` config value")
-    if not path.name.lower().endswith(_SUFFIXES):
-        raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {', '.join(_SUFFIXES)}")
-    fmt = None if corpus_format == "auto" else CORPUS_FORMATS[corpus_format]
-    chosen = f"retrieval.corpus_format={corpus_format}"
     first_seen: dict[str, str] = {}
-    expected = " or ".join(f"{f.name} {f.fields}" for f in CORPUS_FORMATS.values())
     # closing(): an error mid-file must close the (possibly gzip) handle now, not at garbage collection.
-    with contextlib.closing(read_records(path, expected)) as records:
-        for position, obj in records:
-            where = f"{path}, {position}"
-            if fmt is None:
-                fmt = detect_format(obj, where, CORPUS_FORMATS, "retrieval.corpus_format")
-                chosen = f"format {fmt.name} {fmt.fields}, detected at {position}"
-            try:
-                doc_id, title, text = _parse_document(obj, where, fmt)
-            except DataFormatError as exc:
-                raise DataFormatError(f"{exc} ({chosen})") from None
+    with contextlib.closing(CORPUS_FILE.parsed(path, corpus_format)) as documents:
+        for position, where, (doc_id, title, text) in documents:
             if doc_id in first_seen:
                 raise DataFormatError(
                     f"{where}: duplicate id {doc_id!r} (first at {first_seen[doc_id]}); ids must be unique"
@@ -237,7 +230,7 @@ def located_documents(path: str | os.PathLike[str], corpus_format: str = "auto")
             first_seen[doc_id] = position
             yield position, doc_id, title, text
     if not first_seen:
-        raise DataFormatError(f"{path}: no documents; each record must be {expected}")
+        raise DataFormatError(f"{path}: no documents; each record must be {CORPUS_FILE.expected}")
 
 
 def iter_passages(

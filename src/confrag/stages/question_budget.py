@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from confrag.data.nq import QARow, load_questions_jsonl, read_records
+from confrag.data.nq import QARow, load_questions_jsonl
+from confrag.data.records import read_records
 from confrag.data.splits import (
     QuestionPlan,
     cross_fit_plan,
