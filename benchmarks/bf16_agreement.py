@@ -35,6 +35,7 @@ from confrag.data.qa_metrics import has_answer
 from confrag.infra.paths import default_cache_dir
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.network import ProbeNetwork
 from confrag.rag.answers import AnswerStore
@@ -92,7 +93,7 @@ def main() -> None:
         llm = load_llm(cfg | {"dtype": dtype})
         items = [(r.question, list(r.contexts[:1])) for r in rows[: args.rag]]
         items += [(r.question, []) for r in rows[args.rag :]]
-        store = AnswerStore(llm, templates, default_cache_dir(), max_new_tokens=24, progress=False)
+        store = AnswerStore(PromptedLLM(llm, templates), default_cache_dir(), max_new_tokens=24, progress=False)
         answers = store.answer(items)
         prompts = [store.prompt(q, c) for q, c in items]
         layer = llm.mid_layer

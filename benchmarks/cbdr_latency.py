@@ -31,6 +31,7 @@ from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.instantiators import shipped
 from confrag.llm.generation import generate_greedy
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe, load_probe
 from confrag.retrieval.bm25 import BM25Retriever
@@ -100,8 +101,9 @@ def main() -> None:
         batch_size=1,
         progress=False,
     )
-    skip_gate = ConfidenceGate(llm, templates, probe, beta=SKIP_BETA, **gate_kwargs)
-    rag_gate = ConfidenceGate(llm, templates, probe, beta=RETRIEVE_BETA, **gate_kwargs)
+    prompted = PromptedLLM(llm, templates)
+    skip_gate = ConfidenceGate(prompted, probe, beta=SKIP_BETA, **gate_kwargs)
+    rag_gate = ConfidenceGate(prompted, probe, beta=RETRIEVE_BETA, **gate_kwargs)
     generate = lambda prompt: generate_greedy(
         llm.model,
         llm.tokenizer,

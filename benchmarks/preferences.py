@@ -32,6 +32,7 @@ from confrag.infra.sharded import ShardedCache
 from confrag.instantiators import shipped
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates, encode_prompts
 from confrag.probe.module import SavedProbe
 from confrag.reranker.preferences import ConfidenceShifts, build_rows, confidence_shifts
@@ -94,7 +95,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
         fast = confidence_shifts(
-            llm, templates, probe, candidates, engine=engine, cache=ShardedCache(cache, progress=False)
+            PromptedLLM(llm, templates), probe, candidates, engine=engine, cache=ShardedCache(cache, progress=False)
         )
         engine_s = time.perf_counter() - start
 

@@ -34,7 +34,6 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -44,6 +43,7 @@ from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.data.splits import drop_duplicate_questions
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore, score_answer
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
@@ -62,10 +62,9 @@ log = logging.getLogger("likelihood_teacher")
 
 @dataclass(frozen=True)
 class Study:
-    """The questions of the study and what each reads: the LLM, the prompts, BM25's candidates."""
+    """The questions of the study and what each reads: the LLM with its prompts, BM25's candidates."""
 
-    llm: Any
-    templates: PromptTemplates
+    prompted: PromptedLLM
     picked: list  # the questions, dev first
     candidate_sets: list[Candidates]
     dev_ids: set[str]
@@ -87,7 +86,7 @@ def load_study(questions: int, dev: int, seed: int, dtype: str, cache: str) -> S
     assert not dev_ids & test_ids, "dev and test questions overlap"
     retriever = BM25Retriever(corpus, cache_dir=cache)
     candidate_sets = [without_duplicates(c)[0] for c in retrieve_candidates(picked, corpus, retriever, TOP_N)]
-    return Study(llm, templates, picked, candidate_sets, dev_ids, test_ids)
+    return Study(PromptedLLM(llm, templates), picked, candidate_sets, dev_ids, test_ids)
 
 
 def zscore(x: np.ndarray) -> np.ndarray:
@@ -130,11 +129,12 @@ def main() -> None:
     start = time.time()
 
     study = load_study(args.questions, args.dev, args.seed, args.dtype, args.cache)
-    llm, templates, picked, candidate_sets = study.llm, study.templates, study.picked, study.candidate_sets
+    prompted, picked, candidate_sets = study.prompted, study.picked, study.candidate_sets
+    llm = prompted.llm
     dev_ids, test_ids = study.dev_ids, study.test_ids
     engine = HiddenStateEngine(llm.model, llm.tokenizer, progress=False)
     encoder = MeanPoolEncoder()
-    store = AnswerStore(llm, templates, args.cache, max_new_tokens=24, progress=False)
+    store = AnswerStore(prompted, args.cache, max_new_tokens=24, progress=False)
     # Questions are in the permutation's order, dev first: position i is the i-th question drawn.
     test_at = [i for i, c in enumerate(candidate_sets) if c.qid in test_ids]
     auroc_at = set(test_at[: args.auroc_questions])
@@ -144,9 +144,7 @@ def main() -> None:
     # blocks and the report can be read over the blocks done.
     for b in range(0, len(candidate_sets), args.block):
         block = candidate_sets[b : b + args.block]
-        ell += candidate_likelihoods(
-            llm, templates, block, engine=engine, cache_dir=args.cache, progress=False
-        ).per_question
+        ell += candidate_likelihoods(prompted, block, engine=engine, cache_dir=args.cache, progress=False).per_question
         base += [20 * encoder.cosine(c.question, [document_text(p) for p in c.passages]) for c in block]
         items = [(c.question, [r.contexts[0]]) for c, r in zip(block, picked[b : b + args.block])]  # gold
         for i in range(b, b + len(block)):

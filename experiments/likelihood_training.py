@@ -96,13 +96,12 @@ def earlier_run(folder: str, qids: list[str]) -> dict:
 
 def likelihoods(study: Study, block: int, cache: str) -> list[np.ndarray]:
     """ℓ per question from the cached blocks experiments/likelihood_teacher.py writes (computed where missing)."""
-    engine = HiddenStateEngine(study.llm.model, study.llm.tokenizer, progress=False)
+    llm = study.prompted.llm
+    engine = HiddenStateEngine(llm.model, llm.tokenizer, progress=False)
     out: list[np.ndarray] = []
     for b in range(0, len(study.candidate_sets), block):
         chunk = study.candidate_sets[b : b + block]
-        out += candidate_likelihoods(
-            study.llm, study.templates, chunk, engine=engine, cache_dir=cache, progress=False
-        ).per_question
+        out += candidate_likelihoods(study.prompted, chunk, engine=engine, cache_dir=cache, progress=False).per_question
     return out
 
 
@@ -120,7 +119,7 @@ class Outcomes:
 
     def __init__(self, study: Study, cache: str) -> None:
         self.study = study
-        self.store = AnswerStore(study.llm, study.templates, cache, max_new_tokens=24, progress=False)
+        self.store = AnswerStore(study.prompted, cache, max_new_tokens=24, progress=False)
 
     def __call__(self, at: list[int], picks: list[int]) -> list:
         sets = self.study.candidate_sets

@@ -22,6 +22,7 @@ from confrag.data.nq import load_questions_jsonl
 from confrag.infra.distributed import rank_info
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore
 
@@ -58,9 +59,15 @@ def main() -> None:
         "qa+rag", extraction={"layers": [1, 2], "batch_size": 3}, answers={"max_new_tokens": 8, "batch_size": 4}
     )
     data = nq_confidence.build_confidence_data(
-        llm, templates, rows, settings=settings, cache=ShardedCache(cache, SHARD_SIZE, progress=False), seed=0
+        PromptedLLM(llm, templates),
+        rows,
+        settings=settings,
+        cache=ShardedCache(cache, SHARD_SIZE, progress=False),
+        seed=0,
     )
-    store = AnswerStore(llm, templates, cache, max_new_tokens=8, batch_size=4, chunk_size=CHUNK, progress=False)
+    store = AnswerStore(
+        PromptedLLM(llm, templates), cache, max_new_tokens=8, batch_size=4, chunk_size=CHUNK, progress=False
+    )
     rag = store.answer([(row.question, row.contexts[:1]) for row in rows[:RAG_ROWS]])
 
     arrays = {

@@ -14,6 +14,7 @@ from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, naive_hidden_states
 from confrag.llm.likelihood import AnswerLikelihood
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import encode_prompts
 from confrag.probe.ranking import state_artifact
 from confrag.rag.answers import AnswerStore
@@ -43,9 +44,12 @@ def test_bf16_weights_are_bf16_and_the_identity_and_every_key_differ(tiny_pair, 
     fp32, bf16 = tiny_pair["float32"], tiny_pair["bfloat16"]
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
     assert fp32.identity != bf16.identity and bf16.identity["dtype"] == "bfloat16"
-    keys = [state_artifact(ShardedCache(tmp_path), llm, templates, "qa", "rows", 2, 4).key for llm in (fp32, bf16)]
+    keys = [
+        state_artifact(ShardedCache(tmp_path), PromptedLLM(llm, templates), "qa", "rows", 2, 4).key
+        for llm in (fp32, bf16)
+    ]
     assert keys[0] != keys[1]
-    stores = [AnswerStore(llm, templates, tmp_path, progress=False).key for llm in (fp32, bf16)]
+    stores = [AnswerStore(PromptedLLM(llm, templates), tmp_path, progress=False).key for llm in (fp32, bf16)]
     assert stores[0] != stores[1]
 
 

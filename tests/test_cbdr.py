@@ -29,6 +29,7 @@ from confrag.cbdr import (
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.module import ProbeMismatchError, SavedProbe
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
@@ -101,8 +102,7 @@ def refuse_retrieval(question):
 
 def test_skip_path_answer_equals_plain_generation(varied, templates, nq_rows):
     gate = ConfidenceGate(
-        varied,
-        templates,
+        PromptedLLM(varied, templates),
         random_probe(varied, templates),
         beta=1e-6,
         retrieve_fn=refuse_retrieval,
@@ -119,8 +119,7 @@ def test_skip_path_answer_equals_plain_generation(varied, templates, nq_rows):
 def test_skip_path_prefills_the_prompt_once(varied, templates, nq_rows):
     """One forward over the prompt, then one token per step: the KV cache of the decision pass is reused."""
     gate = ConfidenceGate(
-        varied,
-        templates,
+        PromptedLLM(varied, templates),
         random_probe(varied, templates),
         beta=1e-6,
         retrieve_fn=refuse_retrieval,
@@ -148,7 +147,12 @@ def test_gate_state_and_confidence_equal_the_engine(varied, templates, nq_rows, 
     layer = {"embeddings": 0, "mid": varied.mid_layer, "final": varied.num_layers}[layer]
     probe = random_probe(varied, templates, layer=layer)
     gate = ConfidenceGate(
-        varied, templates, probe, beta=0.0, retrieve_fn=lambda q: nq_rows[0].contexts, max_new_tokens=2, progress=False
+        PromptedLLM(varied, templates),
+        probe,
+        beta=0.0,
+        retrieve_fn=lambda q: nq_rows[0].contexts,
+        max_new_tokens=2,
+        progress=False,
     )
     questions = [row.question for row in nq_rows[:3]]
     engine = HiddenStateEngine(varied.model, varied.tokenizer, progress=False)
@@ -158,7 +162,7 @@ def test_gate_state_and_confidence_equal_the_engine(varied, templates, nq_rows, 
         error = np.abs(gate.last_state - expected).max() / np.abs(expected).max()
         assert error <= 1e-5
         assert confidence == pytest.approx(float(probe.confidence(expected)[0]), abs=1e-6)
-    batch = question_confidences(varied, templates, probe, questions, progress=False)
+    batch = question_confidences(PromptedLLM(varied, templates), probe, questions, progress=False)
     np.testing.assert_allclose(batch, probe.confidence(reference), atol=1e-6)
 
 
@@ -166,11 +170,11 @@ def test_batch_confidences_are_cached(tiny_llama, templates, nq_rows, tmp_path, 
     probe = random_probe(tiny_llama, templates)
     questions = [row.question for row in nq_rows[:5]]
     first = question_confidences(
-        tiny_llama, templates, probe, questions, cache_dir=tmp_path, shard_size=2, progress=False
+        PromptedLLM(tiny_llama, templates), probe, questions, cache_dir=tmp_path, shard_size=2, progress=False
     )
     monkeypatch.setattr(HiddenStateEngine, "extract", lambda *a, **k: pytest.fail("the cached states were recomputed"))
     again = question_confidences(
-        tiny_llama, templates, probe, questions, cache_dir=tmp_path, shard_size=2, progress=False
+        PromptedLLM(tiny_llama, templates), probe, questions, cache_dir=tmp_path, shard_size=2, progress=False
     )
     np.testing.assert_array_equal(first, again)
     assert first.shape == (5,) and ((0 < first) & (first < 1)).all()
@@ -186,8 +190,7 @@ def test_retrieval_path_reranks_keeps_top_k_and_answers_with_the_rag_prompt(vari
 
     reverse = lambda question, texts: np.arange(len(texts), dtype=float)  # noqa: E731 (last passage first)
     gate = ConfidenceGate(
-        varied,
-        templates,
+        PromptedLLM(varied, templates),
         random_probe(varied, templates),
         beta=1.0,
         retrieve_fn=retrieve,
@@ -211,13 +214,23 @@ def test_decision_rule_and_beta_zero_always_retrieves(tiny_llama, templates, nq_
     half = constant_probe(tiny_llama, templates, 0.5)  # softmax([0, 0]) = exactly 0.5
     for beta, retrieved in ((0.5, False), (0.51, True), (0.0, True), (0.01, False)):
         gate = ConfidenceGate(
-            tiny_llama, templates, half, beta=beta, retrieve_fn=lambda q: context, max_new_tokens=3, progress=False
+            PromptedLLM(tiny_llama, templates),
+            half,
+            beta=beta,
+            retrieve_fn=lambda q: context,
+            max_new_tokens=3,
+            progress=False,
         )
         result = gate.answer(question)
         assert result.confidence == 0.5 and result.retrieved is retrieved, beta
     sure = constant_probe(tiny_llama, templates, 0.999)
     off = ConfidenceGate(
-        tiny_llama, templates, sure, beta=0.0, retrieve_fn=lambda q: context, max_new_tokens=3, progress=False
+        PromptedLLM(tiny_llama, templates),
+        sure,
+        beta=0.0,
+        retrieve_fn=lambda q: context,
+        max_new_tokens=3,
+        progress=False,
     )
     assert off.answer(question).retrieved
 
@@ -226,8 +239,7 @@ def test_answer_batch_mixes_paths_and_is_scored(varied, templates, nq_rows):
     rows = nq_rows[:4]
     probe = ScriptedProbe(random_probe(varied, templates), [0.9, 0.2, 0.8, 0.1])
     gate = ConfidenceGate(
-        varied,
-        templates,
+        PromptedLLM(varied, templates),
         probe,
         beta=0.5,
         retrieve_fn=lambda q: [rows[0].contexts[0]],
@@ -253,21 +265,29 @@ def test_gate_refuses_bad_input(tiny_llama, tiny_qwen2, templates, nq_rows, capl
     context = lambda q: [nq_rows[0].contexts[0]]  # noqa: E731
     for beta in (-0.01, 1.5, float("nan"), True, "0.9"):
         with pytest.raises(ValueError, match=r"^beta must be a number in \[0, 1\]"):
-            ConfidenceGate(tiny_llama, templates, probe, beta=beta, retrieve_fn=context)
+            ConfidenceGate(PromptedLLM(tiny_llama, templates), probe, beta=beta, retrieve_fn=context)
     with pytest.raises(ProbeMismatchError, match="llm: trained on"):
-        ConfidenceGate(tiny_qwen2, templates, probe, beta=0.5, retrieve_fn=context)  # another model
+        ConfidenceGate(PromptedLLM(tiny_qwen2, templates), probe, beta=0.5, retrieve_fn=context)  # another model
     with pytest.raises(ProbeMismatchError, match="layer: trained on 2, asked for 3"):
-        ConfidenceGate(tiny_llama, templates, probe, beta=0.5, retrieve_fn=context, layer=3)
+        ConfidenceGate(PromptedLLM(tiny_llama, templates), probe, beta=0.5, retrieve_fn=context, layer=3)
     other_template = type(templates)(**{**templates.__dict__, "qa": "Answer: {question}"})
     with pytest.raises(ProbeMismatchError, match="prompts: trained on"):
-        ConfidenceGate(tiny_llama, other_template, probe, beta=0.5, retrieve_fn=context)
+        ConfidenceGate(PromptedLLM(tiny_llama, other_template), probe, beta=0.5, retrieve_fn=context)
     with pytest.raises(ValueError, match="^top_k must be an integer >= 1"):
-        ConfidenceGate(tiny_llama, templates, probe, beta=0.5, retrieve_fn=context, top_k=0)
-    nothing = ConfidenceGate(tiny_llama, templates, probe, beta=1.0, retrieve_fn=lambda q: [], max_new_tokens=2)
+        ConfidenceGate(PromptedLLM(tiny_llama, templates), probe, beta=0.5, retrieve_fn=context, top_k=0)
+    nothing = ConfidenceGate(
+        PromptedLLM(tiny_llama, templates), probe, beta=1.0, retrieve_fn=lambda q: [], max_new_tokens=2
+    )
     with pytest.raises(ValueError, match="retrieval returned no context for question 'who is it'"):
         nothing.answer("who is it")
     capped = ConfidenceGate(
-        tiny_llama, templates, probe, beta=1.0, retrieve_fn=context, top_k=3, max_new_tokens=2, progress=False
+        PromptedLLM(tiny_llama, templates),
+        probe,
+        beta=1.0,
+        retrieve_fn=context,
+        top_k=3,
+        max_new_tokens=2,
+        progress=False,
     )
     with caplog.at_level(logging.WARNING):
         assert capped.answer("who is it").retrieved
@@ -278,8 +298,7 @@ def test_gate_refuses_bad_input(tiny_llama, tiny_qwen2, templates, nq_rows, capl
 def test_smollm2_skip_path_equals_plain_generation(smollm2, templates, nq_rows):
     """A real chat model on real questions: the answers end at EOS before the limit, as plain generation's do."""
     gate = ConfidenceGate(
-        smollm2,
-        templates,
+        PromptedLLM(smollm2, templates),
         random_probe(smollm2, templates),
         beta=1e-6,
         retrieve_fn=refuse_retrieval,

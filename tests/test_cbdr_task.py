@@ -17,6 +17,7 @@ from confrag.cbdr import SweepData, default_beta_grid
 from confrag.cbdr.analysis import cbdr_results
 from confrag.data.nq import load_questions_jsonl
 from confrag.data.splits import plan_questions, select_questions, split_dev_test
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.module import ProbeMismatchError, SavedProbe
 from confrag.rag import QuestionOutcome, load_outcomes_jsonl
 from confrag.rag.answers import ScoredAnswer
@@ -287,7 +288,7 @@ def test_the_gate_refuses_a_probe_of_another_llm(tiny_llama, tiny_qwen2, templat
         probe=SavedProbe(module, {"activations": identity}), retrieval=None, scorers={cfg.cbdr.reranker: None}
     )
     with pytest.raises(ProbeMismatchError, match="llm: trained on"):
-        confidence_gate(stage, check_settings(cfg), tiny_llama, templates)
+        confidence_gate(stage, check_settings(cfg), PromptedLLM(tiny_llama, templates))
 
 
 def outcome(qid: str, confidence: float, closed: bool, rag: bool) -> QuestionOutcome:

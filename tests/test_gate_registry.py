@@ -18,6 +18,7 @@ from confrag.gates.evaluation import decision_parts, wall_time_per_question
 from confrag.gates.settings import gate_settings
 from confrag.gates.signal_maker import SignalMaker, check_llm_signals, question_signals
 from confrag.infra import checks
+from confrag.llm.prompted import PromptedLLM
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
 from confrag.rag.settings import AnswerSettings
@@ -134,7 +135,7 @@ def test_a_toy_gate_with_a_new_signal_runs_through_the_comparison(registered, ti
     np.testing.assert_array_equal(test_signals.question_words, [2, 10, 2])
 
     # Its part, timed by the comparison's timing with the answer paths.
-    maker = SignalMaker(tiny_llama, templates, None, None, 2, 2, 2, None, 2, False)
+    maker = SignalMaker(PromptedLLM(tiny_llama, templates), None, None, 2, 2, 2, None, 2, False)
     clean = [
         make_candidates(
             r.qid, r.question, r.answers, [CorpusPassage(f"{r.qid}#0", "Gold", "Paris", r.qid)], [1.0], r.qid

@@ -22,6 +22,7 @@ from confrag.llm.generation import (
     generation_batch_rows,
     release_static_caches,
 )
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import encode_prompts
 
 from helpers.modules import confidence_data
@@ -173,11 +174,10 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
 
     items = [(r.question, r.contexts[:1]) for r in nq_rows[:4]] + [(r.question, ()) for r in nq_rows[4:6]]
     plain = AnswerStore(
-        tiny_llama, templates, tmp_path / "a", max_new_tokens=6, progress=False, generation=PLAIN
+        PromptedLLM(tiny_llama, templates), tmp_path / "a", max_new_tokens=6, progress=False, generation=PLAIN
     ).answer(items)
     static = AnswerStore(
-        tiny_llama,
-        templates,
+        PromptedLLM(tiny_llama, templates),
         tmp_path / "b",
         max_new_tokens=6,
         batch_size="auto",
@@ -186,10 +186,10 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
     )
     assert static.answer(items) == plain and static.generated == len(items)
     # The path is not part of the key: another store with the default path finds those answers.
-    again = AnswerStore(tiny_llama, templates, tmp_path / "b", max_new_tokens=6, progress=False)
+    again = AnswerStore(PromptedLLM(tiny_llama, templates), tmp_path / "b", max_new_tokens=6, progress=False)
     assert again.answer(items) == plain and again.generated == 0
     with pytest.raises(ValueError, match="^batch_size must be an integer >= 1 or 'auto'"):
-        AnswerStore(tiny_llama, templates, tmp_path, batch_size="many")
+        AnswerStore(PromptedLLM(tiny_llama, templates), tmp_path, batch_size="many")
     release_static_caches(tiny_llama.model)
 
 

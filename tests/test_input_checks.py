@@ -307,7 +307,7 @@ def test_a_cut_question_leaves_room_for_the_passages_of_its_rag_prompts(tiny_lla
     path = nq_file(tmp_path / "nq.jsonl", rows)
     seen = {}
 
-    def capture(llm, templates_, questions, **kwargs):
+    def capture(prompted, questions, **kwargs):
         seen["question"] = questions[1].question
         raise RuntimeError("captured")
 

@@ -13,6 +13,7 @@ import confrag.probe.nq_confidence as nqc
 from confrag.data.qa_metrics import exact_match, has_answer
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.confidence_splits import PAPER_SPLIT_SIZES, balanced_examples, stratified_question_splits
 from confrag.probe.nq_confidence import (
     build_confidence_data,
@@ -173,8 +174,7 @@ def build(llm, templates, rows, cache, candidates=None, train_states="qa+rag", l
         splits=splits or {},
     )
     return build_confidence_data(
-        llm,
-        templates,
+        PromptedLLM(llm, templates),
         rows,
         settings=settings,
         cache=ShardedCache(str(cache), shard_size=5, progress=False),
@@ -223,7 +223,7 @@ def test_build_confidence_data_end_to_end(tiny_llama, templates, rows, tmp_path,
     assert data.identity["activations"] == {kind: store.key for kind, store in data.stores.items()}
 
     # The stored states are the states of the prompts (checked against a plain engine on the QA prompt).
-    prompts = build_prompts(tiny_llama, templates, rows, "qa", seed=0)
+    prompts = build_prompts(PromptedLLM(tiny_llama, templates), rows, "qa", seed=0)
     reference = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, share_prefix=False, progress=False)
     expected = reference.extract(prompts, LAYERS)
     for position, layer in enumerate(LAYERS):

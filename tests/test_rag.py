@@ -13,6 +13,7 @@ from scipy.stats import binomtest
 import confrag.rag.answers as answers_module
 from confrag.data.qa_metrics import exact_match, has_answer, token_f1
 from confrag.llm.generation import generate_greedy
+from confrag.llm.prompted import PromptedLLM
 from confrag.rag import (
     AnswerStore,
     QuestionOutcome,
@@ -51,7 +52,11 @@ def counted(monkeypatch):
 
 def store(llm, templates, cache, **kwargs):
     return AnswerStore(
-        llm, templates, cache, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW), progress=False, **kwargs
+        PromptedLLM(llm, templates),
+        cache,
+        max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW),
+        progress=False,
+        **kwargs,
     )
 
 
@@ -222,7 +227,7 @@ def test_bad_inputs_are_named(tiny_llama, templates, nq_rows, tmp_path):
     with pytest.raises(ValueError, match=f"question '{rows[1].qid}' has no confidence"):
         run_rag(rows, cands, answers, confidences={rows[0].qid: 0.5})
     with pytest.raises(ValueError, match="^max_new_tokens must be an integer >= 1"):
-        AnswerStore(tiny_llama, templates, tmp_path, max_new_tokens=0)
+        AnswerStore(PromptedLLM(tiny_llama, templates), tmp_path, max_new_tokens=0)
 
 
 def test_outcome_records_round_trip_through_jsonl(tmp_path):

@@ -13,6 +13,7 @@ import confrag.llm.loading as loading_module
 from confrag.data.nq import Passage, default_questions_path, load_questions_jsonl
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.context import PromptLimit, PromptTooLongError, fit_rag_prompts
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import encode_prompts
 from confrag.rag.answers import AnswerStore
 from test_input_checks import datamodule, nq_file
@@ -84,9 +85,11 @@ def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, 
     cache = ShardedCache(str(tmp_path / "cache"), progress=False)
     rows[2] = dataclasses.replace(rows[2], contexts=(Passage(rows[2].contexts[0].title, LONG),))
     with pytest.raises(PromptTooLongError, match=r"'nq-00002 \[rag_gold\]'"):
-        build_confidence_data(tiny_llama, templates, rows, settings=data_settings("qa+rag", **settings), cache=cache)
+        build_confidence_data(
+            PromptedLLM(tiny_llama, templates), rows, settings=data_settings("qa+rag", **settings), cache=cache
+        )
     cut_settings = data_settings("qa+rag", truncate_passages=True, **settings)
-    cut = build_confidence_data(tiny_llama, templates, rows, settings=cut_settings, cache=cache)
+    cut = build_confidence_data(PromptedLLM(tiny_llama, templates), rows, settings=cut_settings, cache=cache)
     specs = {kind: store.artifact.spec for kind, store in cut.stores.items()}
     assert set(specs) == {"qa", "rag_gold", "rag_other"} and all(len(s) == 8 for s in cut.stores.values())
     # The cut prompts (row 2's own, and the row whose partner paragraph it is) are recorded in the key of the
@@ -97,14 +100,14 @@ def test_nq_confidence_cuts_long_passages_when_asked_and_keys_the_cut(tmp_path, 
 
 def test_rag_answers_refuse_or_cut_a_prompt_that_does_not_fit(tmp_path, tiny_llama, templates):
     short = [Passage("Paris", "Paris is the capital of France.")]
-    store = AnswerStore(tiny_llama, templates, tmp_path / "cache", max_new_tokens=2, progress=False)
+    store = AnswerStore(PromptedLLM(tiny_llama, templates), tmp_path / "cache", max_new_tokens=2, progress=False)
     with pytest.raises(PromptTooLongError, match=r"^RAG answers: 1 RAG prompt\(s\).*\"question 'capital of france' "):
         store.answer([("capital of france", [*short, Passage("Long", LONG)])])
     assert store.generated == 0
     store = AnswerStore(
-        tiny_llama, templates, tmp_path / "cache", max_new_tokens=2, progress=False, truncate_passages=True
+        PromptedLLM(tiny_llama, templates), tmp_path / "cache", max_new_tokens=2, progress=False, truncate_passages=True
     )
     answers = store.answer([("capital of france", short), ("capital of france", [*short, Passage("Long", LONG)])])
     assert len(answers) == 2 and store.generated == 2
     with pytest.raises(ValueError, match=r"^truncate_passages must be true or false"):
-        AnswerStore(tiny_llama, templates, tmp_path / "cache", truncate_passages="yes")
+        AnswerStore(PromptedLLM(tiny_llama, templates), tmp_path / "cache", truncate_passages="yes")

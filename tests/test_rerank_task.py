@@ -11,6 +11,7 @@ import pytest
 
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.module import SavedProbe
 from confrag.reranker.preferences import build_rows, confidence_shifts, relevance_rows
 from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrieve_candidates
@@ -55,8 +56,7 @@ def setting(tiny_llama, templates, nq_rows):
 
 def shifts_with(setting, llm, templates, cache_dir, engine):
     return confidence_shifts(
-        llm,
-        templates,
+        PromptedLLM(llm, templates),
         setting["probe"],
         setting["candidates"],
         engine=engine,
@@ -97,19 +97,23 @@ def test_questions_within_an_extracted_set_read_its_states_instead_of_extracting
     calls = engine.calls
     some = [setting["candidates"][i] for i in (4, 1, 2)]
     kwargs = dict(engine=engine, cache=ShardedCache(tmp_path, shard_size=4, progress=False))
-    read = confidence_shifts(tiny_llama, templates, setting["probe"], some, within=setting["candidates"], **kwargs)
+    read = confidence_shifts(
+        PromptedLLM(tiny_llama, templates), setting["probe"], some, within=setting["candidates"], **kwargs
+    )
     assert engine.calls == calls  # nothing extracted
     for ref in ("qa", "rag_empty"):
         assert np.array_equal(read.reference[ref], whole.reference[ref][[4, 1, 2]])
     assert all(np.array_equal(a, whole.candidates[i]) for a, i in zip(read.candidates, (4, 1, 2)))
     # The same questions extracted under their own key agree with what was read.
-    own = confidence_shifts(tiny_llama, templates, setting["probe"], some, **kwargs)
+    own = confidence_shifts(PromptedLLM(tiny_llama, templates), setting["probe"], some, **kwargs)
     assert engine.calls > calls
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(read.candidates, own.candidates))
     # A question whose passages differ from the extracted set's is not taken from it.
     changed = [some[0], dataclasses.replace(some[1], passages=some[1].passages[::-1])]
     calls = engine.calls
-    confidence_shifts(tiny_llama, templates, setting["probe"], changed, within=setting["candidates"], **kwargs)
+    confidence_shifts(
+        PromptedLLM(tiny_llama, templates), setting["probe"], changed, within=setting["candidates"], **kwargs
+    )
     assert engine.calls > calls
 
 
@@ -120,8 +124,7 @@ def test_probe_of_another_llm_is_refused(setting, tiny_llama, tiny_qwen2, templa
     engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, progress=False)
     with pytest.raises(ValueError, match="llm: trained on"):
         confidence_shifts(
-            tiny_llama,
-            templates,
+            PromptedLLM(tiny_llama, templates),
             other,
             setting["candidates"],
             engine=engine,

@@ -10,6 +10,7 @@ import torch
 
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import CPU_THREADS, HiddenStateEngine, extraction_key, fixed_threads
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.nq_confidence import build_confidence_data
 
 from helpers.settings import data_settings
@@ -43,8 +44,7 @@ def test_activation_shards_do_not_depend_on_the_process_thread_count(
     for threads in (1, 2):
         process_threads(threads)
         data = build_confidence_data(
-            tiny_llama,
-            templates,
+            PromptedLLM(tiny_llama, templates),
             nq_rows[:32],
             settings=data_settings(**SETTINGS),
             cache=ShardedCache(str(tmp_path / f"t{threads}"), progress=False),
@@ -73,10 +73,11 @@ def test_a_batch_size_other_than_the_default_keys_its_own_states(tmp_path, tiny_
     assert extraction_key(8) == {"extract_batch_size": 8} and extraction_key(threads=4) == {"extract_threads": 4}
     cache = ShardedCache(str(tmp_path / "cache"), progress=False)
     rows = nq_rows[:32]
-    default = build_confidence_data(tiny_llama, templates, rows, settings=data_settings(**SETTINGS), cache=cache)
+    default = build_confidence_data(
+        PromptedLLM(tiny_llama, templates), rows, settings=data_settings(**SETTINGS), cache=cache
+    )
     other = build_confidence_data(
-        tiny_llama,
-        templates,
+        PromptedLLM(tiny_llama, templates),
         rows,
         settings=data_settings(**{**SETTINGS, "extraction": {"layers": [2], "batch_size": 8}}),
         cache=cache,

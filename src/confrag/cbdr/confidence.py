@@ -13,14 +13,12 @@ from confrag.cbdr.gate import check_probe
 from confrag.infra.digests import fingerprint
 from confrag.infra.sharded import ShardedArtifact
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.module import SavedProbe
 
 
 def question_confidences(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     probe: SavedProbe,
     questions: Sequence[str],
     cache_dir: str | Path | None = None,
@@ -29,8 +27,9 @@ def question_confidences(
     progress: bool = True,
 ) -> np.ndarray:
     """Conf(H(Q)) = P(correct) of `probe` for each question, from the QA prompt's state at the probe's layer."""
-    check_probe(llm, templates, probe)
-    prompts = [templates.qa_prompt(llm.tokenizer, q) for q in questions]
+    check_probe(prompted, probe)
+    llm = prompted.llm
+    prompts = [prompted.qa_prompt(q) for q in questions]
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=batch_size, progress=progress)
     layer = probe.layer
     if cache_dir is None:
@@ -38,7 +37,7 @@ def question_confidences(
     else:
         spec = {
             "llm": llm.identity,
-            "prompts": templates.identity(llm.tokenizer),
+            "prompts": prompted.prompts_identity,
             "questions": fingerprint(list(questions)),
             "layers": [layer],
             "kind": "qa",

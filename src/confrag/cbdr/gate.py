@@ -32,8 +32,8 @@ from confrag.data.qa_metrics import exact_match, has_answer, token_f1
 from confrag.infra import checks
 from confrag.llm.batching import check_batch_size
 from confrag.llm.generation import generate_greedy
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates, encode_prompts
+from confrag.llm.prompted import PromptedLLM
+from confrag.llm.prompts import encode_prompts
 from confrag.probe.module import SavedProbe
 from confrag.rag.pipeline import Reranker, rank_contexts
 
@@ -59,10 +59,11 @@ def should_retrieve(confidence: Any, beta: Any) -> np.ndarray:
     return (beta == 0.0) | (confidence < beta)
 
 
-def check_probe(llm: LoadedLLM, templates: PromptTemplates, probe: SavedProbe, layer: int | None = None) -> None:
+def check_probe(prompted: PromptedLLM, probe: SavedProbe, layer: int | None = None) -> None:
     """Refuse a probe trained on another model, prompt template or layer (`layer`, when given, is the
     layer the caller means to read; None = the probe's own), or one of the wrong width."""
-    probe.check(llm.identity, templates.identity(llm.tokenizer), probe.layer if layer is None else layer)
+    llm = prompted.llm
+    probe.check(llm.identity, prompted.prompts_identity, probe.layer if layer is None else layer)
     if not 0 <= probe.layer <= llm.num_layers:
         raise ValueError(f"probe layer {probe.layer} is outside 0..{llm.num_layers} of {llm.identity['name']}")
     width, hidden = probe.input_dim, int(llm.model.config.hidden_size)
@@ -119,12 +120,11 @@ class ConfidenceGate:
     `last_state` holds H(Q) of the latest question (float32 numpy), for inspection."""
 
     # wide: the live pipeline's public constructor, called by keyword as a transformers pipeline is: the
-    # model side (llm, templates, probe, layer), the rule (beta), the retrieval stack (retrieve_fn, rerank_fn,
-    # top_k) and generation sizes are independent, and all but the first five are defaulted.
+    # model side (prompted, probe, layer), the rule (beta), the retrieval stack (retrieve_fn, rerank_fn, top_k)
+    # and generation sizes are independent, and all but the first four are defaulted.
     def __init__(
         self,
-        llm: LoadedLLM,
-        templates: PromptTemplates,
+        prompted: PromptedLLM,
         probe: SavedProbe,
         beta: float,
         retrieve_fn: Retriever,
@@ -135,15 +135,15 @@ class ConfidenceGate:
         layer: int | None = None,
         progress: bool = True,
     ) -> None:
-        check_probe(llm, templates, probe, layer)
+        check_probe(prompted, probe, layer)
         for key, value in (("top_k", top_k), ("max_new_tokens", max_new_tokens)):
             checks.positive_int(value, key)
         check_batch_size(batch_size, "batch_size")  # or "auto", as generate_greedy takes it
-        self.llm, self.templates, self.probe = llm, templates, probe
+        self.prompted, self.llm, self.probe = prompted, prompted.llm, probe
         self.beta = check_beta(beta)
         self.retrieve_fn, self.rerank_fn = retrieve_fn, rerank_fn
         self.top_k, self.max_new_tokens, self.batch_size, self.progress = top_k, max_new_tokens, batch_size, progress
-        self._module = layer_module(llm.model, probe.layer)
+        self._module = layer_module(self.llm.model, probe.layer)
         self.last_state: np.ndarray | None = None
 
     # --- the two paths ----------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class ConfidenceGate:
     def closed_book_or_defer(self, question: str) -> tuple[str | None, float]:
         """(closed-book answer, Conf) when confident, else (None, Conf): one prefill of the QA prompt."""
         tokenizer, model = self.llm.tokenizer, self.llm.model
-        ids = encode_prompts(tokenizer, [self.templates.qa_prompt(tokenizer, question)])[0]
+        ids = encode_prompts(tokenizer, [self.prompted.qa_prompt(question)])[0]
         input_ids = torch.tensor([ids], device=self.llm.device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         gate = _GateOnFirstToken(self._module, self._confidence, self.beta)
@@ -189,7 +189,7 @@ class ConfidenceGate:
                 question,
             )
         order = rank_contexts(question, contexts, self.rerank_fn)
-        return self.templates.rag_prompt(self.llm.tokenizer, question, [contexts[i] for i in order[: self.top_k]])
+        return self.prompted.rag_prompt(question, [contexts[i] for i in order[: self.top_k]])
 
     def _generate(self, prompts: list[str]) -> list[str]:
         return generate_greedy(

@@ -19,7 +19,7 @@ from confrag.gates.registry import SIGNALS, UnavailableSignalError, check_signal
 from confrag.gates.signals import bridge_matching_scores, embed_texts, external_knowledge
 from confrag.llm.config import LLMConfig
 from confrag.llm.loading import LoadedLLM, prompt_tokenizer
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.retrieval import DenseRetriever, corpus_from_gold_paragraphs
 
 
@@ -36,8 +36,7 @@ def text_encoder(retriever: Any) -> DenseRetriever:
 class SignalMaker:
     """Computes gate signals for a set of questions; the LLM-bound ones through the cache."""
 
-    llm: LoadedLLM
-    templates: PromptTemplates
+    prompted: PromptedLLM
     probe: Any  # SavedProbe
     encoder: DenseRetriever
     draft_max_new_tokens: int
@@ -47,16 +46,19 @@ class SignalMaker:
     extract_batch_size: int
     progress: bool
 
+    @property
+    def llm(self) -> LoadedLLM:
+        return self.prompted.llm
+
     def without_cache(self) -> SignalMaker:
         return dataclasses.replace(self, cache_dir=None, progress=False)
 
     def qa_prompts(self, questions: Sequence[str]) -> list[str]:
-        return [self.templates.qa_prompt(self.llm.tokenizer, q) for q in questions]
+        return [self.prompted.qa_prompt(q) for q in questions]
 
     def confidence(self, questions: Sequence[str]) -> np.ndarray:
         return question_confidences(
-            self.llm,
-            self.templates,
+            self.prompted,
             self.probe,
             questions,
             self.cache_dir,

@@ -33,6 +33,7 @@ from confrag.llm.config import LLMConfig
 from confrag.llm.context import PromptLimit, fit_questions
 from confrag.llm.hidden_states import HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, model_num_layers
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.activation_dataset import ActivationDataset, unrepeated_sampler
 from confrag.probe.data_options import (
@@ -210,8 +211,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 config_node=self.config_node,
             )
             data = build_confidence_data(
-                llm,
-                self.templates,
+                PromptedLLM(llm, self.templates),
                 rows,
                 settings=settings,
                 cache=ShardedCache(self.cache_dir, progress=self.progress),
@@ -265,8 +265,7 @@ class NQConfidenceDataModule(LightningDataModule):
             ranked = retrieve_candidates(rows, corpus, retriever, self.ranking_options.top_n)
             found = [without_duplicates(c)[0] for c in ranked]
             states, _ = candidate_states(
-                llm,
-                self.templates,
+                PromptedLLM(llm, self.templates),
                 found,
                 self.layer,
                 engine=engine,

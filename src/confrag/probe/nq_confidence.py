@@ -36,8 +36,7 @@ from confrag.infra.sharded import ShardedArtifact, ShardedCache
 from confrag.llm.context import PromptLimit, fit_rag_prompts
 from confrag.llm.generation import generate_greedy
 from confrag.llm.hidden_states import HiddenStateEngine, extraction_key, validate_layers
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.confidence_splits import (
     SPLITS,
     balanced_examples,
@@ -115,17 +114,15 @@ def partner_indices(num_rows: int, seed: int) -> np.ndarray:
 
 
 def build_prompts(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     rows: Sequence[QARow],
     kind: str,
     seed: int,
     candidates: Sequence[Sequence[Any]] | None = None,
 ) -> list[str]:
-    tok = llm.tokenizer
     if kind == "qa":
-        return [templates.qa_prompt(tok, row.question) for row in rows]
-    return [templates.rag_prompt(tok, question, list(ps)) for question, ps in rag_items(rows, kind, seed, candidates)]
+        return [prompted.qa_prompt(row.question) for row in rows]
+    return [prompted.rag_prompt(question, list(ps)) for question, ps in rag_items(rows, kind, seed, candidates)]
 
 
 def rag_items(
@@ -191,8 +188,7 @@ class ConfidenceDataSettings:
 
 
 def build_confidence_data(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     rows: Sequence[QARow],
     *,
     settings: ConfidenceDataSettings,
@@ -218,8 +214,9 @@ def build_confidence_data(
         )
     sizes, proportions = settings.splits.checked_sizes(f"{config_node}.splits")
     rows = list(rows)
+    llm = prompted.llm
     layer_list = resolve_layers(layers, llm.num_layers)
-    base_spec = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "rows": rows_fingerprint(rows)}
+    base_spec = {"llm": llm.identity, "prompts": prompted.prompts_identity, "rows": rows_fingerprint(rows)}
     # The batch composition changes the states' last bits: a non-default batch size keys its own states.
     numerics = extraction_key(extract_batch_size, threads=extract_threads)
     # Built at the first shard to compute: with a DeferredLLM, a complete cache never loads the weights.
@@ -237,14 +234,14 @@ def build_confidence_data(
     # Every answer and state shard of every prompt kind goes into one pool of claimable shards: processes
     # filling the cache together (torchrun ranks, parallel jobs) never wait while some shard is free.
     jobs, artifacts = [], {}
-    limit = PromptLimit(templates, llm.tokenizer, llm.context, max_new_tokens)
+    limit = prompted.limit(max_new_tokens)
     for kind in kinds:
         kind_spec = {**base_spec, "kind": kind, "partner_seed": seed if kind == "rag_other" else None}
         if kind.startswith(CANDIDATE_KIND):  # the contexts are part of what the states are states of
             j = int(kind[len(CANDIDATE_KIND) :])
             kind_spec["contexts"] = fingerprint([[c[j].title, c[j].text] for c in candidates])
         if kind == "qa":  # questions were fitted by the caller (fit_questions)
-            prompts = build_prompts(llm, templates, rows, kind, seed, candidates)
+            prompts = build_prompts(prompted, rows, kind, seed, candidates)
         else:
             labels = [f"{row.qid} [{kind}]" for row in rows]
             items = rag_items(rows, kind, seed, candidates)

@@ -22,8 +22,7 @@ from confrag.infra.activation_store import ActivationStore
 from confrag.infra.digests import fingerprint
 from confrag.infra.sharded import ShardedArtifact, ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.retrieval.candidates import Candidates
 
 # The metric checkpoints and sweeps select on: smoother than gold_first on a few dozen dev questions.
@@ -32,8 +31,7 @@ SELECTION_METRIC = "gold_mrr"
 
 def state_artifact(
     cache: ShardedCache,
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     kind: str,
     rows_key: str,
     layer: int | Sequence[int],
@@ -41,10 +39,10 @@ def state_artifact(
     extra: dict | None = None,
 ) -> ShardedArtifact:
     """The cached states of one layer (or several) for `num_items` prompts of one kind over the questions
-    `rows_key`, in `cache`."""
+    `rows_key`, in `cache`, for `prompted`'s LLM and prompts."""
     spec = {
-        "llm": llm.identity,
-        "prompts": templates.identity(llm.tokenizer),
+        "llm": prompted.llm.identity,
+        "prompts": prompted.prompts_identity,
         "rows": rows_key,
         "kind": kind,
         **(extra or {}),
@@ -55,8 +53,7 @@ def state_artifact(
 
 
 def candidate_states(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     candidate_sets: Sequence[Candidates],
     layer: int,
     *,
@@ -75,14 +72,12 @@ def candidate_states(
     if layer not in layers:
         raise ValueError(f"layer {layer} is not among the extracted layers {layers}")
     rows_key = fingerprint([[c.qid, c.question] for c in candidate_sets])
-    tok = llm.tokenizer
     pairs = [(c.question, p) for c in candidate_sets for p in c.passages]
-    prompts = [templates.rag_prompt(tok, q, [p]) for q, p in pairs]
+    prompts = [prompted.rag_prompt(q, [p]) for q, p in pairs]
     contexts_key = fingerprint([[p.title, p.text] for _, p in pairs])
     artifact = state_artifact(
         cache,
-        llm,
-        templates,
+        prompted,
         "rag_candidates",
         rows_key,
         layers,

@@ -37,10 +37,9 @@ from confrag.infra.digests import fingerprint
 from confrag.infra.locks import compute_shards
 from confrag.infra.sharded import CacheMismatchError, ShardedArtifact
 from confrag.llm.batching import check_batch_size
-from confrag.llm.context import PromptLimit, fit_rag_prompts
+from confrag.llm.context import fit_rag_prompts
 from confrag.llm.generation import GreedyOptions, generate_greedy
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +82,12 @@ class AnswerStore:
 
     `generated` counts the prompts this object sent to the LLM and `reused` those found in the cache."""
 
-    # wide: the run builds it from the `rag` node's checked settings (`AnswerSettings.store`, where the
-    # options are grouped); scripts, benchmarks and tests name by keyword the one or two options they change
+    # The run builds it from the `rag` node's checked settings (`AnswerSettings.store`, where the options are
+    # grouped); scripts, benchmarks and tests name by keyword the one or two options they change
     # (max_new_tokens=2), as a transformers pipeline takes its generation options.
     def __init__(
         self,
-        llm: LoadedLLM,
-        templates: PromptTemplates,
+        prompted: PromptedLLM,
         cache_dir: str | Path,
         max_new_tokens: int = 32,
         batch_size: int | str = 16,
@@ -103,7 +101,7 @@ class AnswerStore:
             checks.positive_int(value, key)
         check_batch_size(batch_size, "batch_size")
         self.generation = generation or GreedyOptions()
-        self.llm, self.templates = llm, templates
+        self.prompted, self.llm = prompted, prompted.llm
         self.root = Path(cache_dir)
         self.max_new_tokens, self.batch_size, self.chunk_size, self.progress = (
             max_new_tokens,
@@ -112,8 +110,8 @@ class AnswerStore:
             progress,
         )
         self.spec = {
-            "llm": llm.identity,
-            "prompts": templates.identity(llm.tokenizer),
+            "llm": prompted.llm.identity,
+            "prompts": prompted.prompts_identity,
             "max_new_tokens": max_new_tokens,
             "generator": GENERATOR,
         }
@@ -130,8 +128,8 @@ class AnswerStore:
     def prompt(self, question: str, contexts: Sequence[Any] = ()) -> str:
         """The QA prompt without contexts, else the RAG prompt over `contexts` (objects with .title/.text)."""
         if not contexts:
-            return self.templates.qa_prompt(self.llm.tokenizer, question)
-        return self.templates.rag_prompt(self.llm.tokenizer, question, contexts)
+            return self.prompted.qa_prompt(question)
+        return self.prompted.rag_prompt(question, contexts)
 
     def answer(self, items: Sequence[tuple[str, Sequence[Any]]]) -> list[str]:
         """Answers to (question, contexts) items, in order. A RAG prompt to generate is first checked against
@@ -149,7 +147,7 @@ class AnswerStore:
             fitted, _ = fit_rag_prompts(
                 [items[i] for i in todo],
                 [f"question {items[i][0][:80]!r} with {len(items[i][1])} passage(s)" for i in todo],
-                PromptLimit(self.templates, self.llm.tokenizer, self.llm.context, self.max_new_tokens),
+                self.prompted.limit(self.max_new_tokens),
                 self.truncate_passages,
                 where="RAG answers",
                 option="rag.truncate_passages",

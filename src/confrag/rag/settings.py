@@ -12,6 +12,7 @@ from typing import Any
 from confrag.infra import checks
 from confrag.llm.batching import check_batch_size
 from confrag.llm.generation import GreedyOptions
+from confrag.llm.prompted import PromptedLLM
 from confrag.rag.answers import AnswerStore
 from confrag.rag.pipeline import check_ks
 from confrag.rag.stats import BINARY_METRICS
@@ -44,11 +45,10 @@ class AnswerSettings:
         if not isinstance(self.generation, GreedyOptions):
             object.__setattr__(self, "generation", GreedyOptions.from_mapping(self.generation, "generation"))
 
-    def store(self, llm: Any, templates: Any, cache_dir: Any, progress: bool = True) -> AnswerStore:
-        """The answer cache these settings describe, for `llm` (a LoadedLLM) and its prompt templates."""
+    def store(self, prompted: PromptedLLM, cache_dir: Any, progress: bool = True) -> AnswerStore:
+        """The answer cache these settings describe, for `prompted`'s LLM and prompt templates."""
         return AnswerStore(
-            llm,
-            templates,
+            prompted,
             cache_dir,
             max_new_tokens=self.max_new_tokens,
             batch_size=self.batch_size,

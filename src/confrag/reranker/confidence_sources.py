@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from confrag.infra.sharded import ShardedCache
+from confrag.llm.prompted import PromptedLLM
 from confrag.reranker.preferences import REFERENCES, ConfidenceShifts, confidence_shifts
 from confrag.retrieval.candidates import Candidates
 
@@ -25,10 +26,9 @@ RELEVANCE_REFERENCE = 0.5
 
 @dataclass(frozen=True)
 class ConfidenceInputs:
-    """What a source may read: the LLM and its templates, the probe, the engine, the cache."""
+    """What a source may read: the LLM with its templates, the probe, the engine, the cache."""
 
-    llm: Any
-    templates: Any
+    prompted: PromptedLLM
     probe: Any
     engine: Any
     cache_dir: Any
@@ -37,8 +37,7 @@ class ConfidenceInputs:
 
 def probe_shifts(candidates: Sequence[Candidates], inputs: ConfidenceInputs) -> ConfidenceShifts:
     return confidence_shifts(
-        inputs.llm,
-        inputs.templates,
+        inputs.prompted,
         inputs.probe,
         candidates,
         engine=inputs.engine,

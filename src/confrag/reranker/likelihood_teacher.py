@@ -24,8 +24,7 @@ from confrag.infra.finite import require_finite
 from confrag.infra.sharded import ShardedArtifact
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.likelihood import AnswerLikelihood
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.retrieval.candidates import Candidates
 
 KIND = "likelihood"
@@ -50,11 +49,8 @@ def gold_answers(candidates: Candidates, max_answers: int | None) -> list[str]:
     return distinct if max_answers is None else distinct[:max_answers]
 
 
-# wide: the keyword options mirror `confidence_shifts`' old form; (cache_dir, shard_size, progress) are to travel as
-# one `ShardedCache` as they do there, a change of every caller in experiments/ not made yet.
 def candidate_likelihoods(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     candidate_sets: Sequence[Candidates],
     *,
     engine: HiddenStateEngine | Callable[[], HiddenStateEngine],
@@ -68,16 +64,15 @@ def candidate_likelihoods(
     called only when a shard must be computed."""
     make_engine = engine if not isinstance(engine, HiddenStateEngine) else (lambda: engine)
     layers = tuple(int(x) for x in layers)
-    tok = llm.tokenizer
     pairs = [(c, p) for c in candidate_sets for p in c.passages]
     answers = [gold_answers(c, max_answers) for c, _ in pairs]
     empty = sorted({c.qid for (c, _), gold in zip(pairs, answers) if not gold})
     if empty:
         raise ValueError(f"likelihood teacher: question(s) {empty[:5]} have no gold answer (ℓ needs one)")
-    prompts = [templates.rag_prompt(tok, c.question, [p]) for c, p in pairs]
+    prompts = [prompted.rag_prompt(c.question, [p]) for c, p in pairs]
     spec = {
-        "llm": llm.identity,
-        "prompts": templates.identity(tok),
+        "llm": prompted.llm.identity,
+        "prompts": prompted.prompts_identity,
         "rows": fingerprint([[c.qid, c.question] for c in candidate_sets]),
         "contexts": fingerprint([[p.title, p.text] for _, p in pairs]),
         "answers": fingerprint(answers),

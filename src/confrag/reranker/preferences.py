@@ -37,8 +37,7 @@ from confrag.infra.digests import fingerprint, write_folder_digest
 from confrag.infra.finite import require_finite
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.module import SavedProbe
 from confrag.probe.ranking import candidate_states, state_artifact
 from confrag.reranker.label_rules import RULES, SELECTIONS, check_selection, select
@@ -58,8 +57,7 @@ class ConfidenceShifts:
 
 
 def confidence_shifts(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     probe: SavedProbe,
     candidate_sets: Sequence[Candidates],
     *,
@@ -77,15 +75,14 @@ def confidence_shifts(
     being extracted again under another question set's key."""
     picked = subset_positions(candidate_sets, within) if within is not None and qa_states is None else None
     if picked is not None:
-        whole = confidence_shifts(llm, templates, probe, within, engine=engine, cache=cache)
+        whole = confidence_shifts(prompted, probe, within, engine=engine, cache=cache)
         return ConfidenceShifts(
             {kind: values[picked] for kind, values in whole.reference.items()}, [whole.candidates[i] for i in picked]
         )
     layer = probe.layer
-    probe.check(llm.identity, templates.identity(llm.tokenizer), layer)
+    probe.check(prompted.llm.identity, prompted.prompts_identity, layer)
     questions = [c.question for c in candidate_sets]
     rows_key = fingerprint([[c.qid, c.question] for c in candidate_sets])
-    tok = llm.tokenizer
 
     reference = {}
     if qa_states is not None:
@@ -93,13 +90,13 @@ def confidence_shifts(
             raise ValueError(f"qa_states holds {len(qa_states)} states for {len(questions)} questions")
         reference["qa"] = probe.confidence(qa_states)
     prompts = {
-        "qa": [templates.qa_prompt(tok, q) for q in questions],
-        "rag_empty": [templates.rag_prompt(tok, q, []) for q in questions],
+        "qa": [prompted.qa_prompt(q) for q in questions],
+        "rag_empty": [prompted.rag_prompt(q, []) for q in questions],
     }
     for kind in REFERENCES:
         if kind in reference:
             continue
-        artifact = state_artifact(cache, llm, templates, kind, rows_key, layer, len(questions))
+        artifact = state_artifact(cache, prompted, kind, rows_key, layer, len(questions))
         artifact.compute(
             lambda a, b, p=prompts[kind], k=kind: engine.extract(p[a:b], [layer], desc=f"states [{k}]"),
             desc=f"{kind} states",
@@ -107,7 +104,7 @@ def confidence_shifts(
         )
         reference[kind] = probe.confidence(ActivationStore(artifact, [layer]).take(layer, range(len(questions))))
 
-    states, bounds = candidate_states(llm, templates, candidate_sets, layer, engine=engine, cache=cache)
+    states, bounds = candidate_states(prompted, candidate_sets, layer, engine=engine, cache=cache)
     conf = probe.confidence(states) if len(states) else np.zeros(0)
     # Inc is a difference of these: named by question here, so that no NaN reaches a preference row.
     for kind, values in reference.items():

@@ -22,8 +22,7 @@ from sklearn.metrics import roc_auc_score
 from confrag.infra.run_context import RunContext
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
 from confrag.reranker.preferences import confidence_shifts
@@ -92,8 +91,7 @@ class CandidateDiagnostics:
 
 
 def candidate_diagnostics(
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     probe: SavedProbe,
     candidates: Sequence[Candidates],
     store: AnswerStore,
@@ -104,7 +102,8 @@ def candidate_diagnostics(
     """Conf(Q + C) of every candidate (through the run's activation cache; read from NQ_Rerank's states when
     `within`, its candidate sets, holds these questions, as when cross-fitted) and the LLM's answer under each
     (through the answer cache)."""
+    llm = prompted.llm
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=extract_batch_size, progress=ctx.progress)
     cache = ShardedCache(ctx.cache_dir, progress=ctx.progress)
-    shifts = confidence_shifts(llm, templates, probe, candidates, engine=engine, cache=cache, within=within)
+    shifts = confidence_shifts(prompted, probe, candidates, engine=engine, cache=cache, within=within)
     return CandidateDiagnostics(list(candidates), shifts.candidates, candidate_utility(store, candidates))

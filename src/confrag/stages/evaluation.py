@@ -34,7 +34,8 @@ from confrag.data.hotpotqa import load_hotpotqa
 from confrag.data.nq import QARow
 from confrag.data.splits import check_disjoint, select_questions, split_dev_test
 from confrag.infra.run_context import RunContext
-from confrag.llm.loading import LoadedLLM, load_llm
+from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, RagRun, run_rag, save_outcomes_jsonl
 from confrag.rag.settings import AnswerSettings, EvalSettings
@@ -203,14 +204,13 @@ def slug(name: str) -> str:
 
 
 def confidence_gate(
-    stage: RerankStage, settings: CBDRSettings, llm: LoadedLLM, templates: PromptTemplates, beta: float | None = None
+    stage: RerankStage, settings: CBDRSettings, prompted: PromptedLLM, beta: float | None = None
 ) -> ConfidenceGate:
     """CBDR for one question at a time: the stage's probe, retriever and `cbdr.reranker`, at `cbdr.beta`
     (or `beta`). Refuses a probe trained on another LLM, prompt template or layer."""
     check_row("cbdr.reranker", settings.reranker, stage.scorers)
     return ConfidenceGate(
-        llm,
-        templates,
+        prompted,
         stage.probe,
         settings.beta if beta is None else beta,
         retrieve_fn=retrieve_fn(stage.retrieval),
@@ -287,12 +287,11 @@ def evaluate(
     material = hotpotqa_material(evaluation, answers, llm_config, templates, stage.retrieval.settings, ctx.seed)
     hotpot = hotpotqa_eval_set(material, stage, settings, eval_batch_size, ctx)
     sets += [hotpot] if hotpot else []
-    llm = load_llm(llm_config)
+    prompted = PromptedLLM(load_llm(llm_config), templates)
     try:
-        store = answers.store(llm, templates, ctx.cache_dir, ctx.progress)
+        store = answers.store(prompted, ctx.cache_dir, ctx.progress)
         confidence = question_confidences(
-            llm,
-            templates,
+            prompted,
             stage.probe,
             [r.question for r in eval_rows],
             ctx.cache_dir,
@@ -308,7 +307,7 @@ def evaluate(
                 rows = [r for r in s.rows if s.dataset != NQ or r.qid in test]
                 chosen = [c for c in s.candidates if s.dataset != NQ or c.qid in test]
                 diagnostics = candidate_diagnostics(
-                    llm, templates, stage.probe, chosen, store, answers.extract_batch_size, ctx,
+                    prompted, stage.probe, chosen, store, answers.extract_batch_size, ctx,
                     within=stage.preferences.candidates,
                 )  # fmt: skip
                 summaries[s.dataset] = diagnostics.summary()
@@ -320,7 +319,7 @@ def evaluate(
         counts = {"generated": store.generated, "reused": store.reused}
         check = (
             gate_check(
-                confidence_gate(stage, settings, llm, templates),
+                confidence_gate(stage, settings, prompted),
                 splits["test"][: settings.gate_check_questions],
                 runs[NQ][settings.reranker].outcomes,
                 settings.k,
@@ -329,7 +328,7 @@ def evaluate(
             else {}
         )
     finally:
-        del llm
+        del prompted
         gc.collect()
     ctx.on_main(save_outcomes, runs, ctx.output_dir / "outcomes")
     return RagEvaluation(splits, sets, runs, counts, check, summaries)

@@ -30,8 +30,7 @@ from confrag.gates.evaluation import decision_parts
 from confrag.gates.settings import GateSettings
 from confrag.gates.signal_maker import SignalMaker, check_llm_signals, context_signals, question_signals, text_encoder
 from confrag.infra.run_context import RunContext
-from confrag.llm.loading import LoadedLLM
-from confrag.llm.prompts import PromptTemplates
+from confrag.llm.prompted import PromptedLLM
 from confrag.rag import AnswerStore, QuestionOutcome, run_rag
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.stages.evaluation import check_held_out, check_row, evaluation_rows
@@ -71,8 +70,7 @@ def prepare_gate_evaluation(
     evaluation: EvalSettings,
     settings: GateSettings,
     gates: dict[str, Gate],
-    llm: LoadedLLM,
-    templates: PromptTemplates,
+    prompted: PromptedLLM,
     answers: AnswerSettings,
     ctx: RunContext,
 ) -> GateEvaluation:
@@ -82,6 +80,7 @@ def prepare_gate_evaluation(
     seed, by `evaluation.dev_fraction`."""
     rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.questions_path)
     check_row("gates.reranker", settings.reranker, stage.scorers)
+    llm = prompted.llm
     check_llm_signals(gates, llm)
     check_held_out(stage, rows)
     scorer, k = stage.scorers[settings.reranker], settings.top_k
@@ -99,15 +98,14 @@ def prepare_gate_evaluation(
         ),
     )
 
-    store = answers.store(llm, templates, ctx.cache_dir, ctx.progress)
+    store = answers.store(prompted, ctx.cache_dir, ctx.progress)
     # The clean ranking is already the reranker's: run_rag without a reranker keeps it (same prompts as cbdr's).
     clean_run = run_rag([*sets.train, *sets.test], ranked, store, [k])
     conflict_run = run_rag(sets.test, conflict_test, store, [k])
     train_outcomes, clean_outcomes = clean_run.outcomes[: len(sets.train)], clean_run.outcomes[len(sets.train) :]
 
     maker = SignalMaker(
-        llm,
-        templates,
+        prompted,
         stage.probe,
         text_encoder(stage.retrieval.retriever),
         settings.draft_max_new_tokens,

@@ -46,10 +46,8 @@ class TimingRun:
         self.questions = [r.question for r in self.rows]
         self.qa_prompts = self.fresh.qa_prompts(self.questions)
         self.contexts = [c.passages[: self.k] for c in self.clean]
-        tokenizer = self.maker.llm.tokenizer
         self._rag_prompts = [
-            self.maker.templates.rag_prompt(tokenizer, c.question, context)
-            for c, context in zip(self.clean, self.contexts)
+            self.maker.prompted.rag_prompt(c.question, context) for c, context in zip(self.clean, self.contexts)
         ]
         self._generate = dict(
             max_new_tokens=self.answers.max_new_tokens, batch_size=self.answers.batch_size, progress=False

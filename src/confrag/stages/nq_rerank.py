@@ -32,6 +32,7 @@ from confrag.llm.batching import check_batch_size
 from confrag.llm.config import LLMConfig
 from confrag.llm.hidden_states import HiddenStateEngine
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.probe.module import SavedProbe
 from confrag.rag import AnswerStore
@@ -162,17 +163,18 @@ def build_nq_rerank(
         )
     needs_utility = settings.needs_answers
     llm = load_llm(llm_config)
+    prompted = PromptedLLM(llm, templates)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=settings.extract_batch_size, progress=ctx.progress)
     try:
-        inputs = ConfidenceInputs(llm, templates, probe, engine, ctx.cache_dir, ctx.progress)
+        inputs = ConfidenceInputs(prompted, probe, engine, ctx.cache_dir, ctx.progress)
         shifts = CONFIDENCE_SOURCES[settings.confidence](candidates, inputs)
         utility = None
         if needs_utility:
             # rag's answer settings: the same prompts get the same cached answers as Table 2's Top-1 rows.
-            store = answers.store(llm, templates, ctx.cache_dir, ctx.progress)
+            store = answers.store(prompted, ctx.cache_dir, ctx.progress)
             utility = candidate_utility(store, candidates)
     finally:
-        del engine, llm
+        del engine, llm, prompted
         gc.collect()
     # One split by question for every rule: each rule's Table 1 holds out the same questions.
     test_qids = {

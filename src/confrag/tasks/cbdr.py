@@ -23,6 +23,7 @@ from confrag.infra.run_context import RunContext
 from confrag.infra.timing import StageTimer
 from confrag.instantiators import config_yaml, question_set_label, run_context, task_loggers
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import cbdr_recipe, evaluation_recipe, templates
 from confrag.reports import cbdr as report
@@ -137,4 +138,4 @@ def cbdr_gate(cfg: DictConfig, workdir: str | Path) -> ConfidenceGate:
     Runs the rerank stage (cheap once a run of the same experiment has filled the cache)."""
     checked = check(cfg)
     stage = rerank_stage(checked.recipe, run_context(cfg, workdir), [])
-    return confidence_gate(stage, checked.cbdr, load_llm(checked.recipe.llm), templates(cfg))
+    return confidence_gate(stage, checked.cbdr, PromptedLLM(load_llm(checked.recipe.llm), templates(cfg)))

@@ -22,6 +22,7 @@ from confrag.infra.atomic import atomic_write_text
 from confrag.infra.run_context import RunContext
 from confrag.instantiators import config_yaml, question_set_label, task_loggers
 from confrag.llm.loading import load_llm
+from confrag.llm.prompted import PromptedLLM
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
@@ -70,10 +71,8 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Prepared:
     check_before_any_stage(gates, recipe.llm, recipe.probe.make_datamodule())
     run_config, loggers = task_loggers(cfg)
     stage = rerank_stage(recipe, ctx, loggers, run_config)
-    llm = load_llm(recipe.llm)
-    evaluation = prepare_gate_evaluation(
-        stage, checked.evaluation, settings, gates, llm, recipe.templates, checked.answers, ctx
-    )
+    prompted = PromptedLLM(load_llm(recipe.llm), recipe.templates)
+    evaluation = prepare_gate_evaluation(stage, checked.evaluation, settings, gates, prompted, checked.answers, ctx)
     return Prepared(evaluation, gates, loggers, start)
 
 
