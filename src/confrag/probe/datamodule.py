@@ -30,7 +30,7 @@ from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.infra import checks
 from confrag.infra.sharded import ShardedCache
 from confrag.llm.config import LLMConfig
-from confrag.llm.context import PromptLimit, fit_questions
+from confrag.llm.context import fit_questions
 from confrag.llm.hidden_states import HiddenStateEngine, extraction_key
 from confrag.llm.loading import DeferredLLM, model_num_layers
 from confrag.llm.prompted import PromptedLLM
@@ -189,16 +189,16 @@ class NQConfidenceDataModule(LightningDataModule):
         own = llm is None
         # Weights load at the first shard to compute (none when the cache is complete): a question longer
         # than the context, or a read-only cache that lacks a shard, is named before they load.
-        llm = llm or DeferredLLM(self.llm_cfg)
+        prompted = PromptedLLM(llm or DeferredLLM(self.llm_cfg), self.templates)
         if own:
             rows = fit_questions(
                 rows,
-                PromptLimit(self.templates, llm.tokenizer, llm.context, self.answers.max_new_tokens),
+                prompted.limit(self.answers.max_new_tokens),
                 self.truncate_questions,
                 str(self.questions_path),
                 option=f"{self.config_node}.truncate_questions",
                 # Questions that also go into RAG prompts leave half the budget to the passages.
-                room=(llm.context - self.answers.max_new_tokens) // 2 if self.rag_prompts else 0,
+                room=(prompted.llm.context - self.answers.max_new_tokens) // 2 if self.rag_prompts else 0,
             )
         candidates = self.retrieved(all_rows, rows) if uses_candidates(self.train_states) else None
         try:
@@ -211,7 +211,7 @@ class NQConfidenceDataModule(LightningDataModule):
                 config_node=self.config_node,
             )
             data = build_confidence_data(
-                PromptedLLM(llm, self.templates),
+                prompted,
                 rows,
                 settings=settings,
                 cache=ShardedCache(self.cache_dir, progress=self.progress),
@@ -221,13 +221,13 @@ class NQConfidenceDataModule(LightningDataModule):
             if self.num_questions is not None and self.num_questions > len(all_rows):
                 data.requested_questions = int(self.num_questions)
             if self.ranking_options.top_n:
-                self.ranking = self.ranking_sets(llm, data, all_rows)
-            self.num_layers = llm.num_layers
-            self.llm_identity = llm.identity
-            self.prompts_identity = self.templates.identity(llm.tokenizer)
+                self.ranking = self.ranking_sets(prompted, data, all_rows)
+            self.num_layers = prompted.llm.num_layers
+            self.llm_identity = prompted.llm.identity
+            self.prompts_identity = prompted.prompts_identity
         finally:
             if own:
-                del llm
+                del prompted  # the weights it may have loaded go with it
                 gc.collect()
         return data
 
@@ -240,7 +240,7 @@ class NQConfidenceDataModule(LightningDataModule):
         )
         return [without_duplicates(c)[0].passages for c in found]
 
-    def ranking_sets(self, llm, data: ConfidenceData, all_rows) -> dict[str, RankingSet]:
+    def ranking_sets(self, prompted: PromptedLLM, data: ConfidenceData, all_rows) -> dict[str, RankingSet]:
         """The dev and test questions' top-`ranking.top_n` candidates (repeated texts removed, as where the
         probe is applied) with their states at the probe's layer (cached); the test set adds
         `ranking.test_questions` questions from outside the probe's questions (their own artifact, so that
@@ -253,8 +253,8 @@ class NQConfidenceDataModule(LightningDataModule):
         # Built at the first shard to compute: a complete cache loads no weights.
         engine = functools.cache(
             lambda: HiddenStateEngine(
-                llm.model,
-                llm.tokenizer,
+                prompted.llm.model,
+                prompted.tokenizer,
                 batch_size=self.extraction.batch_size,
                 progress=self.progress,
                 threads=self.extraction.threads,
@@ -265,7 +265,7 @@ class NQConfidenceDataModule(LightningDataModule):
             ranked = retrieve_candidates(rows, corpus, retriever, self.ranking_options.top_n)
             found = [without_duplicates(c)[0] for c in ranked]
             states, _ = candidate_states(
-                PromptedLLM(llm, self.templates),
+                prompted,
                 found,
                 self.layer,
                 engine=engine,
