@@ -1,12 +1,9 @@
 """Train and evaluate: `python train.py +experiment=probe_smollm2` (see README.md)."""
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from confrag.instantiators import grouped_overrides
-from confrag.train import run_task
+from confrag.train import rewrite_command_line, run_task
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -15,5 +12,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = grouped_overrides(sys.argv[1:])  # old probe-data keys, read for one release
+    rewrite_command_line()  # the probe data node's old flat keys, read for one release
     main()

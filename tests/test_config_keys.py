@@ -76,3 +76,14 @@ def test_built_takes_off_hydras_wrapper_and_names_the_node():
         built(node, "gate")
     with pytest.raises(ValueError, match=r"^gate: .*unexpected keyword argument 'kk'"):
         built({**node, "k": 3, "kk": 1}, "gate")
+
+
+def test_a_plain_settings_node_has_its_own_keys_and_logs_no_class_error(caplog):
+    """A node without `_target_` (cbdr's, a settings node) once sent `get_class("None")` to Hydra, which logged a red
+    "Error getting class at None" at the start of every cbdr run."""
+    from confrag.instantiators import node_parameters
+
+    with caplog.at_level("DEBUG"):
+        assert node_parameters({"beta": 0.9, "top_k": 3}) == {"beta", "top_k"}
+    assert "Error getting class" not in caplog.text
+    assert "questions_path" in node_parameters({"_target_": "confrag.probe.datamodule.NQConfidenceDataModule"})

@@ -194,6 +194,7 @@ def test_an_old_command_line_key_is_rewritten_to_its_group_with_a_warning(caplog
         "--multirun",
     ]
     assert "data.balance is deprecated (read for one release): it is now data.splits.balance" in caplog.text
+    assert "(probe.data.splits.balance in the rerank, cbdr and gates tasks)" in caplog.text
     assert caplog.text.count("is deprecated") == 5
     assert grouped_overrides(rewritten) == rewritten  # the new keys pass as they are
 
@@ -216,10 +217,36 @@ def test_an_old_key_in_a_config_file_moves_into_its_group_and_wins(composed, cap
     assert cfg.probe.data.extraction.batch_size == 5 and "extract_batch_size" not in cfg.probe.data
     assert cfg.probe.data.splits.proportions == {"train": 8, "dev": 1, "test": 1}
     assert "probe.data.extract_batch_size is deprecated (read for one release): it is now " in caplog.text
-    assert "probe.data.extraction.batch_size=5 (it replaces the shipped probe.data.extraction.batch_size=16)" in (
+    assert "probe.data.extraction.batch_size=5 (it replaces probe.data.extraction.batch_size=16 of the config" in (
         caplog.text
     )
     caplog.clear()
     with caplog.at_level("WARNING", logger=LOGGER):
         renamed_keys(cfg)  # a second call changes nothing
     assert not caplog.text and cfg.probe.data.extraction.batch_size == 5
+
+
+def test_an_old_command_line_key_beside_its_new_key_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"data.balance=true and data.splits.balance=false are both set: .*set data"):
+        grouped_overrides(["+experiment=probe_tiny_llama", "data.balance=true", "data.splits.balance=false"])
+    with pytest.raises(ValueError, match=r"probe.data.layers=mid and probe.data.extraction.layers=all are both set"):
+        grouped_overrides(["probe.data.extraction.layers=all", "probe.data.layers=mid"])
+
+
+def test_the_command_line_wins_over_an_old_key_in_a_config_file(composed, caplog, monkeypatch):
+    """A user's experiment file written before the groups (`extract_batch_size: 5`) and a command line that sets the
+    new key: the command line's value is the one read, and the file's old key is named as not read."""
+    import confrag.instantiators as instantiators
+
+    cfg = copy_of(composed, "cbdr_tiny_llama", "shipped")
+    with open_dict(cfg):
+        cfg.probe.data.extraction.batch_size = 2  # what the command line set
+        cfg.probe.data.extract_batch_size = 5  # what the user's file set under the old name
+    monkeypatch.setattr(instantiators, "_command_line_keys", lambda: {"probe.data.extraction.batch_size"})
+    with caplog.at_level("WARNING", logger=LOGGER):
+        renamed_keys(cfg)
+    assert cfg.probe.data.extraction.batch_size == 2 and "extract_batch_size" not in cfg.probe.data
+    assert (
+        "probe.data.extract_batch_size=5 (a config file's, deprecated: it is now probe.data.extraction" in caplog.text
+    )
+    assert "is not read: the command line sets probe.data.extraction.batch_size=2" in caplog.text

@@ -101,8 +101,9 @@ def shipped(path: str, **values: Any) -> Any:
 def node_parameters(node: Any) -> set[str]:
     """The keys a `_target_` node sets and the parameters its class takes (one the YAML leaves at its default)."""
     values = plain(node) or {}
-    try:
-        params = set(inspect.signature(get_class(str(values.get("_target_")))).parameters)
+    target = values.get("_target_") if isinstance(values, dict) else None
+    try:  # a node without a `_target_` (a plain settings node) has only its own keys
+        params = set(inspect.signature(get_class(str(target))).parameters) if target else set()
     except Exception:  # noqa: BLE001 - a bad _target_ is named by the instantiation itself
         params = set()
     return (set(values) | params) - {"_target_", "_partial_", "_convert_", "self"}
@@ -170,22 +171,46 @@ def grouped_key(key: str) -> str | None:
     return None
 
 
+def _override_key(argument: str) -> tuple[str, str, str]:
+    """(prefix `+`/`++`/`~`, key, `=value` or "") of a command-line override."""
+    prefix = argument[: len(argument) - len(argument.lstrip("+~"))]
+    key, equals, value = argument[len(prefix) :].partition("=")
+    return prefix, key, equals + value
+
+
 def grouped_overrides(arguments: list[str]) -> list[str]:
     """Command-line arguments with every override of an old probe-data key rewritten to its group, each with a
     warning (`data.balance=false` -> `data.splits.balance=false`; a `+` that added a key the YAML then lacked is
-    dropped, as the YAML now holds it). Every other argument, Hydra's own included, passes unchanged."""
+    dropped, as the YAML now holds it). Every other argument, Hydra's own included, passes unchanged. An old key
+    and its new one both given are refused naming both (Hydra would silently keep the last)."""
+    given = {_override_key(a)[1]: a for a in arguments if not a.startswith("-")}
     out = []
     for argument in arguments:
-        prefix = argument[: len(argument) - len(argument.lstrip("+~"))]
-        key, equals, value = argument[len(prefix) :].partition("=")
-        new = grouped_key(key) if not key.startswith("-") else None
+        prefix, key, value = _override_key(argument)
+        new = grouped_key(key) if not argument.startswith("-") else None
         if new is None:
             out.append(argument)
             continue
+        if new in given:
+            raise ValueError(
+                f"{argument} and {given[new]} are both set: {key} is the old name of {new} (read for one "
+                f"release); set {new} only"
+            )
         prefix = "" if prefix == "+" else prefix
-        log.warning("%s is deprecated (read for one release): it is now %s; set %s%s%s", key, new, new, equals, value)
-        out.append(f"{prefix}{new}{equals}{value}")
+        # `data.` is the probe's node in the probe task only; the tasks that train a probe first hold it under `probe.`
+        later = "" if key.startswith("probe.") else f" (probe.{new} in the rerank, cbdr and gates tasks)"
+        log.warning("%s is deprecated (read for one release): it is now %s; set %s%s%s", key, new, new, value, later)
+        out.append(f"{prefix}{new}{value}")
     return out
+
+
+def _command_line_keys() -> set[str]:
+    """The keys this run's command line sets (Hydra's record of its overrides; none outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    return {_override_key(a)[1] for a in HydraConfig.get().overrides.task}
 
 
 def renamed_keys(cfg: DictConfig, warn: bool = True) -> DictConfig:
@@ -232,16 +257,26 @@ def renamed_in(node: DictConfig | dict, key: str, warn: bool = True) -> None:
 
 
 def _grouped_in(node: DictConfig | dict, key: str, warn: bool) -> None:
-    """GROUPED's old keys in probe-data node `key`, moved into their groups in place (the old value wins)."""
+    """GROUPED's old keys in probe-data node `key` (set in a config file), moved into their groups in place: the
+    old value wins over what the config files give the new key, and the command line wins over both."""
+    command_line = _command_line_keys() if any(k in node for k in GROUPED) else set()
     for old_key in [k for k in GROUPED if k in node]:
         group, _, field = GROUPED[old_key].partition(".")
-        value = node[old_key]
+        value, new = node[old_key], f"{key}.{group}.{field}"
         with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
             if node.get(group) is None:
                 node[group] = {}
+            before = node[group].get(field)
+            if new in command_line:
+                if warn:
+                    log.warning(
+                        "%s.%s=%s (a config file's, deprecated: it is now %s) is not read: the command line sets %s=%s",
+                        key, old_key, value, new, new, before,
+                    )  # fmt: skip
+                del node[old_key]
+                continue
             if warn:
-                new, before = f"{key}.{group}.{field}", node[group].get(field)
-                replaced = f" (it replaces the shipped {new}={before})" if before not in (None, value) else ""
+                replaced = f" (it replaces {new}={before} of the config files)" if before not in (None, value) else ""
                 log.warning(
                     "%s.%s is deprecated (read for one release): it is now %s; set %s=%s%s",
                     key, old_key, new, new, value, replaced,

@@ -119,11 +119,21 @@ def _finish_wandb() -> None:
         wandb.finish()
 
 
+def rewrite_command_line() -> None:
+    """The process's command line with the probe data node's old flat keys rewritten to their groups (read for one
+    release: `instantiators.grouped_overrides`), before Hydra reads it; an old key beside its new one ends the
+    process with the message naming both."""
+    try:
+        sys.argv[1:] = grouped_overrides(sys.argv[1:])
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+
+
 def main() -> None:
     import hydra
 
     register_resolvers()
-    sys.argv[1:] = grouped_overrides(sys.argv[1:])  # old probe-data keys, read for one release
+    rewrite_command_line()
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
     def _main(cfg: DictConfig) -> float | None:
