@@ -41,11 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_BETA, RETRIEVE_BETA = 1e-6, 1.0
 
 
-def seeded_probe(llm, templates) -> SavedProbe:
+def seeded_probe(prompted: PromptedLLM) -> SavedProbe:
+    llm = prompted.llm
     with torch.random.fork_rng():
         torch.manual_seed(0)
         module = shipped("model/probe.yaml", input_dim=llm.model.config.hidden_size, layer=llm.mid_layer)
-    meta = {"activations": {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layer": llm.mid_layer}}
+    meta = {"activations": {"llm": llm.identity, "prompts": prompted.prompts_identity, "layer": llm.mid_layer}}
     return SavedProbe(module, meta)
 
 
@@ -92,7 +93,8 @@ def main() -> None:
     corpus = corpus_from_gold_paragraphs(all_rows)
     bm25 = BM25Retriever(corpus)
     retrieve = lambda q: [corpus.passages[i] for i, _ in bm25.search([q], args.top_k)[0]]  # noqa: E731
-    probe = load_probe(args.probe) if args.probe else seeded_probe(llm, templates)
+    prompted = PromptedLLM(llm, templates)
+    probe = load_probe(args.probe) if args.probe else seeded_probe(prompted)
     gate_kwargs = dict(
         retrieve_fn=retrieve,
         rerank_fn=None,
@@ -101,7 +103,6 @@ def main() -> None:
         batch_size=1,
         progress=False,
     )
-    prompted = PromptedLLM(llm, templates)
     skip_gate = ConfidenceGate(prompted, probe, beta=SKIP_BETA, **gate_kwargs)
     rag_gate = ConfidenceGate(prompted, probe, beta=RETRIEVE_BETA, **gate_kwargs)
     generate = lambda prompt: generate_greedy(

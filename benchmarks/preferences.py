@@ -81,7 +81,8 @@ def main() -> None:
     torch.manual_seed(0)
     module = shipped("model/probe.yaml", input_dim=llm.model.config.hidden_size, layer=args.layer)
     module.set_standardization(np.zeros(module.hparams.input_dim), np.ones(module.hparams.input_dim))
-    identity = {"llm": llm.identity, "prompts": templates.identity(llm.tokenizer), "layer": args.layer}
+    prompted = PromptedLLM(llm, templates)
+    identity = {"llm": llm.identity, "prompts": prompted.prompts_identity, "layer": args.layer}
     probe = SavedProbe(module, {"activations": identity})
     prompts = sum(len(c.passages) + 2 for c in candidates)
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=16, progress=False)
@@ -94,9 +95,7 @@ def main() -> None:
     naive_s = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
-        fast = confidence_shifts(
-            PromptedLLM(llm, templates), probe, candidates, engine=engine, cache=ShardedCache(cache, progress=False)
-        )
+        fast = confidence_shifts(prompted, probe, candidates, engine=engine, cache=ShardedCache(cache, progress=False))
         engine_s = time.perf_counter() - start
 
     rows_naive, _ = build_rows(candidates, naive, "qa", args.top_k, "sign")

@@ -138,8 +138,8 @@ RENAMED = {
 # The probe data node's options, once flat, now in groups (`data.splits`, `data.extraction`, `data.answers`,
 # `data.candidates`, `data.ranking`; confrag.probe.data_options): old key -> its place in the same node, read for one
 # release. A command line is rewritten before Hydra reads it (`grouped_overrides`: Hydra refuses an override of a
-# key the YAML no longer holds); a config file's old key is moved by `renamed_in`, its value winning over the
-# group's shipped default with a warning naming both.
+# key the YAML no longer holds; an old key beside its new one there is refused); a config file's old key is moved by
+# `renamed_in`: its value wins over what the config files give the new key, the command line wins over both.
 GROUPED = {
     "layers": "extraction.layers",
     "extract_batch_size": "extraction.batch_size",
