@@ -32,77 +32,25 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 from sklearn.metrics import roc_auc_score
 
-from confrag.data.nq import default_questions_path, load_questions_jsonl
-from confrag.data.splits import drop_duplicate_questions
+from confrag.infra.paths import project_root
 from confrag.llm.hidden_states import HiddenStateEngine
-from confrag.llm.loading import load_llm
-from confrag.llm.prompted import PromptedLLM
-from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore, score_answer
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
+from confrag.recipes import shipped_prompted_llm
 from confrag.reranker.likelihood_teacher import candidate_likelihoods
-from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrieve_candidates
-from confrag.retrieval.candidates import Candidates, without_duplicates
 from confrag.retrieval.corpus import document_text
 from confrag.retrieval.dense import MeanPoolEncoder
+from confrag.studies.likelihood_study import MAX_NEW_TOKENS, load_study
+from confrag.studies.likelihood_study import likelihood_choices as choices
 
-ROOT = Path(__file__).resolve().parents[1]
-TOP_N = 20
 EXPECTED_DISCORDANCE = 4 / 60  # the pilot's: fixed before this run
 FUSION_WEIGHTS = (0.25, 0.5, 1.0, 2.0, 4.0)
 log = logging.getLogger("likelihood_teacher")
-
-
-@dataclass(frozen=True)
-class Study:
-    """The questions of the study and what each reads: the LLM with its prompts, BM25's candidates."""
-
-    prompted: PromptedLLM
-    picked: list  # the questions, dev first
-    candidate_sets: list[Candidates]
-    dev_ids: set[str]
-    test_ids: set[str]
-
-
-def load_study(questions: int, dev: int, seed: int, dtype: str, cache: str) -> Study:
-    """The first `questions` of a seeded permutation of the NQ file (repeats dropped), the first `dev` of them the
-    dev questions; BM25's top 20 of each, repeats removed. The same arguments give the same study, so every script
-    reading it reads the same cached ℓ blocks."""
-    llm_cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/llm/smollm2_135m.yaml"))
-    llm = load_llm(llm_cfg | {"cache_dir": str(Path(cache) / "models"), "dtype": dtype})
-    templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/prompts/paper.yaml")))
-    rows = drop_duplicate_questions(load_questions_jsonl(default_questions_path()))
-    corpus = corpus_from_gold_paragraphs(rows)
-    order = np.random.default_rng(seed).permutation(len(rows))[:questions]
-    picked = [rows[i] for i in order]
-    dev_ids, test_ids = {r.qid for r in picked[:dev]}, {r.qid for r in picked[dev:]}
-    assert not dev_ids & test_ids, "dev and test questions overlap"
-    retriever = BM25Retriever(corpus, cache_dir=cache)
-    candidate_sets = [without_duplicates(c)[0] for c in retrieve_candidates(picked, corpus, retriever, TOP_N)]
-    return Study(PromptedLLM(llm, templates), picked, candidate_sets, dev_ids, test_ids)
-
-
-def zscore(x: np.ndarray) -> np.ndarray:
-    return (x - x.mean()) / (x.std() + 1e-9)
-
-
-def choices(base: np.ndarray, ell: np.ndarray, w: float) -> dict[str, int]:
-    """Each row's Top-1 candidate index for one question."""
-    top3 = np.argsort(-base, kind="stable")[:3]
-    return {
-        "bm25": 0,
-        "base": int(np.argmax(base)),
-        "likelihood": int(np.argmax(ell)),
-        "base_top3_by_likelihood": int(top3[np.argmax(ell[top3])]),
-        "fusion": int(np.argmax(zscore(base) + w * zscore(ell))),
-    }
 
 
 def main() -> None:
@@ -118,8 +66,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=50, help="questions per cached ℓ artifact (keep it fixed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--cache", default=str(ROOT / ".cache"))
-    parser.add_argument("--out", default=str(ROOT / "logs" / "likelihood_teacher"))
+    parser.add_argument("--cache", default=str(project_root() / ".cache"))
+    parser.add_argument("--out", default=str(project_root() / "logs" / "likelihood_teacher"))
     parser.add_argument("--compute-only", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -128,13 +76,14 @@ def main() -> None:
                      f"{args.fresh_from}")  # fmt: skip
     start = time.time()
 
-    study = load_study(args.questions, args.dev, args.seed, args.dtype, args.cache)
+    prompted = shipped_prompted_llm("smollm2_135m", "paper", str(Path(args.cache) / "models"), dtype=args.dtype)
+    study = load_study(prompted, args.questions, args.dev, args.seed, args.cache)
     prompted, picked, candidate_sets = study.prompted, study.picked, study.candidate_sets
     llm = prompted.llm
     dev_ids, test_ids = study.dev_ids, study.test_ids
     engine = HiddenStateEngine(llm.model, llm.tokenizer, progress=False)
     encoder = MeanPoolEncoder()
-    store = AnswerStore(prompted, args.cache, max_new_tokens=24, progress=False)
+    store = AnswerStore(prompted, args.cache, max_new_tokens=MAX_NEW_TOKENS, progress=False)
     # Questions are in the permutation's order, dev first: position i is the i-th question drawn.
     test_at = [i for i, c in enumerate(candidate_sets) if c.qid in test_ids]
     auroc_at = set(test_at[: args.auroc_questions])

@@ -42,7 +42,6 @@ import argparse
 import itertools
 import json
 import logging
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -50,25 +49,30 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from likelihood_teacher import ROOT, Study, load_study  # noqa: E402
-
-from confrag.infra.atomic import atomic_write_text  # noqa: E402
-from confrag.llm.hidden_states import HiddenStateEngine  # noqa: E402
-from confrag.rag.answers import AnswerStore, score_answer  # noqa: E402
-from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference  # noqa: E402
-from confrag.reranker.likelihood_teacher import candidate_likelihoods  # noqa: E402
-from confrag.reranker.listwise_student import ListwiseData, ListwiseSettings, fit_listwise  # noqa: E402
-from confrag.reranker.listwise_teachers import TeacherInputs, likelihood_rows, teacher_targets  # noqa: E402
-from confrag.retrieval.corpus import document_text  # noqa: E402
-from confrag.retrieval.dense import MeanPoolEncoder  # noqa: E402
+from confrag.infra.atomic import atomic_write_text
+from confrag.infra.paths import project_root
+from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
+from confrag.recipes import shipped_prompted_llm
+from confrag.reranker.listwise_student import ListwiseSettings, fit_listwise
+from confrag.reranker.listwise_teachers import TeacherInputs, likelihood_rows, teacher_targets
+from confrag.studies.likelihood_study import (
+    Folds,
+    Outcomes,
+    Study,
+    earlier_run,
+    likelihoods,
+    listwise_data,
+    load_study,
+    top1,
+    utility_labels,
+)  # fmt: skip
 
 log = logging.getLogger("likelihood_training")
 EXPECTED_DISCORDANCE = 0.07
 # The training every student gets (the rows differ only in teacher and student kind); what dev chooses is apart.
 TOWER = ListwiseSettings(
     student="query_tower", lr=3e-5, steps=150, batch_size=16, warmup_ratio=0.1, weight_decay=0.01, tau=1.0,
-    anchor=0.0, seed=0,
+    anchor=0.0, seed=0, train_embeddings=True, precision="32-true",
 )  # fmt: skip
 HEAD = replace(TOWER, student="residual_head", lr=0.01, weight_decay=0.0)
 # The dev grid, smallest change first: a tie keeps the earlier setting (lower lr, larger anchor), the one nearer
@@ -85,72 +89,6 @@ ROWS = ("lsr", "lsr_small", "relevance", "answer_bearing", "residual", "utility"
 LSR_CHOICE_ROWS = {"lsr", "lsr_small", "relevance", "answer_bearing", "residual"}
 
 
-def earlier_run(folder: str, qids: list[str]) -> dict:
-    """An earlier run's picks, choices and diagnostics, refused unless it read the same test questions in order."""
-    picks = json.loads((Path(folder) / "picks.json").read_text())
-    metrics = json.loads((Path(folder) / "metrics.json").read_text())
-    if picks["qids"] != qids:
-        raise ValueError(f"--picks-from {folder}: its test questions are not this study's (other --questions/--seed?)")
-    return {"picks": picks["picks"], "chosen": metrics["chosen"], "dev": metrics["dev"]}
-
-
-def likelihoods(study: Study, block: int, cache: str) -> list[np.ndarray]:
-    """ℓ per question from the cached blocks experiments/likelihood_teacher.py writes (computed where missing)."""
-    llm = study.prompted.llm
-    engine = HiddenStateEngine(llm.model, llm.tokenizer, progress=False)
-    out: list[np.ndarray] = []
-    for b in range(0, len(study.candidate_sets), block):
-        chunk = study.candidate_sets[b : b + block]
-        out += candidate_likelihoods(study.prompted, chunk, engine=engine, cache_dir=cache, progress=False).per_question
-    return out
-
-
-def embeddings(study: Study, cache: str) -> ListwiseData:
-    encoder = MeanPoolEncoder(device="cpu")
-    sets = study.candidate_sets
-    queries = encoder.encode_cached([c.question for c in sets], cache)
-    flat = encoder.encode_cached([document_text(p) for c in sets for p in c.passages], cache)
-    bounds = np.cumsum([0] + [len(c.passages) for c in sets])
-    return ListwiseData.from_lists([c.question for c in sets], queries, [flat[a:b] for a, b in zip(bounds, bounds[1:])])
-
-
-class Outcomes:
-    """Top-1 answers of chosen candidates, through the answer cache."""
-
-    def __init__(self, study: Study, cache: str) -> None:
-        self.study = study
-        self.store = AnswerStore(study.prompted, cache, max_new_tokens=24, progress=False)
-
-    def __call__(self, at: list[int], picks: list[int]) -> list:
-        sets = self.study.candidate_sets
-        items = [(sets[i].question, [sets[i].passages[j]]) for i, j in zip(at, picks)]
-        return [score_answer(a, sets[i].answers) for a, i in zip(self.store.answer(items), at)]
-
-
-def utility_labels(study: Study, base: np.ndarray, depth: int, cache: str) -> list[np.ndarray]:
-    """The `utility` teacher's labels: per question, 1 where the LLM's greedy answer under the candidate alone is
-    right (has_answer), 0 where wrong, -1 where not asked (below the base's top `depth`). Generated rank by rank
-    over all questions (every question's base top-1 first, then every top-2, ...), so a run stopped early leaves
-    a complete shallower depth, and the answer cache is shared with every other row of the study. Two processes
-    asking at once split the chunks between them (`AnswerStore`), so one per core uses both."""
-    sets = study.candidate_sets
-    order = [np.argsort(-base[i][: len(c.passages)], kind="stable") for i, c in enumerate(sets)]
-    labels = [np.full(len(c.passages), -1, dtype=np.int8) for c in sets]
-    outcomes = Outcomes(study, cache)
-    for rank in range(depth):
-        at = [i for i, c in enumerate(sets) if rank < len(c.passages)]
-        picks = [int(order[i][rank]) for i in at]
-        for i, j, o in zip(at, picks, outcomes(at, picks)):
-            labels[i][j] = int(o.has_answer)
-        log.info("utility labels: depth %d of %d answered (%d generated so far)", rank + 1, depth,
-                 outcomes.store.generated)  # fmt: skip
-    return labels
-
-
-def top1(scores: np.ndarray, at: list[int]) -> list[int]:
-    return [int(np.argmax(scores[i])) for i in at]
-
-
 def train(settings: ListwiseSettings, teacher: str, tau_t: float, data, inputs, rows: list[int]):
     targets, missing = teacher_targets(teacher, [inputs[i] for i in rows], tau_t)
     student = fit_listwise(settings, data.subset(rows), targets)
@@ -165,8 +103,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--block", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0, help="the study's question permutation")
-    parser.add_argument("--cache", default=str(ROOT / ".cache"))
-    parser.add_argument("--out", default=str(ROOT / "logs" / "likelihood_training"))
+    parser.add_argument("--cache", default=str(project_root() / ".cache"))
+    parser.add_argument("--out", default=str(project_root() / "logs" / "likelihood_training"))
     parser.add_argument("--steps", type=int, default=TOWER.steps, help="optimizer steps of every student")
     parser.add_argument("--learning-rates", type=float, nargs="+", default=list(LEARNING_RATES))
     parser.add_argument(
@@ -212,36 +150,30 @@ def main() -> None:
     start = time.time()
     if args.threads:
         torch.set_num_threads(args.threads)
-    study = load_study(args.questions, args.dev, args.seed, "float32", args.cache)
+    prompted = shipped_prompted_llm("smollm2_135m", "paper", str(Path(args.cache) / "models"), dtype="float32")
+    study = load_study(prompted, args.questions, args.dev, args.seed, args.cache)
     tower0, head0 = replace(TOWER, steps=args.steps), replace(HEAD, steps=args.steps)
     sets = study.candidate_sets
-    ell = likelihoods(study, args.block, args.cache)
-    data = embeddings(study, args.cache)
+    ell = likelihoods(study, args.cache, args.block)
+    data = listwise_data(sets, args.cache)
+    outcomes = Outcomes(study.prompted, sets, args.cache)
     if args.answers_only:
-        utility_labels(study, data.base_scores, args.utility_depth, args.cache)
+        utility_labels(outcomes, data.base_scores, args.utility_depth, log)
         return
-    utility = utility_labels(study, data.base_scores, args.utility_depth, args.cache) if args.utility_depth else None
+    utility = utility_labels(outcomes, data.base_scores, args.utility_depth, log) if args.utility_depth else None
     inputs = [TeacherInputs(c, e, utility[i] if utility else None) for i, (c, e) in enumerate(zip(sets, ell))]
     if args.export_rows:
         keep = [i for i, c in enumerate(sets) if len(c.passages) >= 2]
         exported = likelihood_rows([sets[i] for i in keep], [ell[i] for i in keep])
         atomic_write_text(Path(args.export_rows), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in exported))
-    outcomes = Outcomes(study, args.cache)
-    dev_at = [i for i, c in enumerate(sets) if c.qid in study.dev_ids]
-    test_at = [i for i, c in enumerate(sets) if c.qid in study.test_ids]
-    fold_of = np.random.default_rng(args.seed + 1).permutation(len(test_at)) % args.folds
-    folds = [[test_at[j] for j in np.flatnonzero(fold_of == k)] for k in range(args.folds)]
+    dev_at, test_at = study.dev_at, study.test_at
+    cross = Folds.of(study, args.folds)
+    folds = cross.folds
     log.info("%d dev, %d test questions in %d folds; ℓ and vectors ready (%.0f s)", len(dev_at), len(test_at),
              args.folds, time.time() - start)  # fmt: skip
 
     def fold_train(k: int, at_most: int | None = None) -> list[int]:
-        rows = [i for f, fold in enumerate(folds) if f != k for i in fold]
-        if at_most is not None and at_most < len(rows):  # the learning-curve row: a seeded subset, same steps
-            rows = sorted(np.random.default_rng(args.seed + 2 + k).choice(rows, at_most, replace=False).tolist())
-        held = {sets[i].qid for i in folds[k]}
-        assert not held & {sets[i].qid for i in rows}, "a fold's students saw its questions"
-        assert not study.dev_ids & {sets[i].qid for i in rows}, "dev questions in training"
-        return rows
+        return cross.training(k, at_most)
 
     # ---- dev: τ_T and λ of the query tower, then w of the residual head, on fold 0's students
     def dev_right(scores: np.ndarray) -> float:

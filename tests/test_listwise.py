@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from confrag.infra.finite import NonFiniteError
-from confrag.reranker.listwise_student import (
-    ListTarget,
-    ListwiseData,
-    ListwiseSettings,
-    build_student,
-    fit_listwise,
-    padded_targets,
-)
+from confrag.reranker.listwise_data import ListTarget, ListwiseData, padded_targets
+from confrag.reranker.listwise_student import ListwiseSettings, build_student, fit_listwise
 from confrag.reranker.listwise_teachers import TeacherInputs, teacher_targets
 from confrag.reranker.loss import listwise_kl
 from confrag.retrieval.candidates import Candidates
@@ -131,7 +125,9 @@ PASSAGES = [
 @pytest.fixture(scope="module")
 def data() -> ListwiseData:
     encoder = MeanPoolEncoder(device="cpu")
-    return ListwiseData.from_lists(QUESTIONS, encoder.encode(QUESTIONS), [encoder.encode(p) for p in PASSAGES])
+    return ListwiseData.from_lists(
+        QUESTIONS, encoder.encode(QUESTIONS), [encoder.encode(p) for p in PASSAGES], passage_texts=PASSAGES
+    )
 
 
 def _settings(student: str, **changes) -> ListwiseSettings:
@@ -145,12 +141,14 @@ def _settings(student: str, **changes) -> ListwiseSettings:
         tau=1.0,
         anchor=0.0,
         seed=3,
+        train_embeddings=True,
+        precision="32-true",
     )
     values.update(changes)
     return ListwiseSettings(**values)
 
 
-@pytest.mark.parametrize("student", ["query_tower", "residual_head"])
+@pytest.mark.parametrize("student", ["query_tower", "residual_head", "residual_cross_encoder"])
 def test_a_fresh_student_is_the_base(data, student):
     scores = build_student(_settings(student)).score(data)
     np.testing.assert_allclose(scores[data.mask], data.base_scores[data.mask], atol=1e-4)
@@ -162,7 +160,9 @@ def _last_first(data: ListwiseData) -> list[np.ndarray]:
     return [np.where(np.arange(m.sum()) == m.sum() - 1, 0.0, -np.inf) for m in data.mask]
 
 
-@pytest.mark.parametrize("student,lr", [("query_tower", 2e-4), ("residual_head", 0.05)])
+@pytest.mark.parametrize(
+    "student,lr", [("query_tower", 2e-4), ("residual_head", 0.05), ("residual_cross_encoder", 1e-3)]
+)
 def test_training_moves_the_student_to_the_target_and_repeats_with_its_seed(data, student, lr):
     targets = _last_first(data)
     table, _ = padded_targets(targets, data.mask.shape[1])

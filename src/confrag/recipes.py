@@ -25,6 +25,7 @@ from confrag.instantiators import (
     settings_from,
 )
 from confrag.llm.config import LLMConfig
+from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
@@ -203,3 +204,15 @@ def exported(cfg: DictConfig, recipe: Callable[[], R], *repos: str) -> Exported[
 def hub_settings(cfg: DictConfig, *repos: str) -> HubSettings:
     """The `hub` node; with `hub.push`, each of `repos` (e.g. "probe_repo") must name a repo."""
     return settings_from(HubSettings, cfg.get("hub"), "hub").require(*repos)
+
+
+def shipped_prompted_llm(llm: str, prompts: str, cache_dir: str, **changes) -> PromptedLLM:
+    """The LLM of the shipped node conf/llm/<llm>.yaml (`changes` over its values, e.g. dtype) with the prompts of
+    conf/prompts/<prompts>.yaml, loaded: how a study outside a Hydra run (experiments/) gets the run's LLM."""
+    from confrag.infra.paths import config_dir
+    from confrag.llm.loading import load_llm
+
+    node = OmegaConf.load(config_dir() / "llm" / f"{llm}.yaml")
+    values = llm_node(OmegaConf.merge(node, {"cache_dir": cache_dir, **changes}))
+    prompt_node = OmegaConf.load(config_dir() / "prompts" / f"{prompts}.yaml")
+    return PromptedLLM(load_llm(values), PromptTemplates(**plain(prompt_node)))

@@ -1,18 +1,25 @@
 """Students of a listwise teacher: the base bi-encoder aligned to a target over each question's candidates.
 
 The base is a sentence-transformers bi-encoder (all-MiniLM-L6-v2) scoring a candidate by SCALE · cos(q, p). Each
-student starts equal to it (a test checks) and learns, over a question's whole list,
+student starts equal to it (a test checks) and learns, over a question's list (`ListwiseData.top_k` restricts it to
+the base's top k),
 
     KL(softmax(target) ‖ softmax(f / τ)) + λ · KL(softmax(base / τ) ‖ softmax(f / τ)),
 
-the teacher's distribution with an anchor keeping the student near the base (λ = 0: REPLUG LSR as published).
-One registered class per kind:
+the teacher's distribution with an anchor keeping the student near the base (λ = 0: REPLUG LSR as published). The
+student's temperature τ matters: softmax(base) at τ = 1 puts most of its mass on the base's top-1, so a target
+flatter than that asks the student mostly to be flatter, and the anchor at τ = 1 pins the top-1; τ matched to the
+teacher's spread asks for the order instead. One registered class per kind (`STUDENTS`):
 
 - `query_tower`: REPLUG LSR's setting. The query encoder is fine-tuned; the passages' embeddings stay the frozen
   base's (REPLUG keeps the document encoder fixed to spare re-indexing), so one training step encodes only the
   batch's questions and a corpus index built with the base still serves the student.
 - `residual_head`: the base frozen whole; a linear head on q ⊙ p (a diagonal bilinear correction, zero at the
   start) is added: f = base + w · SCALE · head, trained at w = 1, w chosen on dev at scoring time.
+- `residual_cross_encoder`: the base frozen; a copy of its encoder reads question and passage together (one
+  sequence, mean-pooled) into a zero-initialised linear head g: f = base + w · SCALE · g(q, p). It starts as the
+  base and learns only the correction, and unlike the two above it can read the passage in the light of the
+  question (an answer-typed span a frozen passage vector may not encode).
 
 Training runs in Lightning for a fixed number of optimizer steps (matched across the rows a study compares), with
 AdamW and a linear warmup/decay (`confrag.reranker.module.build_optimizer`, the reranker's own).
@@ -20,11 +27,11 @@ AdamW and a linear warmup/decay (`confrag.reranker.module.build_optimizer`, the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import lightning as L
@@ -34,29 +41,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from confrag.infra import checks
-from confrag.infra.finite import require_finite
 from confrag.reranker.bi_encoder import SCALE
+from confrag.reranker.listwise_data import ListTarget, ListwiseData, list_batch, padded_in_list, padded_targets
 from confrag.reranker.loss import listwise_kl
 from confrag.reranker.module import build_optimizer
 from confrag.retrieval.dense import MeanPoolEncoder
 from confrag.retrieval.mean_pooling import mean_pool
 
-
-@dataclass(frozen=True)
-class ListTarget:
-    """A target that also leaves candidates out of the list the student is scored over (`in_list` False): a
-    candidate the teacher can call neither positive nor negative (for `utility`: an answer-bearing candidate the LLM
-    failed under, one never answered), which a -inf logit would instead push down as a negative. A plain array of
-    logits is a target with every candidate in the list."""
-
-    logits: np.ndarray
-    in_list: np.ndarray
-
-    def __post_init__(self) -> None:
-        if np.shape(self.logits) != np.shape(self.in_list):
-            raise ValueError(f"ListTarget: logits {np.shape(self.logits)} and in_list {np.shape(self.in_list)} differ")
-        if not np.any(np.isfinite(self.logits) & self.in_list):
-            raise ValueError("ListTarget: no candidate in the list has a finite logit (nothing to learn)")
+# Lightning's precision names a student may train in: bf16 autocast runs the encoder 2-3x faster on a CPU with
+# AMX (and on a GPU); fp32 is exact everywhere.
+PRECISIONS = ("32-true", "bf16-mixed")
 
 
 @dataclass(frozen=True)
@@ -73,6 +67,10 @@ class ListwiseSettings:
     tau: float  # the student's temperature: f / τ
     anchor: float  # λ, the weight of KL(base ‖ student)
     seed: int
+    # Whether the encoder's word embeddings train (11.7 M of MiniLM's 22.7 M weights: the part that lets a student
+    # learn its training questions' words by heart rather than anything that carries to new questions).
+    train_embeddings: bool
+    precision: str
 
     def __post_init__(self) -> None:
         if self.student not in STUDENTS:
@@ -84,56 +82,16 @@ class ListwiseSettings:
         checks.number(self.weight_decay, "weight_decay", 0, None)
         checks.number(self.tau, "tau", 0, None, low_open=True)
         checks.number(self.anchor, "anchor", 0, None)
-
-
-@dataclass(frozen=True)
-class ListwiseData:
-    """Questions with their candidates' frozen base embeddings, padded to the longest list.
-
-    `query_vectors` (Q, d) and `passage_vectors` (Q, N, d) are the base's unit vectors; `mask` (Q, N) is False on
-    padding. The base's score is SCALE · q · p."""
-
-    questions: list[str]
-    query_vectors: np.ndarray
-    passage_vectors: np.ndarray
-    mask: np.ndarray
-
-    def __post_init__(self) -> None:
-        q, n = self.mask.shape
-        if len(self.questions) != q or self.query_vectors.shape[0] != q or self.passage_vectors.shape[:2] != (q, n):
-            raise ValueError(
-                f"listwise data: {len(self.questions)} questions, query vectors {self.query_vectors.shape}, passage "
-                f"vectors {self.passage_vectors.shape} and mask {self.mask.shape} disagree"
-            )
-        require_finite(self.passage_vectors, stage="listwise data", artifact="passage vectors")
-        require_finite(self.query_vectors, stage="listwise data", artifact="query vectors")
-
-    @classmethod
-    def from_lists(cls, questions: list[str], query_vectors: np.ndarray, passages: list[np.ndarray]) -> ListwiseData:
-        """From each question's (candidates, d) passage vectors, of any lengths."""
-        width = max((len(p) for p in passages), default=0)
-        dim = query_vectors.shape[1]
-        padded = np.zeros((len(passages), width, dim), dtype=np.float32)
-        mask = np.zeros((len(passages), width), dtype=bool)
-        for i, p in enumerate(passages):
-            padded[i, : len(p)] = p
-            mask[i, : len(p)] = True
-        return cls(list(questions), np.asarray(query_vectors, dtype=np.float32), padded, mask)
-
-    @cached_property
-    def base_scores(self) -> np.ndarray:
-        """SCALE · cos(q, p), -inf on padding."""
-        scores = SCALE * np.einsum("qd,qnd->qn", self.query_vectors, self.passage_vectors)
-        return np.where(self.mask, scores, -np.inf).astype(np.float32)
-
-    def subset(self, rows: list[int]) -> ListwiseData:
-        return ListwiseData(
-            [self.questions[i] for i in rows], self.query_vectors[rows], self.passage_vectors[rows], self.mask[rows]
-        )
+        checks.flag(self.train_embeddings, "train_embeddings")
+        checks.choice(self.precision, "precision", PRECISIONS)
 
 
 class ListwiseStudent(L.LightningModule, ABC):
-    """f(q, candidates) for a batch of questions, trained on the anchored listwise KL. A kind implements `scores`."""
+    """f(q, candidates) for a batch of questions, trained on the anchored listwise KL. A kind implements `scores`.
+    A residual kind (f = base + w · correction) trains at w = 1 and scores at `weight_at_scoring` (chosen on dev);
+    the others ignore it."""
+
+    weight_at_scoring: float = 1.0
 
     def __init__(self, settings: ListwiseSettings) -> None:
         super().__init__()
@@ -159,6 +117,12 @@ class ListwiseStudent(L.LightningModule, ABC):
         optimizer, scheduler = build_optimizer(self, s.lr, s.weight_decay, s.warmup_ratio, s.steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Scoring in the precision the student trained in."""
+        if self.settings.precision == "bf16-mixed":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     @torch.no_grad()
     def score(self, data: ListwiseData, batch_size: int = 64) -> np.ndarray:
         """(Q, N) scores, -inf on padding, in eval mode."""
@@ -167,27 +131,35 @@ class ListwiseStudent(L.LightningModule, ABC):
         out = []
         for start in range(0, len(data.questions), batch_size):
             rows = list(range(start, min(start + batch_size, len(data.questions))))
-            out.append(self.scores(_batch(data, rows, None)).float().numpy())
+            with self.autocast():
+                out.append(self.scores(list_batch(data, rows, None)).float().numpy())
         self.train(was_training)
         scores = np.concatenate(out, axis=0) if out else np.zeros(data.mask.shape, dtype=np.float32)
         return np.where(data.mask, scores, -np.inf).astype(np.float32)
 
 
+def _frozen_word_embeddings(encoder: nn.Module, settings: ListwiseSettings) -> nn.Module:
+    encoder = copy.deepcopy(encoder).float()
+    if not settings.train_embeddings:
+        encoder.get_input_embeddings().weight.requires_grad_(False)
+    return encoder
+
+
 class QueryTowerStudent(ListwiseStudent):
     """REPLUG LSR: the query encoder (a copy of the base's) trained; passage vectors frozen."""
 
-    def __init__(self, settings: ListwiseSettings, encoder: nn.Module, tokenizer, max_length: int) -> None:
+    def __init__(self, settings: ListwiseSettings, base: MeanPoolEncoder) -> None:
         super().__init__(settings)
-        self.encoder = copy.deepcopy(encoder).float()
-        self.tokenizer = tokenizer
-        self.max_length = int(max_length)
+        self.encoder = _frozen_word_embeddings(base.model, settings)
+        self.tokenizer = base.tokenizer
+        self.max_length = int(base.max_length)
 
     def scores(self, batch: dict) -> torch.Tensor:
         tokens = self.tokenizer(
             batch["questions"], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         hidden = self.encoder(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).last_hidden_state
-        q = nn.functional.normalize(mean_pool(hidden, tokens["attention_mask"]), dim=-1)
+        q = nn.functional.normalize(mean_pool(hidden, tokens["attention_mask"]).float(), dim=-1)
         return SCALE * torch.einsum("bd,bnd->bn", q, batch["passages"])
 
 
@@ -195,68 +167,66 @@ class ResidualHeadStudent(ListwiseStudent):
     """The base frozen; f = base + w · SCALE · (a · (q ⊙ p) + b), the head zero at the start. At SCALE, a = 1 on
     every dimension adds the base once more, so a step of the optimiser moves the score on the base's own scale."""
 
-    def __init__(self, settings: ListwiseSettings, dim: int) -> None:
+    def __init__(self, settings: ListwiseSettings, base: MeanPoolEncoder) -> None:
         super().__init__(settings)
-        self.head = nn.Linear(dim, 1)
+        self.head = nn.Linear(base.model.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
-        self.weight_at_scoring = 1.0
 
     def scores(self, batch: dict) -> torch.Tensor:
         product = batch["query_vectors"][:, None, :] * batch["passages"]
         w = self.weight_at_scoring if not self.training else 1.0
-        return batch["base"].masked_fill(~batch["mask"], 0.0) + w * SCALE * self.head(product).squeeze(-1)
+        return batch["base"].masked_fill(~batch["mask"], 0.0) + w * SCALE * self.head(product).squeeze(-1).float()
 
 
-STUDENTS = {"query_tower": QueryTowerStudent, "residual_head": ResidualHeadStudent}
+class ResidualCrossEncoderStudent(ListwiseStudent):
+    """The base frozen; f = base + w · SCALE · g(q, p), g a copy of the base's encoder reading "question [SEP]
+    passage" as one sequence, mean-pooled, into a zero-initialised linear head. Only the candidates in the mask
+    are read (the base's top k after `ListwiseData.top_k`), so a step costs k pairs a question."""
+
+    def __init__(self, settings: ListwiseSettings, base: MeanPoolEncoder) -> None:
+        super().__init__(settings)
+        self.encoder = _frozen_word_embeddings(base.model, settings)
+        self.tokenizer = base.tokenizer
+        self.max_length = int(base.max_length)
+        self.head = nn.Linear(base.model.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def scores(self, batch: dict) -> torch.Tensor:
+        if batch["passage_texts"] is None:
+            raise ValueError("residual_cross_encoder: the listwise data has no passage_texts (it reads the passages)")
+        mask = batch["mask"]
+        rows, cols = mask.nonzero(as_tuple=True)
+        base = batch["base"].masked_fill(~mask, 0.0)
+        if len(rows) == 0:
+            return base
+        tokens = self.tokenizer(
+            [batch["questions"][r] for r in rows.tolist()],
+            [batch["passage_texts"][r][c] for r, c in zip(rows.tolist(), cols.tolist())],
+            padding=True,
+            truncation="only_second",
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
+        hidden = self.encoder(**tokens).last_hidden_state
+        g = self.head(mean_pool(hidden, tokens["attention_mask"])).squeeze(-1).float()
+        correction = torch.zeros_like(base).index_put((rows, cols), g)
+        w = self.weight_at_scoring if not self.training else 1.0
+        return base + w * SCALE * correction
 
 
-def _batch(data: ListwiseData, rows: list[int], targets: np.ndarray | None, in_list: np.ndarray | None = None) -> dict:
-    base = data.base_scores[rows]
-    # Training scores a question over the candidates its target keeps in the list; scoring, over all of them.
-    mask = torch.from_numpy(data.mask[rows] & (in_list[rows] if in_list is not None else True))
-    batch = {
-        "questions": [data.questions[i] for i in rows],
-        "query_vectors": torch.from_numpy(data.query_vectors[rows]),
-        "passages": torch.from_numpy(data.passage_vectors[rows]),
-        "mask": mask,
-        "base": torch.from_numpy(np.where(data.mask[rows], base, 0.0).astype(np.float32)),
-    }
-    if targets is not None:
-        batch["target"] = torch.from_numpy(np.where(data.mask[rows], targets[rows], -np.inf).astype(np.float32))
-    return batch
-
-
-def padded_targets(targets: list[np.ndarray | ListTarget | None], width: int) -> tuple[np.ndarray, list[int]]:
-    """(Q, width) target logits (-inf on padding, on a question without target and on a candidate its target
-    leaves out of the list) and the questions that have one."""
-    out = np.full((len(targets), width), -np.inf, dtype=np.float32)
-    kept = []
-    for i, t in enumerate(targets):
-        if isinstance(t, ListTarget):
-            out[i, : len(t.logits)] = np.where(t.in_list, t.logits, -np.inf)
-            kept.append(i)
-        elif t is not None:
-            out[i, : len(t)] = t
-            kept.append(i)
-    return out, kept
-
-
-def padded_in_list(targets: list[np.ndarray | ListTarget | None], width: int) -> np.ndarray:
-    """(Q, width): False where a target leaves a candidate out of the list (padding is data.mask's to drop)."""
-    out = np.ones((len(targets), width), dtype=bool)
-    for i, t in enumerate(targets):
-        if isinstance(t, ListTarget):
-            out[i, : len(t.in_list)] = t.in_list
-    return out
+# kind -> class; each is built from the base bi-encoder and starts equal to it.
+STUDENTS: dict[str, type[ListwiseStudent]] = {
+    "query_tower": QueryTowerStudent,
+    "residual_head": ResidualHeadStudent,
+    "residual_cross_encoder": ResidualCrossEncoderStudent,
+}
 
 
 def build_student(settings: ListwiseSettings, base_dir: str | Path | None = None) -> ListwiseStudent:
-    """A fresh student equal to the base; `base_dir` is the bi-encoder's folder (query_tower only)."""
-    encoder = MeanPoolEncoder(base_dir, device="cpu")
-    if settings.student == "residual_head":
-        return ResidualHeadStudent(settings, encoder.model.config.hidden_size)
-    return QueryTowerStudent(settings, encoder.model, encoder.tokenizer, encoder.max_length)
+    """A fresh student equal to the base; `base_dir` is the bi-encoder's folder (None: the embedded MiniLM)."""
+    return STUDENTS[settings.student](settings, MeanPoolEncoder(base_dir, device="cpu"))
 
 
 def fit_listwise(
@@ -266,8 +236,11 @@ def fit_listwise(
     settings and data give the same student)."""
     if len(targets) != len(data.questions):
         raise ValueError(f"{len(targets)} targets for {len(data.questions)} questions")
-    table, kept = padded_targets(targets, data.mask.shape[1])
+    table, _ = padded_targets(targets, data.mask.shape[1])
     in_list = padded_in_list(targets, data.mask.shape[1])
+    # A question trains where its target keeps a finite logit inside the data's mask (after `top_k`, a relevance
+    # target whose own paragraph lies below the base's top k has none there).
+    kept = [i for i in range(len(targets)) if np.isfinite(table[i][data.mask[i] & in_list[i]]).any()]
     if not kept:
         raise ValueError(f"listwise {settings.student}: no question has a target (nothing to train on)")
     L.seed_everything(settings.seed, workers=True, verbose=False)
@@ -279,7 +252,7 @@ def fit_listwise(
         shuffle=True,
         generator=generator,
         drop_last=len(kept) >= settings.batch_size,
-        collate_fn=lambda rows: _batch(data, list(rows), table, in_list),
+        collate_fn=lambda rows: list_batch(data, list(rows), table, in_list),
     )
     trainer = L.Trainer(
         max_steps=settings.steps,
@@ -290,6 +263,7 @@ def fit_listwise(
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
+        precision=settings.precision,
     )
     trainer.fit(student, loader)
     # Drop the trainer (and through it the optimizer's state, twice the model's size): a study trains dozens of

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from confrag.infra.finite import require_finite
-from confrag.reranker.listwise_student import ListTarget
+from confrag.reranker.listwise_data import ListTarget
 from confrag.retrieval.candidates import Candidates
 
 
@@ -85,7 +85,7 @@ def utility_target(inputs: TeacherInputs, temperature: float) -> ListTarget | No
 
 
 # name -> target logits of one question (None: no positive); τ_T divides ℓ and is ignored by the others.
-TEACHERS: dict[str, Callable[[TeacherInputs, float], np.ndarray | ListTarget | None]] = {
+LISTWISE_TEACHERS: dict[str, Callable[[TeacherInputs, float], np.ndarray | ListTarget | None]] = {
     "likelihood": likelihood_target,
     "relevance": relevance_target,
     "answer_bearing": answer_bearing_target,
@@ -97,11 +97,11 @@ def teacher_targets(
     name: str, inputs: list[TeacherInputs], temperature: float
 ) -> tuple[list[np.ndarray | ListTarget | None], int]:
     """Each question's target logits (None where the teacher has no positive) and how many got None."""
-    if name not in TEACHERS:
-        raise ValueError(f"teacher must be one of {sorted(TEACHERS)}; got {name!r}")
+    if name not in LISTWISE_TEACHERS:
+        raise ValueError(f"teacher must be one of {sorted(LISTWISE_TEACHERS)}; got {name!r}")
     if not temperature > 0:
         raise ValueError(f"teacher temperature must be > 0; got {temperature!r}")
-    targets = [TEACHERS[name](x, float(temperature)) for x in inputs]
+    targets = [LISTWISE_TEACHERS[name](x, float(temperature)) for x in inputs]
     return targets, sum(t is None for t in targets)
 
 

@@ -1,0 +1,218 @@
+"""The fair-student study: students of ℓ that can move, chosen on dev, cross-fitted, with controls that move.
+
+The design (docs/results.md, "A fair student of ℓ", fixed before any student was trained) in code: every student
+reorders the base's top `TOP_K` candidates, trained on KL(softmax(ℓ/τ_T) ‖ softmax(f/τ)) + λ·KL(softmax(base/τ) ‖
+softmax(f/τ)) over them, the student's τ on the dev grid (so the loss asks for the teacher's order rather than
+for flatter scores, and the anchor no longer pins the top-1), word embeddings frozen. Rows:
+
+- `residual_ce` (primary): f = base + w·SCALE·g(q, p), g a MiniLM cross-encoder with a zero-initialised head;
+- `tower`: REPLUG LSR's query tower at a matched temperature;
+- `residual_head`: the frozen base with a zero-initialised head on q ⊙ p, its lr on dev.
+
+Dev (never trained on) chooses each row's settings on its Top-1 has_answer with fold 0's students; a tie keeps
+the earlier setting of the grid (the smaller change). The controls train fold 0's students at settings that move
+the top-1 and measure them where they trained and held out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from confrag.reranker.listwise_data import ListwiseData
+from confrag.reranker.listwise_student import ListwiseSettings, ListwiseStudent, fit_listwise
+from confrag.reranker.listwise_teachers import TeacherInputs, teacher_targets
+from confrag.studies.likelihood_study import Folds, Outcomes, Study, top1
+
+log = logging.getLogger(__name__)
+
+TOP_K = 5
+SEEDS = 3
+# The training every student gets; the rows differ in student kind and in what dev chooses.
+TRAINING = ListwiseSettings(
+    student="query_tower", lr=1e-5, steps=150, batch_size=16, warmup_ratio=0.1, weight_decay=0.01, tau=1.0,
+    anchor=1.0, seed=0, train_embeddings=False, precision="32-true",
+)  # fmt: skip
+# Dev grids, the smaller change first in each (lower lr, larger λ, smaller w): a tie keeps the earlier setting.
+TOWER_GRID = {"lr": (1e-5, 3e-5), "anchor": (1.0, 0.1), "tau": (1.0, 4.0, 8.0), "teacher_tau": (2.0, 0.5)}
+CE_GRID = {"lr": (1e-5, 3e-5), "anchor": (1.0, 0.1)}
+HEAD_GRID = {"lr": (1e-3, 1e-2, 1e-1)}
+WEIGHTS = (0.5, 1.0, 2.0)  # w of a residual student at scoring
+# The controls: fold 0's students at λ = 0 and learning rates that move the top-1, on ℓ with every training
+# question and with `SMALL_TRAIN` of them (the learning curve), and on perfect relevance.
+CONTROL_LRS = (3e-5, 1e-4)
+SMALL_TRAIN = 400
+FUSION_WEIGHT = 0.25  # z(base) + w·z(ℓ): the weight the teacher study's dev chose
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One row's dev-chosen settings: the student's training and w at scoring (1 for the tower)."""
+
+    settings: ListwiseSettings
+    teacher_tau: float
+    weight: float
+    dev_has_answer: float
+
+
+@dataclass
+class FairInputs:
+    """Everything the rows read: the study, its ℓ, the base's vectors cut to the top k, folds and answers."""
+
+    study: Study
+    ell: list[np.ndarray]
+    data: ListwiseData  # already cut to the base's top TOP_K
+    folds: Folds
+    outcomes: Outcomes
+    training: ListwiseSettings = TRAINING
+    dev_log: list[dict] = field(default_factory=list)
+
+    @property
+    def teacher_inputs(self) -> list[TeacherInputs]:
+        return [TeacherInputs(c, e) for c, e in zip(self.study.candidate_sets, self.ell)]
+
+
+def train(inputs: FairInputs, settings: ListwiseSettings, teacher: str, teacher_tau: float, rows: list[int]):
+    """A student of `teacher` trained on `rows` (positions in the study)."""
+    targets, _ = teacher_targets(teacher, [inputs.teacher_inputs[i] for i in rows], teacher_tau)
+    return fit_listwise(settings, inputs.data.subset(rows), targets)
+
+
+def scored(student: ListwiseStudent, data: ListwiseData, weight: float = 1.0) -> np.ndarray:
+    student.weight_at_scoring = weight
+    return student.score(data)
+
+
+def has_answer(inputs: FairInputs, at: list[int], scores: np.ndarray) -> float:
+    """Top-1 has_answer of `scores` (aligned with `at`) through the answer cache."""
+    picks = [int(np.argmax(s)) for s in scores]
+    return float(np.mean([o.has_answer for o in inputs.outcomes(at, picks)]))
+
+
+def _dev(inputs: FairInputs, row: str, settings: ListwiseSettings, teacher_tau: float, weights=(1.0,)) -> list:
+    """One grid point on dev: the fold-0 student, scored at each w; (dev has_answer, w) per w, logged."""
+    dev_at = inputs.study.dev_at
+    student = train(inputs, settings, "likelihood", teacher_tau, inputs.folds.training(0))
+    out = []
+    for w in weights:
+        right = has_answer(inputs, dev_at, scored(student, inputs.data.subset(dev_at), w))
+        entry = {"row": row, "lr": settings.lr, "anchor": settings.anchor, "tau": settings.tau,
+                 "teacher_tau": teacher_tau, "w": w, "dev_has_answer": right}  # fmt: skip
+        inputs.dev_log.append(entry)
+        log.info("dev %s: %s", row, entry)
+        out.append((right, w))
+    return out
+
+
+def choose(inputs: FairInputs, row: str, points, weights=(1.0,)) -> Choice:
+    """The grid point (settings, τ_T) with the best dev has_answer; a tie keeps the earlier one."""
+    best = None
+    for settings, teacher_tau in points:
+        for right, w in _dev(inputs, row, settings, teacher_tau, weights):
+            if best is None or right > best.dev_has_answer:
+                best = Choice(settings, teacher_tau, w, right)
+    return best
+
+
+def choose_all(inputs: FairInputs) -> dict[str, Choice]:
+    """Dev's choice for each row: the tower's τ, τ_T, λ, lr first; the cross-encoder and the head at its τ, τ_T."""
+    t = inputs.training
+    tower_points = [
+        (replace(t, lr=lr, anchor=anchor, tau=tau), tau_t)
+        for lr, anchor, tau, tau_t in itertools.product(*TOWER_GRID.values())
+    ]
+    tower = choose(inputs, "tower", tower_points)
+    matched = tower.settings
+    ce_points = [
+        (replace(matched, student="residual_cross_encoder", lr=lr, anchor=anchor), tower.teacher_tau)
+        for lr, anchor in itertools.product(*CE_GRID.values())
+    ]
+    head_points = [
+        (replace(matched, student="residual_head", lr=lr, weight_decay=0.0), tower.teacher_tau)
+        for (lr,) in itertools.product(*HEAD_GRID.values())
+    ]
+    return {
+        "residual_ce": choose(inputs, "residual_ce", ce_points, WEIGHTS),
+        "tower": tower,
+        "residual_head": choose(inputs, "residual_head", head_points, WEIGHTS),
+    }
+
+
+def agreement(inputs: FairInputs, teacher: str, at: list[int], scores: np.ndarray) -> float:
+    """For ℓ: the share of `at` whose top-1 is ℓ's top-1 over every candidate (the design's measure); for
+    relevance: the own paragraph first, of the questions whose own paragraph was retrieved."""
+    sets = inputs.study.candidate_sets
+    picks = [int(np.argmax(s)) for s in scores]
+    if teacher == "likelihood":
+        return float(np.mean([j == int(np.argmax(inputs.ell[i])) for i, j in zip(at, picks)]))
+    return float(np.mean([sets[i].from_gold[j] for i, j in zip(at, picks) if sets[i].gold_retrieved]))
+
+
+@dataclass(frozen=True)
+class CrossFitted:
+    """Each row's scores over the test questions, per seed, and its fit per fold (seed 0)."""
+
+    scores: dict[str, list[np.ndarray]]  # row -> per seed, (questions, candidates), -inf where not scored
+    fits: list[dict]  # per row and fold: agreement with ℓ's top-1 where it trained and held out, the base's beside
+    students: dict[str, ListwiseStudent]  # each row's fold-0, seed-0 student (for questions outside the study)
+
+
+def cross_fit(inputs: FairInputs, chosen: dict[str, Choice], seeds: int = SEEDS, progress: Callable = log.info):
+    data, folds = inputs.data, inputs.folds
+    n_seeds = {"residual_ce": seeds, "tower": seeds, "residual_head": 1}
+    scores = {row: [np.full(data.mask.shape, -np.inf, dtype=np.float32) for _ in range(n)] for row, n in
+              n_seeds.items()}  # fmt: skip
+    fits, students, start = [], {}, time.time()
+    for k, fold in enumerate(folds.folds):
+        rows = folds.training(k)
+        for row, choice in chosen.items():
+            for seed in range(n_seeds[row]):
+                student = train(inputs, replace(choice.settings, seed=seed), "likelihood", choice.teacher_tau, rows)
+                scores[row][seed][fold] = scored(student, data.subset(fold), choice.weight)
+                if seed:
+                    continue
+                if k == 0:
+                    students[row] = student
+                fits.append({
+                    "row": row, "fold": k,
+                    "trained": agreement(inputs, "likelihood", rows, scored(student, data.subset(rows), choice.weight)),
+                    "trained_base": agreement(inputs, "likelihood", rows, data.base_scores[rows]),
+                    "held_out": agreement(inputs, "likelihood", fold, scores[row][0][fold]),
+                    "held_out_base": agreement(inputs, "likelihood", fold, data.base_scores[fold]),
+                })  # fmt: skip
+        progress(f"fold {k + 1} of {len(folds.folds)} trained ({time.time() - start:.0f} s)")
+    return CrossFitted(scores, fits, students)
+
+
+def controls(inputs: FairInputs, chosen: dict[str, Choice], progress: Callable = log.info) -> list[dict]:
+    """Fold 0's residual cross-encoder and query tower at λ = 0 and lr ∈ CONTROL_LRS (the matched τ), on ℓ with
+    every training question and with SMALL_TRAIN of them, and on perfect relevance: each where it trained and held
+    out, with the share of its training questions whose top-1 moved from the base's (a control that moves nothing
+    is no test)."""
+    data, folds = inputs.data, inputs.folds
+    held = folds.folds[0]
+    out = []
+    cases = [("likelihood", None), ("likelihood", SMALL_TRAIN), ("relevance", None)]
+    for row, (teacher, at_most), lr in itertools.product(("residual_ce", "tower"), cases, CONTROL_LRS):
+        choice = chosen[row]
+        rows = folds.training(0, at_most)
+        settings = replace(choice.settings, lr=lr, anchor=0.0, seed=0)
+        student = train(inputs, settings, teacher, choice.teacher_tau, rows)
+        fitted = scored(student, data.subset(rows), choice.weight)
+        out.append({
+            "row": row, "teacher": teacher, "lr": lr, "training_questions": len(rows),
+            "trained": agreement(inputs, teacher, rows, fitted),
+            "trained_base": agreement(inputs, teacher, rows, data.base_scores[rows]),
+            "held_out": agreement(inputs, teacher, held, scored(student, data.subset(held), choice.weight)),
+            "held_out_base": agreement(inputs, teacher, held, data.base_scores[held]),
+            "moved_where_trained": float(np.mean(
+                [a != b for a, b in zip(top1(fitted, range(len(rows))), top1(data.base_scores[rows], range(len(rows))))]
+            )),
+        })  # fmt: skip
+        progress(f"control {out[-1]}")
+    return out

@@ -1,0 +1,233 @@
+"""The likelihood studies' own code (confrag.studies, what experiments/fair_student.py, likelihood_teacher.py and
+likelihood_training.py run): the combined loss, the anchor on every student kind, the base's top k, the folds, the
+rows that read ℓ, the utility labels, --picks-from, Holm across a study's rows, the verdict and the pre-check."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from confrag.data.nq import QARow
+from confrag.rag.answers import ScoredAnswer
+from confrag.rag.stats import holm, mcnemar_exact
+from confrag.reranker.listwise_data import ListwiseData, list_batch
+from confrag.reranker.listwise_student import STUDENTS, build_student
+from confrag.retrieval.candidates import Candidates
+from confrag.retrieval.corpus import CorpusPassage
+from confrag.studies import fair_report, fair_student
+from confrag.studies.fair_student import TRAINING, Choice
+from confrag.studies.frozen_precheck import Shortlist, frozen_precheck
+from confrag.studies.likelihood_study import Folds, Study, earlier_run, likelihood_choices, utility_labels
+
+QUESTIONS = ["who wrote the origin of species", "what is the capital of france", "when did the berlin wall fall"]
+PASSAGES = [
+    ["Charles Darwin wrote On the Origin of Species in 1859.", "Paris is a city.", "Spiders are arachnids."],
+    ["Paris is the capital and largest city of France.", "Lyon is in France.", "The Seine flows.", "Rome."],
+    ["The Berlin Wall fell on 9 November 1989.", "Berlin is in Germany.", "Walls are built of stone."],
+]
+
+
+@pytest.fixture(scope="module")
+def data() -> ListwiseData:
+    from confrag.retrieval.dense import MeanPoolEncoder
+
+    encoder = MeanPoolEncoder(device="cpu")
+    return ListwiseData.from_lists(
+        QUESTIONS, encoder.encode(QUESTIONS), [encoder.encode(p) for p in PASSAGES], passage_texts=PASSAGES
+    )
+
+
+def _perturbed(student) -> None:
+    """Move every student kind away from the base, so that the anchor term is not zero."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if name.startswith("head") or name.endswith("attention.output.dense.weight"):
+                p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+
+def _hand_kl(target_logits: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> float:
+    rows = []
+    for t, s, m in zip(target_logits, scores, mask):
+        p = torch.softmax(t[m], 0)
+        rows.append((p * (torch.log_softmax(t[m], 0) - torch.log_softmax(s[m], 0))).sum())
+    return float(torch.stack(rows).mean())
+
+
+@pytest.mark.parametrize("student", sorted(STUDENTS))
+def test_the_combined_loss_is_kl_plus_lambda_anchor_at_a_temperature_other_than_one(data, student):
+    """training_step's loss against a hand computation: KL(softmax(t) ‖ softmax(f/τ)) + λ·KL(softmax(base/τ) ‖
+    softmax(f/τ)), τ = 4, λ = 0.7, over the base's top 2 (the rest of each list out of the loss)."""
+    tau, anchor = 4.0, 0.7
+    settings = replace(TRAINING, student=student, tau=tau, anchor=anchor)
+    model = build_student(settings)
+    _perturbed(model)
+    top2 = data.top_k(2)
+    targets = np.where(top2.mask, np.arange(top2.mask.shape[1])[None, :] * -0.5, -np.inf).astype(np.float32)
+    batch = list_batch(top2, [0, 1, 2], targets)
+    with torch.no_grad():
+        loss = float(model.training_step(batch, 0))
+        f = model.scores(batch).float()
+    mask = batch["mask"]
+    assert mask.sum(dim=1).tolist() == [2, 2, 2]
+    want = _hand_kl(batch["target"], f / tau, mask) + anchor * _hand_kl(batch["base"] / tau, f / tau, mask)
+    assert loss == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert _hand_kl(batch["base"] / tau, f / tau, mask) > 1e-6, "the perturbed student must differ from the base"
+
+
+def test_top_k_keeps_the_base_top_k_and_students_choose_among_them(data):
+    top2 = data.top_k(2)
+    order = np.argsort(-data.base_scores, axis=1, kind="stable")
+    for i in range(len(QUESTIONS)):
+        assert set(np.flatnonzero(top2.mask[i])) == set(order[i, :2])
+    scores = build_student(replace(TRAINING, student="residual_cross_encoder")).score(top2)
+    assert np.isneginf(scores[~top2.mask]).all() and np.isfinite(scores[top2.mask]).all()
+    assert data.top_k(None) is data
+    with pytest.raises(ValueError, match="top_k"):
+        data.top_k(0)
+
+
+def test_frozen_word_embeddings_do_not_train(data):
+    for kind in ("query_tower", "residual_cross_encoder"):
+        frozen = build_student(replace(TRAINING, student=kind, train_embeddings=False))
+        trained = build_student(replace(TRAINING, student=kind, train_embeddings=True))
+        assert not frozen.encoder.get_input_embeddings().weight.requires_grad
+        assert trained.encoder.get_input_embeddings().weight.requires_grad
+
+
+def _candidates(qid: str, n: int = 4, gold: int | None = 0) -> Candidates:
+    passages = [CorpusPassage(f"{qid}p{j}", "t", f"text {j}", source_id=f"{qid}-{j}") for j in range(n)]
+    gold_source = f"{qid}-{gold}" if gold is not None else None
+    return Candidates(
+        qid, f"question {qid}?", ("a",), passages, [float(n - j) for j in range(n)], [False] * n, gold_source
+    )
+
+
+def _study(n: int = 30, dev: int = 6) -> Study:
+    sets = [_candidates(f"q{i}") for i in range(n)]
+    rows = [QARow(c.qid, c.question, c.answers, ()) for c in sets] + [QARow("other", "other?", ("b",), ())]
+    dev_ids = frozenset(c.qid for c in sets[:dev])
+    return Study(None, rows[:n], sets, dev_ids, frozenset(c.qid for c in sets[dev:]), 0, None, rows)
+
+
+def test_folds_cover_the_test_questions_once_and_training_never_sees_its_fold_or_dev():
+    study = _study()
+    folds = Folds.of(study, 3)
+    flat = [i for fold in folds.folds for i in fold]
+    assert sorted(flat) == study.test_at and len(set(flat)) == len(flat)
+    for k, fold in enumerate(folds.folds):
+        rows = folds.training(k)
+        assert not set(rows) & set(fold) and not set(rows) & set(study.dev_at)
+        assert sorted(rows) == sorted(set(study.test_at) - set(fold))
+        small = folds.training(k, at_most=5)
+        assert len(small) == 5 and set(small) <= set(rows) and small == folds.training(k, at_most=5)
+    assert Folds.of(study, 3).folds == folds.folds  # seeded: the same study gives the same folds
+    leaking = Folds(study, [folds.folds[0], folds.folds[1] + study.dev_at[:1], folds.folds[2]])
+    with pytest.raises(AssertionError, match="dev questions in training"):
+        leaking.training(0)
+    assert [r.qid for r in study.outside()] == ["other"]
+
+
+def test_the_rows_that_read_the_likelihood_choose_as_documented():
+    base = np.array([3.0, 2.9, 1.0, 0.5, 0.4])
+    ell = np.array([-3.0, -1.0, -2.0, -0.1, -5.0])
+    got = likelihood_choices(base, ell, 0.25)
+    assert got["base"] == 0 and got["bm25"] == 0 and got["likelihood"] == 3
+    assert got["base_top3_by_likelihood"] == 1  # among the base's top 3 (0, 1, 2), ℓ prefers 1
+    z = lambda x: (x - x.mean()) / (x.std() + 1e-9)  # noqa: E731
+    assert got["fusion"] == int(np.argmax(z(base) + 0.25 * z(ell))) == 1  # the near-tie broken by ℓ
+
+
+class _FakeOutcomes:
+    """Answers right exactly where (question, candidate) is in `right`; records every call."""
+
+    def __init__(self, sets, right: set) -> None:
+        self.sets, self.right, self.asked = sets, right, []
+        self.store = type("Store", (), {"generated": 0})()
+
+    def __call__(self, at, picks):
+        self.asked.append(list(zip(at, picks)))
+        return [ScoredAnswer("x", (i, j) in self.right, False, 0.0) for i, j in zip(at, picks)]
+
+
+def test_utility_labels_map_each_rank_to_its_candidate_by_the_base_order():
+    sets = [_candidates("a", 4), _candidates("b", 3)]
+    base = np.array([[0.1, 0.9, 0.5, 0.3], [2.0, 1.0, 3.0, -np.inf]])
+    outcomes = _FakeOutcomes(sets, right={(0, 2), (1, 0)})
+    labels = utility_labels(outcomes, base, depth=2)
+    # question a: base order 1, 2, 3, 0 -> ranks 1-2 are candidates 1 and 2; b: order 2, 0, 1 -> candidates 2 and 0
+    np.testing.assert_array_equal(labels[0], [-1, 0, 1, -1])
+    np.testing.assert_array_equal(labels[1], [1, -1, 0])
+    assert outcomes.asked == [[(0, 1), (1, 2)], [(0, 2), (1, 0)]]  # rank by rank over every question
+
+
+def test_picks_from_reads_an_earlier_run_of_the_same_questions_only(tmp_path):
+    (tmp_path / "picks.json").write_text(json.dumps({"qids": ["q1", "q2"], "picks": {"base": [0, 1]}}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"chosen": {"lr": 1e-5}, "dev": []}))
+    assert earlier_run(tmp_path, ["q1", "q2"])["picks"] == {"base": [0, 1]}
+    with pytest.raises(ValueError, match="not this study's"):
+        earlier_run(tmp_path, ["q2", "q1"])
+
+
+def _answers(flags) -> list[ScoredAnswer]:
+    return [ScoredAnswer("x", bool(f), False, float(f)) for f in flags]
+
+
+def test_holm_runs_across_every_row_of_a_study():
+    rng = np.random.default_rng(0)
+    base = rng.random(200) < 0.35
+    rows = {"base": base, "a": base | (rng.random(200) < 0.1), "b": base & (rng.random(200) < 0.9), "c": base.copy()}
+    got = fair_report.compare(["a", "b", "c"], {k: _answers(v) for k, v in rows.items()})
+    raw = [mcnemar_exact(rows[k].astype(float), base.astype(float)).pvalue for k in ("a", "b", "c")]
+    assert [r.holm for r in got[1:]] == pytest.approx(holm(raw))
+    assert got[1].only_base == 0 and got[1].only_row == int((rows["a"] & ~base).sum())
+    assert got[3].diff[0] == 0.0 and got[0].name == "base" and got[0].diff is None
+
+
+def test_the_verdict_checks_every_part_of_the_success_criterion():
+    rows = [fair_report.RowResult("base", [0.35, 0.33, 0.37], 0.12)]
+    good = fair_report.RowResult("residual_ce@0", [0.37, 0.35, 0.39], 0.125, [0.015, 0.008, 0.022], 30, 9, 0.01, 0.005)
+    fits = [{"row": "residual_ce", "held_out": 0.84, "held_out_base": 0.80} for _ in range(3)]
+    seeds = {"residual_ce@0": 0.015, "residual_ce@1": 0.012, "residual_ce@2": 0.011}
+    met, lines = fair_report.verdict([*rows, good], seeds, fits)
+    assert met and all(line.startswith("- met") for line in lines)
+    fits[1] = {"row": "residual_ce", "held_out": 0.81, "held_out_base": 0.80}  # one fold short of +2 points
+    assert not fair_report.verdict([*rows, good], seeds, fits)[0]
+    fits[1] = fits[0]
+    assert not fair_report.verdict([*rows, good], {**seeds, "residual_ce@2": -0.001}, fits)[0]
+    assert not fair_report.verdict([*rows, replace(good, holm=0.2)], seeds, fits)[0]
+    assert not fair_report.verdict([*rows, replace(good, f1_diff=-0.001)], seeds, fits)[0]
+
+
+def test_dev_choice_keeps_the_earlier_grid_point_on_a_tie(monkeypatch):
+    a, b = replace(TRAINING, lr=1e-5), replace(TRAINING, lr=3e-5)
+    scores = {1e-5: [(0.30, 0.5), (0.32, 1.0)], 3e-5: [(0.32, 0.5), (0.31, 1.0)]}
+    monkeypatch.setattr(fair_student, "_dev", lambda inputs, row, settings, tau_t, weights: scores[settings.lr])
+    got = fair_student.choose(None, "x", [(a, 2.0), (b, 2.0)], (0.5, 1.0))
+    assert got == Choice(a, 2.0, 1.0, 0.32)  # the later 0.32 (lr 3e-5) ties and loses to the smaller change
+
+
+def test_the_precheck_sees_a_preference_the_frozen_features_carry_and_not_one_they_do_not():
+    rng = np.random.default_rng(0)
+    n_q, k = 300, 3
+    features, labels, owner, ranks = [], [], [], []
+    for q in range(n_q):
+        signal = rng.normal(size=k)
+        choice = int(np.argmax(signal))
+        for rank in range(k):
+            control = [3.0 - rank, -float(rank), rank]
+            features.append(np.concatenate([control, [signal[rank]], rng.normal(size=4)]))
+            labels.append(int(rank == choice))
+            owner.append(q)
+            ranks.append(rank)
+    sl = Shortlist(np.array(features), np.array(labels), np.array(owner), np.array(ranks))
+    folds = [list(range(0, 100)), list(range(100, 200)), list(range(200, 300))]
+    rows = {(r.model, r.features): r for r in frozen_precheck(sl, folds, resamples=50, models=("logistic",))}
+    assert rows[("logistic", "frozen")].auroc > 0.85 > rows[("logistic", "control")].auroc + 0.2
+    assert rows[("logistic", "frozen")].top1_is_ells > rows[("base", "control")].top1_is_ells + 0.3
+    low, high = rows[("logistic", "frozen")].auroc_ci
+    assert low < rows[("logistic", "frozen")].auroc < high
