@@ -231,3 +231,14 @@ def test_the_precheck_sees_a_preference_the_frozen_features_carry_and_not_one_th
     assert rows[("logistic", "frozen")].top1_is_ells > rows[("base", "control")].top1_is_ells + 0.3
     low, high = rows[("logistic", "frozen")].auroc_ci
     assert low < rows[("logistic", "frozen")].auroc < high
+
+
+def test_holm_from_counts_recomputes_the_500_question_tables_column():
+    """The 9 rows of the 500-question likelihood study (docs/results.md), Holm from their discordant counts."""
+    counts = {"oracle": (15, 8), "r1_lsr": (4, 18), "r1_relevance": (2, 11), "r1_answer_bearing": (4, 12),
+              "r1_residual": (0, 0), "r2_lsr": (2, 3), "r2_relevance": (0, 1), "r2_answer_bearing": (0, 3),
+              "r2_residual": (0, 0)}  # fmt: skip
+    got = {k: round(v[1], 3) for k, v in fair_report.holm_from_counts(counts).items()}
+    assert got == {"oracle": 1.0, "r1_lsr": 0.039, "r1_relevance": 0.18, "r1_answer_bearing": 0.538,
+                   "r1_residual": 1.0, "r2_lsr": 1.0, "r2_relevance": 1.0, "r2_answer_bearing": 1.0,
+                   "r2_residual": 1.0}  # fmt: skip

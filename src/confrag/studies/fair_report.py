@@ -148,3 +148,13 @@ def write(out: Path, lines: list[str], payload: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
     atomic_write_text(out / "metrics.json", json.dumps(payload, indent=2, default=str))
+
+
+def holm_from_counts(counts: dict[str, tuple[int, int]]) -> dict[str, tuple[float, float]]:
+    """Exact McNemar p and Holm-adjusted p of rows given by their discordant counts (row alone, base alone), Holm
+    across all of them: a published table's Holm column recomputed from its own counts."""
+    raw = {}
+    for name, (only_row, only_base) in counts.items():
+        a = [1] * only_row + [0] * only_base
+        raw[name] = mcnemar_exact(a, [1 - x for x in a]).pvalue if a else 1.0
+    return dict(zip(raw, zip(raw.values(), holm(list(raw.values())))))
