@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +272,11 @@ def fit_listwise(
         drop_last=len(kept) >= settings.batch_size,
         collate_fn=lambda rows: list_batch(data, list(rows), table, in_list),
     )
+    # A study trains dozens of students: Lightning's per-fit notices (devices, tips, "max_steps reached") would bury
+    # the study's own log, so they are kept below WARNING while a student fits.
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
     trainer = L.Trainer(
         max_steps=settings.steps,
         accelerator="cpu",
@@ -282,7 +288,10 @@ def fit_listwise(
         deterministic=True,
         precision=settings.precision,
     )
-    trainer.fit(student, loader)
+    try:
+        trainer.fit(student, loader)
+    finally:
+        quiet.setLevel(level)
     # Drop the trainer (and through it the optimizer's state, twice the model's size): a study trains dozens of
     # students, and the module <-> trainer cycle would otherwise keep each one's state until a full collection.
     student.trainer = None

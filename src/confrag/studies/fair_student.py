@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -76,14 +77,15 @@ class FairInputs:
     cross_encoder: dict = field(default_factory=lambda: dict(CROSS_ENCODER))
     dev_log: list[dict] = field(default_factory=list)
 
-    @property
+    @cached_property
     def teacher_inputs(self) -> list[TeacherInputs]:
         return [TeacherInputs(c, e) for c, e in zip(self.study.candidate_sets, self.ell)]
 
 
 def train(inputs: FairInputs, settings: ListwiseSettings, teacher: str, teacher_tau: float, rows: list[int]):
     """A student of `teacher` trained on `rows` (positions in the study)."""
-    targets, _ = teacher_targets(teacher, [inputs.teacher_inputs[i] for i in rows], teacher_tau)
+    every = inputs.teacher_inputs
+    targets, _ = teacher_targets(teacher, [every[i] for i in rows], teacher_tau)
     return fit_listwise(settings, inputs.data.subset(rows), targets)
 
 
