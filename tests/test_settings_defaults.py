@@ -22,7 +22,7 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from confrag import instantiators
-from confrag.instantiators import RENAMED, renamed_keys, settings_from
+from confrag.instantiators import settings_from
 from confrag.llm.generation import GreedyOptions
 from confrag.probe.data_options import AnswerOptions, CandidateOptions, ExtractionOptions, RankingOptions, SplitOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
@@ -83,7 +83,7 @@ def test_an_options_node_repeats_no_dataclass_default(key):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_builds_its_settings(name, tmp_path: Path):
-    cfg = renamed_keys(compose_cfg([f"+experiment={name}"], tmp_path))  # as a task's check reads it
+    cfg = compose_cfg([f"+experiment={name}"], tmp_path)
     built = [key for key in SETTINGS if cfg.get(key) is not None]
     assert "hub" in built
     for key in built:
@@ -141,7 +141,7 @@ def test_an_option_group_default_is_written_once(path, group):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_builds_its_data_option_groups(name, tmp_path: Path):
-    cfg = renamed_keys(compose_cfg([f"+experiment={name}"], tmp_path))
+    cfg = compose_cfg([f"+experiment={name}"], tmp_path)
     for where in ("data", "probe.data"):
         node = OmegaConf.select(cfg, where)
         if node is None or not str(node.get("_target_", "")).endswith("NQConfidenceDataModule"):
@@ -153,9 +153,6 @@ def test_every_experiment_builds_its_data_option_groups(name, tmp_path: Path):
 # --- the classes YAML instantiates ------------------------------------------------------------------------------
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
-# Old names the shipped YAML keeps at null for one release; a run reads them into the new ones and removes them
-# before anything is instantiated (`confrag.instantiators.renamed_keys`).
-RENAMED_KEYS = {old.rpartition(".")[2] for old in RENAMED}
 
 
 def target_nodes(node: Any, where: str = "") -> list[tuple[str, dict]]:
@@ -180,7 +177,7 @@ def written_twice(cls: type, node: dict) -> tuple[dict[str, tuple[object, object
     """(keys the node holds that `cls`'s signature also gives a default: {key: (signature's, YAML's)}, keys the
     node holds that the signature does not take)."""
     parameters = inspect.signature(cls).parameters
-    keys = set(node) - HYDRA_KEYS - RENAMED_KEYS
+    keys = set(node) - HYDRA_KEYS
     twice = {k: (parameters[k].default, node[k]) for k in sorted(keys & set(parameters))}
     twice = {k: pair for k, pair in twice.items() if pair[0] is not inspect.Parameter.empty}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -226,7 +223,7 @@ def test_a_target_class_takes_no_default_for_a_key_its_yaml_holds(where):
 def test_every_composed_target_node_is_written_once(name, tmp_path: Path):
     """As an experiment composes them: the model / data nodes that extend another (reranker_bge_m3 over
     reranker_minilm), the probe's nodes under a later task's `probe`, each gate under `gates.configs`."""
-    cfg = OmegaConf.to_container(renamed_keys(compose_cfg([f"+experiment={name}"], tmp_path)), resolve=False)
+    cfg = OmegaConf.to_container(compose_cfg([f"+experiment={name}"], tmp_path), resolve=False)
     nodes = [(where, node) for where, node in target_nodes(cfg) if ours(node)]
     assert any(where in ("model", "probe.model") for where, _ in nodes)
     for where, node in nodes:

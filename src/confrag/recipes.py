@@ -20,8 +20,7 @@ from confrag.instantiators import (
     instantiate_list,
     node_parameters,
     plain,
-    renamed_in,
-    renamed_keys,
+    refuse_moved_keys,
     settings_from,
 )
 from confrag.llm.config import LLMConfig
@@ -54,7 +53,6 @@ def probe_recipe(node: DictConfig, monitor: str | None = None, where: str = "") 
     the node's key in the run's config ("probe." in a later task), so that messages name overrides that work."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
     node_key = f"{where}data"
-    renamed_in(data_cfg, node_key)  # `data.nq_path` -> `data.questions_path` (a task's check has done it already)
     datamodule = built(data_cfg, node_key, config_node=node_key)
     with checks.config_key(node_key, node_parameters(data_cfg)):  # its checks against the model's config
         datamodule.check_settings()
@@ -128,9 +126,9 @@ def templates(cfg: DictConfig) -> PromptTemplates:
 
 
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
-    """Everything the rerank stage is built from; every setting checked here, before anything runs. Renamed keys
-    set under their old names are read into the new ones first (`renamed_keys`: in `cfg` itself)."""
-    renamed_keys(cfg)
+    """Everything the rerank stage is built from; every setting checked here, before anything runs (a key that
+    moved, set by a config file, refused first naming its new place: `refuse_moved_keys`)."""
+    refuse_moved_keys(cfg)
     retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
     with checks.config_key("retrieval", node_parameters(cfg.retrieval), others=False):  # not a file's own errors
         retrieval.check_files()
