@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from confrag.infra.paths import register_resolvers
 from confrag.probe.module import load_probe
 from confrag.probe.ranking import gold_rank
 from confrag.rag.stats import accuracy_ci, holm, mcnemar_exact
+from confrag.recipes import probe_recipe
 
 SAME_QUESTIONS = (
     "num_questions",
@@ -37,7 +37,7 @@ SAME_QUESTIONS = (
 def heldout_set(run: Path):
     """The run's held-out ranking questions with their candidates' states (from the cache)."""
     cfg = OmegaConf.load(run / "config_resolved.yaml")
-    datamodule = instantiate(cfg.data, _convert_="all")
+    datamodule = probe_recipe(cfg).make_datamodule()  # the probe's layer resolved as the run resolved it
     if not datamodule.ranking_options.test_questions:
         raise SystemExit(f"{run}: data.ranking.test_questions is 0, so it has no held-out ranking questions")
     datamodule.progress = False

@@ -304,7 +304,6 @@ def test_default_questions_path_next_to_project(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_shared_nq_open_gold_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
     monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
     path = default_questions_path()
     if not path.is_file():

@@ -11,7 +11,7 @@ import inspect
 import logging
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -105,6 +105,24 @@ def node_parameters(node: Any) -> set[str]:
     except Exception:  # noqa: BLE001 - a bad _target_ is named by the instantiation itself
         params = set()
     return (set(values) | params) - {"_target_", "_partial_", "_convert_", "self"}
+
+
+def check_node_keys(node: Any, given: Collection[str] = ()) -> None:
+    """A `_target_` node checked against its class without building it: a key the class does not take, or a
+    parameter without a default that neither the node nor the caller (`given`: what it fills in later) sets, is
+    named (the caller's `checks.config_key` puts the node's key before the message)."""
+    values = plain(node) or {}
+    parameters = inspect.signature(get_class(str(values["_target_"]))).parameters
+    keys = set(values) - {"_target_", "_partial_", "_convert_", "_recursive_"}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    unknown = sorted(keys - set(parameters))
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(set(parameters) - set(given))}")
+    missing = [
+        n for n, p in parameters.items() if p.kind in named and p.default is p.empty and n not in {*keys, *given}
+    ]
+    if missing:
+        raise ValueError(f"missing key(s) {missing}")
 
 
 def built(node: Any, key: str, **kwargs: Any) -> Any:

@@ -17,6 +17,7 @@ from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
 from confrag.instantiators import (
     built,
+    check_node_keys,
     instantiate_list,
     node_parameters,
     plain,
@@ -24,7 +25,10 @@ from confrag.instantiators import (
     settings_from,
 )
 from confrag.llm.config import LLMConfig
+from confrag.llm.loading import model_num_layers
 from confrag.llm.prompts import PromptTemplates
+from confrag.probe.datamodule import probe_layer
+from confrag.probe.module import check_probe_settings
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
 from confrag.reranker.data import check_group_size
@@ -47,29 +51,36 @@ TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision
 
 def probe_recipe(node: DictConfig, monitor: str | None = None, where: str = "") -> ProbeRecipe:
     """From a node holding the probe's `data` (NQConfidenceDataModule), `model` and `trainer`: the probe
-    task's root config, or the `probe` node of a later task. The DataModule and the model's settings are
-    checked here (no model is loaded), before anything runs. `monitor`: the dev metric the checkpoint is
-    chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else val/gold_mrr). `where`:
-    the node's key in the run's config ("probe." in a later task), so that messages name overrides that work."""
+    task's root config, or the `probe` node of a later task. The probe's layer (`model.layer`) is resolved here,
+    once, from the LLM's layer count (its config alone: no weights load), and handed as an integer to the data
+    module and the model; both nodes' settings are checked here, before anything runs. `monitor`: the dev metric
+    the checkpoint is chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else
+    val/gold_mrr). `where`: the node's key in the run's config ("probe." in a later task), so that messages name
+    overrides that work."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
-    node_key = f"{where}data"
-    datamodule = built(data_cfg, node_key, config_node=node_key)
-    with checks.config_key(node_key, node_parameters(data_cfg)):  # its checks against the model's config
+    data_key, model_key = f"{where}data", f"{where}model"
+    with checks.config_key(model_key, node_parameters(model_cfg)):
+        layer = probe_layer(model_cfg.get("layer"), model_num_layers(llm_node(data_cfg.llm)))
+        # The model's own checks (dropout, lr, ...) and keys, without building one: its input width comes with the data.
+        check_node_keys(model_cfg, given=("input_dim", "layer"))
+        check_probe_settings(**{k: v for k, v in plain(model_cfg).items() if not k.startswith("_")})
+    datamodule = built(data_cfg, data_key, config_node=data_key, layer=layer)
+    with checks.config_key(data_key, node_parameters(data_cfg)):  # its checks against the LLM's config
         datamodule.check_settings()
-    # A throwaway probe of input size 1: its own checks (dropout, lr, ...) run now, not after NQ_Confidence.
-    built(model_cfg, f"{where}model", input_dim=1, layer=None)
     if model_cfg.get("optimizer") == "lbfgs" and data_cfg.get("batch_size") is not None:
         raise ValueError(
-            f"model.optimizer=lbfgs takes whole-split batches: set data.batch_size=null (got {data_cfg.batch_size})"
+            f"{model_key}.optimizer=lbfgs takes whole-split batches: set {data_key}.batch_size=null "
+            f"(got {data_cfg.batch_size})"
         )
     return ProbeRecipe(
-        make_datamodule=lambda: instantiate(data_cfg, config_node=node_key, _convert_="all"),
-        make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
+        make_datamodule=lambda: instantiate(data_cfg, config_node=data_key, layer=layer, _convert_="all"),
+        make_model=lambda **kw: instantiate(model_cfg, layer=layer, **kw, _convert_="all"),
         make_trainer=lambda **kw: instantiate(trainer_cfg, **{**rank_devices(trainer_cfg), **kw}),
         identity={
             "model": OmegaConf.to_container(model_cfg, resolve=True),
             "max_epochs": trainer_cfg.get("max_epochs"),
         },
+        layer=layer,
         monitor=str(monitor or node.get("monitor") or DEFAULT_MONITOR),
     )
 

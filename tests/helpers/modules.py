@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 
 from confrag.infra.paths import config_dir, default_cache_dir
 from confrag.instantiators import shipped
+from confrag.llm.loading import model_num_layers
+from confrag.probe.datamodule import probe_layer
 
 SEED = 0
 
@@ -35,10 +37,11 @@ def probe_module(**values: Any):
 
 def confidence_data(**values: Any):
     """An NQConfidenceDataModule from conf/data/nq_confidence.yaml (`llm`, `prompts`, `questions_path` in
-    `values`), with what a run's config gives it: the model node's layer (`mid`), the NQ dataset's questions
-    format, the default cache folder. An option group in `values` (`splits={"balance": False}`) is merged into the
-    shipped one."""
-    layer = OmegaConf.load(config_dir() / "model" / "probe.yaml").layer
+    `values`), with what a run gives it: the probe's layer resolved from the model node's (`mid`: Layer/2 of `llm`,
+    as `recipes.probe_recipe` resolves it), the NQ dataset's questions format, the default cache folder. An option
+    group in `values` (`splits={"balance": False}`) is merged into the shipped one."""
+    spec = values.pop("layer", OmegaConf.load(config_dir() / "model" / "probe.yaml").layer)
+    layer = spec if isinstance(spec, int) else probe_layer(spec, model_num_layers(values["llm"]))
     questions_format = OmegaConf.load(config_dir() / "dataset" / "nq.yaml").questions_format
     borrowed = {
         "seed": SEED,
