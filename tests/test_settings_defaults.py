@@ -22,6 +22,7 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from confrag import instantiators
+from confrag.gates.settings import GatesNode
 from confrag.instantiators import settings_from
 from confrag.llm.generation import GreedyOptions
 from confrag.probe.data_options import AnswerOptions, CandidateOptions, ExtractionOptions, RankingOptions, SplitOptions
@@ -88,6 +89,9 @@ def test_every_experiment_builds_its_settings(name, tmp_path: Path):
     assert "hub" in built
     for key in built:
         settings_from(SETTINGS[key][0], cfg[key], key)  # no key missing, none unknown, every value valid
+    if cfg.get("gates") is not None:  # composed from its defaults list: conf/gates/default.yaml and conf/gate/
+        assert not defaults_of(GatesNode)
+        settings_from(GatesNode, cfg.gates, "gates")
 
 
 def test_a_missing_key_is_named():
@@ -205,13 +209,13 @@ def test_the_walk_finds_every_class_the_project_instantiates():
     found = {node["_target_"] for node in SHIPPED_TARGETS.values() if ours(node)}
     assert {
         "confrag.gates.ccsk.CCSKGate",
-        "confrag.reranker.data.PreferenceDataModule",
-        "confrag.reranker.module.RerankerModule",
+        "confrag.reranker.settings.PairBatching",
+        "confrag.reranker.settings.RerankerSettings",
         "confrag.probe.module.ProbeModule",
         "confrag.probe.datamodule.NQConfidenceDataModule",
         "confrag.infra.sweep_callback.SweepSummary",
     } <= found
-    assert len(found) >= 17  # 12 gates, 2 modules, 2 data modules, the sweep callback; more may come
+    assert len(found) >= 17  # 12 gates, the probe's 2 modules, the reranker's 2 settings, the sweep callback
 
 
 @pytest.mark.parametrize("where", sorted(k for k, node in SHIPPED_TARGETS.items() if ours(node)))
@@ -253,6 +257,6 @@ def test_shipped_builds_a_node_with_the_callers_values_on_top():
         instantiators.shipped("gate/cbdr.yaml")
     with pytest.raises(ValueError, match=r"conf/model/probe_logistic.yaml extends another node"):
         instantiators.shipped("model/probe_logistic.yaml", input_dim=4)
-    # A `_partial_` node is built at once, and the class's own error comes through unwrapped.
+    # The class's own error comes through unwrapped.
     with pytest.raises(ValueError, match="^group_size must be an integer >= 2"):
         instantiators.shipped("data/preference_pairs.yaml", seed=0, group_size=1)

@@ -31,8 +31,9 @@ from confrag.probe.datamodule import probe_layer
 from confrag.probe.module import check_probe_settings
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
-from confrag.reranker.data import check_group_size
-from confrag.reranker.module import check_settings as check_reranker_settings
+from confrag.reranker.data import PreferenceDataModule
+from confrag.reranker.module import RerankerModule
+from confrag.reranker.settings import PairBatching, RerankerSettings
 from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 from confrag.stages.probe import DEFAULT_MONITOR, ProbeRecipe
@@ -93,34 +94,39 @@ def rank_devices(trainer_cfg: DictConfig) -> dict:
 
 
 def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
-    """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
-    with checks.config_key("data", node_parameters(cfg.data)):
-        check_group_size(cfg.data.group_size)
-        for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
-            checks.positive_int(cfg.data[key], key)
-        checks.non_negative_int(cfg.data.num_workers, "num_workers")
-    # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
-    with checks.config_key("model", node_parameters(cfg.model)):
-        check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
+    """The reranker's settings (`model`: RerankerSettings) and batching (`data`: PairBatching), each built and
+    checked here without loading a backbone, and the trainer; the stages build the module and the data module from
+    them."""
+    settings = typed_node(cfg.model, "model", RerankerSettings)
+    batching = typed_node(cfg.data, "data", PairBatching)
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
     return RerankerRecipe(
-        make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
-        make_datamodule=lambda **kw: instantiate(cfg.data, _convert_="all")(**kw),
+        make_model=lambda **kw: RerankerModule(settings.replace(**kw)),
+        make_datamodule=lambda **kw: PreferenceDataModule(batching, **kw),
         make_trainer=lambda extra_callbacks=(), **kw: instantiate(
             cfg.trainer,
             callbacks=[*instantiate_list(cfg.get("callbacks")), *extra_callbacks],
             **{**rank_devices(cfg.trainer), **kw},
         ),
         identity={
-            "model": OmegaConf.to_container(cfg.model, resolve=True),
-            "data": {k: cfg.data[k] for k in RERANKER_DATA_KEYS},
+            "model": settings.identity(),
+            "data": {k: getattr(batching, k) for k in RERANKER_DATA_KEYS},
             "trainer": {k: cfg.trainer.get(k) for k in TRAINER_KEYS},
             "seed": cfg.seed,
         },
-        eval_batch_size=int(cfg.data.eval_batch_size),
+        eval_batch_size=batching.eval_batch_size,
         fast_dev_run=bool(cfg.trainer.get("fast_dev_run")),
         device="cuda" if on_gpu else None,
     )
+
+
+def typed_node(node: DictConfig, key: str, cls: type[R]) -> R:
+    """The settings object a `_target_` node builds (its values checked, each named under `key`), refused when
+    the node's `_target_` builds anything else."""
+    found = built(node, key)
+    if not isinstance(found, cls):
+        raise ValueError(f"{key}._target_ must be {cls.__module__}.{cls.__name__} (got {type(found).__name__})")
+    return found
 
 
 def llm_node(node: DictConfig) -> dict:
