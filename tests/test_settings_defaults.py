@@ -24,7 +24,9 @@ from omegaconf import OmegaConf
 from confrag import instantiators
 from confrag.gates.settings import GatesNode
 from confrag.instantiators import settings_from
+from confrag.llm.config import LLMConfig
 from confrag.llm.generation import GreedyOptions
+from confrag.llm.prompts import PromptTemplates
 from confrag.probe.data_options import AnswerOptions, CandidateOptions, ExtractionOptions, RankingOptions, SplitOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
@@ -42,6 +44,7 @@ SETTINGS = {
     "base_reranker": (BaseRerankerSettings, "base_reranker/default.yaml"),
     "retrieval": (RetrievalSettings, "retrieval/nq.yaml"),
     "hub": (HubSettings, "hub/default.yaml"),
+    "prompts": (PromptTemplates, "prompts/paper.yaml"),
 }
 # Nested options nodes whose defaults live in their dataclass: (config key, its YAML file, the key inside it).
 OPTIONS = {"rag.generation": (GreedyOptions, "rag/default.yaml", "generation")}
@@ -75,6 +78,18 @@ def test_a_settings_default_is_written_once(key):
     assert set(f.name for f in dataclasses.fields(cls)) - set(defaults) <= set(node)
 
 
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "conf" / "llm").glob("*.yaml")))
+def test_an_llm_node_repeats_no_default_of_llmconfig(path):
+    """Seven nodes, one dataclass: what every node sets (dtype, device, attention) has no default in LLMConfig; what
+    a source does not use has its "unused" there (None, {}, seed 0), and a node writes it only to set another value
+    (22 values were written in both places)."""
+    node, defaults = shipped(f"llm/{path}"), defaults_of(LLMConfig)
+    repeated = {k: v for k, v in node.items() if k in defaults and v == defaults[k]}
+    assert not repeated, f"conf/llm/{path} repeats LLMConfig's defaults {repeated}: drop them from the node"
+    assert {f.name for f in dataclasses.fields(LLMConfig)} - set(defaults) <= set(node)
+    assert set(node) <= {f.name for f in dataclasses.fields(LLMConfig)}
+
+
 @pytest.mark.parametrize("key", sorted(OPTIONS))
 def test_an_options_node_repeats_no_dataclass_default(key):
     cls, path, inner = OPTIONS[key]
@@ -89,6 +104,7 @@ def test_every_experiment_builds_its_settings(name, tmp_path: Path):
     assert "hub" in built
     for key in built:
         settings_from(SETTINGS[key][0], cfg[key], key)  # no key missing, none unknown, every value valid
+    settings_from(LLMConfig, cfg.llm, "llm")
     if cfg.get("gates") is not None:  # composed from its defaults list: conf/gates/default.yaml and conf/gate/
         assert not defaults_of(GatesNode)
         settings_from(GatesNode, cfg.gates, "gates")

@@ -6,7 +6,7 @@ every stage shares (cache, seed, progress, run folder, rank) is not in a recipe:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from hydra.utils import instantiate
@@ -40,8 +40,6 @@ from confrag.stages.probe import DEFAULT_MONITOR, ProbeRecipe
 from confrag.stages.rerank import RerankRecipe
 from confrag.stages.rerankers import RerankerRecipe
 from confrag.stages.retrieval import RetrievalSettings
-
-LLM_FIELDS = tuple(f.name for f in fields(LLMConfig))
 
 R = TypeVar("R")
 
@@ -131,15 +129,14 @@ def typed_node(node: DictConfig, key: str, cls: type[R]) -> R:
 
 def llm_node(node: DictConfig) -> dict:
     """The `llm` node as the plain mapping the stages load the LLM from, checked once here as an `LLMConfig`
-    (every problem at once, under `llm.`: `llm.repo_id is required when source=hf`)."""
-    values = plain(node)
-    with checks.config_key("llm", LLM_FIELDS):
-        LLMConfig(**values)
-    return values
+    (a key missing or unknown named; every bad value at once, under `llm.`: `llm.repo_id is required when
+    source=hf`)."""
+    settings_from(LLMConfig, node, "llm")
+    return plain(node)
 
 
 def templates(cfg: DictConfig) -> PromptTemplates:
-    return PromptTemplates(**plain(cfg.prompts))
+    return settings_from(PromptTemplates, cfg.prompts, "prompts")
 
 
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
