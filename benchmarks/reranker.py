@@ -19,6 +19,7 @@ from lightning import Trainer
 
 from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.instantiators import shipped
+from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.loss import group_infonce
 from confrag.reranker.module import RerankerModule, build_optimizer
 from confrag.retrieval.corpus import document_text, split_passages
@@ -42,11 +43,11 @@ def nq_rows(count: int, negatives: int) -> list[dict]:
 
 def plain_loop(module: RerankerModule, loader, steps: int) -> float:
     model = module.model.train()
-    optimizer, scheduler = build_optimizer(model, module.hparams.lr, module.hparams.weight_decay, 0.0, steps)
+    optimizer, scheduler = build_optimizer(model, module.settings.lr, module.settings.weight_decay, 0.0, steps)
     start = time.perf_counter()
     for _, batch in zip(range(steps), loader):
         scores = model(**batch["features"]).logits.view(-1, batch["group_size"])
-        loss = group_infonce(scores, module.hparams.tau)
+        loss = group_infonce(scores, module.settings.tau)
         loss.backward()
         optimizer.step()
         scheduler.step()
@@ -79,13 +80,12 @@ def main() -> None:
 
     rows = nq_rows(args.steps * args.batch_size, args.group_size - 1)
     # The shipped nodes' settings (conf/data/preference_pairs.yaml, conf/model/reranker_minilm.yaml) with this run's.
-    datamodule = shipped(
-        "data/preference_pairs.yaml", train=rows, batch_size=args.batch_size, group_size=args.group_size, seed=0
-    )
-    lengths = {"query_max_len": datamodule.query_max_len, "passage_max_len": datamodule.passage_max_len}
+    batching = shipped("data/preference_pairs.yaml", batch_size=args.batch_size, group_size=args.group_size, seed=0)
+    datamodule = PreferenceDataModule(batching, train=rows)
+    lengths = {"query_max_len": batching.query_max_len, "passage_max_len": batching.passage_max_len}
 
     def module() -> RerankerModule:
-        return shipped("model/reranker_minilm.yaml", seed=0, **lengths)
+        return RerankerModule(shipped("model/reranker_minilm.yaml", seed=0, **lengths))
 
     datamodule.setup("fit")
     batches = list(datamodule.train_dataloader())

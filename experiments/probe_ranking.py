@@ -16,14 +16,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from confrag.infra.paths import register_resolvers
-from confrag.instantiators import renamed_keys
 from confrag.probe.module import load_probe
 from confrag.probe.ranking import gold_rank
 from confrag.rag.stats import accuracy_ci, holm, mcnemar_exact
+from confrag.recipes import probe_recipe
 
 SAME_QUESTIONS = (
     "num_questions",
@@ -37,8 +36,8 @@ SAME_QUESTIONS = (
 
 def heldout_set(run: Path):
     """The run's held-out ranking questions with their candidates' states (from the cache)."""
-    cfg = renamed_keys(OmegaConf.load(run / "config_resolved.yaml"), warn=False)  # a run saved as data.nq_path too
-    datamodule = instantiate(cfg.data, _convert_="all")
+    cfg = OmegaConf.load(run / "config_resolved.yaml")
+    datamodule = probe_recipe(cfg).make_datamodule()  # the probe's layer resolved as the run resolved it
     if not datamodule.ranking_options.test_questions:
         raise SystemExit(f"{run}: data.ranking.test_questions is 0, so it has no held-out ranking questions")
     datamodule.progress = False
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     register_resolvers()
     cfg, ranking = heldout_set(args.runs[0])
     for run in args.runs[1:]:
-        other = renamed_keys(OmegaConf.load(run / "config_resolved.yaml"), warn=False)
+        other = OmegaConf.load(run / "config_resolved.yaml")
         differ = [k for k in SAME_QUESTIONS if OmegaConf.select(other.data, k) != OmegaConf.select(cfg.data, k)]
         if differ:
             raise SystemExit(f"{run}: other held-out questions than {args.runs[0]} (data.{', data.'.join(differ)})")

@@ -26,7 +26,7 @@ from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag.answers import AnswerStore
 
-from helpers.models import TINY_SHAPE
+from helpers.models import TINY_SHAPE, cpu_llm
 from helpers.settings import data_settings
 
 NUM_ROWS, SHARD_SIZE, RAG_ROWS, CHUNK = 16, 4, 12, 4
@@ -51,7 +51,7 @@ def main() -> None:
     info = rank_info()
     nq_confidence.generate_greedy = counting("nq_confidence", nq_confidence.generate_greedy, counter)
     answers.generate_greedy = counting("answers", answers.generate_greedy, counter)
-    llm = load_llm(dict(name="tiny_llama", source="tiny", device="rank", tiny=TINY))
+    llm = load_llm(cpu_llm(name="tiny_llama", source="tiny", device="rank", tiny=TINY))
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(Path(root) / "conf/prompts/paper.yaml")))
     rows = load_questions_jsonl(questions_path, limit=NUM_ROWS)
 

@@ -344,9 +344,8 @@ CONFIG_KEYS_LEFT = {
     "confrag.rag.answers": (1, "rag.truncate_passages, named when an answer prompt does not fit"),
     "confrag.rag.stats": (1, "Table 2's caption names eval.expected_discordance for the reader"),
     "confrag.probe.datamodule": (
-        3,
-        "model.layer read by interpolation (the key the user sets); the monitor key; extraction.layers (its own "
-        "option group's field, keyed by the boundary)",
+        2,
+        "the monitor key; extraction.layers (its own option group's field, keyed by the boundary)",
     ),
     "confrag.retrieval.corpus": (1, "a corpus file's detected format, naming retrieval.corpus_format to set"),
     "confrag.retrieval.dense": (1, "a stale dense index: point retrieval.dense_index_path at a new one"),

@@ -34,7 +34,7 @@ from confrag.probe.module import ProbeMismatchError, SavedProbe
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import QuestionOutcome, RagAnswer
 
-from helpers.models import TINY_SHAPE
+from helpers.models import TINY_SHAPE, cpu_llm
 from helpers.modules import probe_module
 
 MAX_NEW = 10
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thr
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def varied(request):
     return load_llm(
-        dict(
+        cpu_llm(
             name=f"varied_{request.param}",
             source="tiny",
             tiny=dict(arch=request.param, initializer_range=0.2, **TINY_SHAPE),

@@ -74,7 +74,7 @@ def test_every_experiment_composes_and_resolves(name, tmp_path):
     assert resolved["task_name"] in TASKS
     # the probe a rerank or cbdr run scores with
     probe = resolved["probe"] if resolved["task_name"] in ("rerank", "cbdr", "gates") else resolved
-    assert probe["data"]["layer"] == probe["model"]["layer"]
+    assert "layer" not in probe["data"] and "layer" in probe["model"]  # resolved once, by the recipe
     assert probe["data"]["llm"] == resolved["llm"]  # one LLM for the probe and the confidence shifts
     assert resolved["llm"]["name"] in {path.stem for path in (ROOT / "conf" / "llm").glob("*.yaml")}  # a shipped LLM
     if name.endswith(("llama3", "qwen2_5")):

@@ -155,7 +155,7 @@ def test_the_evaluation_refuses_a_question_its_rerankers_trained_on(cross_fitted
 
 
 def test_the_base_teacher_writes_the_base_rerankers_scores_into_the_rows():
-    from confrag.stages.teachers import TEACHERS
+    from confrag.stages.teachers import ROW_TEACHERS
 
     class Lengths:  # a stand-in base: the score of a pair is its passage's length
         def score(self, queries, passages, batch_size=32):
@@ -172,13 +172,15 @@ def test_the_base_teacher_writes_the_base_rerankers_scores_into_the_rows():
         },
         {"qid": "b", "query": "r", "pos": ["abc", "d"], "neg": ["ee"], "pos_scores": [0.0, 0.3], "neg_scores": [-0.3]},
     ]
-    out = TEACHERS["base"](rows, Lengths(), 8)
+    out = ROW_TEACHERS["base"].rewrite(rows, Lengths(), 8)
     assert [r["pos_scores"] for r in out] == [[2.0], [3.0, 1.0]] and [r["neg_scores"] for r in out] == [
         [1.0, 4.0],
         [2.0],
     ]
     assert rows[0]["pos_scores"] == [0.1]  # the input rows are left as they were
-    assert TEACHERS["inc"](rows, Lengths(), 8) is rows  # the paper's rows: unchanged, so their cache keys too
+    assert (
+        ROW_TEACHERS["inc"].rewrite(rows, Lengths(), 8) is rows
+    )  # the paper's rows: unchanged, so their cache keys too
 
 
 # --- weights chosen by dev Top-1 answers (preferences.select_on=dev_top1) -------------------------------------------

@@ -17,8 +17,8 @@ import torch
 from hydra.utils import instantiate
 
 from confrag.infra.distributed import launch_stamp
-from confrag.instantiators import renamed_keys
 from confrag.probe.activation_dataset import unrepeated_sampler
+from confrag.recipes import probe_recipe
 from confrag.train import run_task
 
 from helpers.runs import MODEL_DIR, ROOT, compose_cfg
@@ -79,11 +79,12 @@ def computed_shards(output: str) -> list[tuple[str, str, int, str]]:
 def test_probe_task_on_two_torchrun_ranks_shares_shards_trains_ddp_and_writes_one_run(tmp_path):
     # One process, in-process through the DataModule: the reference arrays and answers.
     reference_cache = tmp_path / "cache1"
-    cfg = renamed_keys(compose_cfg(SMALL, tmp_path))  # as the task's check reads it (no data.nq_path left)
+    cfg = compose_cfg(SMALL, tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the ranks (OMP_NUM_THREADS=1): the thread count moves float rounding
     try:
-        instantiate(cfg.data, cache_dir=str(reference_cache), _convert_="all").prepare_data()
+        layer = probe_recipe(cfg).layer  # as the task resolves it
+        instantiate(cfg.data, cache_dir=str(reference_cache), layer=layer, _convert_="all").prepare_data()
     finally:
         torch.set_num_threads(threads)
 

@@ -203,3 +203,22 @@ def test_a_model_conversion_replaces_a_damaged_one_without_a_moment_without_the_
     pretrained.convert_gguf(tmp_path / "model.gguf", target)
     assert _Converted.seen == ["old", "old", "old"] and version_of(target) == "new"  # model, then tokenizer
     assert not [p.name for p in target.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_written_once_puts_a_whole_folder_in_place_and_keeps_one_already_there(tmp_path):
+    """The write-once folder of the BM25 and FAISS indexes: renamed into place whole; a folder another process put
+    there first is kept (the same key, the same bytes); a failed build leaves nothing behind."""
+    from confrag.infra.atomic import dir_mode, written_once
+
+    index = tmp_path / "indexes" / "key"
+    with written_once(index) as tmp:
+        assert tmp.parent == index.parent and not index.exists()
+        (tmp / "part").write_text("first")
+    assert (index / "part").read_text() == "first" and index.stat().st_mode & 0o777 == dir_mode()
+    with written_once(index) as tmp:
+        (tmp / "part").write_text("second")
+    assert (index / "part").read_text() == "first"
+    with pytest.raises(RuntimeError, match="build failed"), written_once(tmp_path / "indexes" / "other") as tmp:
+        (tmp / "part").write_text("half")
+        raise RuntimeError("build failed")
+    assert sorted(p.name for p in (tmp_path / "indexes").iterdir()) == ["key"]

@@ -103,10 +103,15 @@ def test_gate_identity_changes_with_its_config():
         ("skr_knn", {"k": 0}, "k must be an integer >= 1; got 0"),
         ("skr_knn", {"k": 2.5}, "k must be an integer"),
         ("skr_knn", {"threshold": 1.2}, r"threshold must be a number in \[0.0, 1.0\]; got 1.2"),
-        ("ccsk", {"tau_pred": 1.5}, r"tau_pred must be a number in \[0.0, 1.0\]; got 1.5"),
-        ("ccsk", {"tau_conf": -0.1}, r"tau_conf must be a number in \[0.0, 1.0\]; got -0.1"),
-        ("ccsk", {"tau_single": 2}, r"tau_single must be a number in \[0.0, 1.0\]; got 2"),
-        ("ccsk", {"rouge_weight": 0, "cosine_weight": 0}, "rouge_weight \\+ cosine_weight must be > 0"),
+        ("ccsk", {"thresholds": {"pred": 1.5}}, r"thresholds.pred must be a number in \[0.0, 1.0\]; got 1.5"),
+        ("ccsk", {"thresholds": {"conf": -0.1}}, r"thresholds.conf must be a number in \[0.0, 1.0\]; got -0.1"),
+        ("ccsk", {"thresholds": {"single": 2}}, r"thresholds.single must be a number in \[0.0, 1.0\]; got 2"),
+        (
+            "ccsk",
+            {"rqm": {"rouge_weight": 0, "cosine_weight": 0}},
+            "rqm.rouge_weight \\+ rqm.cosine_weight must be > 0",
+        ),
+        ("ccsk", {"fusion": {"lr": 0}}, r"fusion.lr must be a number in"),
         ("ccsk", {"novelty_threshold": 1.5}, "novelty_threshold"),
         ("bridge", {"alpha": 2.5}, r"alpha must be a number in \[0.0, 2.0\]; got 2.5"),
         ("bridge", {"alpha": 0.8, "beta": 0.6}, "beta=0.6 must be >= alpha=0.8"),
@@ -467,7 +472,7 @@ def ccsk_data(n, seed, d=8):
 def test_ccsk_trains_deterministically_and_learns_a_separable_case():
     sig, helped = ccsk_data(40, seed=0)
     train = training(sig, ~helped, helped, answers=[("Paris",)] * 40, answer_embedding=np.tile(np.eye(8)[3], (40, 1)))
-    config = dict(heads=2, hidden=16, epochs=60, rqm_max_rounds=40, rqm_early_stopping=10)
+    config = dict(fusion={"heads": 2, "hidden": 16, "epochs": 60}, rqm={"max_rounds": 40, "early_stopping": 10})
     gate = make_gate("ccsk", **config).fit(train)
     test, test_helped = ccsk_data(20, seed=1)
     decisions = gate.decide(test)
@@ -485,7 +490,7 @@ def test_ccsk_heads_must_divide_the_embedding_width():
     sig, helped = ccsk_data(12, seed=0)
     train = training(sig, ~helped, helped, answers=[("Paris",)] * 12, answer_embedding=np.tile(np.eye(8)[3], (12, 1)))
     with pytest.raises(ValueError, match="^heads=3 must divide the embedding width 8"):
-        make_gate("ccsk", heads=3, epochs=1, rqm_max_rounds=2).fit(train)
+        make_gate("ccsk", fusion={"heads": 3, "epochs": 1}, rqm={"max_rounds": 2}).fit(train)
 
 
 # ------------------------------------------------------------------ BRIDGE

@@ -156,9 +156,10 @@ def test_unknown_gate_name_lists_the_available_ones(tmp_path):
 
 
 def test_gate_group_selects_one_gate_beside_the_bounds(tmp_path):
-    settings = check_settings(compose_cfg([*TINY, "gate=ccsk", "gate.tau_pred=0.55"], tmp_path))
+    settings = check_settings(compose_cfg([*TINY, "gate=ccsk", "gate.thresholds.pred=0.55"], tmp_path))
     assert settings.names == ("always", "never", "ccsk")
-    assert settings.configs["ccsk"]["tau_pred"] == 0.55 and settings.configs["ccsk"]["tau_single"] == 0.3
+    thresholds = settings.configs["ccsk"]["thresholds"]
+    assert thresholds["pred"] == 0.55 and thresholds["single"] == 0.3
     assert check_settings(compose_cfg([*TINY, "gate=never"], tmp_path)).names == ("always", "never")
     with pytest.raises(ValueError, match=r"^gate\.beta must be a number in \[0, 1\] .*; got 2\.0$"):
         check_settings(compose_cfg([*TINY, "gate=cbdr", "gate.beta=2.0"], tmp_path))

@@ -25,6 +25,7 @@ from confrag.llm.generation import (
 from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import encode_prompts
 
+from helpers.models import cpu_llm
 from helpers.modules import confidence_data
 
 NEW = 10
@@ -196,7 +197,9 @@ def test_answer_store_passes_the_path_and_auto_rows_through(tiny_llama, template
 def test_the_probe_data_module_takes_the_levers_and_names_bad_keys(templates):
     from dataclasses import asdict
 
-    common = dict(llm=dict(name="tiny_llama", source="tiny"), prompts=asdict(templates), questions_path="unused.jsonl")
+    common = dict(
+        llm=cpu_llm(name="tiny_llama", source="tiny"), prompts=asdict(templates), questions_path="unused.jsonl"
+    )
     module = confidence_data(
         **common,
         extraction={"batch_size": "auto", "compile": True},

@@ -28,7 +28,7 @@ from confrag.retrieval import DenseRetriever, corpus_from_gold_paragraphs
 from confrag.stages.rerankers import load_reranker
 from confrag.train import run_task
 
-from helpers.models import tiny_spec
+from helpers.models import cpu_llm, tiny_spec
 from helpers.runs import check_gates_outputs, compose_cfg
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ BF16_TOLERANCE = 5e-2  # bf16 keeps 8 bits of mantissa: ~4e-3 per rounding, comp
 
 
 def tiny(dtype: str = "float32", device: str = "cpu"):
-    return load_llm(dict(name="tiny_llama", source="tiny", dtype=dtype, device=device, tiny=tiny_spec("llama")))
+    return load_llm(cpu_llm(name="tiny_llama", source="tiny", dtype=dtype, device=device, tiny=tiny_spec("llama")))
 
 
 def worst_relative_error(states: np.ndarray, reference: np.ndarray) -> float:

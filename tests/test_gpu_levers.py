@@ -26,13 +26,13 @@ from confrag.llm.loading import load_llm
 from confrag.llm.prompts import encode_prompts
 from test_gpu_scale import benchmark_module
 
-from helpers.models import tiny_spec, tokenizer_spec
+from helpers.models import cpu_llm, tiny_spec, tokenizer_spec
 
 pytestmark = pytest.mark.gpu
 
 
 def tiny_on_cuda(arch: str):
-    return load_llm(dict(name=f"tiny_{arch}", source="tiny", device="cuda", tiny=tiny_spec(arch)))
+    return load_llm(cpu_llm(name=f"tiny_{arch}", source="tiny", device="cuda", tiny=tiny_spec(arch)))
 
 
 def rag_ids(llm, templates, nq_rows, count=24):
@@ -106,7 +106,7 @@ def test_compiled_engine_blocks_stay_exact_and_compile_once(arch, templates, nq_
 
 def test_llama3_shape_loads_in_bf16_and_answers_through_the_compiled_path(templates, nq_rows):
     llm = load_llm(
-        dict(
+        cpu_llm(
             name="llama3_8b_shape",
             source="random",
             dtype="bfloat16",
@@ -120,7 +120,7 @@ def test_llama3_shape_loads_in_bf16_and_answers_through_the_compiled_path(templa
     fast = generate_greedy_ids(llm.model, ids, pad, 8, 8, progress=False, options=GreedyOptions(static_cache=True))
     assert all(len(tokens) == 8 for tokens in fast)
     again = load_llm(
-        dict(
+        cpu_llm(
             name="llama3_8b_shape",
             source="random",
             dtype="bfloat16",

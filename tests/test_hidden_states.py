@@ -111,3 +111,28 @@ def test_bad_engine_settings_are_refused(tiny_llama):
         HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, padding_side="middle")
     with pytest.raises(ValueError, match="batch_size"):
         HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, batch_size=0)
+
+
+def test_a_family_outside_the_fast_path_runs_the_full_layer_and_says_so_once(
+    tiny_llama, templates, nq_rows, monkeypatch, caplog
+):
+    """A new LLM family (here the tiny Llama under another `model_type`) gets exact states through the full layer
+    and one log line naming why; one entry of TAIL_MODEL_TYPES puts it on the fast path."""
+    import confrag.llm.last_token as last_token
+
+    monkeypatch.setattr(tiny_llama.model.config, "model_type", "mistral")
+    monkeypatch.setattr(last_token, "_told", set())
+    prompts = rag_prompts(tiny_llama, templates, nq_rows[:3])
+    reference = naive(tiny_llama, prompts, [2])
+    engine = HiddenStateEngine(tiny_llama.model, tiny_llama.tokenizer, batch_size=2, progress=False)
+    with caplog.at_level("INFO", logger="confrag.llm.last_token"):
+        for _ in range(2):
+            assert relative_error(engine.extract(prompts, [2]), reference) <= TOLERANCE
+    told = [r.getMessage() for r in caplog.records if r.name == "confrag.llm.last_token"]
+    assert len(told) == 1 and "mistral: the deepest requested layer runs over every prompt token" in told[0]
+    assert "'mistral' is not in TAIL_MODEL_TYPES" in told[0]
+    layer = tiny_llama.model.base_model.layers[1]
+    assert not last_token.plain_decoder_layer(tiny_llama.model, layer)
+    monkeypatch.setattr(last_token, "TAIL_MODEL_TYPES", (*last_token.TAIL_MODEL_TYPES, "mistral"))
+    assert last_token.plain_decoder_layer(tiny_llama.model, layer)
+    assert relative_error(engine.extract(prompts, [2]), reference) <= TOLERANCE

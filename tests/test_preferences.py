@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from confrag.reranker.label_rules import RULES, select_by_sign
+from confrag.reranker.label_rules import RULES, select_by_sign, sparse_rule_message
 from confrag.reranker.preferences import (
     ConfidenceShifts,
     build_rows,
@@ -16,7 +16,6 @@ from confrag.reranker.preferences import (
     save_rows,
     split_by_question,
 )
-from confrag.reranker.rule_audit import sparse_rule_message
 from confrag.retrieval.candidates import Candidates, make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 
@@ -175,3 +174,20 @@ def test_the_perfect_relevance_control_labels_the_own_paragraph_positive_under_b
     assert len(ranked[0]["pos"]) == 5 and ranked[0]["pos"][0] == "title a-3\ntext a-3"
     one, _ = build_rows(sets, shifts, "rag_empty", top_k=1, selection="rank")
     assert one[0]["pos"] == ["title a-3\ntext a-3"]
+
+
+def test_each_rule_and_teacher_is_described_in_its_registry_entry_only():
+    """One catalogue per extension point: the config and the docs point at the registry instead of listing what
+    each entry does (a list beside it goes stale when an entry is added)."""
+    from confrag.stages.teachers import ROW_TEACHERS
+
+    from helpers.runs import ROOT
+
+    entries = [*RULES.values(), *ROW_TEACHERS.values()]
+    assert all(key == entry.id and len(entry.description) > 20 for key, entry in {**RULES, **ROW_TEACHERS}.items())
+    config = (ROOT / "conf" / "preferences" / "default.yaml").read_text()
+    assert "label_rules.py" in config and "teachers.py" in config
+    for path in [ROOT / "conf" / "preferences" / "default.yaml", *(ROOT / "docs").glob("*.md")]:
+        text = " ".join(path.read_text().split())
+        for entry in entries:
+            assert entry.description[:40] not in text, f"{path.name} repeats the description of {entry.id}"

@@ -244,3 +244,59 @@ def test_a_whole_cached_probe_is_kept_not_rewritten(tmp_path, monkeypatch, caplo
         assert written == [tmp_path / "cache" / "other"]
     finally:
         cached.chmod(stat.S_IRWXU)
+
+
+# --- the probe's layer, resolved once ----------------------------------------------------------------------------
+
+# Every experiment whose LLM's layer count is readable offline (the GPU models' configs are not in this cache), with
+# the layer its probe reads: Layer/2 of the tiny models' 4 and SmolLM2's 30 unless the experiment sets model.layer.
+LAYER_OF = {
+    "probe_tiny_llama": 2,
+    "probe_tiny_qwen2": 2,
+    "probe_smollm2": 15,
+    "probe_smollm2_layers": 15,
+    "probe_smollm2_qarag": 15,
+    "probe_smollm2_candidates": 15,
+    "cbdr_tiny_llama": 2,
+    "reranker_smollm2": 15,
+    "gates_tiny_llama": 2,
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(LAYER_OF))
+def test_the_model_and_the_data_module_get_the_layer_the_recipe_resolves_without_a_throwaway_model(
+    experiment, tmp_path, monkeypatch
+):
+    import confrag.probe.module as module
+    from confrag.recipes import probe_recipe
+
+    from helpers.runs import compose_cfg
+
+    built = []
+    original = module.mlp
+
+    def counted(*args, **kwargs):  # what every ProbeModule builds its network with
+        built.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "mlp", counted)
+    cfg = compose_cfg([f"+experiment={experiment}"], tmp_path)
+    node, where = (cfg, "") if cfg.task_name == "probe" else (cfg.probe, "probe.")
+    recipe = probe_recipe(node, where=where)
+    assert not built, "the recipe built a probe to check its settings"
+    assert "layer" not in node.data  # the data node holds no copy of the model's key
+    model, datamodule = recipe.make_model(input_dim=4), recipe.make_datamodule()
+    assert recipe.layer == model.hparams.layer == datamodule.layer == LAYER_OF[experiment]
+    assert type(datamodule.layer) is int and len(built) == 1
+
+
+def test_a_layer_set_on_the_command_line_reaches_both(tmp_path):
+    from confrag.recipes import probe_recipe
+
+    from helpers.runs import compose_cfg
+
+    recipe = probe_recipe(compose_cfg(["+experiment=probe_tiny_llama", "model.layer=3"], tmp_path))
+    assert recipe.make_model(input_dim=4).hparams.layer == recipe.make_datamodule().layer == 3
+    assert recipe.identity["model"]["layer"] == 3  # the probe cache key holds the setting as written
+    mid = probe_recipe(compose_cfg(["+experiment=probe_tiny_llama"], tmp_path))
+    assert mid.identity["model"]["layer"] == "mid" and mid.layer == 2

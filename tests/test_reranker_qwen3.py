@@ -23,6 +23,7 @@ from confrag.reranker.qwen3 import (
 from confrag.reranker.tokenization import encode_pairs
 
 from helpers.data import TOPICS as ALL_TOPICS
+from helpers.models import cpu_llm
 from helpers.modules import preference_data, reranker_module
 from helpers.reranking import fast_trainer, mean_group_loss
 
@@ -45,7 +46,7 @@ def toy_rows() -> list[dict]:
 def tiny_qwen3(tmp_path_factory):
     """A 2-layer random Qwen3 causal LM with the tiny models' tokenizer (SmolLM2's byte-level BPE, which like
     Qwen's has <|im_start|> / <|im_end|> and "yes" / "no" as single tokens), saved as a model folder."""
-    tokenizer = tiny_tokenizer(LLMConfig(name="tiny_qwen3", source="tiny"))
+    tokenizer = tiny_tokenizer(LLMConfig(**cpu_llm(name="tiny_qwen3", source="tiny")))
     for word in ("yes", "no", "<|im_start|>", "<|im_end|>"):
         assert tokenizer.tokenize(word) == [word], word
     config = Qwen3Config(

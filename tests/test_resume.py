@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent(
     from confrag.llm.prompts import PromptTemplates
 
     root, cache, questions_path, delay = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
-    llm = load_llm(dict(name="tiny_llama", source="tiny", tiny=dict(
+    node = OmegaConf.to_container(OmegaConf.load(root / "conf" / "llm" / "tiny_llama.yaml"))
+    llm = load_llm(dict({**node, "cache_dir": None}, tiny=dict(
         arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2)))
     templates = PromptTemplates(**OmegaConf.to_container(OmegaConf.load(root / "conf" / "prompts" / "paper.yaml")))

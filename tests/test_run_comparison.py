@@ -66,9 +66,7 @@ def test_compare_runs_is_a_console_command_of_the_package():
     assert "from confrag.reports.run_comparison import main" in (ROOT / "experiments" / "compare_runs.py").read_text()
 
 
-@pytest.mark.parametrize("key", ["questions_path", "nq_path"])
-def test_gold_sources_read_the_question_file_of_a_run_saved_under_either_name(tmp_path, key):
-    """A run saved before `retrieval.nq_path` was renamed `retrieval.questions_path` names its file the old way."""
+def test_gold_sources_read_the_question_file_of_a_run(tmp_path):
     from confrag.reports.run_comparison import gold_sources
 
     questions = tmp_path / "q.jsonl"
@@ -76,5 +74,5 @@ def test_gold_sources_read_the_question_file_of_a_run_saved_under_either_name(tm
     questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config_resolved.yaml").write_text(f"retrieval:\n  {key}: {questions}\n  words_per_passage: 100\n")
+    (run / "config_resolved.yaml").write_text(f"retrieval:\n  questions_path: {questions}\n  words_per_passage: 100\n")
     assert gold_sources(run) == {"nq-00000": "nq-00000", "nq-00001": "nq-00001"}

@@ -22,8 +22,11 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from confrag import instantiators
-from confrag.instantiators import RENAMED, renamed_keys, settings_from
+from confrag.gates.settings import GatesNode
+from confrag.instantiators import settings_from
+from confrag.llm.config import LLMConfig
 from confrag.llm.generation import GreedyOptions
+from confrag.llm.prompts import PromptTemplates
 from confrag.probe.data_options import AnswerOptions, CandidateOptions, ExtractionOptions, RankingOptions, SplitOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
@@ -41,6 +44,7 @@ SETTINGS = {
     "base_reranker": (BaseRerankerSettings, "base_reranker/default.yaml"),
     "retrieval": (RetrievalSettings, "retrieval/nq.yaml"),
     "hub": (HubSettings, "hub/default.yaml"),
+    "prompts": (PromptTemplates, "prompts/paper.yaml"),
 }
 # Nested options nodes whose defaults live in their dataclass: (config key, its YAML file, the key inside it).
 OPTIONS = {"rag.generation": (GreedyOptions, "rag/default.yaml", "generation")}
@@ -74,6 +78,18 @@ def test_a_settings_default_is_written_once(key):
     assert set(f.name for f in dataclasses.fields(cls)) - set(defaults) <= set(node)
 
 
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "conf" / "llm").glob("*.yaml")))
+def test_an_llm_node_repeats_no_default_of_llmconfig(path):
+    """Seven nodes, one dataclass: what every node sets (dtype, device, attention) has no default in LLMConfig; what
+    a source does not use has its "unused" there (None, {}, seed 0), and a node writes it only to set another value
+    (22 values were written in both places)."""
+    node, defaults = shipped(f"llm/{path}"), defaults_of(LLMConfig)
+    repeated = {k: v for k, v in node.items() if k in defaults and v == defaults[k]}
+    assert not repeated, f"conf/llm/{path} repeats LLMConfig's defaults {repeated}: drop them from the node"
+    assert {f.name for f in dataclasses.fields(LLMConfig)} - set(defaults) <= set(node)
+    assert set(node) <= {f.name for f in dataclasses.fields(LLMConfig)}
+
+
 @pytest.mark.parametrize("key", sorted(OPTIONS))
 def test_an_options_node_repeats_no_dataclass_default(key):
     cls, path, inner = OPTIONS[key]
@@ -83,11 +99,15 @@ def test_an_options_node_repeats_no_dataclass_default(key):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_builds_its_settings(name, tmp_path: Path):
-    cfg = renamed_keys(compose_cfg([f"+experiment={name}"], tmp_path))  # as a task's check reads it
+    cfg = compose_cfg([f"+experiment={name}"], tmp_path)
     built = [key for key in SETTINGS if cfg.get(key) is not None]
     assert "hub" in built
     for key in built:
         settings_from(SETTINGS[key][0], cfg[key], key)  # no key missing, none unknown, every value valid
+    settings_from(LLMConfig, cfg.llm, "llm")
+    if cfg.get("gates") is not None:  # composed from its defaults list: conf/gates/default.yaml and conf/gate/
+        assert not defaults_of(GatesNode)
+        settings_from(GatesNode, cfg.gates, "gates")
 
 
 def test_a_missing_key_is_named():
@@ -141,7 +161,7 @@ def test_an_option_group_default_is_written_once(path, group):
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_builds_its_data_option_groups(name, tmp_path: Path):
-    cfg = renamed_keys(compose_cfg([f"+experiment={name}"], tmp_path))
+    cfg = compose_cfg([f"+experiment={name}"], tmp_path)
     for where in ("data", "probe.data"):
         node = OmegaConf.select(cfg, where)
         if node is None or not str(node.get("_target_", "")).endswith("NQConfidenceDataModule"):
@@ -153,9 +173,6 @@ def test_every_experiment_builds_its_data_option_groups(name, tmp_path: Path):
 # --- the classes YAML instantiates ------------------------------------------------------------------------------
 
 HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
-# Old names the shipped YAML keeps at null for one release; a run reads them into the new ones and removes them
-# before anything is instantiated (`confrag.instantiators.renamed_keys`).
-RENAMED_KEYS = {old.rpartition(".")[2] for old in RENAMED}
 
 
 def target_nodes(node: Any, where: str = "") -> list[tuple[str, dict]]:
@@ -180,7 +197,7 @@ def written_twice(cls: type, node: dict) -> tuple[dict[str, tuple[object, object
     """(keys the node holds that `cls`'s signature also gives a default: {key: (signature's, YAML's)}, keys the
     node holds that the signature does not take)."""
     parameters = inspect.signature(cls).parameters
-    keys = set(node) - HYDRA_KEYS - RENAMED_KEYS
+    keys = set(node) - HYDRA_KEYS
     twice = {k: (parameters[k].default, node[k]) for k in sorted(keys & set(parameters))}
     twice = {k: pair for k, pair in twice.items() if pair[0] is not inspect.Parameter.empty}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -208,13 +225,13 @@ def test_the_walk_finds_every_class_the_project_instantiates():
     found = {node["_target_"] for node in SHIPPED_TARGETS.values() if ours(node)}
     assert {
         "confrag.gates.ccsk.CCSKGate",
-        "confrag.reranker.data.PreferenceDataModule",
-        "confrag.reranker.module.RerankerModule",
+        "confrag.reranker.settings.PairBatching",
+        "confrag.reranker.settings.RerankerSettings",
         "confrag.probe.module.ProbeModule",
         "confrag.probe.datamodule.NQConfidenceDataModule",
         "confrag.infra.sweep_callback.SweepSummary",
     } <= found
-    assert len(found) >= 17  # 12 gates, 2 modules, 2 data modules, the sweep callback; more may come
+    assert len(found) >= 17  # 12 gates, the probe's 2 modules, the reranker's 2 settings, the sweep callback
 
 
 @pytest.mark.parametrize("where", sorted(k for k, node in SHIPPED_TARGETS.items() if ours(node)))
@@ -226,7 +243,7 @@ def test_a_target_class_takes_no_default_for_a_key_its_yaml_holds(where):
 def test_every_composed_target_node_is_written_once(name, tmp_path: Path):
     """As an experiment composes them: the model / data nodes that extend another (reranker_bge_m3 over
     reranker_minilm), the probe's nodes under a later task's `probe`, each gate under `gates.configs`."""
-    cfg = OmegaConf.to_container(renamed_keys(compose_cfg([f"+experiment={name}"], tmp_path)), resolve=False)
+    cfg = OmegaConf.to_container(compose_cfg([f"+experiment={name}"], tmp_path), resolve=False)
     nodes = [(where, node) for where, node in target_nodes(cfg) if ours(node)]
     assert any(where in ("model", "probe.model") for where, _ in nodes)
     for where, node in nodes:
@@ -256,6 +273,6 @@ def test_shipped_builds_a_node_with_the_callers_values_on_top():
         instantiators.shipped("gate/cbdr.yaml")
     with pytest.raises(ValueError, match=r"conf/model/probe_logistic.yaml extends another node"):
         instantiators.shipped("model/probe_logistic.yaml", input_dim=4)
-    # A `_partial_` node is built at once, and the class's own error comes through unwrapped.
+    # The class's own error comes through unwrapped.
     with pytest.raises(ValueError, match="^group_size must be an integer >= 2"):
         instantiators.shipped("data/preference_pairs.yaml", seed=0, group_size=1)

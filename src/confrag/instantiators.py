@@ -6,21 +6,20 @@ else in the library takes typed arguments.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
 import shlex
 import sys
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.loggers import Logger
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from confrag.data.nq import questions_path_from_env
 from confrag.infra import checks
 from confrag.infra.distributed import rank_info
 from confrag.infra.paths import config_dir
@@ -83,7 +82,6 @@ def shipped(path: str, **values: Any) -> Any:
         raise ValueError(f"conf/{path} extends another node (its `defaults` list): compose it with Hydra instead")
     if not isinstance(node, DictConfig) or "_target_" not in node:
         raise ValueError(f"conf/{path} is not a `_target_` node")
-    renamed_in(node, Path(path).parent.as_posix())  # a renamed key's old name (null as shipped) is left out
     raw = OmegaConf.to_container(node, resolve=False)
     borrowed = {k: raw[k] for k in raw if k not in values and OmegaConf.is_interpolation(node, k)}
     if borrowed:
@@ -109,6 +107,24 @@ def node_parameters(node: Any) -> set[str]:
     return (set(values) | params) - {"_target_", "_partial_", "_convert_", "self"}
 
 
+def check_node_keys(node: Any, given: Collection[str] = ()) -> None:
+    """A `_target_` node checked against its class without building it: a key the class does not take, or a
+    parameter without a default that neither the node nor the caller (`given`: what it fills in later) sets, is
+    named (the caller's `checks.config_key` puts the node's key before the message)."""
+    values = plain(node) or {}
+    parameters = inspect.signature(get_class(str(values["_target_"]))).parameters
+    keys = set(values) - {"_target_", "_partial_", "_convert_", "_recursive_"}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    unknown = sorted(keys - set(parameters))
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(set(parameters) - set(given))}")
+    missing = [
+        n for n, p in parameters.items() if p.kind in named and p.default is p.empty and n not in {*keys, *given}
+    ]
+    if missing:
+        raise ValueError(f"missing key(s) {missing}")
+
+
 def built(node: Any, key: str, **kwargs: Any) -> Any:
     """`instantiate(node, **kwargs)` at the config boundary: the constructor's refusal, Hydra's wrapper taken off,
     is reported under the node's key (`k must be ...` reads `gate.k must be ...`: `checks.config_key`)."""
@@ -121,26 +137,10 @@ def built(node: Any, key: str, **kwargs: Any) -> Any:
             raise ValueError(str(err.__cause__ or err)) from err
 
 
-# Keys that moved, so that an old command line is told where its key went (not only that it is unknown).
-MOVED = {
-    "preferences.max_new_tokens": "rag.max_new_tokens (the utility rule answers with the rag node's settings)",
-    "preferences.answer_batch_size": "rag.batch_size (the utility rule answers with the rag node's settings)",
-    "preferences.answer_chunk_size": "rag.chunk_size (the utility rule answers with the rag node's settings)",
-}
-# Keys renamed but still read for one release (`renamed_keys`): old key -> new key, in the same node. The shipped
-# YAML keeps each old key at null, so that an override of it (`eval.nq_path=FILE`) still composes.
-RENAMED = {
-    # A question file of any set (NQ-open, a FlashRAG set, one's own), not only NQ's.
-    f"{node}.nq_path": f"{node}.questions_path"
-    for node in ("paths", "data", "probe.data", "retrieval", "base_reranker", "eval")
-}
-
-# The probe data node's options, once flat, now in groups (`data.splits`, `data.extraction`, `data.answers`,
-# `data.candidates`, `data.ranking`; confrag.probe.data_options): old key -> its place in the same node, read for one
-# release. A command line is rewritten before Hydra reads it (`grouped_overrides`: Hydra refuses an override of a
-# key the YAML no longer holds; an old key beside its new one there is refused); a config file's old key is moved by
-# `renamed_in`: its value wins over what the config files give the new key, the command line wins over both.
-GROUPED = {
+# The probe data node's keys that moved within it (its flat options into the groups of confrag.probe.data_options).
+# The node is `data` in the probe task and `probe.data` in the others (`probe_data_node`).
+PROBE_DATA_MOVED = {
+    "nq_path": "questions_path",  # a question file of any set (NQ-open, a FlashRAG set, one's own), not only NQ's
     "layers": "extraction.layers",
     "extract_batch_size": "extraction.batch_size",
     "extract_threads": "extraction.threads",
@@ -157,17 +157,60 @@ GROUPED = {
     "ranking_top_n": "ranking.top_n",
     "ranking_test_questions": "ranking.test_questions",
 }
-GROUPED_NODES = ("data", "probe.data")
+# CCSK's options, once flat, now in the groups of `confrag.gates.ccsk` (`gate.*` too after `gate=ccsk`).
+CCSK_MOVED = {
+    "tau_pred": "thresholds.pred",
+    "tau_conf": "thresholds.conf",
+    "tau_single": "thresholds.single",
+    "rouge_weight": "rqm.rouge_weight",
+    "cosine_weight": "rqm.cosine_weight",
+    "rqm_learning_rate": "rqm.learning_rate",
+    "rqm_num_leaves": "rqm.num_leaves",
+    "rqm_max_rounds": "rqm.max_rounds",
+    "rqm_early_stopping": "rqm.early_stopping",
+    "heads": "fusion.heads",
+    "hidden": "fusion.hidden",
+    "dropout": "fusion.dropout",
+    "epochs": "fusion.epochs",
+    "lr": "fusion.lr",
+}
+CCSK_NODE = "gates.configs.ccsk"
+# Keys that moved, each with where it went (a line a key): a command line that names one is refused before Hydra
+# reads it (`refuse_moved_arguments`, from the entry point), a config file's when the task checks its config
+# (`refuse_moved_keys`), so that no setting is dropped in silence and the refusal names the key to set instead.
+MOVED = {
+    "preferences.max_new_tokens": "rag.max_new_tokens (the utility rule answers with the rag node's settings)",
+    "preferences.answer_batch_size": "rag.batch_size (the utility rule answers with the rag node's settings)",
+    "preferences.answer_chunk_size": "rag.chunk_size (the utility rule answers with the rag node's settings)",
+    **{f"{node}.nq_path": f"{node}.questions_path" for node in ("paths", "retrieval", "base_reranker", "eval")},
+    **{f"{node}.{old}": f"{node}.{new}" for node in ("data", "probe.data") for old, new in PROBE_DATA_MOVED.items()},
+    **{f"{CCSK_NODE}.{old}": f"{CCSK_NODE}.{new}" for old, new in CCSK_MOVED.items()},
+}
+# Environment variables renamed likewise, refused by the entry point naming the new name.
+MOVED_VARIABLES = {"CONFRAG_NQ_PATH": "CONFRAG_QUESTIONS_PATH"}
 
 
-def grouped_key(key: str) -> str | None:
-    """The new place of an old probe-data key (`data.balance` -> `data.splits.balance`, `probe.data.generation.x`
-    -> `probe.data.answers.generation.x`); None for any other key."""
-    for node in GROUPED_NODES:
-        for old, new in GROUPED.items():
-            full = f"{node}.{old}"
-            if key == full or key.startswith(f"{full}."):
-                return f"{node}.{new}{key[len(full) :]}"
+def probe_data_node(task: str) -> str:
+    """Where the probe's data node sits in `task`'s config: the root's `data` in the probe task; `probe.data` in
+    the tasks that train a probe first (their `data` is the reranker's batches)."""
+    return "data" if task == "probe" else "probe.data"
+
+
+def moved_to(key: str, task: str | None = None, gate: str | None = None) -> str | None:
+    """Where `key` went (None: it did not move), a key under it included (`data.generation.static_cache` ->
+    `data.answers.generation.static_cache`). With `task`, an old key of the probe data node (`data.balance`,
+    `probe.data.balance`) is pointed at that task's own probe data node (`probe.data.splits.balance` in the rerank
+    task, whose `data` is the reranker's). `gate`: the gate `gate=<name>` selected, whose node `gate` is."""
+    if gate == "ccsk" and key.startswith("gate."):
+        found = moved_to(f"{CCSK_NODE}.{key.removeprefix('gate.')}")
+        return None if found is None else f"gate.{found.removeprefix(f'{CCSK_NODE}.')}"
+    for old, new in MOVED.items():
+        if key != old and not key.startswith(f"{old}."):
+            continue
+        field = next((old.removeprefix(f"{n}.") for n in ("probe.data", "data") if old.startswith(f"{n}.")), None)
+        if task is not None and field in PROBE_DATA_MOVED:
+            return f"{probe_data_node(task)}.{PROBE_DATA_MOVED[field]}{key[len(old) :]}"
+        return new + key[len(old) :]
     return None
 
 
@@ -178,129 +221,86 @@ def _override_key(argument: str) -> tuple[str, str, str]:
     return prefix, key, equals + value
 
 
-def grouped_overrides(arguments: list[str]) -> list[str]:
-    """Command-line arguments with every override of an old probe-data key rewritten to its group, each with a
-    warning (`data.balance=false` -> `data.splits.balance=false`; a `+` that added a key the YAML then lacked is
-    dropped, as the YAML now holds it). Every other argument, Hydra's own included, passes unchanged. An old key
-    and its new one both given are refused naming both (Hydra would silently keep the last)."""
-    given = {_override_key(a)[1]: a for a in arguments if not a.startswith("-")}
-    out = []
+def command_line_task(arguments: list[str]) -> str | None:
+    """The task a command line runs, read before Hydra composes it: its `task_name=`, else the `task_name` of its
+    `+experiment=` (or of the experiment that one extends), else `conf/train.yaml`'s; None for a sweep over several
+    tasks or experiments."""
+    values = {key: value[1:] for _, key, value in map(_override_key, arguments) if value}
+    if "task_name" in values:
+        return None if "," in values["task_name"] else values["task_name"]
+    experiment = values.get("experiment")
+    while experiment is not None:
+        path = config_dir() / "experiment" / f"{experiment}.yaml"
+        if "," in experiment or not path.is_file():
+            return None
+        node = OmegaConf.load(path)
+        if "task_name" in node:
+            return str(node.task_name)
+        extended = [d for d in node.get("defaults") or [] if isinstance(d, str) and d[0] not in "/_"]
+        experiment = extended[0] if extended else None
+    return str(OmegaConf.load(config_dir() / "train.yaml").task_name)
+
+
+def refuse_moved_arguments(arguments: list[str], environment: Mapping[str, str]) -> None:
+    """Refuse a command line (or environment) that sets a key that moved, naming where it went in the run's own
+    task, before Hydra reads it: Hydra would only say the key is not in the config and advise adding it with `+`,
+    to a node that would then ignore it. So is a key of the probe data node set under the `data` of the rerank, cbdr
+    or gates task (the reranker's batches there): it is pointed at `probe.data`."""
+    task = command_line_task(arguments)
+    given = {key: value[1:] for _, key, value in map(_override_key, arguments) if value}
+    problems = [f"{old} is now {new}" for old, new in MOVED_VARIABLES.items() if environment.get(old)]
+    probe_only = _probe_data_only() if task not in (None, "probe") else set()
     for argument in arguments:
-        prefix, key, value = _override_key(argument)
-        new = grouped_key(key) if not argument.startswith("-") else None
-        if new is None:
-            out.append(argument)
+        key = _override_key(argument)[1]
+        if argument.startswith("-"):
             continue
-        if new in given:
-            raise ValueError(
-                f"{argument} and {given[new]} are both set: {key} is the old name of {new} (read for one "
-                f"release); set {new} only"
+        new = moved_to(key, task, given.get("gate"))
+        if new is not None:
+            problems.append(f"{key} is now {new}")
+        elif key.startswith("data.") and key.removeprefix("data.").partition(".")[0] in probe_only:
+            problems.append(
+                f"{key}: the {task} task's `data` is the reranker's batches, its probe's data node is probe.data: set "
+                f"probe.{key}"
             )
-        prefix = "" if prefix == "+" else prefix
-        # `data.` is the probe's node in the probe task only; the tasks that train a probe first hold it under `probe.`
-        later = "" if key.startswith("probe.") else f" (probe.{new} in the rerank, cbdr and gates tasks)"
-        log.warning("%s is deprecated (read for one release): it is now %s; set %s%s%s", key, new, new, value, later)
-        out.append(f"{prefix}{new}{value}")
-    return out
+    if problems:
+        raise ValueError("; ".join(problems) + ": set the new key(s) instead")
 
 
-def _command_line_keys() -> set[str]:
-    """The keys this run's command line sets (Hydra's record of its overrides; none outside a Hydra run)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return set()
-    return {_override_key(a)[1] for a in HydraConfig.get().overrides.task}
-
-
-def renamed_keys(cfg: DictConfig, warn: bool = True) -> DictConfig:
-    """`cfg` with every old key of RENAMED read into its new one, in place (and returned; `renamed_in` on each
-    node that has one): what reads the config then sees the new names only, and a second call changes nothing.
-    A task's `check` calls it first, so that `paths.nq_path` reaches `dataset.questions_path` before any node is
-    read. The old environment variable `CONFRAG_NQ_PATH` is checked the same way. `warn=False`: an old run's saved
-    config, read quietly."""
-    if warn:
-        questions_path_from_env()  # warns about, or refuses, the old variable beside the new one
-    for parent in dict.fromkeys([*(old.rpartition(".")[0] for old in RENAMED), *GROUPED_NODES]):
-        node = OmegaConf.select(cfg, parent, default=None)
-        if isinstance(node, DictConfig):
-            renamed_in(node, parent, warn)
-    return cfg
+def _probe_data_only() -> set[str]:
+    """The keys of the probe data node (conf/data/nq_confidence.yaml) that the reranker's (preference_pairs.yaml)
+    has not, and the old ones of PROBE_DATA_MOVED."""
+    probe, reranker = (
+        OmegaConf.load(config_dir() / "data" / f) for f in ("nq_confidence.yaml", "preference_pairs.yaml")
+    )
+    return (set(probe) | set(PROBE_DATA_MOVED)) - set(reranker)
 
 
-def renamed_in(node: DictConfig | dict, key: str, warn: bool = True) -> None:
-    """The old keys of RENAMED in config node `key` (e.g. "eval"), read into their new ones in place: an old key
-    set (not null) moves to its new key, with a warning naming both; if the new key holds a value of its own
-    (neither null nor an interpolation: a shipped default such as `${dataset.questions_path}`) that differs,
-    the node is refused naming both keys. Each old key is then removed."""
-    for old, new in RENAMED.items():
-        parent, _, old_key = old.rpartition(".")
-        new_key = new.rpartition(".")[2]
-        if parent != key or old_key not in node:
-            continue
-        value = node[old_key]
-        with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
-            if value is not None:
-                if _holds_own_value(node, new_key) and node[new_key] != value:
-                    raise ValueError(
-                        f"{old}={value} and {new}={node[new_key]} are both set: {old} is the old name of {new} "
-                        f"(read for one release); set {new} only"
-                    )
-                if warn:
-                    log.warning(
-                        "%s is deprecated (read for one release): it is now %s; set %s=%s", old, new, new, value
-                    )
-                node[new_key] = value
-            del node[old_key]
-    if key in GROUPED_NODES:
-        _grouped_in(node, key, warn)
+def refuse_moved_keys(cfg: DictConfig) -> None:
+    """Refuse a composed config that holds a key that moved (a config file of the user's own sets it), naming where
+    it went: what a task's check runs first."""
+    gate = cfg.get("gate")
+    selected = "ccsk" if isinstance(gate, DictConfig) and str(gate.get("_target_", "")).endswith(".CCSKGate") else None
+    olds = [*MOVED, *(f"gate.{old}" for old in CCSK_MOVED if selected)]
+    problems = [
+        f"{old} is now {moved_to(old, gate=selected)}"
+        for old in olds
+        if OmegaConf.select(cfg, old, default=_ABSENT, throw_on_missing=False) is not _ABSENT
+    ]
+    if problems:
+        raise ValueError("; ".join(problems) + ": set the new key(s) instead")
 
 
-def _grouped_in(node: DictConfig | dict, key: str, warn: bool) -> None:
-    """GROUPED's old keys in probe-data node `key` (set in a config file), moved into their groups in place: the
-    old value wins over what the config files give the new key, and the command line wins over both."""
-    command_line = _command_line_keys() if any(k in node for k in GROUPED) else set()
-    for old_key in [k for k in GROUPED if k in node]:
-        group, _, field = GROUPED[old_key].partition(".")
-        value, new = node[old_key], f"{key}.{group}.{field}"
-        with open_dict(node) if isinstance(node, DictConfig) else contextlib.nullcontext():
-            if node.get(group) is None:
-                node[group] = {}
-            before = node[group].get(field)
-            if new in command_line:
-                if warn:
-                    log.warning(
-                        "%s.%s=%s (a config file's, deprecated: it is now %s) is not read: the command line sets %s=%s",
-                        key, old_key, value, new, new, before,
-                    )  # fmt: skip
-                del node[old_key]
-                continue
-            if warn:
-                replaced = f" (it replaces {new}={before} of the config files)" if before not in (None, value) else ""
-                log.warning(
-                    "%s.%s is deprecated (read for one release): it is now %s; set %s=%s%s",
-                    key, old_key, new, new, value, replaced,
-                )  # fmt: skip
-            node[group][field] = value
-            del node[old_key]
-
-
-def _holds_own_value(node: DictConfig | dict, key: str) -> bool:
-    interpolated = isinstance(node, DictConfig) and key in node and OmegaConf.is_interpolation(node, key)
-    return key in node and not interpolated and node[key] is not None
+_ABSENT = object()
 
 
 def settings_from(cls: type[T], node: Any, key: str) -> T:
-    """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes, and so are
-    missing ones (a settings dataclass has no default for what its YAML node provides: docs/architecture.md,
-    "Settings pattern"); a value the dataclass refuses is reported under `key` (`checks.config_key`). A renamed key
-    under its old name is read into its new one first (`renamed_in`; a DictConfig node in place)."""
-    if isinstance(node, DictConfig):
-        renamed_in(node, key)
+    """The dataclass `cls` from config node `key`: unknown keys are named with the ones `cls` takes (and, for a key
+    that moved, where it went: `MOVED`), and so are missing ones (a settings dataclass has no default for what its
+    YAML node provides: docs/architecture.md, "Settings pattern"); a value the dataclass refuses is reported under
+    `key` (`checks.config_key`)."""
     values = dict(plain(node) or {})  # a copy: the caller's own dict is left as it is
-    renamed_in(values, key)  # a plain node: its interpolations are already resolved
     fields = {f.name for f in dataclasses.fields(cls)}
-    moved = [f"{key}.{k} is now {MOVED[f'{key}.{k}']}" for k in sorted(set(values) - fields) if f"{key}.{k}" in MOVED]
+    moved = [f"{key}.{k} is now {new}" for k in sorted(set(values) - fields) if (new := moved_to(f"{key}.{k}"))]
     with checks.config_key(key, fields):  # the dataclass names its field (`top_k`); the user reads `key.top_k`
         try:
             return checks.dataclass_from(cls, values, key, f"compose the group's shipped node (conf/{key}/)")

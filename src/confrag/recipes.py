@@ -6,7 +6,7 @@ every stage shares (cache, seed, progress, run folder, rank) is not in a recipe:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from hydra.utils import instantiate
@@ -17,28 +17,30 @@ from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
 from confrag.instantiators import (
     built,
+    check_node_keys,
     instantiate_list,
     node_parameters,
     plain,
-    renamed_in,
-    renamed_keys,
+    refuse_moved_keys,
     settings_from,
 )
 from confrag.llm.config import LLMConfig
+from confrag.llm.loading import model_num_layers
 from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
+from confrag.probe.datamodule import probe_layer
+from confrag.probe.module import check_probe_settings
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
-from confrag.reranker.data import check_group_size
-from confrag.reranker.module import check_settings as check_reranker_settings
+from confrag.reranker.data import PreferenceDataModule
+from confrag.reranker.module import RerankerModule
+from confrag.reranker.settings import PairBatching, RerankerSettings
 from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 from confrag.stages.probe import DEFAULT_MONITOR, ProbeRecipe
 from confrag.stages.rerank import RerankRecipe
 from confrag.stages.rerankers import RerankerRecipe
 from confrag.stages.retrieval import RetrievalSettings
-
-LLM_FIELDS = tuple(f.name for f in fields(LLMConfig))
 
 R = TypeVar("R")
 
@@ -49,30 +51,36 @@ TRAINER_KEYS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision
 
 def probe_recipe(node: DictConfig, monitor: str | None = None, where: str = "") -> ProbeRecipe:
     """From a node holding the probe's `data` (NQConfidenceDataModule), `model` and `trainer`: the probe
-    task's root config, or the `probe` node of a later task. The DataModule and the model's settings are
-    checked here (no model is loaded), before anything runs. `monitor`: the dev metric the checkpoint is
-    chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else val/gold_mrr). `where`:
-    the node's key in the run's config ("probe." in a later task), so that messages name overrides that work."""
+    task's root config, or the `probe` node of a later task. The probe's layer (`model.layer`) is resolved here,
+    once, from the LLM's layer count (its config alone: no weights load), and handed as an integer to the data
+    module and the model; both nodes' settings are checked here, before anything runs. `monitor`: the dev metric
+    the checkpoint is chosen by (the probe task's checkpoint callback's; else the node's `monitor`, else
+    val/gold_mrr). `where`: the node's key in the run's config ("probe." in a later task), so that messages name
+    overrides that work."""
     data_cfg, model_cfg, trainer_cfg = node.data, node.model, node.trainer
-    node_key = f"{where}data"
-    renamed_in(data_cfg, node_key)  # `data.nq_path` -> `data.questions_path` (a task's check has done it already)
-    datamodule = built(data_cfg, node_key, config_node=node_key)
-    with checks.config_key(node_key, node_parameters(data_cfg)):  # its checks against the model's config
+    data_key, model_key = f"{where}data", f"{where}model"
+    with checks.config_key(model_key, node_parameters(model_cfg)):
+        layer = probe_layer(model_cfg.get("layer"), model_num_layers(llm_node(data_cfg.llm)))
+        # The model's own checks (dropout, lr, ...) and keys, without building one: its input width comes with the data.
+        check_node_keys(model_cfg, given=("input_dim", "layer"))
+        check_probe_settings(**{k: v for k, v in plain(model_cfg).items() if not k.startswith("_")})
+    datamodule = built(data_cfg, data_key, config_node=data_key, layer=layer)
+    with checks.config_key(data_key, node_parameters(data_cfg)):  # its checks against the LLM's config
         datamodule.check_settings()
-    # A throwaway probe of input size 1: its own checks (dropout, lr, ...) run now, not after NQ_Confidence.
-    built(model_cfg, f"{where}model", input_dim=1, layer=None)
     if model_cfg.get("optimizer") == "lbfgs" and data_cfg.get("batch_size") is not None:
         raise ValueError(
-            f"model.optimizer=lbfgs takes whole-split batches: set data.batch_size=null (got {data_cfg.batch_size})"
+            f"{model_key}.optimizer=lbfgs takes whole-split batches: set {data_key}.batch_size=null "
+            f"(got {data_cfg.batch_size})"
         )
     return ProbeRecipe(
-        make_datamodule=lambda: instantiate(data_cfg, config_node=node_key, _convert_="all"),
-        make_model=lambda **kw: instantiate(model_cfg, **kw, _convert_="all"),
+        make_datamodule=lambda: instantiate(data_cfg, config_node=data_key, layer=layer, _convert_="all"),
+        make_model=lambda **kw: instantiate(model_cfg, layer=layer, **kw, _convert_="all"),
         make_trainer=lambda **kw: instantiate(trainer_cfg, **{**rank_devices(trainer_cfg), **kw}),
         identity={
             "model": OmegaConf.to_container(model_cfg, resolve=True),
             "max_epochs": trainer_cfg.get("max_epochs"),
         },
+        layer=layer,
         monitor=str(monitor or node.get("monitor") or DEFAULT_MONITOR),
     )
 
@@ -85,53 +93,57 @@ def rank_devices(trainer_cfg: DictConfig) -> dict:
 
 
 def reranker_recipe(cfg: DictConfig) -> RerankerRecipe:
-    """The reranker `model` (RerankerModule), its `data` (a partial PreferenceDataModule) and the trainer."""
-    with checks.config_key("data", node_parameters(cfg.data)):
-        check_group_size(cfg.data.group_size)
-        for key in ("batch_size", "eval_batch_size", "query_max_len", "passage_max_len"):
-            checks.positive_int(cfg.data[key], key)
-        checks.non_negative_int(cfg.data.num_workers, "num_workers")
-    # The module's own checks of model.* (lr, tau, weight decay, ...), without loading its backbone.
-    with checks.config_key("model", node_parameters(cfg.model)):
-        check_reranker_settings(**{k: v for k, v in plain(cfg.model).items() if not k.startswith("_")})
+    """The reranker's settings (`model`: RerankerSettings) and batching (`data`: PairBatching), each built and
+    checked here without loading a backbone, and the trainer; the stages build the module and the data module from
+    them."""
+    settings = typed_node(cfg.model, "model", RerankerSettings)
+    batching = typed_node(cfg.data, "data", PairBatching)
     on_gpu = cfg.trainer.get("accelerator") in ("gpu", "cuda")
     return RerankerRecipe(
-        make_model=lambda **kw: instantiate(cfg.model, **kw, _convert_="all"),
-        make_datamodule=lambda **kw: instantiate(cfg.data, _convert_="all")(**kw),
+        make_model=lambda **kw: RerankerModule(settings.replace(**kw)),
+        make_datamodule=lambda **kw: PreferenceDataModule(batching, **kw),
         make_trainer=lambda extra_callbacks=(), **kw: instantiate(
             cfg.trainer,
             callbacks=[*instantiate_list(cfg.get("callbacks")), *extra_callbacks],
             **{**rank_devices(cfg.trainer), **kw},
         ),
         identity={
-            "model": OmegaConf.to_container(cfg.model, resolve=True),
-            "data": {k: cfg.data[k] for k in RERANKER_DATA_KEYS},
+            "model": settings.identity(),
+            "data": {k: getattr(batching, k) for k in RERANKER_DATA_KEYS},
             "trainer": {k: cfg.trainer.get(k) for k in TRAINER_KEYS},
             "seed": cfg.seed,
         },
-        eval_batch_size=int(cfg.data.eval_batch_size),
+        eval_batch_size=batching.eval_batch_size,
         fast_dev_run=bool(cfg.trainer.get("fast_dev_run")),
         device="cuda" if on_gpu else None,
     )
 
 
+def typed_node(node: DictConfig, key: str, cls: type[R]) -> R:
+    """The settings object a `_target_` node builds (its values checked, each named under `key`), refused when
+    the node's `_target_` builds anything else."""
+    found = built(node, key)
+    if not isinstance(found, cls):
+        raise ValueError(f"{key}._target_ must be {cls.__module__}.{cls.__name__} (got {type(found).__name__})")
+    return found
+
+
 def llm_node(node: DictConfig) -> dict:
     """The `llm` node as the plain mapping the stages load the LLM from, checked once here as an `LLMConfig`
-    (every problem at once, under `llm.`: `llm.repo_id is required when source=hf`)."""
-    values = plain(node)
-    with checks.config_key("llm", LLM_FIELDS):
-        LLMConfig(**values)
-    return values
+    (a key missing or unknown named; every bad value at once, under `llm.`: `llm.repo_id is required when
+    source=hf`)."""
+    settings_from(LLMConfig, node, "llm")
+    return plain(node)
 
 
 def templates(cfg: DictConfig) -> PromptTemplates:
-    return PromptTemplates(**plain(cfg.prompts))
+    return settings_from(PromptTemplates, cfg.prompts, "prompts")
 
 
 def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
-    """Everything the rerank stage is built from; every setting checked here, before anything runs. Renamed keys
-    set under their old names are read into the new ones first (`renamed_keys`: in `cfg` itself)."""
-    renamed_keys(cfg)
+    """Everything the rerank stage is built from; every setting checked here, before anything runs (a key that
+    moved, set by a config file, refused first naming its new place: `refuse_moved_keys`)."""
+    refuse_moved_keys(cfg)
     retrieval = settings_from(RetrievalSettings, cfg.retrieval, "retrieval")
     with checks.config_key("retrieval", node_parameters(cfg.retrieval), others=False):  # not a file's own errors
         retrieval.check_files()

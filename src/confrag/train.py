@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from confrag.infra import distributed
 from confrag.infra.paths import config_dir, register_resolvers, task_folder
 from confrag.infra.run_info import save_failure, save_run_info
-from confrag.instantiators import grouped_overrides, run_context
+from confrag.instantiators import refuse_moved_arguments, run_context
 from confrag.recipes import llm_node
 from confrag.tasks import cbdr, gates, probe, rerank
 
@@ -119,12 +119,11 @@ def _finish_wandb() -> None:
         wandb.finish()
 
 
-def rewrite_command_line() -> None:
-    """The process's command line with the probe data node's old flat keys rewritten to their groups (read for one
-    release: `instantiators.grouped_overrides`), before Hydra reads it; an old key beside its new one ends the
-    process with the message naming both."""
+def check_command_line() -> None:
+    """A command line (or environment) setting a key that moved ends the process with the key's new name, before
+    Hydra reads it (`instantiators.refuse_moved_arguments`)."""
     try:
-        sys.argv[1:] = grouped_overrides(sys.argv[1:])
+        refuse_moved_arguments(sys.argv[1:], os.environ)
     except ValueError as err:
         sys.exit(f"error: {err}")
 
@@ -133,7 +132,7 @@ def main() -> None:
     import hydra
 
     register_resolvers()
-    rewrite_command_line()
+    check_command_line()
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
     def _main(cfg: DictConfig) -> float | None:

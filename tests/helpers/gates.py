@@ -28,5 +28,10 @@ def shipped_config(name: str) -> dict[str, Any]:
 
 
 def make_gate(name: str, **overrides: Any) -> Gate:
-    """The shipped gate `name` with `overrides`, built as `gates.configs.<name>` is in a run."""
-    return gate_from_config(name, shipped_config(name), **overrides)
+    """The shipped gate `name` with `overrides`, built as `gates.configs.<name>` is in a run. An option group given
+    in part (`fusion={"heads": 2}`) keeps the shipped values of its other keys."""
+    config = shipped_config(name)
+    groups = {
+        k: {**config[k], **v} for k, v in overrides.items() if isinstance(v, dict) and isinstance(config.get(k), dict)
+    }
+    return gate_from_config(name, config, **{**overrides, **groups})

@@ -4,7 +4,10 @@ copy and the worker scripts run in subprocesses."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 # Four layers (Layer/2 = 2), GQA with two key-value heads: small enough for CPU, shaped like the real ones.
 TINY_SHAPE = dict(
@@ -12,9 +15,16 @@ TINY_SHAPE = dict(
 )
 
 
+def cpu_llm(**fields: Any) -> dict[str, Any]:
+    """An `llm` node with what every shipped CPU node sets and LLMConfig leaves to it (dtype, device, attention: read
+    from conf/llm/tiny_llama.yaml), `fields` on top (`name`, `source` and what the source needs)."""
+    node = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "llm" / "tiny_llama.yaml")
+    return {**{k: node[k] for k in ("dtype", "device", "attn_implementation")}, **fields}
+
+
 def tiny_llm_config(arch: str = "llama", **fields: Any) -> dict[str, Any]:
     """The `llm` config of the tiny random `arch` model (conftest's `tiny_llama` / `tiny_qwen2`), with `fields`."""
-    return dict(name=f"tiny_{arch}", source="tiny", **fields, tiny=tiny_spec(arch))
+    return cpu_llm(name=f"tiny_{arch}", source="tiny", **fields, tiny=tiny_spec(arch))
 
 
 def tiny_spec(arch: str = "llama") -> dict[str, Any]:

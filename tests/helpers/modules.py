@@ -11,20 +11,27 @@ from omegaconf import OmegaConf
 
 from confrag.infra.paths import config_dir, default_cache_dir
 from confrag.instantiators import shipped
+from confrag.llm.loading import model_num_layers
+from confrag.probe.datamodule import probe_layer
+from confrag.reranker.data import PreferenceDataModule
+from confrag.reranker.module import RerankerModule
 
 SEED = 0
 
 
 def preference_data(**values: Any):
-    """A PreferenceDataModule from conf/data/preference_pairs.yaml (`train`, `tokenizer`, `kind`, ... in `values`)."""
-    return shipped("data/preference_pairs.yaml", **{"seed": SEED, **values})
+    """A PreferenceDataModule over the batching of conf/data/preference_pairs.yaml (its keys in `values` go to the
+    batching, `train`, `val`, `test`, `tokenizer` and `kind` to the module)."""
+    module = {k: values.pop(k) for k in ("train", "val", "test", "tokenizer", "kind") if k in values}
+    return PreferenceDataModule(shipped("data/preference_pairs.yaml", **{"seed": SEED, **values}), **module)
 
 
 def reranker_module(**values: Any):
-    """A RerankerModule from conf/model/reranker_minilm.yaml (the embedded MiniLM unless `backbone` says otherwise)."""
+    """A RerankerModule of the settings of conf/model/reranker_minilm.yaml (the embedded MiniLM unless `backbone`
+    says otherwise), the lengths of the shipped `data` node as a run's `${data.query_max_len}` reads them."""
     data = OmegaConf.load(config_dir() / "data" / "preference_pairs.yaml")
     lengths = {"query_max_len": data.query_max_len, "passage_max_len": data.passage_max_len}
-    return shipped("model/reranker_minilm.yaml", **{"seed": SEED, **lengths, **values})
+    return RerankerModule(shipped("model/reranker_minilm.yaml", **{"seed": SEED, **lengths, **values}))
 
 
 def probe_module(**values: Any):
@@ -35,10 +42,11 @@ def probe_module(**values: Any):
 
 def confidence_data(**values: Any):
     """An NQConfidenceDataModule from conf/data/nq_confidence.yaml (`llm`, `prompts`, `questions_path` in
-    `values`), with what a run's config gives it: the model node's layer (`mid`), the NQ dataset's questions
-    format, the default cache folder. An option group in `values` (`splits={"balance": False}`) is merged into the
-    shipped one."""
-    layer = OmegaConf.load(config_dir() / "model" / "probe.yaml").layer
+    `values`), with what a run gives it: the probe's layer resolved from the model node's (`mid`: Layer/2 of `llm`,
+    as `recipes.probe_recipe` resolves it), the NQ dataset's questions format, the default cache folder. An option
+    group in `values` (`splits={"balance": False}`) is merged into the shipped one."""
+    spec = values.pop("layer", OmegaConf.load(config_dir() / "model" / "probe.yaml").layer)
+    layer = spec if isinstance(spec, int) else probe_layer(spec, model_num_layers(values["llm"]))
     questions_format = OmegaConf.load(config_dir() / "dataset" / "nq.yaml").questions_format
     borrowed = {
         "seed": SEED,

@@ -30,4 +30,4 @@ def mean_group_loss(module, rows: list[dict], group_size: int = 3) -> float:
     scores = module.score(
         [it["query"] for it in items for _ in it["passages"]], [p for it in items for p in it["passages"]]
     )
-    return float(group_infonce(torch.from_numpy(scores).view(len(items), group_size), module.hparams.tau))
+    return float(group_infonce(torch.from_numpy(scores).view(len(items), group_size), module.settings.tau))

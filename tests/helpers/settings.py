@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
 
-from confrag.instantiators import renamed_keys, settings_from
+from confrag.instantiators import settings_from
 
 from helpers.runs import compose_cfg
 
@@ -22,10 +22,9 @@ SHIPPED_NODES = ["+rag=default", "+eval=default", "+preferences=default", "+base
 
 @functools.cache
 def shipped_nodes() -> dict[str, Any]:
-    """The root config with every settings group's shipped node, resolved (plain values), its renamed keys' old
-    names removed as a run removes them (`renamed_keys`)."""
+    """The root config with every settings group's shipped node, resolved (plain values)."""
     with tempfile.TemporaryDirectory() as folder:
-        return OmegaConf.to_container(renamed_keys(compose_cfg(SHIPPED_NODES, Path(folder))), resolve=True)
+        return OmegaConf.to_container(compose_cfg(SHIPPED_NODES, Path(folder)), resolve=True)
 
 
 def shipped_settings(cls: type[T], key: str, **values: Any) -> T:

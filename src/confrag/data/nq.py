@@ -17,8 +17,7 @@ file, as cached states and reports are keyed on these qids). Extra fields are ig
 the first (`eval.questions_path`) gets an `id_prefix`, so that its qids never equal the first file's.
 
 The module keeps NQ-open's name: the shared file and the first format are NQ-open's. Its functions are not
-NQ-specific: `load_questions_jsonl` reads any question set; `load_nq_jsonl` and `default_nq_path` are the old names,
-kept one release as deprecated aliases.
+NQ-specific: `load_questions_jsonl` reads any question set.
 """
 
 from __future__ import annotations
@@ -37,13 +36,11 @@ from typing import Any
 from confrag.data.jsonl import DataFormatError
 from confrag.data.records import RecordFile, detect_format, formats_text
 from confrag.infra import checks
-from confrag.infra.deprecated import deprecated_alias
 from confrag.infra.paths import project_root
 
 log = logging.getLogger(__name__)
 
 QUESTIONS_PATH_ENV = "CONFRAG_QUESTIONS_PATH"
-NQ_PATH_ENV = "CONFRAG_NQ_PATH"  # the old name of QUESTIONS_PATH_ENV, still read for one release (with a warning)
 _PATH_HINT = (
     f"set the path with the `paths.questions_path` config value or the `{QUESTIONS_PATH_ENV}` environment variable"
 )
@@ -65,25 +62,10 @@ class QARow:
     contexts: tuple[Passage, ...]
 
 
-def questions_path_from_env() -> str | None:
-    """The question file the environment names: `$CONFRAG_QUESTIONS_PATH`, else the old `$CONFRAG_NQ_PATH` (with a
-    warning naming the new variable); both set to different files is refused, naming both. None: neither is set."""
-    new, old = os.environ.get(QUESTIONS_PATH_ENV) or None, os.environ.get(NQ_PATH_ENV) or None
-    if old is None:
-        return new
-    if new is not None and new != old:
-        raise ValueError(
-            f"{NQ_PATH_ENV}={old} and {QUESTIONS_PATH_ENV}={new} name different question files: {NQ_PATH_ENV} is the "
-            f"old name of {QUESTIONS_PATH_ENV}; unset it"
-        )
-    log.warning("%s is deprecated (read for one release): set %s=%s instead", NQ_PATH_ENV, QUESTIONS_PATH_ENV, old)
-    return old
-
-
 def default_questions_path() -> Path:
-    """`$CONFRAG_QUESTIONS_PATH` (or the old `$CONFRAG_NQ_PATH`) if set, else the shared NQ-open sample,
+    """`$CONFRAG_QUESTIONS_PATH` if set, else the shared NQ-open sample,
     `<project root>/../shared/data/nq_open_gold.jsonl.gz`."""
-    env = questions_path_from_env()
+    env = os.environ.get(QUESTIONS_PATH_ENV)
     if env:
         return Path(env).expanduser()
     return project_root().parent / "shared" / "data" / "nq_open_gold.jsonl.gz"
@@ -259,8 +241,3 @@ def rows_fingerprint(rows: Sequence[QARow]) -> str:
         line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
         digest.update(line.encode("utf-8") + b"\n")
     return digest.hexdigest()
-
-
-# The old names, for one release (each call warns with the new name).
-load_nq_jsonl = deprecated_alias("confrag.data.nq.load_nq_jsonl", load_questions_jsonl)
-default_nq_path = deprecated_alias("confrag.data.nq.default_nq_path", default_questions_path)

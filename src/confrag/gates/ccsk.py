@@ -18,9 +18,12 @@ Three modules, as in the paper (§3.2-3.4), each producing an "IR needed" score 
   so it does not learn to trust in-sample predictions.
 
 The decision (Eq. 7, read with its explanation in §3.4): when the fused output is trusted, max(g) >
-tau_conf, retrieve iff g.F > tau_pred; otherwise take the module with the larger distribution weight
-g_w and retrieve iff its F > tau_single. Note that g is normalized over two modules, so max(g) >= 0.5:
-any tau_conf below 0.5 (the paper's best is 0.3) always trusts the fused output.
+thresholds.conf, retrieve iff g.F > thresholds.pred; otherwise take the module with the larger distribution weight
+g_w and retrieve iff its F > thresholds.single. Note that g is normalized over two modules, so max(g) >= 0.5:
+any thresholds.conf below 0.5 (the paper's best is 0.3) always trusts the fused output.
+
+The gate's options travel in three groups, one typed object each (`thresholds`, `rqm`, `fusion`), as its YAML node
+(conf/gate/ccsk.yaml) holds them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
 
 import lightgbm as lgb
 import numpy as np
@@ -41,6 +46,7 @@ from confrag.gates.skr import knn_vote, unit_rows
 from confrag.infra import checks
 
 _WORD = re.compile(r"\w+")
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------ SN
@@ -143,6 +149,73 @@ def ccsk_rule(
 # ------------------------------------------------------------------ gate
 
 
+@dataclass(frozen=True)
+class CCSKThresholds:
+    """Eq. 7's thresholds, each in [0, 1] (`thresholds`): when max(g) > `conf` the fused output is trusted and the
+    gate retrieves iff g·F > `pred`; otherwise iff the F of the module with the larger weight g_w is > `single`."""
+
+    pred: float
+    conf: float
+    single: float
+
+    @classmethod
+    def of(cls, values: Any, key: str = "thresholds") -> CCSKThresholds:
+        options = _of(cls, values, key)
+        for name in ("pred", "conf", "single"):
+            checks.number(getattr(options, name), f"{key}.{name}", 0.0, 1.0)
+        return options
+
+
+@dataclass(frozen=True)
+class RQMOptions:
+    """The response-quality model (`rqm`): its target's weights (w1 ROUGE-1 + w2 cosine) and its LightGBM."""
+
+    rouge_weight: float
+    cosine_weight: float
+    learning_rate: float
+    num_leaves: int
+    max_rounds: int
+    early_stopping: int  # rounds without improvement on the hold-out before training stops
+
+    @classmethod
+    def of(cls, values: Any, key: str = "rqm") -> RQMOptions:
+        options = _of(cls, values, key)
+        checks.number(options.rouge_weight, f"{key}.rouge_weight", 0.0)
+        checks.number(options.cosine_weight, f"{key}.cosine_weight", 0.0)
+        if options.rouge_weight + options.cosine_weight <= 0:
+            raise ValueError(f"{key}.rouge_weight + {key}.cosine_weight must be > 0")
+        checks.number(options.learning_rate, f"{key}.learning_rate", 1e-6, 1.0)
+        checks.integer(options.num_leaves, f"{key}.num_leaves", 2)
+        checks.positive_int(options.max_rounds, f"{key}.max_rounds")
+        checks.positive_int(options.early_stopping, f"{key}.early_stopping")
+        return options
+
+
+@dataclass(frozen=True)
+class FusionOptions:
+    """The attention fusion module (`fusion`, Eq. 5-6) and its training."""
+
+    heads: int  # must divide the embedding width
+    hidden: int
+    dropout: float
+    epochs: int
+    lr: float
+
+    @classmethod
+    def of(cls, values: Any, key: str = "fusion") -> FusionOptions:
+        options = _of(cls, values, key)
+        checks.positive_int(options.heads, f"{key}.heads")
+        checks.positive_int(options.hidden, f"{key}.hidden")
+        checks.number(options.dropout, f"{key}.dropout", 0.0, 0.99)
+        checks.positive_int(options.epochs, f"{key}.epochs")
+        checks.number(options.lr, f"{key}.lr", 1e-8, 1.0)
+        return options
+
+
+def _of(cls: type[T], values: Any, key: str) -> T:
+    return values if isinstance(values, cls) else checks.dataclass_from(cls, values, key)
+
+
 class CCSKGate(Gate):
     name = "ccsk"
     needs = frozenset({"question_embedding", "responses", "response_embedding"})
@@ -152,71 +225,35 @@ class CCSKGate(Gate):
     decision_passes = 1  # the response r is the closed-book answer
     decision_is_closed_book = True
 
-    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
-    # checks them against it); the signature shrinks when the node itself is grouped.
     def __init__(
         self,
         k: int,
         novelty_threshold: float,
-        rouge_weight: float,
-        cosine_weight: float,
-        tau_pred: float,
-        tau_conf: float,
-        tau_single: float,
-        rqm_learning_rate: float,
-        rqm_num_leaves: int,
-        rqm_max_rounds: int,
-        rqm_early_stopping: int,
-        heads: int,
-        hidden: int,
-        dropout: float,
-        epochs: int,
-        lr: float,
+        thresholds: CCSKThresholds | dict[str, Any],
+        rqm: RQMOptions | dict[str, Any],
+        fusion: FusionOptions | dict[str, Any],
         folds: int,
         seed: int,
     ) -> None:
+        """SN's `k` nearest training questions and its `novelty_threshold` (below this best cosine the question is
+        new: F_SN = 1), Eq. 7's `thresholds`, the `rqm` and `fusion` modules, the cross-fitting `folds` of the RQM
+        scores the fusion trains on, and the `seed` of both."""
         checks.positive_int(k, "k")
         checks.number(novelty_threshold, "novelty_threshold", -1.0, 1.0)
-        checks.number(rouge_weight, "rouge_weight", 0.0)
-        checks.number(cosine_weight, "cosine_weight", 0.0)
-        if rouge_weight + cosine_weight <= 0:
-            raise ValueError("rouge_weight + cosine_weight must be > 0")
-        for key, value in (("tau_pred", tau_pred), ("tau_conf", tau_conf), ("tau_single", tau_single)):
-            checks.number(value, key, 0.0, 1.0)
-        checks.number(rqm_learning_rate, "rqm_learning_rate", 1e-6, 1.0)
-        checks.integer(rqm_num_leaves, "rqm_num_leaves", 2)
-        checks.positive_int(rqm_max_rounds, "rqm_max_rounds")
-        checks.positive_int(rqm_early_stopping, "rqm_early_stopping")
-        checks.positive_int(heads, "heads")
-        checks.positive_int(hidden, "hidden")
-        checks.number(dropout, "dropout", 0.0, 0.99)
-        checks.positive_int(epochs, "epochs")
-        checks.number(lr, "lr", 1e-8, 1.0)
+        self.thresholds = CCSKThresholds.of(thresholds)
+        self.rqm_options = RQMOptions.of(rqm)
+        self.fusion_options = FusionOptions.of(fusion)
         checks.integer(folds, "folds", 2)
         checks.integer(seed, "seed")
-        config = dict(
+        self.k, self.novelty_threshold, self.folds, self.seed = k, novelty_threshold, folds, seed
+        groups = {"thresholds": self.thresholds, "rqm": self.rqm_options, "fusion": self.fusion_options}
+        super().__init__(
             k=k,
             novelty_threshold=novelty_threshold,
-            rouge_weight=rouge_weight,
-            cosine_weight=cosine_weight,
-            tau_pred=tau_pred,
-            tau_conf=tau_conf,
-            tau_single=tau_single,
-            rqm_learning_rate=rqm_learning_rate,
-            rqm_num_leaves=rqm_num_leaves,
-            rqm_max_rounds=rqm_max_rounds,
-            rqm_early_stopping=rqm_early_stopping,
-            heads=heads,
-            hidden=hidden,
-            dropout=dropout,
-            epochs=epochs,
-            lr=lr,
+            **{n: asdict(g) for n, g in groups.items()},
             folds=folds,
             seed=seed,
         )
-        super().__init__(**config)
-        for key, value in config.items():
-            setattr(self, key, value)
         self._history: np.ndarray | None = None
         self._labels: np.ndarray | None = None
         self.rqm: lgb.Booster | None = None
@@ -226,8 +263,8 @@ class CCSKGate(Gate):
     def _train_rqm(self, x: np.ndarray, y: np.ndarray, rounds: int, valid: tuple | None = None) -> lgb.Booster:
         params = {
             "objective": "regression",
-            "learning_rate": self.rqm_learning_rate,
-            "num_leaves": self.rqm_num_leaves,
+            "learning_rate": self.rqm_options.learning_rate,
+            "num_leaves": self.rqm_options.num_leaves,
             "seed": self.seed,
             "deterministic": True,
             "num_threads": 1,
@@ -240,17 +277,17 @@ class CCSKGate(Gate):
             lgb.Dataset(x, y),
             num_boost_round=rounds,
             valid_sets=[lgb.Dataset(*valid)],
-            callbacks=[lgb.early_stopping(self.rqm_early_stopping, verbose=False)],
+            callbacks=[lgb.early_stopping(self.rqm_options.early_stopping, verbose=False)],
         )
 
     def _fit_rqm(self, x: np.ndarray, y: np.ndarray) -> int:
         """Fit the RQM with early stopping on a seeded 20 % hold-out; returns the rounds kept."""
         if len(y) < 10:  # too few to hold any out: all rounds, no early stopping
-            self.rqm = self._train_rqm(x, y, self.rqm_max_rounds)
-            return self.rqm_max_rounds
+            self.rqm = self._train_rqm(x, y, self.rqm_options.max_rounds)
+            return self.rqm_options.max_rounds
         x_fit, x_val, y_fit, y_val = train_test_split(x, y, test_size=0.2, random_state=self.seed)
-        self.rqm = self._train_rqm(x_fit, y_fit, self.rqm_max_rounds, valid=(x_val, y_val))
-        return max(1, self.rqm.best_iteration or self.rqm_max_rounds)
+        self.rqm = self._train_rqm(x_fit, y_fit, self.rqm_options.max_rounds, valid=(x_val, y_val))
+        return max(1, self.rqm.best_iteration or self.rqm_options.max_rounds)
 
     def _out_of_fold_rqm(self, x: np.ndarray, y: np.ndarray, rounds: int) -> np.ndarray:
         out = np.empty(len(y))
@@ -267,16 +304,18 @@ class CCSKGate(Gate):
     # --- fusion ------------------------------------------------------------------------------
     def _train_fusion(self, q: np.ndarray, r: np.ndarray, f: np.ndarray, y: np.ndarray) -> None:
         dim = q.shape[1]
-        if dim % self.heads:
-            raise ValueError(f"heads={self.heads} must divide the embedding width {dim}")
+        if dim % self.fusion_options.heads:
+            raise ValueError(f"heads={self.fusion_options.heads} must divide the embedding width {dim}")
         with _one_thread(), torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG
             torch.manual_seed(self.seed)
-            module = FusionModule(dim, self.heads, self.hidden, self.dropout)
-            optimizer = torch.optim.Adam(module.parameters(), lr=self.lr)
+            module = FusionModule(
+                dim, self.fusion_options.heads, self.fusion_options.hidden, self.fusion_options.dropout
+            )
+            optimizer = torch.optim.Adam(module.parameters(), lr=self.fusion_options.lr)
             tq, tr, tf = (torch.as_tensor(a, dtype=torch.float32) for a in (q, r, f))
             ty = torch.as_tensor(y, dtype=torch.float32)
             module.train()
-            for _ in range(self.epochs):
+            for _ in range(self.fusion_options.epochs):
                 g, _ = module(tq, tr, tf)
                 prediction = (g * tf).sum(dim=1).clamp(1e-6, 1 - 1e-6)
                 loss = nn.functional.binary_cross_entropy(prediction, ty)
@@ -309,8 +348,8 @@ class CCSKGate(Gate):
             train.answers,
             signals.response_embedding,
             train.answer_embedding,
-            self.rouge_weight,
-            self.cosine_weight,
+            self.rqm_options.rouge_weight,
+            self.rqm_options.cosine_weight,
         )
         rounds = self._fit_rqm(x, y)
         f = np.column_stack(
@@ -326,5 +365,5 @@ class CCSKGate(Gate):
     def _decide(self, signals: GateSignals) -> list[Decision]:
         f = self.module_scores(signals)
         g, g_w = self.fusion_weights(signals, f)
-        retrieve = ccsk_rule(f, g, g_w, self.tau_pred, self.tau_conf, self.tau_single)
+        retrieve = ccsk_rule(f, g, g_w, self.thresholds.pred, self.thresholds.conf, self.thresholds.single)
         return [Decision.RETRIEVE if r else Decision.PARAMETRIC for r in retrieve]

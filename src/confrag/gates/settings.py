@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from confrag.gates import GATES, Gate
 from confrag.infra import checks
-from confrag.instantiators import built, node_parameters
+from confrag.instantiators import built, node_parameters, settings_from
 from confrag.rag.stats import BINARY_METRICS
 from confrag.reranker.systems import check_reranker
 
@@ -94,6 +94,36 @@ def selected_gate(gate_node: DictConfig, configs: dict[str, dict[str, Any]]) -> 
     return cls.name, node
 
 
+@dataclass(frozen=True)
+class GatesNode:
+    """The `gates` node as written (conf/gates/default.yaml, which says what each key means), its values checked
+    one by one (each named by its key: `gates.top_k must be ...`); `gate_settings` checks them together."""
+
+    names: list[str]
+    configs: dict[str, dict[str, Any]]  # one `_target_` node per gate, from conf/gate/<name>.yaml
+    reranker: str
+    top_k: int
+    metric: str
+    curves: dict[str, dict[str, Any]] | None
+    curve_points: int
+    timing_questions: int
+    draft_max_new_tokens: int
+    internal_max_new_tokens: int
+    batch_size: int
+    n_resamples: int
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        checks.collect(problems, checks.integer, self.top_k, "top_k", 1)
+        checks.collect(problems, checks.choice, self.metric, "metric", BINARY_METRICS)
+        checks.collect(problems, check_reranker, self.reranker, "reranker")
+        checks.collect(problems, checks.integer, self.curve_points, "curve_points", 2)
+        for key in ("timing_questions", "draft_max_new_tokens", "internal_max_new_tokens", "batch_size"):
+            checks.collect(problems, checks.integer, getattr(self, key), key, 1)
+        checks.collect(problems, checks.integer, self.n_resamples, "n_resamples", 100)
+        checks.refuse(problems)
+
+
 def gate_settings(
     section: DictConfig | None, gate_node: DictConfig | None, top_n: int, candidates_file: bool
 ) -> GateSettings:
@@ -103,9 +133,10 @@ def gate_settings(
             "task gates needs a `gates` section: compose conf/gates/default.yaml (see "
             "conf/experiment/gates_smollm2.yaml)"
         )
-    configs = OmegaConf.to_container(section.configs, resolve=True)
+    node = settings_from(GatesNode, section, "gates")
+    configs = dict(node.configs)
     selected = None
-    names = [str(n) for n in section.names]
+    names = [str(n) for n in node.names]
     if gate_node is not None:  # `gate=<name>` on the command line: that gate between the two bounds
         name, configs[name] = selected_gate(gate_node, configs)
         selected = name
@@ -122,8 +153,7 @@ def gate_settings(
         raise ValueError(f"gates.names lists a gate twice: {names}")
     gates = {name: gate_from_config(name, configs[name], gate_key(name, selected)) for name in names}
     curves = {}
-    curve_section = section.get("curves")
-    for name, spec in (OmegaConf.to_container(curve_section, resolve=True) if curve_section else {}).items():
+    for name, spec in (node.curves or {}).items():
         if name not in gates:
             if name in configs or name in GATES:  # a curve of a gate that is not run this time
                 continue
@@ -143,22 +173,20 @@ def gate_settings(
             for value in values:  # out-of-range thresholds fail here, named by the gate's config key
                 gate_from_config(name, configs[name], gate_key(name, selected), **{param: value})
         curves[name] = CurveSpec(param, values)
-    top_k = checks.integer(section.top_k, "gates.top_k", 1)
-    if top_k > top_n and not candidates_file:
-        raise ValueError(f"gates.top_k={top_k} asks for more contexts than the retrieval.top_n={top_n} retrieved")
-    checks.choice(section.metric, "gates.metric", BINARY_METRICS)
+    if node.top_k > top_n and not candidates_file:
+        raise ValueError(f"gates.top_k={node.top_k} asks for more contexts than the retrieval.top_n={top_n} retrieved")
     return GateSettings(
         names=tuple(names),
         configs=configs,
-        top_k=top_k,
-        reranker=check_reranker(section.reranker, "gates.reranker"),
-        metric=str(section.metric),
+        top_k=node.top_k,
+        reranker=node.reranker,
+        metric=node.metric,
         curves=curves,
-        curve_points=checks.integer(section.curve_points, "gates.curve_points", 2),
-        timing_questions=checks.integer(section.timing_questions, "gates.timing_questions", 1),
-        draft_max_new_tokens=checks.integer(section.draft_max_new_tokens, "gates.draft_max_new_tokens", 1),
-        internal_max_new_tokens=checks.integer(section.internal_max_new_tokens, "gates.internal_max_new_tokens", 1),
-        batch_size=checks.integer(section.batch_size, "gates.batch_size", 1),
-        n_resamples=checks.integer(section.n_resamples, "gates.n_resamples", 100),
+        curve_points=node.curve_points,
+        timing_questions=node.timing_questions,
+        draft_max_new_tokens=node.draft_max_new_tokens,
+        internal_max_new_tokens=node.internal_max_new_tokens,
+        batch_size=node.batch_size,
+        n_resamples=node.n_resamples,
         selected=selected,
     )

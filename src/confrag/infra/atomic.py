@@ -3,7 +3,8 @@
 Every file is written to a temp file beside its place, flushed, and renamed over it (`os.replace`), so a
 reader, or a run killed at any moment, sees the old file or the new one, never half of one. A folder is
 built beside its place and exchanged with the old one in one step (`swapped_in`, `replace_folder`), with the
-same promise for the whole folder. Files get
+same promise for the whole folder; a folder written once and never replaced is renamed into place
+(`written_once`). Files get
 the permissions `open()` would give them (0666 less the umask), directories those of `mkdir` (0777 less
 the umask), so a cache on a shared disk is readable by whom the umask allows.
 """
@@ -182,6 +183,26 @@ def swapped_in(directory: Path | str) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+@contextlib.contextmanager
+def written_once(directory: Path | str) -> Iterator[Path]:
+    """Build a folder that is written once and never replaced (a content-keyed index: two builds of one key are the
+    same bytes): the body writes into the temporary folder this yields, beside `directory`; when it returns, the
+    folder gets the permissions `mkdir` / `open()` would give and is renamed into place whole. A `directory` that
+    another process renamed there first is kept as it is (its content is the same). When the body raises, nothing
+    is left behind."""
+    directory = Path(directory)
+    tmp = make_temp_dir(directory.parent, ".tmp-")
+    try:
+        yield tmp
+        honour_umask(tmp)
+        tmp.rename(directory)
+    except OSError:
+        if not directory.is_dir():  # else another process renamed the same folder into place first
+            raise
+    finally:
+        _remove(tmp)
 
 
 def _remove(path: Path) -> None:

@@ -30,24 +30,26 @@ class LLMNotAvailableError(RuntimeError):
 
 @dataclass
 class LLMConfig:
-    """What `conf/llm/*.yaml` holds (see there for the meaning of each field)."""
+    """What `conf/llm/*.yaml` holds (see there for the meaning of each field). Each default is written once
+    (tests/test_settings_defaults.py): what every node sets (the dtype, device and attention) has none here; what a
+    source does not use has its "unused" here (None, {}, seed 0), and a node writes it only to set another value."""
 
     name: str
     source: str
+    dtype: str
+    device: str  # cpu, cuda[:N], auto (device_map), rank (cuda:LOCAL_RANK of a torchrun rank, else cpu)
+    attn_implementation: str | None
     repo_id: str | None = None
     revision: str | None = None
     local_dir: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
     gguf_path: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"  # cpu, cuda[:N], auto (device_map), rank (cuda:LOCAL_RANK of a torchrun rank, else cpu)
-    attn_implementation: str | None = "sdpa"
     tiny: dict[str, Any] = field(default_factory=dict)
     random: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
+    seed: int = 0  # the random weights' of `tiny` and `random`
     chat_template: str | None = None
-    cache_dir: str | None = None
+    cache_dir: str | None = None  # converted models; None: <confrag cache>/models
 
     def __post_init__(self) -> None:
         """Everything a source needs that can be checked without its files, every problem at once, each naming

@@ -5,6 +5,7 @@ the deepest layer evaluated at the last token alone (exact for plain pre-norm ro
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -78,23 +81,50 @@ class LastTokenCapture:
             self._local.slot = None
 
 
+# The model families (their config's `model_type`) whose decoder layer `last_token_layer` reproduces exactly:
+# pre-norm, rotary, plain q/k/v/o projections, no q/k norms or attention sinks, no sliding window. A family of that
+# shape joins the fast path with one entry here, once tests/test_hidden_states.py shows its two paths agree; any other
+# runs its deepest layer over every token (exact, slower), and the log says so once, with the reason.
 TAIL_MODEL_TYPES = ("llama", "qwen2")
+_told: set[tuple[str, str]] = set()
+
+
+def tail_refusal(model: PreTrainedModel, layer: nn.Module) -> str | None:
+    """Why `layer` cannot be finished at the last token alone by `last_token_layer` (None: it can)."""
+    family = model.config.model_type
+    if family not in TAIL_MODEL_TYPES:
+        return (
+            f"the family {family!r} is not in TAIL_MODEL_TYPES {TAIL_MODEL_TYPES} (confrag/llm/last_token.py; one "
+            "entry there once its last-token layer is tested equal to the full forward)"
+        )
+    attn = getattr(layer, "self_attn", None)
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "num_key_value_groups")
+    if attn is None or not all(hasattr(attn, name) for name in needed):
+        return f"its attention lacks one of {needed}"
+    if any(hasattr(attn, name) for name in ("q_norm", "k_norm", "sinks")):
+        return "its attention normalizes queries or keys (q_norm / k_norm) or has attention sinks"
+    if getattr(attn, "sliding_window", None):
+        return "its attention has a sliding window"
+    if not all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp")):
+        return "its layer is not input_layernorm → attention → post_attention_layernorm → mlp"
+    if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb"):
+        return "its attention's module has no apply_rotary_pos_emb"
+    return None
 
 
 def plain_decoder_layer(model: PreTrainedModel, layer: nn.Module) -> bool:
-    """Whether `layer` is a pre-norm rotary decoder layer that `last_token_layer` reproduces exactly
-    (Llama and Qwen2 families, no q/k norms or sliding window); other models take the full path."""
-    attn = getattr(layer, "self_attn", None)
-    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "num_key_value_groups")
-    return (
-        model.config.model_type in TAIL_MODEL_TYPES
-        and attn is not None
-        and all(hasattr(attn, name) for name in needed)
-        and not any(hasattr(attn, name) for name in ("q_norm", "k_norm", "sinks"))
-        and not getattr(attn, "sliding_window", None)
-        and all(hasattr(layer, name) for name in ("input_layernorm", "post_attention_layernorm", "mlp"))
-        and hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb")
-    )
+    """Whether `layer` is a pre-norm rotary decoder layer that `last_token_layer` reproduces exactly (`tail_refusal`);
+    a model that takes the full path instead is named in the log once, with the reason."""
+    reason = tail_refusal(model, layer)
+    told = (model.config.model_type, reason)
+    if reason is not None and told not in _told:
+        _told.add(told)
+        log.info(
+            "%s: the deepest requested layer runs over every prompt token (exact, slower than the one-token path): %s",
+            model.config.model_type,
+            reason,
+        )
+    return reason is None
 
 
 def last_token_layer(base, layer, hidden, last, position_ids, mask, prefix_kv) -> torch.Tensor:

@@ -78,7 +78,7 @@ def hf_missing_message(cfg: LLMConfig, err: Exception) -> str:
         f"LLM '{cfg.name}' ({cfg.repo_id}) is not available offline. Missing from the Hugging Face cache "
         f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}): {', '.join(missing) or 'some files'}.\n"
         f"Provide it on a machine with access: `huggingface-cli download {cfg.repo_id} --local-dir DIR`, then run "
-        f"with `llm.source=local llm.local_dir=DIR` (or copy the HF cache and set HF_HOME). Loader said: {err}"
+        f"with `llm.source=local +llm.local_dir=DIR` (or copy the HF cache and set HF_HOME). Loader said: {err}"
     )
 
 

@@ -20,11 +20,13 @@ if TYPE_CHECKING:  # passages only need .title and .text
 
 @dataclass(frozen=True)
 class PromptTemplates:
+    """The prompts of conf/prompts/*.yaml (which holds their values, each written once there)."""
+
     qa: str
     rag: str
-    context: str = "{title}\n{text}"
-    context_separator: str = "\n\n"
-    system: str | None = None  # None: the chat template's own default system prompt
+    context: str
+    context_separator: str
+    system: str | None  # None: the chat template's own default system prompt
 
     def __post_init__(self) -> None:
         for name, needed in (("qa", ("{question}",)), ("rag", ("{question}", "{contexts}")), ("context", ("{text}",))):

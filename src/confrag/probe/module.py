@@ -61,7 +61,8 @@ class ProbeMismatchError(ValueError):
 
 class ProbeModule(LightningModule):
     # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
-    # checks them against it); the signature shrinks when the node itself is grouped.
+    # checks them against it), beside the input width and layer the run gives; the MLP's shape and its optimiser's
+    # settings are the keys a sweep sets one by one (`model.lr=...`), and its saved config reads them by name.
     def __init__(
         self,
         input_dim: int,
@@ -77,7 +78,8 @@ class ProbeModule(LightningModule):
     ) -> None:
         """The settings have no defaults here: the `model` node (conf/model/probe.yaml) holds them (outside a
         run: `confrag.instantiators.shipped("model/probe.yaml", input_dim=..., layer=...)`). `layer`: the LLM
-        layer the states come from, for messages (None: not tied to one)."""
+        layer the states come from, for messages (None: not tied to one); in a run the recipe gives the integer it
+        resolved from the node's `layer` (`mid`: Layer/2)."""
         super().__init__()
         hidden_dims = [int(d) for d in hidden_dims]  # plain ints, so the saved hparams stay JSON lists
         check_probe_settings(

@@ -48,8 +48,7 @@ def gold_sources(run: Path) -> dict[str, str] | None:
     retrieval = run_config(run).get("retrieval") or {}
     if retrieval.get("corpus_path") or retrieval.get("words_per_passage") is None:
         return None
-    # `nq_path`: the key's name in a run saved before it was renamed (confrag.instantiators.RENAMED).
-    rows = load_questions_jsonl(retrieval.get("questions_path") or retrieval["nq_path"])
+    rows = load_questions_jsonl(retrieval["questions_path"])
     return corpus_from_gold_paragraphs(rows, int(retrieval["words_per_passage"])).gold_source_of
 
 

@@ -28,21 +28,13 @@ import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
-from confrag.infra import checks
 from confrag.reranker.backbone import resolve_backbone
 from confrag.reranker.collate import CandidateCollator, GroupCollator, PairCollator, truncation_stats
 from confrag.reranker.kinds import CrossEncoderKind, reranker_kind
 from confrag.reranker.rows import RowSource, candidate_lists, load_rows, validate_rows
+from confrag.reranker.settings import PairBatching, check_group_size
 
 # --- datasets ------------------------------------------------------------------------------------
-
-
-def check_group_size(group_size: int) -> int:
-    if isinstance(group_size, bool) or int(group_size) != group_size or group_size < 2:
-        raise ValueError(
-            f"group_size must be an integer >= 2 (one positive and at least one negative); got {group_size!r}"
-        )
-    return int(group_size)
 
 
 class GroupDataset(Dataset):
@@ -104,25 +96,16 @@ class PreferenceDataModule(LightningDataModule):
     `kind` its `model.kind` (which tokenization the pairs get).
     `truncated_pairs` counts the training / evaluation pairs whose passage was cut, as collated in
     this process; `truncation` (after setup) gives the same count over every distinct pair of each split.
-    The batching settings have no defaults here: conf/data/preference_pairs.yaml holds them (outside a run:
-    `confrag.instantiators.shipped("data/preference_pairs.yaml", seed=..., train=...)`)."""
+    The batching settings arrive as one object, `batching` (conf/data/preference_pairs.yaml builds it; outside a
+    run: `confrag.instantiators.shipped("data/preference_pairs.yaml", seed=...)`)."""
 
-    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
-    # checks them against it); the signature shrinks when the node itself is grouped.
     def __init__(
         self,
+        batching: PairBatching,
         train: RowSource | None = None,
         test: RowSource | None = None,
         val: RowSource | None = None,
         tokenizer: str | None = None,
-        *,
-        query_max_len: int,
-        passage_max_len: int,
-        batch_size: int,
-        eval_batch_size: int,
-        group_size: int,
-        num_workers: int,
-        seed: int,
         kind: str = CrossEncoderKind.id,
     ) -> None:
         super().__init__()
@@ -130,13 +113,14 @@ class PreferenceDataModule(LightningDataModule):
         self.encode = self.kind.encode
         self.sources = {"train": train, "val": val, "test": test}
         self.tokenizer_name = tokenizer
-        self.query_max_len = checks.positive_int(query_max_len, "query_max_len")
-        self.passage_max_len = checks.positive_int(passage_max_len, "passage_max_len")
-        self.batch_size = checks.positive_int(batch_size, "batch_size")
-        self.eval_batch_size = checks.positive_int(eval_batch_size, "eval_batch_size")
-        self.group_size = check_group_size(group_size)
-        checks.non_negative_int(num_workers, "num_workers")
-        self.num_workers, self.seed = num_workers, seed
+        self.batching = batching
+        self.query_max_len = batching.query_max_len
+        self.passage_max_len = batching.passage_max_len
+        self.batch_size = batching.batch_size
+        self.eval_batch_size = batching.eval_batch_size
+        self.group_size = batching.group_size
+        self.num_workers = batching.num_workers
+        self.seed = batching.seed
         self.rows: dict[str, list[dict]] = {}
         self.truncation: dict[str, dict[str, int]] = {}
         self._tokenizer = None

@@ -1,5 +1,6 @@
 """The label rules of NQ_Rerank: how one question's candidates become `pos` and `neg` (`preferences.selection`,
-`preferences.compare`; the rules are described in `confrag.reranker.preferences`). A new rule is one `RULES` entry."""
+`preferences.compare`). `RULES` is their catalogue: each rule's id, what it does (its `description`, the one place
+it is written: the docs and the config point here) and what it needs. A new rule is one `RULES` entry."""
 
 from __future__ import annotations
 
@@ -57,14 +58,21 @@ RULES: dict[str, LabelRule] = {
     for rule in (
         LabelRule(
             "sign",
-            "the paper: Inc > 0 pos, Inc < 0 neg",
+            "the paper's: the top-K candidates with Inc > 0 are pos (largest first), the top-K with Inc < 0 neg (most "
+            "negative first); a question lacking either is dropped and counted",
             lambda inc, conf, correct, k: select_by_sign(inc, k),
             uses_reference=True,
         ),
-        LabelRule("rank", "the K highest / lowest Conf(Q + C)", lambda inc, conf, correct, k: select_by_rank(conf, k)),
+        LabelRule(
+            "rank",
+            "the K highest Conf(Q + C) of the question are pos, the K lowest neg (at most half of the candidates "
+            "each): no threshold, so the reference cancels out",
+            lambda inc, conf, correct, k: select_by_rank(conf, k),
+        ),
         LabelRule(
             "utility",
-            "the LLM's actual answer under each candidate",
+            "the LLM's own greedy answer under each candidate, what the probe stands in for: the first K under which "
+            "it answers right (has_answer) are pos, the first K under which it does not neg, in retrieval order",
             lambda inc, conf, correct, k: select_by_utility(correct, k),
             needs_answers=True,
         ),
@@ -88,3 +96,24 @@ def select(
     if selection not in RULES:
         raise ValueError(f"selection={selection!r} is not one of {SELECTIONS}")
     return RULES[selection].pick(inc, conf, correct, top_k)
+
+
+def sparse_rule_message(
+    rule: LabelRule, drops: dict[str, int], questions: int, share_positive: float | None = None, reference: str = ""
+) -> str | None:
+    """What to tell the user while NQ_Rerank runs when `rule` drops most questions (None when it keeps at least
+    half). For a rule that thresholds Inc the usual cause is the reference: a probe never trained on the
+    reference's prompt (e.g. `train_states=candidates`) scores it out of distribution, and Inc comes out positive
+    for nearly every candidate. `share_positive`: the share of candidates with Inc > 0 against `reference` (the
+    dataset report's)."""
+    lost = sum(drops.values())
+    if not questions or lost <= questions / 2:
+        return None
+    message = f"NQ_Rerank rule {rule.id} keeps {questions - lost} of {questions} questions (dropped: {drops})"
+    if rule.uses_reference and share_positive is not None and reference:
+        message += (
+            f"; Inc against the {reference} reference is positive for {100 * share_positive:.1f} % of candidates (a "
+            "probe never trained on the reference's prompt, e.g. train_states=candidates, scores it out of "
+            "distribution): preferences.selection=rank needs no reference"
+        )
+    return message

@@ -14,7 +14,7 @@ transformers, sentence-transformers' `CrossEncoder` and FlagEmbedding's `FlagRer
 from __future__ import annotations
 
 import copy
-import inspect
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from confrag.reranker.backbone import minilm_dir, resolve_backbone
 from confrag.reranker.kinds import head_module_names, load_cross_encoder, reranker_kind
 from confrag.reranker.loss import distillation_kl, group_infonce
 from confrag.reranker.metrics import RankingMetrics
+from confrag.reranker.settings import RerankerSettings
 
 __all__ = ["RerankerModule", "minilm_dir", "load_cross_encoder", "build_optimizer", "head_module_names"]
 
@@ -75,82 +76,24 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-# wide: named as RerankerModule.__init__'s (the `model` node's keys): `check_settings` binds them by name
-# from that signature, so they follow the constructor's grouping.
-def _check_settings(
-    backbone: str,
-    tau: float,
-    lr: float,
-    weight_decay: float,
-    warmup_ratio: float,
-    lora: dict[str, Any] | None,
-    distill_weight: float,
-    distill_tau: float | None,
-    fresh_head: bool,
-    kind: str,
-) -> None:
-    reranker_kind(kind).check(fresh_head)
-    allowed = "a model folder, a Hugging Face id or `minilm` (the embedded all-MiniLM-L6-v2)"
-    _check(isinstance(backbone, str) and bool(backbone), "backbone", allowed, backbone)
-    _check(tau > 0, "tau", "> 0", tau)
-    _check(lr > 0, "lr", "> 0", lr)
-    _check(weight_decay >= 0, "weight_decay", ">= 0", weight_decay)
-    _check(0 <= warmup_ratio < 1, "warmup_ratio", "in [0, 1)", warmup_ratio)
-    _check(distill_weight >= 0, "distill_weight", ">= 0", distill_weight)
-    _check(distill_tau is None or distill_tau > 0, "distill_tau", "null or > 0", distill_tau)
-    _check(lora is None or isinstance(lora, dict), "lora", "null or a mapping of peft.LoraConfig fields", lora)
-
-
-def check_settings(**settings: Any) -> None:
-    """RerankerModule's checks of its settings, each named as its parameter (the task's check reports it under
-    `model.`), without loading the backbone: what a task runs before any stage. A setting the node lacks (the YAML
-    holds every default) is named."""
-    try:
-        bound = inspect.signature(RerankerModule.__init__).bind(None, **settings)
-    except TypeError as err:
-        raise ValueError(f"{err}; compose a shipped model node (conf/model/reranker_*.yaml)") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    _check_settings(**{k: arguments[k] for k in inspect.signature(_check_settings).parameters})
-
-
 class RerankerModule(LightningModule):
-    # wide: built by Hydra from its config node, one keyword per key of the YAML (tests/test_settings_defaults.py
-    # checks them against it); the signature shrinks when the node itself is grouped.
-    def __init__(
-        self,
-        *,
-        backbone: str,
-        tau: float,
-        lr: float,
-        weight_decay: float,
-        warmup_ratio: float,
-        lora: dict[str, Any] | None,
-        distill_weight: float,
-        distill_tau: float | None,
-        fresh_head: bool,
-        trust_remote_code: bool,
-        seed: int,
-        query_max_len: int,
-        passage_max_len: int,
-        kind: str,
-        ks: Sequence[int] = (1, 3, 5),
-    ) -> None:
-        """The settings have no defaults here: the `model` node (conf/model/reranker_minilm.yaml) holds them
-        (outside a run: `confrag.instantiators.shipped("model/reranker_minilm.yaml", seed=..., ...)`)."""
+    def __init__(self, settings: RerankerSettings, ks: Sequence[int] = (1, 3, 5)) -> None:
+        """A reranker of `settings` (the `model` node builds them: conf/model/reranker_minilm.yaml; outside a run
+        `confrag.instantiators.shipped("model/reranker_minilm.yaml", seed=..., ...)`), its ranking metrics at `ks`.
+        The settings were checked when built; here the backbone loads."""
         super().__init__()
-        self.kind = reranker_kind(kind)  # also the check of model.kind, before any weights load
+        self.settings = settings
+        self.kind = reranker_kind(settings.kind)
         self.encode = self.kind.encode
-        _check_settings(
-            backbone, tau, lr, weight_decay, warmup_ratio, lora, distill_weight, distill_tau, fresh_head, kind
-        )
         ks = [int(k) for k in ks]  # plain ints, so the saved hparams stay JSON lists
-        self.save_hyperparameters()
-        path = resolve_backbone(backbone)
-        self.tokenizer = self.kind.load_tokenizer(path, trust_remote_code)
-        self.model = self.kind.load(path, self.tokenizer, fresh_head, seed, trust_remote_code)
-        if lora is not None:
-            self.model = apply_lora(self.model, self.kind.lora_settings(lora))
+        # The settings, key by key, as the loggers and checkpoints record a module's hyperparameters.
+        self.save_hyperparameters({**dataclasses.asdict(settings), "ks": ks})
+        path = resolve_backbone(settings.backbone)
+        self.tokenizer = self.kind.load_tokenizer(path, settings.trust_remote_code)
+        remote = settings.trust_remote_code
+        self.model = self.kind.load(path, self.tokenizer, settings.fresh_head, settings.seed, remote)
+        if settings.lora is not None:
+            self.model = apply_lora(self.model, self.kind.lora_settings(settings.lora))
         self.model.train()  # from_pretrained returns eval mode; a LightningModule starts in training mode
         self.val_metrics = RankingMetrics(ks, prefix="val/")
         self.test_metrics = RankingMetrics(ks, prefix="test/")
@@ -177,14 +120,14 @@ class RerankerModule(LightningModule):
                     self.tokenizer,
                     queries[start : start + batch_size],
                     passages[start : start + batch_size],
-                    self.hparams.query_max_len,
-                    self.hparams.passage_max_len,
+                    self.settings.query_max_len,
+                    self.settings.passage_max_len,
                 )
                 out.append(self({k: v.to(self.device) for k, v in encoded.features.items()}).float().cpu())
         finally:
             self.train(was_training)
         scores = torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
-        require_finite(scores, stage="reranker scoring", artifact=f"the scores of {self.hparams.backbone}")
+        require_finite(scores, stage="reranker scoring", artifact=f"the scores of {self.settings.backbone}")
         return scores
 
     # --- training ----------------------------------------------------------------------------
@@ -193,7 +136,7 @@ class RerankerModule(LightningModule):
         encode = getattr(getattr(self.trainer, "datamodule", None), "encode", self.encode)
         if encode is not self.encode:
             raise ValueError(
-                f"the datamodule tokenizes pairs for another model.kind than {self.hparams.kind!r}: "
+                f"the datamodule tokenizes pairs for another model.kind than {self.settings.kind!r}: "
                 f"build PreferenceDataModule with kind=model.kind"
             )
 
@@ -210,16 +153,16 @@ class RerankerModule(LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         scores = self(batch["features"]).view(-1, batch["group_size"])
-        loss = group_infonce(scores, self.hparams.tau)
-        if self.hparams.distill_weight > 0:
+        loss = group_infonce(scores, self.settings.tau)
+        if self.settings.distill_weight > 0:
             teacher = batch.get("teacher_scores")
             if teacher is None:
                 raise ValueError(
                     "model.distill_weight > 0 needs teacher scores: every training row must have "
                     "pos_scores and neg_scores"
                 )
-            kl = distillation_kl(scores, teacher, self.hparams.tau, self.hparams.distill_tau)
-            loss = loss + self.hparams.distill_weight * kl
+            kl = distillation_kl(scores, teacher, self.settings.tau, self.settings.distill_tau)
+            loss = loss + self.settings.distill_weight * kl
         require_finite(
             loss, stage="reranker training", artifact=f"the loss of batch {batch_idx} (epoch {self.current_epoch})"
         )
@@ -248,9 +191,9 @@ class RerankerModule(LightningModule):
     def configure_optimizers(self):
         optimizer, scheduler = build_optimizer(
             self.model,
-            self.hparams.lr,
-            self.hparams.weight_decay,
-            self.hparams.warmup_ratio,
+            self.settings.lr,
+            self.settings.weight_decay,
+            self.settings.warmup_ratio,
             self.trainer.estimated_stepping_batches,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -262,7 +205,7 @@ class RerankerModule(LightningModule):
     # --- export ------------------------------------------------------------------------------
     def plain_model(self) -> nn.Module:
         """The transformers model to save: a merged copy when LoRA is on (training can go on)."""
-        if self.hparams.lora is None:
+        if self.settings.lora is None:
             return self.model
         return copy.deepcopy(self.model).merge_and_unload()
 

@@ -6,15 +6,8 @@ For a question Q with candidate contexts C1..Cn,
 
 where H(Q + Ci) is the hidden state of the RAG prompt holding Ci alone, and the reference is either
 the QA prompt (`qa`, the paper's Eq. 3) or the RAG prompt with an empty context (`rag_empty`, closest to the paper's
-appendix, which builds NQ_Rerank with the RAG prompt). Three rules
-(`preferences.selection`) turn a question's candidates into `pos` and `neg`:
-
-- `sign` (the paper): the top-K contexts with Inc > 0 are `pos`, the top-K with Inc < 0 `neg` (most
-  negative first); questions lacking either are dropped and counted;
-- `rank`: within the question, the K candidates with the highest Conf(Q + Ci) are `pos`, the K lowest
-  `neg` (at most half of the candidates each), no threshold: the reference cancels out;
-- `utility`: what the probe stands in for, the LLM's actual greedy answer under each candidate: those
-  under which it answered correctly (has_answer) are `pos`, the others `neg`, K each in retrieval order.
+appendix, which builds NQ_Rerank with the RAG prompt). A label rule (`preferences.selection`, each described in
+its entry of `confrag.reranker.label_rules.RULES`) turns a question's candidates into `pos` and `neg`.
 
 Every hidden state goes through the engine and the activation cache, and the candidate states are one
 sharded, resumable artifact. `pos_scores` / `neg_scores` always hold Inc (the probe's teacher scores).

@@ -16,7 +16,6 @@ from confrag.retrieval.corpus import (
     Corpus,
     CorpusPassage,
     corpus_from_gold_paragraphs,
-    corpus_from_nq,
     document_text,
     load_corpus_jsonl,
     split_passages,
@@ -34,7 +33,6 @@ __all__ = [
     "MeanPoolEncoder",
     "Retriever",
     "corpus_from_gold_paragraphs",
-    "corpus_from_nq",  # the old name of corpus_from_gold_paragraphs, kept one release (deprecated)
     "default_model_dir",
     "document_text",
     "load_candidates_jsonl",

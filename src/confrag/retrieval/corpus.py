@@ -32,7 +32,6 @@ from typing import Any
 from confrag.data.nq import DataFormatError, QARow
 from confrag.data.records import RecordFile, formats_text
 from confrag.infra import checks
-from confrag.infra.deprecated import deprecated_alias
 from confrag.infra.digests import fingerprint
 
 DEFAULT_WORDS_PER_PASSAGE = 100
@@ -259,7 +258,3 @@ def validate_corpus_jsonl(path: str | os.PathLike[str], corpus_format: str = "au
     """Parse and check a whole corpus file without splitting it or building any index: a bad file fails
     here, naming the file, line and format, before any expensive work. Returns the number of documents."""
     return sum(1 for _ in iter_documents(path, corpus_format))
-
-
-# The old name, for one release (each call warns with the new name).
-corpus_from_nq = deprecated_alias("confrag.retrieval.corpus.corpus_from_nq", corpus_from_gold_paragraphs)

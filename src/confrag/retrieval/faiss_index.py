@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.atomic import atomic_write_text, written_once
 from confrag.infra.digests import file_digest, folder_problem, write_folder_digest
 from confrag.retrieval.ranking import Hits, check_top_n
 
@@ -122,22 +121,13 @@ class FaissIndex:
         """Write index.faiss and meta.json (key, kind, size, the index file's digest) to `directory`, whole or
         not at all: a temporary folder renamed into place."""
         directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_dir(directory.parent, ".tmp-")
-        try:
+        with written_once(directory) as tmp:
             faiss.write_index(self.index, str(tmp / _INDEX_FILE))
             digest, size = file_digest(tmp / _INDEX_FILE)
             meta = {"schema": _SCHEMA, **asdict(self.key), "kind": self.kind, "count": self.count}
             meta["file"] = {"digest": digest, "bytes": size}
             atomic_write_text(tmp / _META_FILE, json.dumps(meta, indent=1, sort_keys=True))
             write_folder_digest(tmp)
-            honour_umask(tmp)
-            tmp.rename(directory)
-        except OSError:
-            if not directory.is_dir():  # else another process saved the same index first
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         return directory
 
     @classmethod

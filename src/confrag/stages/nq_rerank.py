@@ -1,5 +1,5 @@
-"""The NQ_Rerank stage: preference questions → candidates → confidence shifts (and, for the `utility`
-rule, the LLM's answer under every candidate) → preference rows for every rule asked for.
+"""The NQ_Rerank stage: preference questions → candidates → confidence shifts (and, for a rule that needs them,
+the LLM's answer under every candidate) → preference rows for every label rule asked for.
 
 The preference questions are NQ questions the probe was not trained on (as in the paper, where
 NQ_Rerank comes from another set than the probe's data): a probe that saw a question's candidates
@@ -39,7 +39,7 @@ from confrag.rag import AnswerStore
 from confrag.rag.settings import AnswerSettings
 from confrag.reranker.confidence_sources import SOURCES as CONFIDENCE_SOURCES
 from confrag.reranker.confidence_sources import ConfidenceInputs
-from confrag.reranker.label_rules import RULES
+from confrag.reranker.label_rules import RULES, sparse_rule_message
 from confrag.reranker.preferences import (
     REFERENCES,
     build_rows,
@@ -47,10 +47,9 @@ from confrag.reranker.preferences import (
     save_rows,
     split_by_question,
 )
-from confrag.reranker.rule_audit import sparse_rule_message
 from confrag.retrieval import Candidates
 from confrag.stages.retrieval import Retrieval, question_candidates
-from confrag.stages.teachers import TEACHERS
+from confrag.stages.teachers import ROW_TEACHERS
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +66,13 @@ class PreferenceSettings:
     # Where Conf comes from (confrag.reranker.confidence_sources): probe (the paper) | relevance (the control: 1 on
     # the question's own paragraph, 0 elsewhere, references 0.5)
     confidence: str
-    selection: str  # the rule of the reranker CBDR uses: sign (the paper) | rank | utility
+    selection: str  # the label rule of the reranker CBDR uses: an id of RULES (confrag.reranker.label_rules)
     compare: tuple[str, ...]  # more rules, each with its own fine-tuned reranker (Tables 1-2 rows)
     test_fraction: float  # questions held out for Table 1
     # k >= 2: cross-fitting (confrag.stages.cross_fit): every question no probe and no base uses, in k folds;
     # fold f's aligned rerankers train on the other folds and answer fold f. 0: off (one split, test_fraction).
     cross_fit: int
-    # Alignment that keeps what the base knows (confrag.stages.rerank.TEACHERS): the teacher scores the rows carry
-    # for model.distill_weight > 0: inc (the probe's Inc, the paper's rows) | base (the base reranker's own scores,
-    # so the KL term holds the aligned reranker near the base's ranking while InfoNCE moves it).
+    # The scores the rows carry for model.distill_weight > 0: an id of ROW_TEACHERS (confrag.stages.teachers).
     teacher: str
     mix_relevance: bool  # also train on the relevance rows of the same questions (answer in passage)
     # The weights an aligned reranker keeps: last (the paper: after its epoch) | dev_top1 (the best Top-1 answers on
@@ -99,7 +96,7 @@ class PreferenceSettings:
         # or "auto": from free device memory
         collect(problems, check_batch_size, self.extract_batch_size, "extract_batch_size")
         collect(problems, checks.integer, self.cross_fit, "cross_fit", 2, also=(0,), describe=CROSS_FIT)
-        collect(problems, checks.choice, self.teacher, "teacher", tuple(TEACHERS))
+        collect(problems, checks.choice, self.teacher, "teacher", tuple(ROW_TEACHERS))
         collect(problems, checks.choice, self.select_on, "select_on", SELECT_ON)
         for key in ("dev_fraction", "test_fraction"):
             collect(problems, checks.fraction, getattr(self, key), key)

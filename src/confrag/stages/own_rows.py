@@ -24,7 +24,7 @@ from confrag.reranker.rows import load_rows
 from confrag.reranker.systems import BASE, OWN_ROWS_FT
 from confrag.stages.base_reranker import BaseReranker, ensure_base_reranker
 from confrag.stages.rerankers import ensure_reranker, place_on_device
-from confrag.stages.teachers import TEACHERS
+from confrag.stages.teachers import ROW_TEACHERS
 
 ROWS_KEY = "preferences.rows_path"
 
@@ -106,7 +106,7 @@ def own_rows_stage(recipe, ctx: RunContext, loggers: list[Logger], run_config: d
     prefs = recipe.preferences
     data = own_rows(prefs.rows_path, prefs.test_fraction, ctx.seed)
     base = ensure_base_reranker(recipe.base, recipe.reranker, None, [], ctx)
-    rows = TEACHERS[prefs.teacher](data.splits["train"], base.module, recipe.reranker.eval_batch_size)
+    rows = ROW_TEACHERS[prefs.teacher].rewrite(data.splits["train"], base.module, recipe.reranker.eval_batch_size)
     module, info = ensure_reranker(
         recipe.reranker,
         ctx,

@@ -41,10 +41,11 @@ log = logging.getLogger(__name__)
 class ProbeRecipe:
     """How the parts of a probe run are built; the task fills it from the config (`probe_recipe`)."""
 
-    make_datamodule: Callable[[], NQConfidenceDataModule]
-    make_model: Callable[..., ProbeModule]  # keyword arguments input_dim, layer
+    make_datamodule: Callable[[], NQConfidenceDataModule]  # the probe's layer given (`layer`)
+    make_model: Callable[..., ProbeModule]  # keyword argument input_dim; the probe's layer given (`layer`)
     make_trainer: Callable[..., Trainer]  # keyword arguments callbacks, logger and any Trainer setting
     identity: dict[str, Any]  # the model settings and epochs: with the activations and the seed, the cache key
+    layer: int  # the LLM layer the probe reads, resolved once from `model.layer` (`recipes.probe_recipe`)
     monitor: str = DEFAULT_MONITOR  # the dev metric the checkpoint is chosen by (higher is better)
 
 
@@ -114,7 +115,7 @@ def fit_probe(
     summary = datamodule.data.summary()
     log.info("NQ_Confidence summary: %s", summary)
     check_classes(summary, datamodule.config_node, datamodule.splits.allow_one_class)
-    model = recipe.make_model(input_dim=datamodule.input_dim, layer=datamodule.layer)
+    model = recipe.make_model(input_dim=datamodule.input_dim)
     model.set_standardization(*datamodule.feature_stats())
     model.set_class_weights([e.label for e in datamodule.data.examples["train"]])
     model.run_config = run_config

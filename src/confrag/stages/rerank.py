@@ -45,7 +45,7 @@ from confrag.stages.passage_budget import checked_corpus, llm_passage_budget
 from confrag.stages.probe import ProbeRecipe, ensure_probe
 from confrag.stages.rerankers import RerankerRecipe, ensure_reranker, place_on_device, reranker_budget
 from confrag.stages.retrieval import Retrieval, RetrievalSettings, build_retrieval, question_candidates
-from confrag.stages.teachers import TEACHERS
+from confrag.stages.teachers import ROW_TEACHERS
 
 KS = (1, 3, 5)
 
@@ -239,7 +239,7 @@ def aligned_rerankers(
     rerankers: dict[str, RerankerModule] = {}
     training: dict[str, Any] = {}
     settings = recipe.preferences
-    teacher = TEACHERS[settings.teacher]
+    teacher = ROW_TEACHERS[settings.teacher].rewrite
     dev = None
     if settings.select_on == "dev_top1":  # dev questions leave the rows and choose the weights
         train_qids, dev = dev_top1_split(stage, train_qids, settings.dev_fraction, ctx.seed)

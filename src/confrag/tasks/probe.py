@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 from confrag.infra.run_context import RunContext
-from confrag.instantiators import instantiate_list, plain, renamed_keys
+from confrag.instantiators import instantiate_list, plain, refuse_moved_keys
 from confrag.probe.calibration import reliability_bins, split_confidences
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.layer_scan import layer_scan, skip_reason
@@ -39,9 +39,9 @@ class Trained:
 
 
 def check(cfg: DictConfig) -> Checked:
-    """The probe's data settings against the model's config (layer range), and `hub`, before anything runs
-    (renamed keys set under their old names read into the new ones first: `renamed_keys`, in `cfg` itself)."""
-    renamed_keys(cfg)
+    """The probe's data settings against the model's config (layer range), and `hub`, before anything runs (a key
+    that moved, set by a config file, refused first naming its new place: `refuse_moved_keys`)."""
+    refuse_moved_keys(cfg)
     checkpoint = (cfg.get("callbacks") or {}).get("model_checkpoint") or {}
     return exported(cfg, lambda: probe_recipe(cfg, monitor=checkpoint.get("monitor")), "probe_repo")
 
