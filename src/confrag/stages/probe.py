@@ -129,11 +129,12 @@ def fit_probe(
     checkpoint = trainer.checkpoint_callback
     best = checkpoint.best_model_path if checkpoint else ""
     if best:
-        model.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
+        saved = read_checkpoint(best)
+        model.load_state_dict(saved["state_dict"])
         score = checkpoint.best_model_score
         if checkpoint.monitor and score is not None and math.isfinite(float(score)):  # -inf: never defined
             metrics[checkpoint.monitor] = float(score)
-        metrics.update(best_epoch_metrics(best, trainer))
+        metrics.update(best_epoch_metrics(saved.get("epoch"), trainer))
     test_metrics = trainer.test(model, datamodule=datamodule, verbose=False)[0]
     metrics.update({k: float(v) for k, v in {**trainer.callback_metrics, **test_metrics}.items()})
     metrics.update(ranking_results(model, datamodule))
@@ -164,10 +165,15 @@ def check_classes(summary: dict[str, Any], node: str, allow_one_class: bool) -> 
     )
 
 
-def best_epoch_metrics(best: str, trainer: Trainer) -> dict[str, float]:
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """A Lightning checkpoint of the probe, read with `weights_only=True`: tensors, numbers, strings and plain
+    containers only, so a checkpoint file someone replaced cannot run code when it is read."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def best_epoch_metrics(epoch: int | None, trainer: Trainer) -> dict[str, float]:
     """The epoch of the best checkpoint beside the last epoch; a warning when they are the same: a probe
     still improving at its last epoch is under-trained, not a result (raise trainer.max_epochs or model.lr)."""
-    epoch = torch.load(best, map_location="cpu", weights_only=False).get("epoch")
     last = trainer.current_epoch - 1  # current_epoch counts the finished epochs once fit ends
     if epoch is None:
         return {}
