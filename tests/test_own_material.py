@@ -154,6 +154,38 @@ def test_any_file_of_ranked_ids_jsonl_or_trec_run_becomes_candidates(tmp_path):
     check_questions(read_ranked_lists(ranked)[:1], ROWS, "x")
 
 
+def test_a_trec_run_is_ordered_by_score_its_rank_conflicts_named_and_bad_bytes_placed(tmp_path, caplog):
+    """Repeated ranks were ordered by doc-id string and ranks contradicting the scores kept without a word; a
+    non-UTF-8 byte gave a raw UnicodeDecodeError. Now: trec_eval's order (score, best first), the questions
+    reordered named, a passage listed twice refused, a bad byte named by file and line."""
+    corpus = load_corpus_jsonl(flashrag_corpus(tmp_path / "corpus.jsonl"), words_per_passage=None)
+    run = tmp_path / "dense.run"
+    # q0: two passages at rank 1; q1: ranks that say d2 first while the scores say d0.
+    run.write_text("q0 Q0 d1 1 2.0 x\nq0 Q0 d0 1 5.0 x\nq1 Q0 d2 1 1.0 x\nq1 Q0 d0 2 3.0 x\nq1 Q0 d3 3 0.5 x\n")
+    with caplog.at_level("WARNING", logger="confrag.retrieval.ranked_ids"):
+        found = ranked_candidates(ROWS, read_ranked_lists(run), corpus, "x")
+    assert [p.pid for p in found[0].passages] == ["d0", "d1"] and found[0].scores == [5.0, 2.0]
+    assert [p.pid for p in found[1].passages] == ["d0", "d2", "d3"] and found[1].scores == [3.0, 1.0, 0.5]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "dense.run: 2 of 2 questions have repeated ranks or ranks that contradict their scores" in warning
+    assert "'q0', 'q1'" in warning and "ordered by score, best first, as trec_eval does" in warning
+    caplog.clear()
+    run.write_text("q0 Q0 d1 1 2.0 x\nq0 Q0 d0 2 1.0 x\n")  # consistent: nothing said
+    with caplog.at_level("WARNING", logger="confrag.retrieval.ranked_ids"):
+        assert [item.ids for item in read_ranked_lists(run)] == [["d1", "d0"]] and not caplog.records
+    run.write_text("q0 Q0 d1 1 2.0 x\nq0 Q0 d0 2 1.0 x\nq0 Q0 d1 3 0.5 x\n")
+    with pytest.raises(
+        DataFormatError, match=r"dense.run, line 3: passage 'd1' of question 'q0' again \(first at line 1\)"
+    ):
+        read_ranked_lists(run)
+    run.write_bytes(b"q0 Q0 d1 1 2.0 x\nq1 Q0 d\xe9 1 1.0 x\n")  # Latin-1, not UTF-8
+    with pytest.raises(DataFormatError, match=r"dense.run, line 2: not valid UTF-8"):
+        read_ranked_lists(run)
+    run.write_text("q0 Q0 d1 1 nan x\n")
+    with pytest.raises(DataFormatError, match=r"dense.run, line 1: score 'nan' is not a finite number"):
+        read_ranked_lists(run)
+
+
 # ---------------------------------------------------------------- a prebuilt FAISS index
 
 
