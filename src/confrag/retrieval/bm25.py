@@ -20,7 +20,7 @@ import numpy as np
 from bm25s.tokenization import Tokenizer
 from tqdm.auto import tqdm
 
-from confrag.infra.atomic import honour_umask, make_temp_dir
+from confrag.infra.atomic import honour_umask, make_temp_dir, naming_full_disk
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
 from confrag.infra.locks import exclusive
 from confrag.infra.sharded import STALE_TMP_SECONDS
@@ -61,17 +61,18 @@ def save_bm25(model: bm25s.BM25, index_dir: str | Path) -> Path:
     index_dir = Path(index_dir)
     index_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(index_dir.parent, ".tmp-")
-    try:
-        model.save(tmp, show_progress=False)
-        write_folder_digest(tmp)
-        honour_umask(tmp)
-        tmp.rename(index_dir)
-    except OSError:
-        # Another process renamed the same index into place first: its content is identical.
-        if not index_dir.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with naming_full_disk(index_dir.parent):
+        try:
+            model.save(tmp, show_progress=False)
+            write_folder_digest(tmp)
+            honour_umask(tmp)
+            tmp.rename(index_dir)
+        except OSError:
+            # Another process renamed the same index into place first: its content is identical.
+            if not index_dir.is_dir():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return index_dir
 
 

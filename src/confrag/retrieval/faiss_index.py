@@ -26,7 +26,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir
+from confrag.infra.atomic import atomic_write_text, honour_umask, make_temp_dir, naming_full_disk
 from confrag.infra.digests import file_digest, folder_problem, write_folder_digest
 from confrag.retrieval.ranking import Hits, check_top_n
 
@@ -124,20 +124,21 @@ class FaissIndex:
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_dir(directory.parent, ".tmp-")
-        try:
-            faiss.write_index(self.index, str(tmp / _INDEX_FILE))
-            digest, size = file_digest(tmp / _INDEX_FILE)
-            meta = {"schema": _SCHEMA, **asdict(self.key), "kind": self.kind, "count": self.count}
-            meta["file"] = {"digest": digest, "bytes": size}
-            atomic_write_text(tmp / _META_FILE, json.dumps(meta, indent=1, sort_keys=True))
-            write_folder_digest(tmp)
-            honour_umask(tmp)
-            tmp.rename(directory)
-        except OSError:
-            if not directory.is_dir():  # else another process saved the same index first
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with naming_full_disk(directory.parent):
+            try:
+                faiss.write_index(self.index, str(tmp / _INDEX_FILE))
+                digest, size = file_digest(tmp / _INDEX_FILE)
+                meta = {"schema": _SCHEMA, **asdict(self.key), "kind": self.kind, "count": self.count}
+                meta["file"] = {"digest": digest, "bytes": size}
+                atomic_write_text(tmp / _META_FILE, json.dumps(meta, indent=1, sort_keys=True))
+                write_folder_digest(tmp)
+                honour_umask(tmp)
+                tmp.rename(directory)
+            except OSError:
+                if not directory.is_dir():  # else another process saved the same index first
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         return directory
 
     @classmethod
