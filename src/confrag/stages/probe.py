@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from confrag.infra.digests import fingerprint, folder_problem
-from confrag.infra.locks import exclusive
+from confrag.infra.locks import once
 from confrag.infra.run_context import RunContext
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
@@ -240,22 +240,22 @@ def ensure_probe(recipe: ProbeRecipe, ctx: RunContext) -> tuple[SavedProbe, NQCo
     datamodule = prepared_datamodule(recipe)
     directory = probe_cache_dir(ctx, datamodule, recipe)
     workdir = ctx.output_dir / "probe_stage"
-    if folder_problem(directory):
-        # One process trains it; another one asking at the same time waits, then reads it.
-        with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}"):
-            problem = folder_problem(directory)
-            if problem:
-                if (directory / "probe.json").is_file():  # a damaged one (or saved before digests)
-                    log.warning("Cached probe %s: %s; training it again.", directory, problem)
-                log.info("No whole cached probe at %s: training it", directory)
-                checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor=recipe.monitor, mode="max")
-                model, datamodule, metrics, best = fit_probe(
-                    recipe,
-                    [checkpoint],
-                    [],
-                    datamodule=datamodule,
-                    enable_progress_bar=False,
-                    default_root_dir=str(workdir),
-                )
-                save_trained_probe(model, datamodule, metrics, best, directory)
+
+    def whole() -> Path | None:
+        return None if folder_problem(directory) else directory
+
+    def train() -> Path:
+        problem = folder_problem(directory)
+        if (directory / "probe.json").is_file():  # a damaged one (or saved before digests)
+            log.warning("Cached probe %s: %s; training it again.", directory, problem)
+        log.info("No whole cached probe at %s: training it", directory)
+        checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor=recipe.monitor, mode="max")
+        model, fitted, metrics, best = fit_probe(
+            recipe, [checkpoint], [], datamodule=datamodule, enable_progress_bar=False, default_root_dir=str(workdir)
+        )
+        save_trained_probe(model, fitted, metrics, best, directory)
+        return directory
+
+    # A whole cached probe is read without a lock; a missing one is trained by one process while another waits.
+    once(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}", whole, train)
     return load_probe(directory), datamodule

@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import Logger
 
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
-from confrag.infra.locks import exclusive
+from confrag.infra.locks import once
 from confrag.infra.run_context import RunContext
 from confrag.reranker.budget import PairBudget
 from confrag.reranker.data import PreferenceDataModule
@@ -129,16 +129,23 @@ def ensure_reranker(
 
     if recipe.fast_dev_run:
         return train()
-    # One process trains it; another one asking at the same time waits, then reads it.
-    with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
-        problem = folder_problem(directory) if marker.is_file() else "is not trained yet"
-        if not problem:
-            log.info("Reranker %s: cached at %s", name, directory)
-            return load_reranker(recipe, directory), json.loads(marker.read_text())
+
+    def cached() -> tuple[RerankerModule, dict[str, Any]] | None:
+        if not marker.is_file() or folder_problem(directory):
+            return None
+        log.info("Reranker %s: cached at %s", name, directory)
+        return load_reranker(recipe, directory), json.loads(marker.read_text())
+
+    def train_again() -> tuple[RerankerModule, dict[str, Any]]:
         if directory.exists():
+            problem = folder_problem(directory) if marker.is_file() else "is not trained yet"
             log.warning("Cached reranker %s: %s; training it again.", directory, problem)
             marker.unlink(missing_ok=True)
         return train()
+
+    # A whole cached reranker is read without a lock (a complete cache may be read-only); a missing one is trained
+    # by one process while another one asking at the same time waits, then reads it.
+    return once(directory.parent / f".{directory.name}.lock", f"the reranker {name}", cached, train_again)
 
 
 @dataclass(frozen=True)
