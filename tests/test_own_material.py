@@ -189,11 +189,14 @@ def test_a_trec_run_is_ordered_by_score_its_rank_conflicts_named_and_bad_bytes_p
 # ---------------------------------------------------------------- a prebuilt FAISS index
 
 
-def build_index(path: Path, corpus, drop: int = 0) -> Path:
-    """The index FlashRAG would build: the encoder's vectors of the corpus in file order, inner product."""
+def build_index(path: Path, corpus, drop: int = 0, transform=None) -> Path:
+    """The index FlashRAG would build: the encoder's vectors of the corpus in file order, inner product
+    (`transform` makes another index of the same size and dimension from them)."""
     from sentence_transformers import SentenceTransformer
 
     vectors = SentenceTransformer(str(minilm_dir()), device="cpu").encode([document_text(p) for p in corpus.passages])
+    if transform is not None:
+        vectors = transform(vectors)
     index = faiss.IndexFlatIP(vectors.shape[1])
     index.add(np.ascontiguousarray(vectors[: len(vectors) - drop], dtype=np.float32))
     faiss.write_index(index, str(path))
@@ -211,6 +214,19 @@ def test_a_prebuilt_faiss_index_with_its_encoder_is_the_dense_retriever(tmp_path
         PrebuiltDenseRetriever(corpus, build_index(tmp_path / "short.index", corpus, drop=1), minilm_dir())
 
 
+def test_a_prebuilt_index_of_another_encoder_or_order_is_refused_on_a_sample_of_passages(tmp_path):
+    """An index of the right size and dimension from another encoder passed, and the run blamed the corpus later."""
+    corpus = load_corpus_jsonl(flashrag_corpus(tmp_path / "corpus.jsonl"), words_per_passage=None)
+    rotation = np.linalg.qr(np.random.default_rng(3).normal(size=(384, 384)))[0].astype(np.float32)
+    other_encoder = build_index(tmp_path / "other.index", corpus, transform=lambda v: v @ rotation)
+    with pytest.raises(PrebuiltIndexError, match=r"other.index: of 4 passages of the corpus encoded by .* do not find"):
+        PrebuiltDenseRetriever(corpus, other_encoder, minilm_dir())
+    reordered = build_index(tmp_path / "reordered.index", corpus, transform=lambda v: v[::-1].copy())
+    with pytest.raises(PrebuiltIndexError, match=r"4 do not find their own vector first .*passage 0 finds 3"):
+        PrebuiltDenseRetriever(corpus, reordered, minilm_dir())
+    PrebuiltDenseRetriever(corpus, build_index(tmp_path / "e.index", corpus), minilm_dir())  # its own: accepted
+
+
 def test_a_prebuilt_index_is_checked_against_the_corpus_before_any_stage(tmp_path):
     corpus_path = flashrag_corpus(tmp_path / "corpus.jsonl")
     corpus = load_corpus_jsonl(corpus_path, words_per_passage=None)
@@ -223,10 +239,13 @@ def test_a_prebuilt_index_is_checked_against_the_corpus_before_any_stage(tmp_pat
         f"retrieval.dense_encoder={minilm_dir()}",
         "logger=csv",
     ]
+    (tmp_path / "out").mkdir()  # as Hydra makes the run folder before the task starts
     with pytest.raises(
         PrebuiltIndexError, match=r"short.index: the FAISS index holds 3 vectors, the corpus 4 passages"
     ):
         run_task(compose_cfg(base, tmp_path))
+    failure = json.loads((tmp_path / "out" / "failure.json").read_text())  # recorded in the run folder too
+    assert failure["exception"].endswith("PrebuiltIndexError") and "holds 3 vectors" in failure["message"]
     with pytest.raises(
         ValueError, match=r"^retrieval\.dense_encoder .*needs the corpus's documents as given: set words_per_passage"
     ):
