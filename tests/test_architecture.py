@@ -377,7 +377,7 @@ CONFIG_KEYS_LEFT = {
     "confrag.stages.evaluation": (5, "a Table 1 row the run does not build: the keys that build it"),
     "confrag.stages.label_checks": (6, "no preference rows: the keys that yield some (after the probe ran)"),
     "confrag.stages.nq_rerank": (1, "preferences.top_k against the candidate lists read"),
-    "confrag.stages.own_rows": (7, "your rows against settings that need the probe's candidates (two nodes)"),
+    "confrag.stages.own_rows": (8, "your rows against settings needing the probe's candidates; the row cap, logged"),
     "confrag.stages.passage_budget": (4, "passage tokens against the LLM's context (retrieval.*)"),
     "confrag.stages.question_budget": (5, "the question budget of the probe, preferences and eval nodes together"),
     "confrag.stages.rerank": (2, "preferences.select_on / dev_fraction against the questions read"),
