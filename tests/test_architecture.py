@@ -293,6 +293,22 @@ def test_one_jsonl_reader():
     assert readers == {"confrag.data.jsonl", *JSONL_READERS_LEFT}
 
 
+# The writers that hold a lock around a write (two writers of one folder take turns); every "read it, else compute
+# it" goes through `infra.locks.once`, which looks first without a lock (a complete cache may be read-only).
+LOCKED_WRITERS = {"confrag.probe.module", "confrag.reranker.module", "confrag.llm.pretrained"}
+
+
+def test_a_cached_result_is_looked_at_before_a_lock_is_taken():
+    """`ensure_reranker` took its lock before looking whether the reranker was there, and a read-only copy of a
+    complete cache failed on the lock file: the lock is taken only through `once` (or by the writers above)."""
+    takers = set()
+    for name in MODULES:
+        for node in ast.walk(ast.parse(module_path(name).read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "exclusive":
+                takers.add(name)
+    assert takers == {"confrag.infra.locks", *LOCKED_WRITERS}
+
+
 # Modules allowed a hand-written check: none (the last ones went when the big modules were split).
 HAND_CHECKS_LEFT: set[str] = set()
 
@@ -360,7 +376,7 @@ CONFIG_KEYS_LEFT = {
     "confrag.stages.evaluation": (5, "a Table 1 row the run does not build: the keys that build it"),
     "confrag.stages.label_checks": (6, "no preference rows: the keys that yield some (after the probe ran)"),
     "confrag.stages.nq_rerank": (1, "preferences.top_k against the candidate lists read"),
-    "confrag.stages.own_rows": (7, "your rows against settings that need the probe's candidates (two nodes)"),
+    "confrag.stages.own_rows": (8, "your rows against settings needing the probe's candidates; the row cap, logged"),
     "confrag.stages.passage_budget": (4, "passage tokens against the LLM's context (retrieval.*)"),
     "confrag.stages.question_budget": (5, "the question budget of the probe, preferences and eval nodes together"),
     "confrag.stages.rerank": (2, "preferences.select_on / dev_fraction against the questions read"),

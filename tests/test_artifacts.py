@@ -567,3 +567,39 @@ def test_claimed_first_leaves_an_item_another_process_is_on_for_last(tmp_path):
     assert claimed_first(range(3), lambda i: tmp_path / f"{i}.claim", run, "item") == [0, 10, 20]
     assert order == [1, 2, 0]
     assert claimed_first(range(2), lambda i: tmp_path / f"{i}.claim", lambda i: -i, "item") == [0, -1]
+
+
+def test_a_full_disk_is_named_with_its_folder_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """ENOSPC came out as the libraries' own `[Errno 28] No space left on device`, naming no folder."""
+    import errno
+    import re
+
+    import confrag.infra.atomic as atomic
+    from confrag.infra.atomic import DiskFullError, swapped_in
+
+    artifact = npy_artifact(tmp_path / "cache")
+    artifact.write(0, fake_states(0, 3))  # the folder and its manifest exist
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    folder = re.escape(str(artifact.dir))
+    with pytest.raises(
+        DiskFullError, match=rf"^\[Errno 28\] {folder}: the disk is full .*No space left.*MB free there"
+    ):
+        artifact.write(1, fake_states(3, 6))
+    assert not [p for p in artifact.dir.iterdir() if p.name.startswith(".tmp-")]  # no temp file left behind
+    assert artifact.pending() == [1, 2, 3]
+    monkeypatch.undo()
+    # A library writing a folder through its own code (safetensors' error text), inside the folder swap.
+    target = tmp_path / "cache" / "probes" / "abc"
+    with pytest.raises(DiskFullError, match=rf"{re.escape(str(target.parent))}: the disk is full .*paths.cache_dir"):
+        with swapped_in(target):
+            raise RuntimeError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })'
+            )
+    assert not target.exists() and not list(target.parent.iterdir())
+    with pytest.raises(RuntimeError, match="another error"):  # anything else passes through as it was
+        with swapped_in(target):
+            raise RuntimeError("another error")

@@ -9,7 +9,8 @@ import torch
 from torchmetrics.classification import BinaryCalibrationError
 
 from confrag.probe.calibration import expected_calibration_error, reliability_bins, split_confidences
-from confrag.reports.reliability import calibration_lines, calibration_record, plot_reliability
+from confrag.rag.stats import wilson
+from confrag.reports.reliability import calibration_lines, calibration_record, plot_reliability, reliability_figure
 
 
 def test_the_bins_give_the_ece_the_probe_logs():
@@ -43,6 +44,26 @@ def test_the_report_draws_and_records_the_diagram(tmp_path):
     assert record["ece"] == pytest.approx(expected_calibration_error(bins))
     lines = calibration_lines(bins, "test", "reliability.png")
     assert lines[0].startswith("  calibration (test, 10 bins): ECE ") and "n = 2" in lines[1]
+
+
+def test_every_bin_of_the_diagram_carries_its_wilson_interval():
+    """A bin of two examples drew a bar as sure as one of two hundred: each bar has its 95 % Wilson whisker, in the
+    drawing, in summary.txt and in metrics.json."""
+    bins = reliability_bins(np.array([0.1, 0.15, 0.8, 0.9, 0.95, 0.97]), np.array([0, 1, 1, 1, 0, 1]))
+    (axis, _) = reliability_figure(bins, "tiny").axes
+    (whiskers,) = [c for c in axis.containers if type(c).__name__ == "ErrorbarContainer"]
+    (segments,) = whiskers.lines[2]
+    drawn = [(float(seg[0][1]), float(seg[1][1])) for seg in segments.get_segments()]
+    filled = [b for b in bins if b.count]
+    expected = [wilson(b.accuracy * b.count, b.count) for b in filled]
+    assert len(drawn) == 3  # bins [0.1, 0.2), [0.8, 0.9), [0.9, 1]
+    assert [x for pair in drawn for x in pair] == pytest.approx([x for pair in expected for x in pair])
+    assert all(high - low > 0.3 for low, high in drawn)  # two or three examples a bin: wide, and shown so
+    record = calibration_record(bins, "test")
+    assert [b["accuracy_ci"] for b in record["bins"] if b["count"]] == [pytest.approx(list(e)) for e in expected]
+    assert record["bins"][0]["accuracy_ci"] is None  # an empty bin has none
+    low, high = expected[0]
+    assert f"accuracy 0.500 [{low:.3f}, {high:.3f}], n = 2" in calibration_lines(bins, "test", "r.png")[1]
 
 
 def test_split_confidences_reads_every_batch_in_eval_mode_and_restores_the_mode():

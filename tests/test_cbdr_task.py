@@ -28,7 +28,8 @@ from confrag.tasks import cbdr as cbdr_task
 from confrag.train import run_task
 
 from helpers.modules import probe_module
-from helpers.runs import check_cbdr_outputs, compose_cfg
+from helpers.runs import check_cbdr_outputs, compose_cfg, read_only_copy
+from helpers.wandb_records import artifacts_named
 
 
 def check_settings(cfg):
@@ -40,11 +41,11 @@ TINY = ["+experiment=cbdr_tiny_llama", "trainer.fast_dev_run=true", "logger=csv"
 # The runs that must reuse each other's answers train their rerankers for real (one epoch), so that the second
 # run loads them from the cache: a fast_dev_run reranker is retrained every run, and its one step depends on
 # the global RNG, which differs when the probe was trained in the same process (first run) or loaded (second).
-CACHED = ["+experiment=cbdr_tiny_llama", "trainer.max_epochs=1", "logger=csv"]
+CACHED = ["+experiment=cbdr_tiny_llama", "trainer.max_epochs=1"]
 
 
-def tiny_run(folder: Path, cache: Path, overrides: list[str] = ()):
-    cfg = compose_cfg([*CACHED, *overrides], folder)
+def tiny_run(folder: Path, cache: Path, overrides: list[str] = (), logger: str = "csv"):
+    cfg = compose_cfg([*CACHED, f"logger={logger}", *overrides], folder)
     with open_dict(cfg):
         cfg.paths.cache_dir = str(cache)
     run_task(cfg)
@@ -154,13 +155,24 @@ def test_beta_is_chosen_on_dev_and_reported_on_test(first):
 
 
 @pytest.mark.task
-def test_another_k_and_beta_grid_generate_no_answer(first):
+def test_another_k_and_beta_grid_generate_no_answer(first, monkeypatch):
+    """Also, with W&B on (offline): the run links the reranker behind its Table 2 and the probe as artifacts."""
     assert first.record["answers"]["generated"] > 0
+    for key in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(key, str(first.root / "wandb_home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     cfg, out, record = tiny_run(
         first.root / "second",
         first.root / "cache",
         ["cbdr.top_k=1", "cbdr.betas=[0.0,0.3,0.6,1.0]", "cbdr.gate_check_questions=0"],
+        logger="wandb",
     )
+    names = {"reranker-tiny_llama", "probe-tiny_llama"}  # beside the W&B tables, also logged as artifacts
+    found = artifacts_named(out, names)
+    assert {name: kind for name, (kind, _) in found.items()} == {name: "model" for name in names}
+    assert "model.safetensors" in found["reranker-tiny_llama"][1]
+    assert (out / "reranker" / "config.json").is_file()  # cbdr.reranker's export, the artifact's folder
     assert record["answers"] == {
         "generated": 0,
         "reused": first.record["answers"]["reused"] + first.record["answers"]["generated"],
@@ -168,6 +180,17 @@ def test_another_k_and_beta_grid_generate_no_answer(first):
     grid = sorted({0.0, 0.3, 0.6, 1.0} | set(record["conf_quantiles"]))  # the tiny experiment adds 3 quantiles
     assert [row["beta"] for row in record["sweep"]["rows"]] == grid and len(grid) == 7
     assert record["sweep"]["k"] == 1 and record["table2"] == first.record["table2"]
+
+
+@pytest.mark.task
+def test_a_complete_cache_is_read_read_only_without_a_lock(first, monkeypatch):
+    """On a read-only copy of a complete cache the rerank stage failed taking `<cache>/rerankers/.<key>.lock` before
+    looking whether the reranker was there: now every whole result (probe, BM25 index, rerankers, answers, states)
+    is read without a lock, and the run gives the first run's tables, generating nothing and writing nothing there."""
+    grid = "cbdr.betas=[" + ",".join(f"{i / 1000:.3f}" for i in range(1001)) + "]"
+    with read_only_copy(first.root / "cache", first.root / "read_only_cache", monkeypatch) as cache:
+        _, _, record = tiny_run(first.root / "read_only", cache, [grid])
+    assert record["answers"]["generated"] == 0 and record["table2"] == first.record["table2"]
 
 
 @pytest.mark.task
@@ -186,7 +209,7 @@ def test_a_rank_above_0_computes_but_writes_nothing_to_the_run_folder(first, mon
     monkeypatch.setattr(cbdr_task, "evaluate", lambda *args: evaluated.append(args[-1]) or evaluate(*args))
     monkeypatch.setattr(cbdr_task, "write", lambda *args: written.append(True))
     grid = "cbdr.betas=[" + ",".join(f"{i / 1000:.3f}" for i in range(1001)) + "]"
-    cfg = compose_cfg([*CACHED, grid], first.root / "rank1")
+    cfg = compose_cfg([*CACHED, "logger=csv", grid], first.root / "rank1")
     with open_dict(cfg):
         cfg.paths.cache_dir = str(first.root / "cache")
     assert run_task(cfg) is None  # rank 0 reports the optimized metric

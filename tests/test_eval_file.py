@@ -137,3 +137,21 @@ def test_the_evaluation_files_paragraphs_join_the_corpus_and_its_ids_never_colli
     assert (
         "the evaluation file's paragraphs joined the corpus: 4 of its 4 questions have one, 3 documents added" in line
     )
+
+
+def test_the_overlap_check_reads_hyphens_as_spaces(nq_rows, tmp_path):
+    """ "3-second" and "3 second" are one question: the answer normalization dropped the hyphen ("3second") and
+    let a training question through as an evaluation question."""
+    from confrag.data.splits import question_key
+    from confrag.retrieval.candidates import same_question
+    from confrag.stages.question_budget import check_evaluation_file
+
+    trained = nq_rows[2].__class__(**{**nq_rows[2].__dict__, "question": "what is the 3 second rule in basketball"})
+    plan = QuestionPlan([*nq_rows[:2], trained, *nq_rows[3:10]], nq_rows[10:20], nq_rows[20:30], nq_rows[30:])
+    asked = nq_rows[2].__class__(**{**nq_rows[2].__dict__, "question": "What is the 3-second rule in basketball?"})
+    own = write_nq(tmp_path / "hyphen.jsonl.gz", [*nq_rows[40:43], asked])
+    with pytest.raises(ValueError, match=r"1 of its 4 questions are training questions .*line 4 'What is the 3-second"):
+        check_evaluation_file(own, plan, nq_rows, "nq.jsonl")
+    assert question_key(asked) == question_key(trained) == "what is 3 second rule in basketball"
+    assert same_question("the 3–second rule", "the 3 second rule")  # an en dash too
+    assert not same_question("the 3-second rule", "the 3 seconds rule")

@@ -604,3 +604,44 @@ def test_embeddings_and_bridge_matching_scores_with_minilm(minilm):
     assert np.all(scores[0, 0] > scores[0, 2])
     same = bridge_matching_scores(minilm, internal, internal, internal, internal)
     np.testing.assert_allclose(same[0], 1.0, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the plot
+
+
+def test_the_gates_plot_names_every_gate_with_its_own_colour_line_style_and_marker():
+    """Ten colours for twelve gates drew two pairs alike, and only the points were in the legend: every gate is in
+    the legend now, each with a colour + line style pair and a marker no other gate has, its curve drawn so."""
+    from matplotlib.colors import to_hex
+
+    from confrag.gates.evaluation import CurvePoint, GateRow, gates_figure
+
+    assert len(SHIPPED_GATES) == 12
+    rows = [
+        GateRow(
+            g, c, 40, 0.3 + i / 100, 0.2, 0.4, i / 12, 0.1 if g == "bridge" else 0.0, *[0.5] * 4, 0.7, 0.1, 3, 1, 2, 0.5
+        )
+        for i, g in enumerate(SHIPPED_GATES)
+        for c in ("clean", "conflicting")
+    ]
+    curves = [
+        CurvePoint(g, c, "threshold", t, t, 0.3 + t / 10)
+        for g in SHIPPED_GATES
+        if g not in ("always", "never")
+        for c in ("clean", "conflicting")
+        for t in (0.0, 0.5, 1.0)
+    ]
+    figure = gates_figure(rows, curves, "tiny")
+    (legend,) = figure.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert [label.removesuffix(" (refuses)") for label in labels] == SHIPPED_GATES and "bridge (refuses)" in labels
+    handles = {label.removesuffix(" (refuses)"): h for label, h in zip(labels, legend.legend_handles)}
+    looks = {g: (to_hex(h.get_color()), h.get_linestyle(), h.get_marker()) for g, h in handles.items()}
+    assert len({(colour, style) for colour, style, _ in looks.values() if style != "None"}) == 10  # the curved gates
+    assert len({marker for *_, marker in looks.values()}) == 12
+    assert len(set(looks.values())) == 12
+    for axis in figure.axes:
+        drawn = {line.get_gid(): line for line in axis.get_lines()}
+        assert set(drawn) == set(SHIPPED_GATES) - {"always", "never"}
+        for gate, line in drawn.items():  # each curve in its legend entry's colour and line style
+            assert (to_hex(line.get_color()), line.get_linestyle()) == looks[gate][:2]

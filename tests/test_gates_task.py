@@ -24,6 +24,7 @@ from confrag.train import run_task
 
 from helpers.gates import SHIPPED_GATES
 from helpers.runs import check_gates_outputs, compose_cfg
+from helpers.wandb_records import artifacts_named
 
 
 def check_settings(cfg):
@@ -38,11 +39,27 @@ UNCERTAINTY = ["entropy", "max_prob", "perplexity", "p_true"]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The tiny gates run, logged to W&B offline (its artifacts are checked below)."""
     root = tmp_path_factory.mktemp("gates")
-    cfg = compose_cfg(TINY, root)
-    run_task(cfg)
+    cfg = compose_cfg([*TINY[:-1], "logger=wandb"], root)
+    with pytest.MonkeyPatch.context() as env:
+        for key in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_ARTIFACT_DIR"):
+            env.setenv(key, str(root / "wandb_home"))
+        env.setenv("WANDB_MODE", "offline")
+        env.setenv("WANDB_SILENT", "true")
+        run_task(cfg)
     out = root / "out"
-    return SimpleNamespace(cfg=cfg, out=out, record=json.loads((out / "metrics.json").read_text()))
+    return SimpleNamespace(cfg=cfg, out=out, record=json.loads((out / "metrics.json").read_text()), root=root)
+
+
+@pytest.mark.task
+def test_the_run_links_the_reranker_behind_its_table_and_the_probe_in_wandb(tiny):
+    """No artifact was logged: the reranker that ordered the clean contexts (`gates.reranker`) was not linked."""
+    names = {"reranker-tiny_llama", "probe-tiny_llama"}  # beside the W&B tables, also logged as artifacts
+    found = artifacts_named(tiny.out, names)
+    assert {name: kind for name, (kind, _) in found.items()} == {name: "model" for name in names}
+    assert "model.safetensors" in found["reranker-tiny_llama"][1]
+    assert (tiny.out / "reranker" / "config.json").is_file()
 
 
 def rows_by(record, condition: str) -> dict[str, dict]:

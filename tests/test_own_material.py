@@ -154,14 +154,49 @@ def test_any_file_of_ranked_ids_jsonl_or_trec_run_becomes_candidates(tmp_path):
     check_questions(read_ranked_lists(ranked)[:1], ROWS, "x")
 
 
+def test_a_trec_run_is_ordered_by_score_its_rank_conflicts_named_and_bad_bytes_placed(tmp_path, caplog):
+    """Repeated ranks were ordered by doc-id string and ranks contradicting the scores kept without a word; a
+    non-UTF-8 byte gave a raw UnicodeDecodeError. Now: trec_eval's order (score, best first), the questions
+    reordered named, a passage listed twice refused, a bad byte named by file and line."""
+    corpus = load_corpus_jsonl(flashrag_corpus(tmp_path / "corpus.jsonl"), words_per_passage=None)
+    run = tmp_path / "dense.run"
+    # q0: two passages at rank 1; q1: ranks that say d2 first while the scores say d0.
+    run.write_text("q0 Q0 d1 1 2.0 x\nq0 Q0 d0 1 5.0 x\nq1 Q0 d2 1 1.0 x\nq1 Q0 d0 2 3.0 x\nq1 Q0 d3 3 0.5 x\n")
+    with caplog.at_level("WARNING", logger="confrag.retrieval.ranked_ids"):
+        found = ranked_candidates(ROWS, read_ranked_lists(run), corpus, "x")
+    assert [p.pid for p in found[0].passages] == ["d0", "d1"] and found[0].scores == [5.0, 2.0]
+    assert [p.pid for p in found[1].passages] == ["d0", "d2", "d3"] and found[1].scores == [3.0, 1.0, 0.5]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "dense.run: 2 of 2 questions have repeated ranks or ranks that contradict their scores" in warning
+    assert "'q0', 'q1'" in warning and "ordered by score, best first, as trec_eval does" in warning
+    caplog.clear()
+    run.write_text("q0 Q0 d1 1 2.0 x\nq0 Q0 d0 2 1.0 x\n")  # consistent: nothing said
+    with caplog.at_level("WARNING", logger="confrag.retrieval.ranked_ids"):
+        assert [item.ids for item in read_ranked_lists(run)] == [["d1", "d0"]] and not caplog.records
+    run.write_text("q0 Q0 d1 1 2.0 x\nq0 Q0 d0 2 1.0 x\nq0 Q0 d1 3 0.5 x\n")
+    with pytest.raises(
+        DataFormatError, match=r"dense.run, line 3: passage 'd1' of question 'q0' again \(first at line 1\)"
+    ):
+        read_ranked_lists(run)
+    run.write_bytes(b"q0 Q0 d1 1 2.0 x\nq1 Q0 d\xe9 1 1.0 x\n")  # Latin-1, not UTF-8
+    with pytest.raises(DataFormatError, match=r"dense.run, line 2: not valid UTF-8"):
+        read_ranked_lists(run)
+    run.write_text("q0 Q0 d1 1 nan x\n")
+    with pytest.raises(DataFormatError, match=r"dense.run, line 1: score 'nan' is not a finite number"):
+        read_ranked_lists(run)
+
+
 # ---------------------------------------------------------------- a prebuilt FAISS index
 
 
-def build_index(path: Path, corpus, drop: int = 0) -> Path:
-    """The index FlashRAG would build: the encoder's vectors of the corpus in file order, inner product."""
+def build_index(path: Path, corpus, drop: int = 0, transform=None) -> Path:
+    """The index FlashRAG would build: the encoder's vectors of the corpus in file order, inner product
+    (`transform` makes another index of the same size and dimension from them)."""
     from sentence_transformers import SentenceTransformer
 
     vectors = SentenceTransformer(str(minilm_dir()), device="cpu").encode([document_text(p) for p in corpus.passages])
+    if transform is not None:
+        vectors = transform(vectors)
     index = faiss.IndexFlatIP(vectors.shape[1])
     index.add(np.ascontiguousarray(vectors[: len(vectors) - drop], dtype=np.float32))
     faiss.write_index(index, str(path))
@@ -179,6 +214,19 @@ def test_a_prebuilt_faiss_index_with_its_encoder_is_the_dense_retriever(tmp_path
         PrebuiltDenseRetriever(corpus, build_index(tmp_path / "short.index", corpus, drop=1), minilm_dir())
 
 
+def test_a_prebuilt_index_of_another_encoder_or_order_is_refused_on_a_sample_of_passages(tmp_path):
+    """An index of the right size and dimension from another encoder passed, and the run blamed the corpus later."""
+    corpus = load_corpus_jsonl(flashrag_corpus(tmp_path / "corpus.jsonl"), words_per_passage=None)
+    rotation = np.linalg.qr(np.random.default_rng(3).normal(size=(384, 384)))[0].astype(np.float32)
+    other_encoder = build_index(tmp_path / "other.index", corpus, transform=lambda v: v @ rotation)
+    with pytest.raises(PrebuiltIndexError, match=r"other.index: of 4 passages of the corpus encoded by .* do not find"):
+        PrebuiltDenseRetriever(corpus, other_encoder, minilm_dir())
+    reordered = build_index(tmp_path / "reordered.index", corpus, transform=lambda v: v[::-1].copy())
+    with pytest.raises(PrebuiltIndexError, match=r"4 do not find their own vector first .*passage 0 finds 3"):
+        PrebuiltDenseRetriever(corpus, reordered, minilm_dir())
+    PrebuiltDenseRetriever(corpus, build_index(tmp_path / "e.index", corpus), minilm_dir())  # its own: accepted
+
+
 def test_a_prebuilt_index_is_checked_against_the_corpus_before_any_stage(tmp_path):
     corpus_path = flashrag_corpus(tmp_path / "corpus.jsonl")
     corpus = load_corpus_jsonl(corpus_path, words_per_passage=None)
@@ -191,10 +239,13 @@ def test_a_prebuilt_index_is_checked_against_the_corpus_before_any_stage(tmp_pat
         f"retrieval.dense_encoder={minilm_dir()}",
         "logger=csv",
     ]
+    (tmp_path / "out").mkdir()  # as Hydra makes the run folder before the task starts
     with pytest.raises(
         PrebuiltIndexError, match=r"short.index: the FAISS index holds 3 vectors, the corpus 4 passages"
     ):
         run_task(compose_cfg(base, tmp_path))
+    failure = json.loads((tmp_path / "out" / "failure.json").read_text())  # recorded in the run folder too
+    assert failure["exception"].endswith("PrebuiltIndexError") and "holds 3 vectors" in failure["message"]
     with pytest.raises(
         ValueError, match=r"^retrieval\.dense_encoder .*needs the corpus's documents as given: set words_per_passage"
     ):

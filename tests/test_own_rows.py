@@ -26,6 +26,14 @@ def row(i: int, topic: str) -> dict:
     }
 
 
+def huge_row(i: int, topic: str, negatives: int) -> dict:
+    return {
+        **row(i, topic),
+        "neg": [f"Unrelated passage number {j} about nothing." for j in range(negatives)],
+        "neg_scores": [-j / negatives for j in range(negatives)],
+    }
+
+
 def rows_file(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -38,9 +46,11 @@ FAST = ["trainer.max_epochs=1", "data.batch_size=2", "data.group_size=3", "data.
 def test_the_rerank_task_trains_on_your_rows_split_by_query(tmp_path):
     # The same query twice (up to case and punctuation): both rows on one side of the split.
     rows = [row(i, t) for i, t in enumerate(TOPICS)] + [{**row(10, "Paris"), "query": "Tell me about PARIS!"}]
+    rows[1] = huge_row(1, TOPICS[1], 10_000)  # FlagEmbedding's mined negatives, far too many: cut, named, no stall
     path = rows_file(tmp_path / "my_rows.jsonl", rows)
-    data = own_rows(path, 0.3, 0)
+    data = own_rows(path, 0.3, 0, 100)
     assert data.report["queries"] == 10 and sum(data.report["rows"].values()) == 11
+    assert data.report["rows_cut"] == {"rows": 1, "max_passages": 100}
     sides = {r["qid"]: split for split, split_rows in data.splits.items() for r in split_rows}
     paris = [r for split_rows in data.splits.values() for r in split_rows if "paris" in r["query"].lower()]
     assert len(paris) == 2 and len({sides[r["qid"]] for r in paris}) == 1
@@ -55,6 +65,41 @@ def test_the_rerank_task_trains_on_your_rows_split_by_query(tmp_path):
     card = (out / "reranker" / "README.md").read_text()
     assert card.startswith("# A reranker fine-tuned with confrag on my_rows.jsonl")
     assert "| base + FT on your rows |" in card
+
+
+def test_a_row_of_10000_negatives_is_cut_to_a_seeded_sample_named_in_the_log(tmp_path, caplog):
+    rows = [row(i, t) for i, t in enumerate(TOPICS)]
+    rows[3] = huge_row(3, TOPICS[3], 10_000)
+    path = rows_file(tmp_path / "mined.jsonl", rows)
+    with caplog.at_level("WARNING", logger="confrag.stages.own_rows"):
+        data = own_rows(path, 0.3, 0, 100)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"preferences.rows_path={path}: 1 of 10 rows hold more than 100 positives or negatives" in warning
+    assert (
+        "(preferences.rows_max_passages)" in warning
+        and "row 4 ('tell me about Amazon': 2 positives, 10000 neg" in warning
+    )
+    (cut,) = [r for split in data.splits.values() for r in split if "Amazon" in r["query"]]
+    assert len(cut["neg"]) == len(cut["neg_scores"]) == 100 and cut["pos"] == rows[3]["pos"]
+    numbers = [int(p.split()[3]) for p in cut["neg"]]
+    assert numbers == sorted(numbers) and cut["neg_scores"] == [-j / 10_000 for j in numbers]  # scores kept aligned
+    assert own_rows(path, 0.3, 0, 100).splits == data.splits  # seeded: the same sample every run
+    assert own_rows(path, 0.3, 0, None).report["rows_cut"]["rows"] == 0  # null: every passage
+
+
+def test_the_collapse_check_scores_a_bounded_sample_of_each_group():
+    from confrag.stages.rerankers import COLLAPSE_PASSAGES, check_not_collapsed
+
+    class Counting:
+        pairs = 0
+
+        def score(self, queries, passages):
+            Counting.pairs += len(passages)
+            return [float(len(p)) for p in passages]
+
+    rows = [huge_row(0, "Amazon", 10_000), row(1, "Nile")]
+    assert check_not_collapsed(Counting(), rows, "own_rows") > 0
+    assert Counting.pairs == COLLAPSE_PASSAGES + 5 == 69  # 10,002 candidates: 64 of them; the small group whole
 
 
 @pytest.mark.task

@@ -38,16 +38,24 @@ def build_wheel(tmp_path: Path) -> Path:
     out = tmp_path / "dist"
     # No build isolation: the project's environment's setuptools, nothing downloaded.
     command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out)]
-    done = subprocess.run([*command, str(tree)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*command, "-v", str(tree)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # Every config node's folder is declared: setuptools warned once per unlisted folder of package data (23).
+    assert "is absent from the `packages` configuration" not in done.stdout + done.stderr
     (wheel,) = out.glob("confrag-*.whl")
     return wheel
 
 
-def test_the_package_list_is_every_package_of_src_and_the_configs() -> None:
+def test_the_package_list_is_every_package_of_src_and_every_config_folder() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    assert sorted(listed) == sorted([*find_packages(ROOT / "src"), "confrag.conf"])
+    nodes = [
+        "confrag.conf." + ".".join(d.relative_to(ROOT / "conf").parts)
+        for d in (ROOT / "conf").rglob("*")
+        if d.is_dir() and d.name != "__pycache__"
+    ]
+    assert len(nodes) >= 23 and "confrag.conf.hydra.launcher" in nodes
+    assert sorted(listed) == sorted([*find_packages(ROOT / "src"), "confrag.conf", *nodes])
 
 
 def test_a_source_checkout_finds_its_own_conf_folder() -> None:

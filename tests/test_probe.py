@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -159,3 +162,31 @@ def test_a_skipped_layer_scan_says_why(caplog, tmp_path):
     )
     assert f"per-layer scan skipped: {why}" in text
     assert json.loads((tmp_path / "metrics.json").read_text())["layer_scan_skipped"] == why
+
+
+def _touch(path: str) -> int:
+    Path(path).touch()
+    return 0
+
+
+class _Planted:
+    """What a replaced checkpoint could hold: an object whose unpickling runs code (here: makes a file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (_touch, (str(self.path),))
+
+
+def test_a_probe_checkpoint_is_read_weights_only_and_runs_no_code(tmp_path):
+    from confrag.stages.probe import read_checkpoint
+
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 3, "hyper_parameters": {"lr": 1e-3}}, plain)
+    assert read_checkpoint(str(plain))["epoch"] == 3
+    marker, planted = tmp_path / "ran", tmp_path / "planted.ckpt"
+    torch.save({"state_dict": {}, "epoch": 1, "extra": _Planted(marker)}, planted)
+    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only load failed"):
+        read_checkpoint(str(planted))
+    assert not marker.exists()

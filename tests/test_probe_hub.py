@@ -19,11 +19,11 @@ from confrag.infra.digests import FOLDER_DIGEST, ArtifactDamagedError, write_fol
 from confrag.probe.module import ProbeModule, load_probe, save_probe
 from confrag.probe.network import ProbeNetwork
 from confrag.reports.hub import HubSettings, write_dataset
-from confrag.reports.wandb_artifacts import artifact_name, log_exports
+from confrag.reports.wandb_artifacts import artifact_name, log_exports, log_table_exports
 from confrag.tasks import probe as probe_task
 from test_hub_export import ROWS, exported_folder, run_facts
 
-from helpers.modules import probe_module
+from helpers.modules import probe_module, reranker_module
 from helpers.runs import compose_cfg
 from helpers.settings import shipped_settings
 from helpers.wandb_records import logged_artifacts
@@ -169,3 +169,25 @@ def test_exports_are_logged_as_wandb_artifacts_offline(tmp_path, monkeypatch):
     assert artifact_name("probe", "a b") == "probe-a_b"
     with pytest.raises(ValueError, match=r"unknown export kind\(s\) \['rows'\]"):
         log_exports([logger], {"rows": tmp_path}, "x")
+
+
+def test_cbdr_and_gates_runs_link_the_reranker_behind_their_tables_and_its_probe(tmp_path, monkeypatch):
+    """The cbdr and gates tasks logged no artifact, so the reranker behind Table 2 was not linked to the run: it is
+    exported and logged now, with the probe whose confidence labelled its rows, as the rerank task does."""
+    probe = save_probe(trained(), tmp_path / "cache" / "probes" / "k", IDENTITY, {})
+    reranker = reranker_module(fresh_head=True, seed=0)
+    out = tmp_path / "run"
+    assert log_table_exports([], reranker, "confidence_ft.sign", probe, out, "tiny") == []
+    assert not (out / "reranker").exists()  # without W&B nothing is exported (its size in weights)
+    logger = wandb_offline(tmp_path, monkeypatch)
+    logged = log_table_exports([logger], reranker, "confidence_ft.sign", probe, out, "tiny")
+    bm25_only = log_table_exports([logger], None, "bm25", probe, out, "tiny")  # a row without a model: the probe
+    logger.experiment.finish()
+    assert [(a.name, a.type, a.metadata["reranker"]) for a in logged] == [
+        ("reranker-tiny", "model", "confidence_ft.sign"),
+        ("probe-tiny", "model", "confidence_ft.sign"),
+    ]
+    assert [(a.name, a.metadata["reranker"]) for a in bm25_only] == [("probe-tiny", "bm25")]
+    found = {name: files for name, _, files in logged_artifacts(tmp_path / "run", expected=3)}
+    assert "model.safetensors" in found["reranker-tiny"] and "confrag.digest.json" in found["reranker-tiny"]
+    assert found["probe-tiny"] == sorted(p.name for p in probe.iterdir())

@@ -3,13 +3,16 @@ the LLM loads), naming the counts, the settings to lower, and the evaluation fil
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from confrag.data import default_questions_path, load_questions_jsonl
 from confrag.data.splits import select_questions
 from confrag.tasks import cbdr, gates, rerank
+from confrag.train import run_task
 
 from helpers.questions import write_questions
 from helpers.runs import compose_cfg
@@ -28,6 +31,12 @@ def test_a_file_too_small_for_the_settings_is_refused_with_its_budget(tmp_path, 
     with pytest.raises(ValueError) as info:
         task.check(cfg)
     message = str(info.value)
+    # Run as Hydra runs it (the folder made first): the refusal is recorded there, not only in train.log.
+    Path(cfg.paths.output_dir).mkdir(parents=True)
+    with pytest.raises(ValueError, match="training questions of"):
+        run_task(cfg)
+    failure = json.loads((Path(cfg.paths.output_dir) / "failure.json").read_text())
+    assert failure["message"] == message
     assert (
         f"Too few questions: {path} holds 50 distinct questions; the probe takes 48, NQ_Rerank 2, the base reranker 0, "
         "leaving 0" in message
@@ -68,6 +77,12 @@ def test_an_evaluation_file_sharing_a_training_question_is_refused_before_any_st
     with pytest.raises(ValueError) as info:
         task.check(cfg)
     message = str(info.value)
+    # Run as Hydra runs it (the folder made first): the refusal is recorded there, not only in train.log.
+    Path(cfg.paths.output_dir).mkdir(parents=True)
+    with pytest.raises(ValueError, match="training questions of"):
+        run_task(cfg)
+    failure = json.loads((Path(cfg.paths.output_dir) / "failure.json").read_text())
+    assert failure["message"] == message
     assert (
         f"eval.questions_path={eval_path}: 1 of its 4 questions are training questions of {questions_path}" in message
     )

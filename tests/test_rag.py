@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 import pytest
-from scipy.stats import binomtest
+from scipy.stats import binomtest, bootstrap
 
 import confrag.rag.answers as answers_module
 from confrag.data.qa_metrics import exact_match, has_answer, token_f1
@@ -27,7 +27,7 @@ from confrag.rag import (
 )
 from confrag.rag.answers import ScoredAnswer
 from confrag.rag.pipeline import RagAnswer
-from confrag.rag.stats import detectable_difference, holm, paired_difference
+from confrag.rag.stats import SMALL_N, detectable_difference, holm, paired_difference, wilson
 from confrag.retrieval.candidates import make_candidates
 from confrag.retrieval.corpus import CorpusPassage
 
@@ -264,9 +264,42 @@ def test_bootstrap_ci_is_seeded_and_brackets_the_mean():
     assert abs((ci.high - ci.low) / 2 - 0.136) < 0.02
     wider = accuracy_ci(correct[::5], seed=3)
     assert wider.high - wider.low > ci.high - ci.low
-    assert accuracy_ci([1, 1, 1]).low == 1.0 and accuracy_ci([True]).value == 1.0
+    assert accuracy_ci([True]).value == 1.0
     with pytest.raises(ValueError, match="0/1"):
         accuracy_ci([0.5, 1])
+    # From SMALL_N outcomes on, with both outcomes present: the seeded percentile bootstrap, as before.
+    expected = bootstrap(
+        (correct.astype(float),), np.mean, n_resamples=10_000, method="percentile", rng=np.random.default_rng(3)
+    ).confidence_interval
+    assert (ci.low, ci.high) == (expected.low, expected.high)
+
+
+def test_no_interval_has_zero_width_wilson_below_small_n_and_on_equal_outcomes():
+    """Six equal outcomes printed `0.00 [0.00, 0.00]` (the bootstrap of a constant); below SMALL_N, and wherever
+    every outcome is the same, the interval is scipy's Wilson."""
+    six = accuracy_ci([0] * 6)
+    assert six.format() == "0.00 [0.00, 39.03]" and (six.low, six.high) == wilson(0, 6)
+    scipy_wilson = binomtest(6, 6).proportion_ci(method="wilson")
+    assert (accuracy_ci([1] * 6).low, accuracy_ci([1] * 6).high) == (scipy_wilson.low, 1.0)
+    assert (accuracy_ci([1, 0, 1, 1, 0]).low, accuracy_ci([1, 0, 1, 1, 0]).high) == wilson(3, 5)
+    assert accuracy_ci([1]).high - accuracy_ci([1]).low > 0.7  # one outcome: an interval, not a point
+    big = accuracy_ci([1] * 603)  # equal outcomes at any n: the bootstrap has nothing to resample
+    assert big.value == 1.0 and big.high == 1.0 and 0.99 < big.low < 1.0
+    assert SMALL_N == 30
+    # The hand-written formula this replaced, to the last bit that matters.
+    low, high = wilson(1, 8)
+    assert (round(low, 3), round(high, 3)) == (0.022, 0.471)
+
+
+def test_a_paired_difference_that_is_the_same_on_every_question_has_an_interval():
+    same = paired_difference([1, 0, 1, 1, 0, 0], [1, 0, 1, 1, 0, 0])  # no discordant question
+    share = wilson(6, 6)[0]  # Wilson's lower bound on the share of questions that agree
+    assert (same.value, same.low, same.high) == (0.0, pytest.approx(-(1 - share)), pytest.approx(1 - share))
+    assert same.format() == "+0.0 [-39.0, +39.0]"
+    better = paired_difference([1] * 6, [0] * 6)  # every question right for a only
+    assert (better.value, better.high) == (1.0, 1.0) and better.low == pytest.approx(1 - 2 * (1 - share))
+    worse = paired_difference([0] * 6, [1] * 6)
+    assert (worse.value, worse.low) == (-1.0, -1.0) and worse.high == pytest.approx(-1 + 2 * (1 - share))
 
 
 def test_exact_mcnemar_counts_discordant_pairs():

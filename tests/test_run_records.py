@@ -70,3 +70,26 @@ def test_a_finished_run_has_no_failure_marker(tmp_path, monkeypatch):
     monkeypatch.setitem(train.TASKS, "probe", fake_task(lambda cfg, checked, ctx: None))
     assert train.run_task(tiny_cfg(tmp_path)) == 0.5
     assert not (tmp_path / "out" / "failure.json").exists()
+
+
+def test_a_refusal_after_the_run_folder_exists_leaves_a_failure_marker(tmp_path, monkeypatch):
+    """Refusals of `check` (the evaluation file's overlap, the FAISS index) left only train.log in the folder Hydra
+    had made, which reads as a run killed outright: every refusal once the folder exists writes failure.json."""
+
+    def refuse(cfg):
+        raise ValueError("eval.questions_path=mine.jsonl: 1 of its 4 questions are training questions")
+
+    task = fake_task(lambda cfg, checked, ctx: None)
+    task.check = refuse
+    monkeypatch.setitem(train.TASKS, "probe", task)
+    cfg = tiny_cfg(tmp_path)
+    with pytest.raises(ValueError, match="training questions"):
+        train.run_task(cfg)
+    assert not (tmp_path / "out").exists()  # started from Python, before any folder: none is made for the marker
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train.log").write_text("")  # what Hydra leaves before the task starts
+    with pytest.raises(ValueError, match="training questions"):
+        train.run_task(cfg)
+    marker = json.loads((tmp_path / "out" / "failure.json").read_text())
+    assert marker["exception"] == "builtins.ValueError" and "training questions" in marker["message"]
+    assert "in refuse" in marker["traceback"] and not (tmp_path / "out" / "metrics.json").exists()

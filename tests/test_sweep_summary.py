@@ -90,6 +90,19 @@ def test_a_hydra_multirun_with_a_failing_job_still_leaves_its_table(tmp_path):
     assert [r["score"] for r in table] == ["-0.5", "0.5", ""] and table[2]["error"].endswith("x=3 is refused")
 
 
+@pytest.mark.subprocess
+def test_a_terminated_multirun_still_writes_the_table_of_its_jobs(tmp_path):
+    """SIGTERM during a multirun wrote the stopped job's failure.json but no table with it (Hydra calls no callback
+    for a job stopped by SystemExit, and a first job's stop left no table at all)."""
+    done = run_app(tmp_path, "x=1,4,2")
+    assert done.returncode != 0
+    (sweep,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    table = rows(sweep / "sweep_summary.csv")
+    assert [(r["x"], r["status"]) for r in table] == [("1", "finished"), ("4", "failed")]  # job 2 never started
+    assert table[1]["error"].endswith("terminated by signal SIGTERM")
+    assert "2 jobs: 1 finished, 1 failed." in (sweep / "sweep_summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_an_optuna_sweep_names_its_trials_and_resumes_from_its_storage(tmp_path):
     first = run_app(tmp_path, "--config-name=app_optuna")

@@ -11,11 +11,13 @@ metrics. The run context (`RunContext`: cache, seed, progress, run folder, rank)
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import lightning as L
@@ -28,6 +30,8 @@ from confrag.infra.run_info import save_failure, save_run_info
 from confrag.instantiators import refuse_moved_arguments, run_context
 from confrag.recipes import llm_node
 from confrag.tasks import cbdr, gates, probe, rerank
+
+log = logging.getLogger(__name__)
 
 TASKS: dict[str, ModuleType] = {"probe": probe, "rerank": rerank, "cbdr": cbdr, "gates": gates}
 
@@ -46,18 +50,18 @@ def run_task(cfg: DictConfig) -> float | None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = run_context(cfg)
     L.seed_everything(ctx.seed, workers=True)
-    check_launch(cfg, ctx.rank)
-    if "llm" in cfg:  # every task loads it: its node is checked first, whatever the task reads next
-        llm_node(cfg.llm)
-    checked = task.check(cfg)  # a bad value fails before the run folder gets any file; checked once per run
-    # The ranks of a multi-process launch share one run folder: every rank computes, rank 0 writes it.
-    ctx.on_main(save_run_info, cfg, ctx.output_dir)
     try:
         with _sigterm_raises():
+            check_launch(cfg, ctx.rank)
+            if "llm" in cfg:  # every task loads it: its node is checked first, whatever the task reads next
+                llm_node(cfg.llm)
+            checked = task.check(cfg)  # a bad value fails before the run record is written; checked once per run
+            # The ranks of a multi-process launch share one run folder: every rank computes, rank 0 writes it.
+            ctx.on_main(save_run_info, cfg, ctx.output_dir)
             computed = task.run(cfg, checked, ctx)
             metrics = ctx.on_main(task.write, cfg, checked, ctx, computed)
-    except BaseException as error:  # an interrupt too: the folder says the run did not finish, and why
-        save_failure(ctx.output_dir, error, ctx.rank.rank)
+    except BaseException as error:  # a refusal or an interrupt too: the folder says the run did not finish, and why
+        record_failure(ctx.output_dir, error, ctx.rank.rank)
         raise
     finally:
         _finish_wandb()
@@ -69,6 +73,20 @@ def run_task(cfg: DictConfig) -> float | None:
             f"optimized_metric={metric_name!r} is not a metric of task {cfg.task_name!r}; it logs {sorted(metrics)}"
         )
     return float(metrics[metric_name])
+
+
+def record_failure(output_dir: Path, error: BaseException, rank: int) -> None:
+    """`failure.json` for whatever stopped the run once its folder exists (Hydra makes it, with train.log, before
+    the task starts): a refusal of `check` (the evaluation file's overlap, the FAISS index's size) as much as an
+    exception, an interrupt or SIGTERM of the computation, so that a folder without `metrics.json` or
+    `failure.json` was killed outright. A folder that does not exist yet (a run started from Python) gets none, and a
+    marker that cannot be written (a full disk) is a warning, never the error the run reports."""
+    if not output_dir.is_dir():
+        return
+    try:
+        save_failure(output_dir, error, rank)
+    except OSError as err:
+        log.warning("Could not write the failure marker into %s: %s", output_dir, err)
 
 
 def check_launch(cfg: DictConfig, launch: distributed.RankInfo) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -101,3 +103,43 @@ def run_ctx(tmp_path: Path, seed: int = 0, progress: bool = False, rank: int = 0
         output_dir=tmp_path / "out",
         rank=RankInfo(rank, world_size, rank, "torchrun" if world_size > 1 else "single"),
     )
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under `root` with its size, modification time (ns) and mode bits."""
+    return {
+        str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns, p.lstat().st_mode) for p in root.rglob("*")
+    }
+
+
+@contextlib.contextmanager
+def read_only_copy(cache: Path, copy: Path, monkeypatch) -> Iterator[Path]:
+    """A read-only copy of a complete cache, as a group's shared cache or a read-only mount gives it: `chmod -R
+    a-w`. Tests may run as root, whom permissions do not stop, so taking any file lock under the copy raises
+    EROFS (what a read-only mount gives even root), and on leaving, nothing under the copy may have been created,
+    removed or changed (every path with its size, time and mode)."""
+    import errno
+    import os
+    import shutil
+
+    from filelock import BaseFileLock
+
+    shutil.copytree(cache, copy)
+    for path in [copy, *copy.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    before = _tree(copy)
+    acquire = BaseFileLock.acquire
+
+    def refuse_under_copy(lock, *args, **kwargs):
+        if Path(lock.lock_file).resolve().is_relative_to(copy.resolve()):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), lock.lock_file)
+        return acquire(lock, *args, **kwargs)
+
+    monkeypatch.setattr(BaseFileLock, "acquire", refuse_under_copy)
+    try:
+        yield copy
+        assert _tree(copy) == before, "the run wrote into the read-only cache"
+    finally:
+        monkeypatch.setattr(BaseFileLock, "acquire", acquire)
+        for path in [copy, *copy.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)  # so that the tmp folder can be removed

@@ -57,3 +57,14 @@ def logged_artifacts(run_dir: Path | str, expected: int = 0, wait: float = 60.0)
         if len(found) >= expected or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
+
+
+def artifacts_named(run_dir: Path | str, names: set[str], wait: float = 60.0) -> dict[str, tuple[str, list[str]]]:
+    """{name: (type, file paths)} of the artifacts of `names` an offline run under `run_dir` logged, read again until
+    all of them are in the run file (or `wait` seconds have passed): a run logs its tables as artifacts too."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = {name: (kind, files) for name, kind, files in logged_artifacts(run_dir, wait=0) if name in names}
+        if set(found) == names or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)

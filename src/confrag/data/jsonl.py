@@ -27,11 +27,14 @@ def _open_binary(path: Path) -> IO[bytes]:
     raise DataFormatError(f"{path}: unsupported file name; allowed suffixes are {', '.join(JSONL_SUFFIXES)}")
 
 
-def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, decoded line) for every line; decoding per line keeps the line number."""
+def numbered_lines(path: Path, any_name: bool = False) -> Iterator[tuple[int, str]]:
+    """(1-based line number, decoded line) for every line; decoding per line keeps the line number. With
+    `any_name`, a text file of any name (gzip-compressed when it ends in `.gz`), such as a TREC run file."""
     lineno = 0
+    path = Path(path)
+    opened = (gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")) if any_name else None
     try:
-        with _open_binary(path) as handle:
+        with opened or _open_binary(path) as handle:
             for lineno, raw in enumerate(handle, start=1):
                 try:
                     line = raw.decode("utf-8")
@@ -45,7 +48,7 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise DataFormatError(
             f"{path}: not a complete gzip file (after line {lineno}): {exc}; "
-            ".jsonl.gz files must be gzip-compressed JSON lines"
+            f"{'.gz' if any_name else '.jsonl.gz'} files must be gzip-compressed text"
         ) from exc
 
 

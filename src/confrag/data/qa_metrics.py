@@ -36,6 +36,17 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
+# Hyphens and dashes (ASCII, Unicode's U+2010-U+2015, the minus sign) between words of a question.
+_DASHES = re.compile("[-\u2010-\u2015\u2212]")
+
+
+def normalize_question(text: str) -> str:
+    """A question as compared across files (repeats, training against evaluation questions, a file's question
+    against the data's): the answer normalization with hyphens and dashes read as spaces, so that "a 3-second
+    rule" and "a 3 second rule" are one question (the answer normalization drops the hyphen: "3second")."""
+    return normalize_answer(_DASHES.sub(" ", unicodedata.normalize("NFKC", text)))
+
+
 def _normalized_answers(answers: Sequence[str]) -> list[str]:
     # A bare str is a Sequence[str] too; iterating it would silently score single characters.
     if isinstance(answers, str):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from confrag.data.nq import QARow
-from confrag.data.qa_metrics import normalize_answer
+from confrag.data.qa_metrics import normalize_question
 from confrag.infra import checks
 
 # What `preferences.cross_fit` allows, as its errors say it.
@@ -89,8 +89,9 @@ def held_out(rows: Sequence[QARow], used: Iterable[QARow], what: str, where: str
 
 
 def question_key(row: QARow) -> str:
-    """A question as compared across files: its normalized text (qids are line positions, not identities)."""
-    return normalize_answer(row.question)
+    """A question as compared across files: its normalized text, hyphens read as spaces (qids are line positions,
+    not identities)."""
+    return normalize_question(row.question)
 
 
 def check_disjoint(
@@ -168,7 +169,7 @@ class QuestionPlan:
 
     def fold_of_question(self, question: str) -> int | None:
         """`fold_of` for a question's text (what a reranker's `score` receives)."""
-        return self._fold_by_key.get(normalize_answer(question))
+        return self._fold_by_key.get(normalize_question(question))
 
     @functools.cached_property
     def _fold_by_key(self) -> dict[str, int]:

@@ -263,43 +263,91 @@ class CurvePoint:
 
 # --- plot ------------------------------------------------------------------------------------------
 
+COLOURS = tuple(f"C{i}" for i in range(10))  # matplotlib's ten-colour cycle
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "*", "<", ">", "h", "p", "d", "H", "8")
 
-def plot_gates(rows: Sequence[GateRow], curves: Sequence[CurvePoint], path: str | Path, title: str) -> Path:
-    """One panel per context condition: each gate's operating point, and a curve per threshold gate."""
+
+@dataclass(frozen=True)
+class GateStyle:
+    colour: str
+    line_style: str
+    marker: str
+
+
+def gate_styles(gates: Sequence[str]) -> dict[str, GateStyle]:
+    """Each gate's colour, line style and marker, all three distinct between any two of the first 20 gates in
+    colour and line style together (colour i mod 10, style i mod 4) and of the first 14 in marker: ten colours
+    alone drew the 11th and 12th gate as the 1st and 2nd."""
+    return {
+        gate: GateStyle(COLOURS[i % len(COLOURS)], LINE_STYLES[i % len(LINE_STYLES)], MARKERS[i % len(MARKERS)])
+        for i, gate in enumerate(dict.fromkeys(gates))
+    }
+
+
+def gates_figure(rows: Sequence[GateRow], curves: Sequence[CurvePoint], title: str) -> Figure:
+    """One panel per context condition: each gate's operating point (an edge-less marker; outlined in black where
+    the gate refuses some questions), and a curve per threshold gate in the gate's line style; one legend beside
+    the panels naming every gate with its colour, line style and marker."""
+    from matplotlib.lines import Line2D
+
     conditions = list(dict.fromkeys(r.contexts for r in rows))
-    figure = Figure(figsize=(5.2 * len(conditions), 4.4), dpi=120)
-    colours = {gate: f"C{i % 10}" for i, gate in enumerate(dict.fromkeys(r.gate for r in rows))}
+    styles = gate_styles([r.gate for r in rows] + [c.gate for c in curves])
+    figure = Figure(figsize=(5.2 * len(conditions) + 2.0, 4.4), dpi=120, layout="constrained")
     for index, condition in enumerate(conditions):
         axis = figure.add_subplot(1, len(conditions), index + 1)
         for gate in dict.fromkeys(c.gate for c in curves if c.contexts == condition):
             points = sorted(
                 (c.retrieval_rate, c.accuracy) for c in curves if c.gate == gate and c.contexts == condition
             )
+            style = styles[gate]
             axis.plot(
                 [100 * x for x, _ in points],
                 [100 * y for _, y in points],
-                color=colours.get(gate, "gray"),
-                alpha=0.6,
-                linewidth=1.2,
+                color=style.colour,
+                linestyle=style.line_style,
+                alpha=0.7,
+                linewidth=1.4,
+                gid=gate,
             )
         for r in rows:
             if r.contexts == condition:
+                style = styles[r.gate]
                 axis.scatter(
                     100 * r.retrieval_rate,
                     100 * r.accuracy,
-                    color=colours[r.gate],
-                    s=36,
+                    color=style.colour,
+                    marker=style.marker,
+                    s=40,
                     zorder=3,
-                    label=r.gate,
-                    marker="X" if r.refusal_rate > 0 else "o",
+                    edgecolors="black" if r.refusal_rate > 0 else "none",
+                    linewidths=1.2,
+                    gid=r.gate,
                 )
         axis.set_xlim(-3, 103)
         axis.set_xlabel("retrieval rate (%)")
         axis.set_ylabel("accuracy (%)")
         axis.set_title(f"{condition} contexts (n = {next(r.n for r in rows if r.contexts == condition)})")
         axis.grid(alpha=0.3)
-        if index == 0:
-            axis.legend(fontsize="small", loc="best")
+    curved = {c.gate for c in curves}
+    refusing = {r.gate for r in rows if r.refusal_rate > 0}
+    handles = [
+        Line2D(
+            [],
+            [],
+            color=style.colour,
+            linestyle=style.line_style if gate in curved else "none",
+            marker=style.marker,
+            markeredgecolor="black" if gate in refusing else style.colour,
+            label=gate + (" (refuses)" if gate in refusing else ""),
+        )
+        for gate, style in styles.items()
+    ]
+    figure.legend(handles=handles, loc="outside right center", fontsize="small", title="gate")
     figure.suptitle(title)
-    figure.tight_layout()
-    return atomic_save_png(figure, path)
+    return figure
+
+
+def plot_gates(rows: Sequence[GateRow], curves: Sequence[CurvePoint], path: str | Path, title: str) -> Path:
+    """`gates_figure` written to `path` as PNG."""
+    return atomic_save_png(gates_figure(rows, curves, title), path)

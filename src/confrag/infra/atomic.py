@@ -4,7 +4,7 @@ Every file is written to a temp file beside its place, flushed, and renamed over
 reader, or a run killed at any moment, sees the old file or the new one, never half of one. A folder is
 built beside its place and exchanged with the old one in one step (`swapped_in`, `replace_folder`), with the
 same promise for the whole folder; a folder written once and never replaced is renamed into place
-(`written_once`). Files get
+(`written_once`). A full disk while writing raises `DiskFullError` naming the folder. Files get
 the permissions `open()` would give them (0666 less the umask), directories those of `mkdir` (0777 less
 the umask), so a cache on a shared disk is readable by whom the umask allows.
 """
@@ -33,13 +33,55 @@ class CacheReadOnlyError(OSError):
     """Something is missing from a cache this process cannot write: it cannot be computed here."""
 
 
+class DiskFullError(OSError):
+    """No space (or no quota) left where something is written; the message names the folder and its free space."""
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How libraries that write through their own code report a full disk (safetensors' Rust error, C's strerror).
+_FULL_TEXTS = ("No space left on device", "StorageFull", "Disk quota exceeded")
+
+
+def _existing(directory: Path) -> Path:
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return directory
+
+
+def disk_full_message(folder: Path | str, error: BaseException) -> str:
+    folder = Path(folder)
+    try:
+        free = f"{shutil.disk_usage(_existing(folder)).free / 1e6:,.1f} MB free there now"
+    except OSError:
+        free = "its free space unknown"
+    return (
+        f"{folder}: the disk is full (or the quota reached) while writing there ({error}; {free}). Free space on that "
+        "disk, or move what is written: paths.cache_dir (the caches), paths.log_dir (the run folders)"
+    )
+
+
+@contextlib.contextmanager
+def naming_full_disk(folder: Path | str) -> Iterator[None]:
+    """A full disk (ENOSPC, EDQUOT, or a library's error saying so) while the block writes into `folder` raises
+    `DiskFullError` naming the folder, instead of the library's error that names no place."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as err:
+        if err.errno not in _FULL:
+            raise
+        raise DiskFullError(err.errno, disk_full_message(folder, err)) from err
+    except Exception as err:
+        if not any(text in str(err) for text in _FULL_TEXTS):
+            raise
+        raise DiskFullError(errno.ENOSPC, disk_full_message(folder, err)) from err
+
+
 def writable(directory: Path) -> bool:
     """Whether this process may create files in `directory` (or, when it does not exist yet, in its
     nearest existing parent): a read-only mount or folder without write permission says no."""
-    directory = Path(directory)
-    while not directory.exists() and directory != directory.parent:
-        directory = directory.parent
-    return os.access(directory, os.W_OK | os.X_OK)
+    return os.access(_existing(Path(directory)), os.W_OK | os.X_OK)
 
 
 def read_only_message(what: str, directory: Path) -> str:
@@ -83,8 +125,9 @@ def make_temp_dir(parent: Path | str, prefix: str) -> Path:
     """A fresh directory in `parent` to build something in before renaming it into place. Unlike
     `tempfile.mkdtemp` (always 0700), it gets the permissions `mkdir` would give."""
     parent = Path(parent)
-    parent.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    with naming_full_disk(parent):
+        parent.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(path, dir_mode())
     return path
 
@@ -108,18 +151,19 @@ def honour_umask(root: Path | str) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        os.fchmod(fd, file_mode())  # mkstemp creates 0600 whatever the umask
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with naming_full_disk(path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        try:
+            os.fchmod(fd, file_mode())  # mkstemp creates 0600 whatever the umask
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def atomic_save_png(figure: Any, path: str | os.PathLike[str]) -> Path:
@@ -177,9 +221,10 @@ def swapped_in(directory: Path | str) -> Iterator[Path]:
     directory = Path(directory)
     tmp = make_temp_dir(directory.parent, f".tmp-{directory.name}-")
     try:
-        yield tmp
-        honour_umask(tmp)
-        replace_folder(tmp, directory)
+        with naming_full_disk(directory.parent):
+            yield tmp
+            honour_umask(tmp)
+            replace_folder(tmp, directory)
     except BaseException:
         _remove(tmp)
         raise
@@ -191,13 +236,15 @@ def written_once(directory: Path | str) -> Iterator[Path]:
     same bytes): the body writes into the temporary folder this yields, beside `directory`; when it returns, the
     folder gets the permissions `mkdir` / `open()` would give and is renamed into place whole. A `directory` that
     another process renamed there first is kept as it is (its content is the same). When the body raises, nothing
-    is left behind."""
+    is left behind; a full disk raises `DiskFullError` naming the folder."""
     directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(directory.parent, ".tmp-")
     try:
-        yield tmp
-        honour_umask(tmp)
-        tmp.rename(directory)
+        with naming_full_disk(directory.parent):
+            yield tmp
+            honour_umask(tmp)
+            tmp.rename(directory)
     except OSError:
         if not directory.is_dir():  # else another process renamed the same folder into place first
             raise

@@ -1,5 +1,6 @@
-"""Locks and claims in a shared cache: `exclusive` for "compute it if it is missing" on a single result,
-and `compute_shards`, which claims the missing shards of sharded artifacts one lock at a time.
+"""Locks and claims in a shared cache: `once` for "read it, else compute it" on a single result (looked at first
+without a lock, so a complete cache may be read-only; `exclusive` only while it is missing), and `compute_shards`,
+which claims the missing shards of sharded artifacts one lock at a time (none when nothing is missing).
 
 Several processes (jobs of a multirun, ranks of a torchrun launch, SLURM jobs) may fill one artifact
 together: `compute_shards` claims a shard by taking its lock (`<shard>.lock`, a `filelock` flock) without
@@ -11,13 +12,14 @@ and the next process to try takes the shard over. Every process returns the comp
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
@@ -26,6 +28,9 @@ from confrag.infra import distributed
 from confrag.infra.atomic import CacheReadOnlyError, read_only_message, writable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# What taking a lock in a folder this process cannot write raises: a read-only file system, no permission.
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 LOCK_SUFFIX = ".lock"
 WAIT_POLL_SECONDS = 0.5  # how often a process waiting for other processes' shards looks again
@@ -54,6 +59,27 @@ def exclusive(lock_path: Path | str, what: str) -> Iterator[None]:
         lock.release()
 
 
+def once(lock_path: Path | str, what: str, read: Callable[[], T | None], build: Callable[[], T]) -> T:
+    """A single result computed once by whichever process gets there first: `read()` (the whole result, or None
+    when it is missing or damaged) is tried without any lock, so that a complete result is read from a cache this
+    process cannot write (no lock file is made); only a missing one takes `lock_path` (`exclusive`), looks again,
+    since another process may have built it meanwhile, and `build()`s it. The one pattern of the project's "read
+    it, else compute it": every single result of the cache goes through it (tests/test_architecture.py)."""
+    found = read()
+    if found is not None:
+        return found
+    lock_path = Path(lock_path)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(exclusive(lock_path, what))
+        except OSError as err:  # no lock file can be made: the cache cannot be written, and the result is missing
+            if err.errno not in _UNWRITABLE:
+                raise
+            raise CacheReadOnlyError(read_only_message(what, lock_path.parent)) from err
+        found = read()
+        return found if found is not None else build()
+
+
 def try_claim(lock_path: Path | str) -> FileLock | None:
     """The file lock `lock_path`, taken without waiting, or None when another process holds it."""
     lock = FileLock(str(lock_path))
@@ -72,7 +98,13 @@ def claimed_first(items: Sequence[Any], lock_path: Callable[[Any], Path], run: C
     results: dict[int, Any] = {}
     deferred = []
     for i, item in enumerate(items):
-        claim = try_claim(lock_path(item))
+        try:
+            claim = try_claim(lock_path(item))
+        except OSError as err:  # a cache this process cannot write: no claim to take; `run` reads what is there
+            if err.errno not in _UNWRITABLE:
+                raise
+            results[i] = run(item)
+            continue
         if claim is None:
             log.info("%s %d: another process is on it; taking the next one first", what, i)
             deferred.append(i)

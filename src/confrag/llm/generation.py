@@ -38,6 +38,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase,
 from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, generation_rows
 from confrag.llm.hidden_states import common_prefix_length
+from confrag.llm.kv_cache import cache_argument, expanded_cache
 from confrag.llm.prompts import encode_prompts
 from confrag.llm.workers import CPU_THREADS, fixed_threads, longest_first, resolve_workers, run_batches
 
@@ -229,7 +230,7 @@ class _Runner:
         if prefix_len:
             cache = DynamicCache()
             prefix = torch.tensor([list(ids[0][:prefix_len])], device=self.device)
-            model.base_model(input_ids=prefix, past_key_values=cache, use_cache=True)
+            model.base_model(input_ids=prefix, use_cache=True, **cache_argument(model.base_model, cache))
             self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
 
     def run(self, batch: list[int]) -> list[list[int]]:
@@ -257,9 +258,7 @@ class _Runner:
             output = self._generate_static(kwargs, rows, total)
         else:
             if self.prefix is not None:
-                kwargs["past_key_values"] = DynamicCache(
-                    [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.prefix]
-                )
+                kwargs.update(cache_argument(self.model, expanded_cache(self.prefix, rows)))
             output = self.model.generate(**kwargs)
         return output[: len(batch), total:].tolist()  # one device-to-host copy for the batch
 
@@ -279,10 +278,11 @@ class _Runner:
         compile_step = self.options.compile and self.device.type == "cuda" and self.model not in _COMPILE_FAILED
         if compile_step:
             try:
-                return self.model.generate(**kwargs, past_key_values=self._static_cache(rows, length))
+                return self.model.generate(**kwargs, **cache_argument(self.model, self._static_cache(rows, length)))
             except Exception as err:  # a compiler or CUDA-graph failure: the eager step computes the same
                 log.warning(
                     "compiling the decoding step failed (%s: %s); decoding eagerly from now on", type(err).__name__, err
                 )
                 _COMPILE_FAILED.add(self.model)
-        return self.model.generate(**kwargs, past_key_values=self._static_cache(rows, length), disable_compile=True)
+        cache = cache_argument(self.model, self._static_cache(rows, length))
+        return self.model.generate(**kwargs, **cache, disable_compile=True)

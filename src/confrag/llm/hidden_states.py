@@ -42,6 +42,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from confrag.infra import checks
 from confrag.llm.batching import AUTO, check_batch_size, extraction_budget
+from confrag.llm.kv_cache import cache_argument, expanded_cache
 from confrag.llm.last_token import LastTokenCapture, last_token_layer, plain_decoder_layer, truncated
 from confrag.llm.prompts import encode_prompts
 from confrag.llm.workers import CPU_THREADS, fixed_threads, longest_first, resolve_workers, run_batches
@@ -280,7 +281,7 @@ class HiddenStateEngine:
     def _prefix_cache(self, prefix: Sequence[int]) -> DynamicCache:
         cache = DynamicCache()
         input_ids = torch.tensor([list(prefix)], device=self.device)
-        self.base(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        self.base(input_ids=input_ids, use_cache=True, **cache_argument(self.base, cache))
         return cache
 
     def _run_batch(self, suffixes, prefix_len, prefix_cache, layers, tail: bool, hooks: LastTokenCapture) -> np.ndarray:
@@ -297,12 +298,7 @@ class HiddenStateEngine:
         full_mask = torch.cat([torch.ones((batch, prefix_len), dtype=torch.long), mask], dim=1)
         cache = None
         if prefix_cache is not None:
-            cache = DynamicCache(
-                [
-                    (layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1))
-                    for layer in prefix_cache.layers
-                ]
-            )
+            cache = expanded_cache([(layer.keys, layer.values) for layer in prefix_cache.layers], batch)
         device = self.device
         last, full_mask, position_ids = last.to(device), full_mask.to(device), position_ids.to(device)
         depth = max(layers)
@@ -311,8 +307,8 @@ class HiddenStateEngine:
                 input_ids=input_ids.to(device),
                 attention_mask=full_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=cache is not None,
+                **cache_argument(self.base, cache),
             )
         if tail:
             prefix_kv = None

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from confrag.llm.hidden_states import HiddenStateEngine, validate_layers
+from confrag.llm.kv_cache import cache_argument, expanded_cache
 from confrag.llm.last_token import LastTokenCapture
 from confrag.llm.prompts import encode_prompts
 from confrag.llm.workers import fixed_threads, longest_first, run_batches
@@ -118,20 +118,15 @@ class AnswerLikelihood:
         last_prompt = torch.tensor([len(p) - prefix_len - 1 for _, p, _ in pairs])
         cache = None
         if prefix is not None:
-            cache = DynamicCache(
-                [
-                    (layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1))
-                    for layer in prefix.layers
-                ]
-            )
+            cache = expanded_cache([(layer.keys, layer.values) for layer in prefix.layers], batch)
         device = self.engine.device
         with hooks.batch(last_prompt.to(device)) as captured:
             out = self.base(
                 input_ids=input_ids.to(device),
                 attention_mask=full_mask.to(device),
                 position_ids=position_ids.to(device),
-                past_key_values=cache,
                 use_cache=cache is not None,
+                **cache_argument(self.base, cache),
             )
         final = out.last_hidden_state
         # The position before each answer token predicts it: rows' answer spans, flattened.

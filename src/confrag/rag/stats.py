@@ -1,11 +1,14 @@
 """Uncertainty for small-sample accuracies, and the papers' Table 2.
 
-Samples here are small, so every accuracy carries a 95 % percentile-bootstrap confidence interval
-(`scipy.stats.bootstrap`, seeded) and each reranker is compared with a base reranker on the same
-questions: the paired difference with its bootstrap interval (questions resampled), the exact McNemar
-test (a two-sided binomial test on the discordant pairs), its p-value Holm-corrected across the rows
-compared with the base, and the smallest difference the design detects at 80 % power (from the pair's
-discordance, Connor's normal approximation). The papers report none of these.
+Samples here are small, so every accuracy carries a 95 % confidence interval: a percentile bootstrap
+(`scipy.stats.bootstrap`, seeded) from SMALL_N outcomes on, Wilson's score interval (scipy's
+`binomtest(k, n).proportion_ci(method="wilson")`) below SMALL_N and wherever every outcome is the same (where
+the bootstrap has nothing to resample and would print `0.00 [0.00, 0.00]`). Each reranker is compared with a base
+reranker on the same questions: the paired difference with its bootstrap interval (questions resampled; when
+every question's difference is the same, the bound Wilson's interval puts on the share of questions that could
+differ), the exact McNemar test (a two-sided binomial test on the discordant pairs), its p-value Holm-corrected
+across the rows compared with the base, and the smallest difference the design detects at 80 % power (from the
+pair's discordance, Connor's normal approximation). The papers report none of these.
 """
 
 from __future__ import annotations
@@ -22,6 +25,18 @@ from confrag.rag.pipeline import DEFAULT_KS, QuestionOutcome
 from confrag.retrieval.candidates import same_question
 
 BINARY_METRICS = ("has_answer", "has_answer_dpr", "em")
+# Below this many outcomes a proportion's interval is Wilson's (a percentile bootstrap of so few 0/1 outcomes covers
+# less than it says), and the reports print their small-sample marks (confrag.reports.small_samples).
+SMALL_N = 30
+
+
+def wilson(successes: float, n: int, confidence_level: float = 0.95) -> tuple[float, float]:
+    """Wilson's score interval of a proportion of `successes` (rounded to a count) in `n`, scipy's; (0, 1) for n = 0."""
+    if n <= 0:
+        return (0.0, 1.0)
+    k = min(max(round(successes), 0), n)
+    interval = binomtest(k, n).proportion_ci(confidence_level=confidence_level, method="wilson")
+    return float(interval.low), float(interval.high)
 
 
 @dataclass(frozen=True)
@@ -52,15 +67,17 @@ def _binary(values: Sequence[Any], name: str) -> np.ndarray:
 def accuracy_ci(
     correct: Sequence[Any], confidence_level: float = 0.95, n_resamples: int = 10_000, seed: int = 0
 ) -> Accuracy:
-    """Mean of 0/1 outcomes with a percentile-bootstrap interval (deterministic for a given seed)."""
+    """Mean of 0/1 outcomes with a percentile-bootstrap interval (deterministic for a given seed); Wilson's below
+    SMALL_N outcomes or when all are equal, so that no interval has zero width."""
     values = _binary(correct, "correct")
     if values.size == 0:
         raise ValueError("accuracy of an empty set of questions is undefined")
     if not 0 < confidence_level < 1:
         raise ValueError(f"confidence_level must be in (0, 1); got {confidence_level}")
     mean = float(values.mean())
-    if values.size == 1:  # nothing to resample
-        return Accuracy(mean, mean, mean, 1)
+    if values.size < SMALL_N or np.all(values == values[0]):
+        low, high = wilson(float(values.sum()), int(values.size), confidence_level)
+        return Accuracy(mean, low, high, int(values.size))
     low, high = _percentile_interval(values, confidence_level, n_resamples, seed)
     return Accuracy(mean, low, high, int(values.size))
 
@@ -107,7 +124,10 @@ def paired_difference(
     a: Sequence[Any], b: Sequence[Any], confidence_level: float = 0.95, n_resamples: int = 10_000, seed: int = 0
 ) -> PairedDifference:
     """Mean paired difference of 0/1 outcomes (a - b, same questions) with a percentile-bootstrap interval
-    that resamples questions, so the pairing is kept."""
+    that resamples questions, so the pairing is kept. When every question's difference is the same value v, the
+    bootstrap has nothing to resample: the interval is then what Wilson's lower bound l on the share of questions
+    with difference v allows, the other 1 - l moving the mean by at most their largest step away from v
+    (v = 0: [-(1 - l), 1 - l]; v = 1: [1 - 2(1 - l), 1])."""
     a, b = _binary(a, "a"), _binary(b, "b")
     if a.shape != b.shape:
         raise ValueError(f"paired outcomes must have equal length; got {a.size} and {b.size}")
@@ -115,15 +135,20 @@ def paired_difference(
         raise ValueError("a paired difference over no questions is undefined")
     diff = a - b
     mean = float(diff.mean())
-    if a.size == 1 or np.all(diff == diff[0]):  # nothing varies under resampling
-        return PairedDifference(mean, mean, mean, int(a.size))
+    if np.all(diff == diff[0]):  # nothing varies under resampling
+        share_low = wilson(a.size, a.size, confidence_level)[0]
+        low, high = mean - (mean + 1) * (1 - share_low), mean + (1 - mean) * (1 - share_low)
+        return PairedDifference(mean, max(low, -1.0), min(high, 1.0), int(a.size))
     low, high = _percentile_interval(diff, confidence_level, n_resamples, seed)
     return PairedDifference(mean, low, high, int(a.size))
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:
     """Holm's step-down adjustment of a family of p-values (same order as given): controls the chance of any
-    false rejection among them, without assuming independence."""
+    false rejection among them, without assuming independence. Written here, not taken from a library: scipy has
+    no Holm adjustment (`scipy.stats.false_discovery_control` is Benjamini-Hochberg's, another error rate), and
+    statsmodels' `multipletests(method="holm")` computes the same adjustment but would add a dependency
+    (with pandas and patsy) for these eight lines."""
     p = np.asarray(pvalues, dtype=np.float64)
     order = np.argsort(p, kind="stable")
     adjusted = np.empty_like(p)
@@ -299,7 +324,8 @@ def table2_markdown(
     notes = ", ".join(f"{d}: n = {'/'.join(map(str, sizes[d]))}" for d in datasets)
     lines.append("")
     lines.append(
-        f"Accuracy in % with 95 % percentile-bootstrap CI. Holm p: the exact McNemar test against {base_reranker} "
+        f"Accuracy in % with 95 % percentile-bootstrap CI (Wilson's below {SMALL_N} questions or when every answer "
+        f"is scored the same). Holm p: the exact McNemar test against {base_reranker} "
         f"on the same questions (same LLM), Holm-corrected across the rows compared with it (per dataset and K). "
         f"Top-{ks[0]} − base: the paired difference in points with its bootstrap CI over questions, and the smallest "
         f"difference the design detects at 80 % power (α 0.05, at the discordance expected before the run, "

@@ -66,7 +66,7 @@ def _auroc_ci(row: GateRow) -> tuple[float, float] | None:
 
 def small_sample_fields(row: GateRow) -> dict[str, object]:
     """metrics.json's version of `small_sample_note` for one row: intervals of its rates and AUROC below SMALL_N
-    questions (the accuracy has its bootstrap interval in every row); nothing for larger samples."""
+    questions (the accuracy has its interval in every row: `rag.stats.accuracy_ci`); nothing for larger samples."""
     if row.n >= SMALL_N:
         return {}
     fields: dict[str, object] = interval_fields(

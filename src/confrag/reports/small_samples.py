@@ -3,8 +3,9 @@ positive read like a result. Below `SMALL_N` examples, or on one class, every pr
 
 The intervals are closed forms from what a report already holds (the metric, its example and positive counts), so
 that no per-example score has to travel to the report: Wilson's score interval for a proportion (accuracy, own
-paragraph first), Hanley and McNeil's (1982) standard error for an AUROC (normal approximation, clipped to [0, 1]).
-Larger samples keep their plain numbers (the Table 2 rows carry bootstrap intervals of their own: `rag.stats`).
+paragraph first; scipy's, through `rag.stats.wilson`), Hanley and McNeil's (1982) standard error for an AUROC
+(normal approximation, clipped to [0, 1]). Larger samples keep their plain numbers (the Table 2 rows carry
+intervals of their own: `rag.stats.accuracy_ci`, Wilson's below the same SMALL_N).
 """
 
 from __future__ import annotations
@@ -12,18 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-SMALL_N = 30  # below this many examples a metric is printed with its interval, or marked
+# Below SMALL_N examples a metric is printed with its interval, or marked; `wilson` is the one Wilson interval.
+from confrag.rag.stats import SMALL_N, wilson
+
 Z95 = 1.959963984540054
-
-
-def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson's 95 % score interval of a proportion of `successes` in `n` (rounded to a count)."""
-    if n <= 0:
-        return (0.0, 1.0)
-    p = min(max(round(successes) / n, 0.0), 1.0)
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def auroc_interval(auroc: float, positives: int, negatives: int, z: float = Z95) -> tuple[float, float]:

@@ -71,3 +71,26 @@ def log_exports(
             logged.append(artifact)
             log.info("Logged %s as W&B artifact %s (%s)", folder, artifact.name, artifact.type)
     return logged
+
+
+def log_table_exports(
+    loggers: Sequence[Logger],
+    reranker: Any,
+    reranker_id: str,
+    probe_directory: Path | None,
+    out: Path,
+    llm: str,
+) -> list[Any]:
+    """The cbdr and gates runs' W&B lineage, as the rerank task's: the reranker behind their tables (`reranker_id`,
+    `cbdr.reranker` / `gates.reranker`; exported into `<run>/reranker/`, one folder per fold when cross-fitted) and
+    the probe whose confidence labelled its rows (the cached folder this run read), as artifacts of the run. Only
+    with a W&B logger: otherwise nothing is exported (a reranker's export is the size of its weights). A row
+    without a model of its own (`bm25`, `bi_encoder` as it comes) logs the probe alone."""
+    if not wandb_loggers(loggers):
+        return []
+    folders: dict[str, Path] = {}
+    if reranker is not None and hasattr(reranker, "export"):
+        folders["reranker"] = reranker.export(out / "reranker")
+    if probe_directory is not None:
+        folders["probe"] = Path(probe_directory)
+    return log_exports(loggers, folders, llm, {"reranker": reranker_id})

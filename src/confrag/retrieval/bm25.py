@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from confrag.infra.atomic import written_once
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
-from confrag.infra.locks import exclusive
+from confrag.infra.locks import once
 from confrag.infra.sharded import STALE_TMP_SECONDS
 from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.ranking import Hits, check_top_n, top_n_hits
@@ -101,14 +101,16 @@ class BM25Retriever:
         if self.index_dir is None:
             self.model = self._build()
             return
-        self.model = self._load()  # without the lock: a complete cache may be read-only
-        if self.model is None:
-            # One process builds an index that several want at once; the others wait and load it.
-            with exclusive(self.index_dir.parent / f".{self.key}.lock", f"the BM25 index {self.key}"):
-                self.model = self._load()
-                if self.model is None:
-                    self.model = self._build()
-                    self._save(self.model)
+        # Loaded without the lock (a complete cache may be read-only); one process builds an index that several
+        # want at once, the others wait and load it.
+        self.model = once(
+            self.index_dir.parent / f".{self.key}.lock", f"the BM25 index {self.key}", self._load, self._built
+        )
+
+    def _built(self) -> bm25s.BM25:
+        model = self._build()
+        self._save(model)
+        return model
 
     def _build(self) -> bm25s.BM25:
         texts = (document_text(p) for p in self.corpus.passages)

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from confrag.data.jsonl import DataFormatError, read_jsonl
 from confrag.data.nq import QARow
-from confrag.data.qa_metrics import has_answer, normalize_answer
+from confrag.data.qa_metrics import has_answer, normalize_question
 from confrag.infra import checks
 from confrag.infra.atomic import atomic_write_bytes
 from confrag.retrieval.corpus import Corpus, CorpusPassage, document_text
@@ -260,8 +260,8 @@ class CandidatesMismatchError(DataFormatError):
 
 
 def same_question(a: str, b: str) -> bool:
-    """Equal up to case, punctuation, articles, whitespace and Unicode form (the answer normalization)."""
-    return normalize_answer(a) == normalize_answer(b)
+    """Equal up to case, punctuation, articles, whitespace, Unicode form and hyphens (`normalize_question`)."""
+    return normalize_question(a) == normalize_question(b)
 
 
 def match_candidates(

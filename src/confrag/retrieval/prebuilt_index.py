@@ -4,8 +4,9 @@ its queries encoded by the sentence-transformers model that built it.
 Such an index holds vectors only: vector i is passage i of the corpus, in the corpus file's order, with each
 document one passage (`retrieval.words_per_passage: null`), as FlashRAG builds it. Nothing here re-encodes the
 corpus. What can be checked without the vectors' meaning is checked before any stage: the index holds as
-many vectors as the corpus has passages, and as many dimensions as the encoder gives. The encoder is the
-model folder's own pipeline (pooling, normalization, dense layers), run by sentence-transformers; a query
+many vectors as the corpus has passages, and as many dimensions as the encoder gives; when the retriever is built
+(before the LLM loads), a sample of passages re-encoded by the encoder must find their own vectors first. The
+encoder is the model folder's own pipeline (pooling, normalization, dense layers), run by sentence-transformers; a query
 prompt it declares (`config_sentence_transformers.json`, `prompts.query`, e.g. e5's "query: ") is used.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from confrag.retrieval.corpus import Corpus
+from confrag.retrieval.corpus import Corpus, document_text
 from confrag.retrieval.ranking import Hits, check_top_n
 
 
@@ -75,6 +76,44 @@ def check_prebuilt_index(index: faiss.Index, index_path: str | Path, passages: i
         )
 
 
+ENCODER_SAMPLE = 16  # passages re-encoded to check a prebuilt index against its encoder (evenly spaced)
+ENCODER_AGREEMENT = 0.5  # the share of them whose own vector must come first (ties with a repeated text count)
+
+
+def passage_prompt(model) -> str | None:
+    """The prompt the model declares for passages (e5's "passage: "), as its index was built with, if any."""
+    prompts = getattr(model, "prompts", None) or {}
+    return next((name for name in ("passage", "document") if name in prompts), None)
+
+
+def check_index_encoder(
+    index: faiss.Index, index_path: str | Path, model, corpus: Corpus, sample: int = ENCODER_SAMPLE
+) -> None:
+    """The index against its encoder on a sample of passages: each sampled passage, encoded now by the named
+    model, must find its own vector first (or tied first) in the index. An index of the right size and dimension
+    built by another encoder, or from another corpus or order, passed the size checks and the run later blamed
+    the corpus; fewer than ENCODER_AGREEMENT of the sample finding themselves is refused here."""
+    total = int(index.ntotal)
+    ids = sorted({int(i) for i in np.linspace(0, total - 1, min(sample, total)).round()})
+    texts = [document_text(corpus.passages[i]) for i in ids]
+    vectors = model.encode(texts, prompt_name=passage_prompt(model), convert_to_numpy=True, show_progress_bar=False)
+    scores, found = index.search(np.ascontiguousarray(vectors, dtype=np.float32), min(total, 8))
+    lost = []
+    for i, row_ids, row_scores in zip(ids, found, scores):
+        first = float(row_scores[0])
+        own = [float(s) for j, s in zip(row_ids, row_scores) if j == i]
+        if not own or abs(own[0] - first) > 1e-3 * max(1.0, abs(first)):
+            lost.append((i, int(row_ids[0])))
+    if len(ids) - len(lost) < ENCODER_AGREEMENT * len(ids):
+        shown = ", ".join(f"passage {i} finds {j}" for i, j in lost[:3])
+        raise PrebuiltIndexError(
+            f"{index_path}: of {len(ids)} passages of the corpus encoded by retrieval.dense_encoder, {len(lost)} do "
+            f"not find their own vector first in the index ({shown}): the index was built by another encoder, or "
+            "from another corpus or order. Name the model that built it (retrieval.dense_encoder) and the corpus "
+            "file it was built from, in its order"
+        )
+
+
 class PrebuiltDenseRetriever:
     """Search a prebuilt FAISS index over `corpus` with queries encoded by `encoder_dir`'s model."""
 
@@ -86,6 +125,7 @@ class PrebuiltDenseRetriever:
         self.model = load_encoder(encoder_dir, device)
         self.index = read_index_header(index_path)
         check_prebuilt_index(self.index, index_path, len(corpus), encoder_dimension(self.model))
+        check_index_encoder(self.index, index_path, self.model, corpus)
         self.prompt_name = "query" if "query" in (getattr(self.model, "prompts", None) or {}) else None
         # FAISS's L2 indexes return distances (smaller is closer): negated, a higher score is better everywhere.
         self._sign = -1.0 if self.index.metric_type == faiss.METRIC_L2 else 1.0

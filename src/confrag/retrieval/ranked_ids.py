@@ -9,7 +9,8 @@ Formats (`retrieval.candidates_format`; `auto` decides from the file):
   Each `contents` must be the corpus's passage of that id, as given (`retrieval.words_per_passage: null`).
 - `ranked_ids`: any file of ranked passage ids per question: JSONL `{"qid": str, "ids": [str, ...]}` (also
   `"id"` for the question, `"question"`, and `"scores"` aligned with the ids), or a TREC run file
-  (`qid Q0 docid rank score tag` per line, any suffix but .json / .jsonl).
+  (`qid Q0 docid rank score tag` per line, any suffix but .json / .jsonl; ordered by score, as trec_eval reads
+  it: repeated or contradicting ranks are named in a warning, a passage twice for one question refused).
 
 Every id must name a passage of the corpus (with `words_per_passage: null` a document's id; else
 `<document id>#<chunk>`); an unknown id, a text that differs from the corpus's, a question of the data
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from confrag.data.jsonl import DataFormatError, read_jsonl
+from confrag.data.jsonl import DataFormatError, numbered_lines, read_jsonl
 from confrag.data.nq import QARow
 from confrag.infra import checks
 from confrag.retrieval.candidates import Candidates, make_candidates, same_question
@@ -35,6 +38,8 @@ CANDIDATES_FORMATS = ("auto", "confrag", "flashrag", "ranked_ids")
 _RANKED_FIELDS = '{"qid": str, "ids": [str, ...], "scores": [float, ...] (optional), "question": str (optional)}'
 _FLASHRAG_FIELDS = '{"id", "question", "output": {"retrieval_result": [{"id", "contents"}, ...]}}'
 SHOWN = 3
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,33 +100,53 @@ def _ranked_record(obj: Any, where: str) -> RankedList:
 
 
 def _trec_lists(path: Path) -> list[RankedList]:
-    rows: dict[str, list[tuple[int, str, float, int]]] = {}
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            parts = line.split()
-            try:
-                qid, _, docid, rank, score = parts[0], parts[1], parts[2], int(parts[3]), float(parts[4])
-            except (IndexError, ValueError):
-                raise DataFormatError(
-                    f"{path}, line {lineno}: a TREC run line is `qid Q0 docid rank score tag`; "
-                    f"got {line.strip()[:80]!r}"
-                ) from None
-            rows.setdefault(qid, []).append((rank, docid, score, lineno))
+    """A TREC run file's lists, each ordered by score, best first, as trec_eval orders them (it reads no rank):
+    repeated ranks, or ranks that contradict the scores, are resolved by the scores (ties by rank, then line) and
+    named in a warning; a passage listed twice for one question is refused naming both lines. Lines are decoded
+    one at a time, so a byte that is not UTF-8 is named by file and line."""
+    rows: dict[str, list[tuple[float, int, int, str]]] = {}
+    seen: dict[tuple[str, str], int] = {}
+    for lineno, line in numbered_lines(path, any_name=True):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            qid, _, docid, rank, score = parts[0], parts[1], parts[2], int(parts[3]), float(parts[4])
+        except (IndexError, ValueError):
+            raise DataFormatError(
+                f"{path}, line {lineno}: a TREC run line is `qid Q0 docid rank score tag`; got {line.strip()[:80]!r}"
+            ) from None
+        if not math.isfinite(score):
+            raise DataFormatError(f"{path}, line {lineno}: score {parts[4]!r} is not a finite number")
+        if (qid, docid) in seen:
+            raise DataFormatError(
+                f"{path}, line {lineno}: passage {docid!r} of question {qid!r} again (first at line "
+                f"{seen[qid, docid]}); one line per passage and question"
+            )
+        seen[qid, docid] = lineno
+        rows.setdefault(qid, []).append((score, rank, lineno, docid))
     if not rows:
         raise DataFormatError(f"{path}: no lines; a TREC run file holds `qid Q0 docid rank score tag` per line")
-    return [
-        RankedList(
-            qid,
-            None,
-            [d for _, d, _, _ in sorted(hits)],
-            [s for _, _, s, _ in sorted(hits)],
-            None,
-            f"{path}, line {min(n for *_, n in hits)}",
+    lists, reordered = [], []
+    for qid, hits in rows.items():
+        by_score = sorted(hits, key=lambda h: (-h[0], h[1], h[2]))
+        ranks = [h[1] for h in hits]
+        if len(set(ranks)) < len(ranks) or [h[1] for h in by_score] != sorted(ranks):
+            reordered.append(qid)
+        first = min(h[2] for h in hits)
+        lists.append(
+            RankedList(qid, None, [h[3] for h in by_score], [h[0] for h in by_score], None, f"{path}, line {first}")
         )
-        for qid, hits in rows.items()
-    ]
+    if reordered:
+        log.warning(
+            "%s: %d of %d questions have repeated ranks or ranks that contradict their scores (e.g. %s): ordered by "
+            "score, best first, as trec_eval does (ties by rank, then line)",
+            path,
+            len(reordered),
+            len(rows),
+            ", ".join(repr(q) for q in reordered[:SHOWN]),
+        )
+    return lists
 
 
 def _flashrag_docs(docs: Any, where: str) -> tuple[list[str], list[str], list[float]]:

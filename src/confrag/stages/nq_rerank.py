@@ -84,6 +84,7 @@ class PreferenceSettings:
     extract_batch_size: int
     # Your own rows (FlagEmbedding's format) in place of the probe and NQ_Rerank (confrag.stages.own_rows).
     rows_path: str | None
+    rows_max_passages: int | None  # at most this many positives and negatives of a row of yours (a seeded sample)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compare", tuple(self.compare or ()))
@@ -101,6 +102,7 @@ class PreferenceSettings:
         for key in ("dev_fraction", "test_fraction"):
             collect(problems, checks.fraction, getattr(self, key), key)
         collect(problems, checks.flag, self.mix_relevance, "mix_relevance")
+        collect(problems, checks.integer, self.rows_max_passages, "rows_max_passages", 1, allow_none=True)
         checks.refuse(problems)
 
     @property

@@ -3,7 +3,8 @@
 reranker from the base, in place of the probe and NQ_Rerank.
 
 The rows get the checks the project's own rows get (`confrag.reranker.rows.validate_row`: every field named
-with its file and line when wrong, finite teacher scores in pairs, no passage on both sides), and are split
+with its file and line when wrong, finite teacher scores in pairs, no passage on both sides), each side of a row
+is cut to `preferences.rows_max_passages` (a seeded sample, named in the log), and the rows are split
 by query (a query's rows, equal up to case, punctuation and articles, all on one side) into the rows that
 train and the held-out ones Table 1 is measured on (`preferences.test_fraction`, seeded). Table 1 then has
 the base and the aligned reranker (BM25 and the bi-encoder rows need a corpus the rows do not come with).
@@ -11,10 +12,12 @@ the base and the aligned reranker (BM25 and the bi-encoder rows need a corpus th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from lightning.pytorch.loggers import Logger
 
 from confrag.data.qa_metrics import normalize_answer
@@ -27,6 +30,8 @@ from confrag.stages.rerankers import ensure_reranker, place_on_device
 from confrag.stages.teachers import ROW_TEACHERS
 
 ROWS_KEY = "preferences.rows_path"
+CAP_KEY = "preferences.rows_max_passages"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,9 +78,49 @@ def check_own_rows_settings(recipe) -> None:
         )
 
 
-def own_rows(path: str | Path, test_fraction: float, seed: int) -> OwnRows:
-    """The file's rows, checked, each given the id of its query (`q<n>`, by normalized text), split by query."""
-    rows = load_rows(str(path), ROWS_KEY)
+def capped_rows(rows: list[dict], max_passages: int | None, seed: int, where: str) -> tuple[list[dict], int]:
+    """Each row with at most `max_passages` positives and as many negatives: a longer side is cut to a seeded sample
+    (file order kept, each passage with its teacher score), and each cut row is named in the log. A row of 10,000
+    negatives otherwise had every one tokenized, scored by the teacher and the collapse check, and ranked in
+    Table 1, silently for many minutes. Returns the rows and how many were cut."""
+    if max_passages is None:
+        return rows, 0
+    out, cut = [], []
+    for index, row in enumerate(rows):
+        sizes = {side: len(row[side]) for side in ("pos", "neg")}
+        if max(sizes.values()) <= max_passages:
+            out.append(row)
+            continue
+        rng = np.random.default_rng([seed, index])
+        row = dict(row)
+        for side, n in sizes.items():
+            if n > max_passages:
+                keep = np.sort(rng.choice(n, max_passages, replace=False))
+                for key in (side, f"{side}_scores"):
+                    if row.get(key) is not None:
+                        row[key] = [row[key][i] for i in keep]
+        out.append(row)
+        cut.append(f"row {index + 1} ({row['query'][:40]!r}: {sizes['pos']} positives, {sizes['neg']} negatives)")
+    if cut:
+        log.warning(
+            "%s: %d of %d rows hold more than %d positives or negatives (%s), each side cut to a seeded sample of %d: "
+            "%s%s",
+            where,
+            len(cut),
+            len(rows),
+            max_passages,
+            CAP_KEY,
+            max_passages,
+            "; ".join(cut[:3]),
+            "; ..." if len(cut) > 3 else "",
+        )
+    return out, len(cut)
+
+
+def own_rows(path: str | Path, test_fraction: float, seed: int, max_passages: int | None) -> OwnRows:
+    """The file's rows, checked, each side cut to `max_passages` (`capped_rows`), each given the id of its query
+    (`q<n>`, by normalized text), split by query."""
+    rows, cut = capped_rows(load_rows(str(path), ROWS_KEY), max_passages, seed, f"{ROWS_KEY}={path}")
     query_ids: dict[str, str] = {}
     tagged = []
     for row in rows:
@@ -94,6 +139,7 @@ def own_rows(path: str | Path, test_fraction: float, seed: int) -> OwnRows:
         "queries": len(query_ids),
         "rows": {split: len(r) for split, r in splits.items()},
         "teacher_scores": all(r.get("pos_scores") is not None for r in rows),
+        "rows_cut": {"rows": cut, "max_passages": max_passages},
     }
     return OwnRows(splits, report)
 
@@ -104,7 +150,7 @@ def own_rows_stage(recipe, ctx: RunContext, loggers: list[Logger], run_config: d
 
     check_own_rows_settings(recipe)
     prefs = recipe.preferences
-    data = own_rows(prefs.rows_path, prefs.test_fraction, ctx.seed)
+    data = own_rows(prefs.rows_path, prefs.test_fraction, ctx.seed, prefs.rows_max_passages)
     base = ensure_base_reranker(recipe.base, recipe.reranker, None, [], ctx)
     rows = ROW_TEACHERS[prefs.teacher].rewrite(data.splits["train"], base.module, recipe.reranker.eval_batch_size)
     module, info = ensure_reranker(

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from confrag.infra.digests import fingerprint, folder_problem
-from confrag.infra.locks import exclusive
+from confrag.infra.locks import once
 from confrag.infra.run_context import RunContext
 from confrag.probe.datamodule import NQConfidenceDataModule
 from confrag.probe.module import ProbeModule, SavedProbe, load_probe, metric_value, save_probe
@@ -130,11 +130,12 @@ def fit_probe(
     checkpoint = trainer.checkpoint_callback
     best = checkpoint.best_model_path if checkpoint else ""
     if best:
-        model.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
+        saved = read_checkpoint(best)
+        model.load_state_dict(saved["state_dict"])
         score = checkpoint.best_model_score
         if checkpoint.monitor and score is not None and math.isfinite(float(score)):  # -inf: never defined
             metrics[checkpoint.monitor] = float(score)
-        metrics.update(best_epoch_metrics(best, trainer))
+        metrics.update(best_epoch_metrics(saved.get("epoch"), trainer))
     test_metrics = trainer.test(model, datamodule=datamodule, verbose=False)[0]
     metrics.update({k: float(v) for k, v in {**trainer.callback_metrics, **test_metrics}.items()})
     metrics.update(ranking_results(model, datamodule))
@@ -165,10 +166,15 @@ def check_classes(summary: dict[str, Any], node: str, allow_one_class: bool) -> 
     )
 
 
-def best_epoch_metrics(best: str, trainer: Trainer) -> dict[str, float]:
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """A Lightning checkpoint of the probe, read with `weights_only=True`: tensors, numbers, strings and plain
+    containers only, so a checkpoint file someone replaced cannot run code when it is read."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def best_epoch_metrics(epoch: int | None, trainer: Trainer) -> dict[str, float]:
     """The epoch of the best checkpoint beside the last epoch; a warning when they are the same: a probe
     still improving at its last epoch is under-trained, not a result (raise trainer.max_epochs or model.lr)."""
-    epoch = torch.load(best, map_location="cpu", weights_only=False).get("epoch")
     last = trainer.current_epoch - 1  # current_epoch counts the finished epochs once fit ends
     if epoch is None:
         return {}
@@ -235,22 +241,22 @@ def ensure_probe(recipe: ProbeRecipe, ctx: RunContext) -> tuple[SavedProbe, NQCo
     datamodule = prepared_datamodule(recipe)
     directory = probe_cache_dir(ctx, datamodule, recipe)
     workdir = ctx.output_dir / "probe_stage"
-    if folder_problem(directory):
-        # One process trains it; another one asking at the same time waits, then reads it.
-        with exclusive(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}"):
-            problem = folder_problem(directory)
-            if problem:
-                if (directory / "probe.json").is_file():  # a damaged one (or saved before digests)
-                    log.warning("Cached probe %s: %s; training it again.", directory, problem)
-                log.info("No whole cached probe at %s: training it", directory)
-                checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor=recipe.monitor, mode="max")
-                model, datamodule, metrics, best = fit_probe(
-                    recipe,
-                    [checkpoint],
-                    [],
-                    datamodule=datamodule,
-                    enable_progress_bar=False,
-                    default_root_dir=str(workdir),
-                )
-                save_trained_probe(model, datamodule, metrics, best, directory)
+
+    def whole() -> Path | None:
+        return None if folder_problem(directory) else directory
+
+    def train() -> Path:
+        problem = folder_problem(directory)
+        if (directory / "probe.json").is_file():  # a damaged one (or saved before digests)
+            log.warning("Cached probe %s: %s; training it again.", directory, problem)
+        log.info("No whole cached probe at %s: training it", directory)
+        checkpoint = ModelCheckpoint(dirpath=workdir / "probe_checkpoints", monitor=recipe.monitor, mode="max")
+        model, fitted, metrics, best = fit_probe(
+            recipe, [checkpoint], [], datamodule=datamodule, enable_progress_bar=False, default_root_dir=str(workdir)
+        )
+        save_trained_probe(model, fitted, metrics, best, directory)
+        return directory
+
+    # A whole cached probe is read without a lock; a missing one is trained by one process while another waits.
+    once(directory.parent / f".{directory.name}.lock", f"the probe {directory.name}", whole, train)
     return load_probe(directory), datamodule

@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import Logger
 
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
-from confrag.infra.locks import exclusive
+from confrag.infra.locks import once
 from confrag.infra.run_context import RunContext
 from confrag.reranker.budget import PairBudget
 from confrag.reranker.data import PreferenceDataModule
@@ -129,16 +129,23 @@ def ensure_reranker(
 
     if recipe.fast_dev_run:
         return train()
-    # One process trains it; another one asking at the same time waits, then reads it.
-    with exclusive(directory.parent / f".{directory.name}.lock", f"the reranker {name}"):
-        problem = folder_problem(directory) if marker.is_file() else "is not trained yet"
-        if not problem:
-            log.info("Reranker %s: cached at %s", name, directory)
-            return load_reranker(recipe, directory), json.loads(marker.read_text())
+
+    def cached() -> tuple[RerankerModule, dict[str, Any]] | None:
+        if not marker.is_file() or folder_problem(directory):
+            return None
+        log.info("Reranker %s: cached at %s", name, directory)
+        return load_reranker(recipe, directory), json.loads(marker.read_text())
+
+    def train_again() -> tuple[RerankerModule, dict[str, Any]]:
         if directory.exists():
+            problem = folder_problem(directory) if marker.is_file() else "is not trained yet"
             log.warning("Cached reranker %s: %s; training it again.", directory, problem)
             marker.unlink(missing_ok=True)
         return train()
+
+    # A whole cached reranker is read without a lock (a complete cache may be read-only); a missing one is trained
+    # by one process while another one asking at the same time waits, then reads it.
+    return once(directory.parent / f".{directory.name}.lock", f"the reranker {name}", cached, train_again)
 
 
 @dataclass(frozen=True)
@@ -200,18 +207,28 @@ def _train(
 # A reranker whose scores spread less than this (logits, median over groups) across a group's candidates no
 # longer ranks: every later number made with it would be noise.
 COLLAPSE_SPREAD = 1e-4
+# The collapse check scores at most this many candidates of a group (evenly spaced over its positives, then its
+# negatives): one row of 10,000 negatives had it score every one, minutes of CPU after training, in silence.
+COLLAPSE_PASSAGES = 64
 
 
-def check_not_collapsed(model: RerankerModule, rows: list[dict], name: str, groups: int = 32) -> float:
-    """The median spread (max - min) of the reranker's scores across the candidates of its first `groups`
-    training groups; a reranker under COLLAPSE_SPREAD is refused, naming the settings that usually cause it."""
+def check_not_collapsed(
+    model: RerankerModule, rows: list[dict], name: str, groups: int = 32, passages: int = COLLAPSE_PASSAGES
+) -> float:
+    """The median spread (max - min) of the reranker's scores across at most `passages` candidates of each of its
+    first `groups` training groups (at most groups x passages pairs scored, whatever the rows hold); a reranker
+    under COLLAPSE_SPREAD is refused, naming the settings that usually cause it."""
     sample = [r for r in rows if len(r.get("pos", [])) + len(r.get("neg", [])) >= 2][:groups]
     if not sample:
         return float("nan")
     spreads = []
     for row in sample:
-        passages = [*row["pos"], *row["neg"]]
-        scores = model.score([row["query"]] * len(passages), passages)
+        candidates = [*row["pos"], *row["neg"]]
+        if len(candidates) > passages:
+            candidates = [
+                candidates[i] for i in np.unique(np.linspace(0, len(candidates) - 1, passages).round().astype(int))
+            ]
+        scores = model.score([row["query"]] * len(candidates), candidates)
         spreads.append(float(np.max(scores) - np.min(scores)))
     spread = float(np.median(spreads))
     if not spread >= COLLAPSE_SPREAD:  # also catches NaN scores

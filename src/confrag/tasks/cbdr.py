@@ -28,6 +28,7 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import cbdr_recipe, evaluation_recipe, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
+from confrag.reports.wandb_artifacts import log_table_exports
 from confrag.stages.evaluation import (
     NQ,
     RagEvaluation,
@@ -129,6 +130,8 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -
         report.report_markdown(run, stage, settings, rows1, table2_md, *secondary, results, plots, record, rows2),
     )
     report.log_results(loggers, record["metrics"], rows1, rows2, results, plots)
+    reranker = stage.rerankers.get(settings.reranker)  # Table 2's and CBDR's reranker, linked in W&B
+    log_table_exports(loggers, reranker, settings.reranker, stage.probe.directory, out, str(cfg.llm.name))
     print(f"CBDR report: {out / 'report.md'}\n\n{table2_md}\n\n{results.table3}", flush=True)
     return record["metrics"]
 

@@ -11,6 +11,8 @@ import gc
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
@@ -27,6 +29,7 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.recipes import evaluation_recipe
 from confrag.reports import gates as report
 from confrag.reports.tables import RunHeader
+from confrag.reports.wandb_artifacts import log_table_exports
 from confrag.stages.evaluation import check_row
 from confrag.stages.gate_comparison import GateEvaluation, prepare_gate_evaluation
 from confrag.stages.gate_questions import check_before_any_stage
@@ -60,6 +63,8 @@ class Prepared:
     gates: dict[str, Gate]
     loggers: list[Logger]
     start: float  # time.perf_counter() when the run began
+    reranker: Any  # the module of `gates.reranker`'s row (None for bm25, bi_encoder), linked in W&B
+    probe_directory: Path | None
 
 
 def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Prepared:
@@ -73,7 +78,8 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Prepared:
     stage = rerank_stage(recipe, ctx, loggers, run_config)
     prompted = PromptedLLM(load_llm(recipe.llm), recipe.templates)
     evaluation = prepare_gate_evaluation(stage, checked.evaluation, settings, gates, prompted, checked.answers, ctx)
-    return Prepared(evaluation, gates, loggers, start)
+    reranker = stage.rerankers.get(settings.reranker)
+    return Prepared(evaluation, gates, loggers, start, reranker, stage.probe.directory)
 
 
 def write(cfg: DictConfig, checked: Checked, ctx: RunContext, prepared: Prepared) -> dict[str, float]:
@@ -107,5 +113,6 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, prepared: Prepared
         ),
     )
     report.log_results(loggers, record["metrics"], results.rows, curves, plot)
+    log_table_exports(loggers, prepared.reranker, settings.reranker, prepared.probe_directory, out, str(cfg.llm.name))
     print(f"Gates report: {out / 'gates.md'}\n\n{report.tables_text(results.rows, settings.metric)}", flush=True)
     return record["metrics"]
