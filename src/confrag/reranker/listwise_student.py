@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from confrag.infra import checks
 from confrag.infra.finite import require_finite
+from confrag.infra.fit_progress import FitProgress
 from confrag.reranker.bi_encoder import SCALE
 from confrag.reranker.loss import listwise_kl
 from confrag.reranker.module import build_optimizer
@@ -290,6 +291,7 @@ def fit_listwise(
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
+        callbacks=[FitProgress(f"listwise {settings.student}")],  # its steps, rate and time left in the log
     )
     trainer.fit(student, loader)
     # Drop the trainer (and through it the optimizer's state, twice the model's size): a study trains dozens of
