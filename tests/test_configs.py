@@ -32,7 +32,11 @@ from helpers.wandb_records import logged_artifacts
 
 # Tiny experiments whose task tests already run them end to end and check the same outputs in a module fixture
 # (check_cbdr_outputs, check_gates_outputs): run once there, not again here.
-COVERED_BY_TASK_TESTS = {"cbdr_tiny_llama": "test_cbdr_task.py", "gates_tiny_llama": "test_gates_task.py"}
+COVERED_BY_TASK_TESTS = {
+    "cbdr_tiny_llama": "test_cbdr_task.py",
+    "gates_tiny_llama": "test_gates_task.py",
+    "cbdr_own_questions_tiny_llama": "test_own_questions.py",
+}
 RUNNABLE_HERE = [name for name in EXPERIMENTS if "tiny" in name and name not in COVERED_BY_TASK_TESTS]
 
 

@@ -1,5 +1,6 @@
-"""The notebook runs as a user runs it (`jupyter nbconvert --execute`) on the runs folder it is given, including
-runs with an undefined (null) AUROC and runs written before the reliability diagram."""
+"""The notebook runs as a user runs it (the docs' `jupyter nbconvert --execute` command, from the project's folder) on
+the runs folder it is given, including runs with an undefined (null) AUROC and runs written before the reliability
+diagram."""
 
 from __future__ import annotations
 
@@ -43,19 +44,41 @@ def outputs(notebook: Path) -> str:
     return "\n".join(o.get("text", "") for c in cells if c.cell_type == "code" for o in c.outputs)
 
 
+def documented_command() -> str:
+    """The docs' command that runs the notebook (docs/usage.md, "The notebook"), continuation lines joined."""
+    text = (ROOT / "docs" / "usage.md").read_text()
+    section = text[text.index("**The notebook.**") :]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    return " ".join(block.replace("\\\n", " ").split())
+
+
 @pytest.mark.subprocess
-def test_the_notebook_executes_on_the_runs_folder_it_is_given(tmp_path):
-    runs = tmp_path / "my_runs"
+def test_the_notebook_runs_the_documented_way_on_a_relative_runs_folder(tmp_path):
+    """As the docs run it: from the project's folder, `CONFRAG_RUNS_DIR=logs/probe jupyter nbconvert --execute
+    notebooks/probe_layers.ipynb ...` through a shell. nbconvert starts the kernel in notebooks/, so the relative
+    folder is read from where the command was started (it found 0 runs in notebooks/logs/probe). The runs include
+    an undefined (null) AUROC and a run written before the reliability diagram."""
+    project = tmp_path / "project"  # a checkout's layout: notebooks/ and the runs under logs/probe
+    (project / "notebooks").mkdir(parents=True)
+    (project / "notebooks" / NOTEBOOK.name).write_bytes(NOTEBOOK.read_bytes())
+    runs = project / "logs" / "probe"
     probe_run(runs / "runs" / "2026-01-01_00-00-00", 4, None, calibration=True)  # one-class test split: null
     probe_run(runs / "multiruns" / "2026-01-02_00-00-00" / "0", 2, 0.71, calibration=False)  # an older run
-    env = {**{k: v for k, v in os.environ.items() if k != "MPLBACKEND"}, "CONFRAG_RUNS_DIR": str(runs)}
-    command = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", str(NOTEBOOK)]
-    command += ["--output-dir", str(tmp_path), "--output", "executed.ipynb", "--ExecutePreprocessor.timeout=120"]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    command = documented_command()
+    assert command.startswith("CONFRAG_RUNS_DIR=logs/probe jupyter nbconvert ") and "--output-dir logs/probe" in command
+    # `jupyter` of this interpreter's environment, the rest as written.
+    command = command.replace(" jupyter ", f" {sys.executable} -m jupyter ", 1) + " --ExecutePreprocessor.timeout=120"
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "CONFRAG_RUNS_DIR")}
+    done = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    text = outputs(tmp_path / "executed.ipynb")
+    executed = runs / "probe_layers.ipynb"  # where the documented command writes it
+    text = outputs(executed)
     assert f"2 runs found in {runs}" in text
     assert "test AUROC undefined (one-class test split) or not logged in 1 run(s): ['runs/2026-01-01_00-00-00']" in text
     assert "runs/2026-01-01_00-00-00 layer 4 qa {'acc': '0.750', 'auroc': 'undefined', 'ece': '0.100'}" in text
-    images = [o for c in nbformat.read(tmp_path / "executed.ipynb", as_version=4).cells for o in c.get("outputs", [])]
+    images = [o for c in nbformat.read(executed, as_version=4).cells for o in c.get("outputs", [])]
     assert sum("image/png" in o.get("data", {}) for o in images) == 2  # the layer plot and the reliability diagram
+    # A folder that is not there is refused, naming it and where it was read from (it printed "0 runs found").
+    command = command.replace("CONFRAG_RUNS_DIR=logs/probe", "CONFRAG_RUNS_DIR=logs/probes", 1)
+    done = subprocess.run(command, shell=True, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and f"the runs folder {project / 'logs' / 'probes'} does not exist" in done.stderr

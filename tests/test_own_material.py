@@ -186,6 +186,44 @@ def test_a_trec_run_is_ordered_by_score_its_rank_conflicts_named_and_bad_bytes_p
         read_ranked_lists(run)
 
 
+def test_a_trec_run_deeper_than_retrieval_top_n_is_cut_to_it_and_the_cut_is_logged(tmp_path, caplog):
+    """A run file's lists are cut to `retrieval.top_n`, as a retriever's are (they were used whole: 10 candidates a
+    question under top_n=6, silently); the cut is logged and counted in the stats the reports print."""
+    from confrag.reports.rerank import retrieval_line
+    from confrag.stages.retrieval import RetrievalSettings, build_retrieval, question_candidates
+
+    from helpers.settings import shipped_settings
+
+    corpus_path = flashrag_corpus(tmp_path / "corpus.jsonl")
+    run = tmp_path / "bm25.trec"
+    order = {"q0": ["d1", "d0", "d3", "d2"], "q1": ["d2", "d3"]}
+    run.write_text(
+        "".join(f"{q} Q0 {d} {r + 1} {9.0 - r} bm25\n" for q, ids in order.items() for r, d in enumerate(ids))
+    )
+    settings = shipped_settings(
+        RetrievalSettings,
+        "retrieval",
+        corpus_path=str(corpus_path),
+        corpus_format="flashrag",
+        words_per_passage=None,
+        candidates_path=str(run),
+        bi_encoder=False,
+        top_n=3,
+    )
+    retrieval = build_retrieval(settings, tmp_path / "cache")
+    with caplog.at_level("INFO", logger="confrag.stages.retrieval"):
+        found, stats = question_candidates(retrieval, ROWS, str(run))
+    assert [[p.pid for p in c.passages] for c in found] == [["d1", "d0", "d3"], ["d2", "d3"]]
+    assert [len(c.scores) for c in found] == [3, 2] and [len(c.has_answer) for c in found] == [3, 2]
+    assert stats["file_depth"] == {"top_n": 3, "lists_cut": 1, "file_longest": 4}
+    assert "1 of 2 questions' lists cut to their first 3 candidates (retrieval.top_n; the file gives up to 4)" in (
+        caplog.text
+    )
+    assert "cut to their first 3 (retrieval.top_n) for 1 questions (the file gives up to 4)" in retrieval_line(stats)
+    found, stats = question_candidates(retrieval, ROWS, str(run), top_n=2)  # a stage's own depth (the base's)
+    assert [len(c.passages) for c in found] == [2, 2] and stats["file_depth"]["lists_cut"] == 1
+
+
 # ---------------------------------------------------------------- a prebuilt FAISS index
 
 

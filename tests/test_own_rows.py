@@ -42,6 +42,18 @@ def rows_file(path, rows):
 FAST = ["trainer.max_epochs=1", "data.batch_size=2", "data.group_size=3", "data.passage_max_len=32", "logger=csv"]
 
 
+def test_your_rows_train_in_cpu_sized_batches_with_as_many_groups_a_step_as_the_papers(tmp_path):
+    """300 rows took 25 min and 12.2 GB on a CPU (4 groups of 8 pairs of up to 512 tokens held at once): the
+    experiment holds 2 groups of at most 128 + 256 tokens at once (the peak measured with every pair at that cap:
+    docs/usage.md#your-rows) and accumulates their gradients to the same 4 groups a step as the paper's batches."""
+    rows = compose_cfg(["+experiment=reranker_rows", "preferences.rows_path=my_rows.jsonl"], tmp_path)
+    paper = compose_cfg(["+experiment=reranker_smollm2"], tmp_path)
+    data = rows.data
+    assert data.batch_size * data.group_size * (data.query_max_len + data.passage_max_len) <= 2 * 8 * 384
+    assert data.batch_size * rows.trainer.accumulate_grad_batches == paper.data.batch_size
+    assert data.group_size == paper.data.group_size and rows.model == paper.model
+
+
 @pytest.mark.task
 def test_the_rerank_task_trains_on_your_rows_split_by_query(tmp_path):
     # The same query twice (up to case and punctuation): both rows on one side of the split.

@@ -50,7 +50,8 @@ def test_the_chain_says_which_rules_labels_got_no_reranker():
 
     gold = {"gold": {"gold_in_pos_rate": 0.8, "gold_in_neg_rate": 0.01}, "kept": 9}
     report = {"by_selection": {"sign": gold, "rank": gold}, "rules": {"sign": {}}}
-    stage = SimpleNamespace(preferences=SimpleNamespace(report=report))
+    known = [SimpleNamespace(gold_source="d0")]  # a question whose own paragraph the corpus names
+    stage = SimpleNamespace(preferences=SimpleNamespace(report=report, candidates=known))
     text = chain_markdown(stage, [], {}, [1])
     assert "| labels: rule sign | " in text
     assert "| labels: rule rank (no reranker: not in preferences.compare) | " in text
@@ -75,7 +76,7 @@ def test_the_chain_gives_the_holm_p_and_says_at_which_k_the_own_paragraph_counts
     test = mcnemar_exact([1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0])  # uncorrected p = 0.031
     row = {"id": "base", "dataset": "NQ", "top3": accuracy_ci([1, 0]), "gold_top3": 0.5}
     aligned = {**row, "id": "confidence_ft.sign", "top3_vs_base": test, "top3_p_holm": 0.0625}
-    stage = SimpleNamespace(preferences=SimpleNamespace(report={}))
+    stage = SimpleNamespace(preferences=SimpleNamespace(report={}, candidates=[SimpleNamespace(gold_source="d0")]))
     text = chain_markdown(stage, [row, aligned], {}, [3])
     assert "own ¶ in Top-3 50.0 %, Top-3 " in text and "own ¶ first" not in text  # K = 3 is not "first"
     assert "(Holm p vs base 0.062)" in text and f"{test.pvalue:.3f}" not in text
@@ -119,3 +120,30 @@ def test_an_unknown_gold_paragraph_is_said_unknown_not_zero():
     assert retrieval_line(partial).startswith(
         "the question's gold paragraph is among them for 80 % of the 50 % of questions whose gold document is known"
     )
+
+
+def test_a_corpus_naming_no_questions_paragraph_reads_unknown_in_the_chain_and_table2_without_nan():
+    """With a corpus of your own no question's own paragraph is known: the chain and Table 2 said 0.0 % and
+    `mean rank nan`; they say unknown, and name the question set as the run does (no NQ for a PopQA run)."""
+    from types import SimpleNamespace
+
+    from confrag.rag import accuracy_ci, table2_markdown
+    from confrag.reports.cbdr_chain import chain_markdown
+
+    row = {"id": "base", "dataset": "PopQA", "top1": accuracy_ci([1, 0]), "gold_top1": None}
+    gold = {"gold": {"gold_in_pos_rate": 0.0, "gold_in_neg_rate": 0.0}, "kept": 9}
+    stage = SimpleNamespace(
+        preferences=SimpleNamespace(
+            report={"by_selection": {"rank": gold}}, candidates=[SimpleNamespace(gold_source=None)]
+        )
+    )
+    diagnostics = {"PopQA": {"probe_auroc_on_candidates": None, "candidates": 6, "correct_share": 0.0}}
+    diagnostics["PopQA"] |= {"chance_gold_first": None, "probe_gold_first": None, "probe_gold_mean_rank": None}
+    diagnostics["PopQA"] |= {"questions_with_gold_known": 0, "questions_with_gold_retrieved": 0}
+    diagnostics["PopQA"] |= {"questions_with_a_correct_candidate": 0.0}
+    text = chain_markdown(stage, [row], diagnostics, [1], "PopQA")
+    assert "| link | measured as | PopQA test |" in text and "nan" not in text
+    assert "own ¶ ranked first by Conf(Q + C): unknown" in text and "| labels: rule rank | " in text
+    assert "unknown, 9 |" in text and "own ¶ unknown, Top-1" in text
+    table = table2_markdown([{**row, "llm": "m", "reranker": "base", "n": 2, "top1_p_holm": None}], "base", [1])
+    assert table.splitlines()[2].endswith("| unknown |")

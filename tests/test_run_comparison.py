@@ -27,16 +27,24 @@ def outcome(qid: str, right: bool) -> QuestionOutcome:
     return QuestionOutcome(qid, f"question {qid}?", ("Paris",), closed, {1: RagAnswer(answer=answer, **scored)})
 
 
-def cbdr_run(folder: Path, systems: dict[str, list[bool]]) -> Path:
-    """A run folder as the cbdr task leaves it: metrics.json (its test questions), the resolved config, outcomes."""
+def cbdr_run(folder: Path, systems: dict[str, list[bool]], dataset: str | None = None) -> Path:
+    """A run folder as the cbdr task leaves it: metrics.json (its test questions; the folder of its question set
+    from `dataset` on, none in a run written before), the resolved config, outcomes."""
     folder.mkdir(parents=True)
-    (folder / "metrics.json").write_text(json.dumps({"eval": {"test": QIDS[:10]}}))
+    record = {"test": QIDS[:10], **({"questions": dataset, "outcomes": dataset.lower()} if dataset else {})}
+    (folder / "metrics.json").write_text(json.dumps({"eval": record}))
     config = "seed: 7\neval:\n  expected_discordance: 0.2\nretrieval:\n  corpus_path: corpus.jsonl\n"
     (folder / "config_resolved.yaml").write_text(config)
     for system, right in systems.items():
-        path = folder / "outcomes" / "nq" / f"{system}.jsonl"
+        path = folder / "outcomes" / (dataset or "NQ").lower() / f"{system}.jsonl"
         save_outcomes_jsonl([outcome(q, r) for q, r in zip(QIDS, right)], path)
     return folder
+
+
+def table_rows(out: str) -> list[list[str]]:
+    return [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][
+        1:
+    ]
 
 
 def test_compare_runs_prints_one_table_over_two_runs_paired_with_the_base(tmp_path, capsys):
@@ -44,18 +52,43 @@ def test_compare_runs_prints_one_table_over_two_runs_paired_with_the_base(tmp_pa
     a = cbdr_run(tmp_path / "a", {"base": base, "confidence_ft.sign": [True] * 3 + [False] * 9})
     b = cbdr_run(tmp_path / "b", {"base": base, "confidence_ft.rank": [True] * 9 + [False] * 3})
     main([f"qarag={a}", f"cand={b}"])
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == "nq, Top-1 has_answer, n = 10 test questions; Holm over 2 rows"
-    names = [line.split(" | ")[0].removeprefix("| ") for line in out[3:]]
-    assert names == ["base", "confidence_ft.sign", "cand:confidence_ft.rank"]  # the shared base shown once
-    assert "60.0" in out[3] and "30.0" in out[4] and "90.0" in out[5]
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "nq, Top-1 has_answer, n = 10 test questions; Holm over 2 rows"
+    rows = table_rows(out)
+    # Keyed by run and system; the base both runs share (the same answers) shown once, and said so.
+    assert [r[0] for r in rows] == ["qarag:base", "qarag:confidence_ft.sign", "cand:confidence_ft.rank"]
+    assert "60.0" in rows[0][1] and "30.0" in rows[1][1] and "90.0" in rows[2][1]
+    assert "Shown once (the same answers to every question): cand:base = qarag:base" in out
 
 
-def test_compare_runs_refuses_a_run_that_answers_the_shared_base_differently(tmp_path):
-    a = cbdr_run(tmp_path / "a", {"base": [True] * 12})
-    b = cbdr_run(tmp_path / "b", {"base": [False] * 12})
-    with pytest.raises(SystemExit, match="base: cand answers differently"):
-        main([f"qarag={a}", f"cand={b}"])
+def test_two_settings_of_one_rule_are_two_rows_paired_on_the_same_questions_and_holm_corrected(tmp_path, capsys):
+    """Two cbdr runs differing only in model.tau: the same system id, other answers. Each is its own row (it was one
+    row, or refused as answering differently), each paired with the base on the same questions, Holm across both."""
+    base = [True] * 6 + [False] * 6
+    tau05 = [True] * 10 + [False] * 2  # 4 questions only it gets right (of the 10 test questions: q00-q09)
+    tau1 = [False] * 2 + [True] * 4 + [False] * 6  # 2 questions only the base gets right
+    a = cbdr_run(tmp_path / "a", {"base": base, "confidence_ft.rank": tau05}, dataset="PopQA")
+    b = cbdr_run(tmp_path / "b", {"base": base, "confidence_ft.rank": tau1}, dataset="PopQA")
+    main([f"tau05={a}", f"tau1={b}"])
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "popqa, Top-1 has_answer, n = 10 test questions; Holm over 2 rows"  # its own set
+    rows = {r[0]: r for r in table_rows(out)}
+    assert list(rows) == ["tau05:base", "tau05:confidence_ft.rank", "tau1:confidence_ft.rank"]
+    # Exact McNemar on the same 10 questions: 4 vs 0 discordant (p 0.125), 0 vs 2 (p 0.5); Holm over the two rows:
+    # 2 x 0.125 = 0.25, then max(0.25, 1 x 0.5) = 0.5.
+    assert "+40.0" in rows["tau05:confidence_ft.rank"][2] and " 0.250 " in rows["tau05:confidence_ft.rank"][2]
+    assert "-20.0" in rows["tau1:confidence_ft.rank"][2] and " 0.500 " in rows["tau1:confidence_ft.rank"][2]
+    # The base of another run is named by its label; a label given twice is refused (it keys the rows).
+    main([f"tau05={a}", f"tau1={b}", "--base", "tau1:confidence_ft.rank"])
+    assert "− tau1:confidence_ft.rank" in capsys.readouterr().out
+    main([f"tau05={a}", f"tau1={b}", "--base", "tau1:base"])  # shared: the row it is shown as
+    assert "− tau05:base" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="run labels must differ"):
+        main([f"tau={a}", f"tau={b}"])
+    # A run holding other test questions cannot be paired: refused.
+    c = cbdr_run(tmp_path / "c", {"base": base[:8], "confidence_ft.rank": tau1[:8]}, dataset="PopQA")  # q00-q07
+    with pytest.raises(SystemExit, match="holds 8 of the first run's 10 test questions"):
+        main([f"tau05={a}", f"tau2={c}"])
 
 
 def test_compare_runs_is_a_console_command_of_the_package():

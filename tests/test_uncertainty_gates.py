@@ -308,7 +308,7 @@ def test_the_gates_task_refuses_an_unavailable_signal_before_any_stage_runs(tmp_
         )
     )
     cfg = compose_cfg(["+experiment=gates_tiny_llama", f"dataset.questions_path={path}"], tmp_path)
-    with pytest.raises(ValueError, match=r"none of the \d+ questions has a gold paragraph .*the cbdr task runs"):
+    with pytest.raises(ValueError, match=r"none of its \d+ questions has a gold paragraph .*the cbdr task runs"):
         gates_task.run(cfg, gates_task.check(cfg), run_context(cfg))
 
 

@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from confrag.cbdr.settings import CBDRNode, CBDRSettings, cbdr_settings
+from confrag.data.gold_needs import GoldNeed
 from confrag.infra import checks
 from confrag.infra.distributed import rank_trainer_devices
 from confrag.instantiators import (
@@ -32,6 +33,7 @@ from confrag.probe.datamodule import probe_layer
 from confrag.probe.module import check_probe_settings
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
+from confrag.reranker.confidence_sources import GOLD_SOURCES
 from confrag.reranker.data import PreferenceDataModule
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.settings import PairBatching, RerankerSettings
@@ -228,3 +230,41 @@ def shipped_prompted_llm(llm: str, prompts: str, cache_dir: str, **changes) -> P
     values = llm_node(OmegaConf.merge(node, {"cache_dir": cache_dir, **changes}))
     prompt_node = OmegaConf.load(config_dir() / "prompts" / f"{prompts}.yaml")
     return PromptedLLM(load_llm(values), PromptTemplates(**plain(prompt_node)))
+
+
+# Where a question set without gold paragraphs runs in one command (named after the settings that read them).
+OWN_QUESTIONS = (
+    "+experiment=cbdr_own_questions or reranker_own_questions sets all but the corpus: docs/usage.md, your own "
+    "questions"
+)
+
+
+def gold_paragraph_needs(recipe: RerankRecipe) -> list[GoldNeed]:
+    """Every setting of a rerank recipe that reads the questions' gold paragraphs ("ctxs"), with the overrides that
+    do without (the probe's from its data module, which knows its node): what a question set without any must
+    change, all named at once before any stage (`question_budget.check_recipe_questions`)."""
+    needs = recipe.probe.make_datamodule().gold_paragraph_needs()
+    if not (recipe.retrieval.corpus_path or recipe.retrieval.candidates_path):
+        needs.append(
+            GoldNeed(
+                "dataset.corpus_path=null (the corpus is the questions' gold paragraphs)",
+                "dataset.corpus_path=<your corpus>",
+                "retrieval.candidates_path=<your candidates, texts included>",
+            )
+        )
+    if recipe.base.train and not recipe.base.questions_path:
+        needs.append(
+            GoldNeed(
+                "base_reranker.train=true (its relevance rows: the questions' gold paragraphs as positives)",
+                "base_reranker.train=false",
+                "base_reranker.questions_path=<a question file with gold paragraphs, none of its questions here>",
+            )
+        )
+    if recipe.preferences.confidence in GOLD_SOURCES:
+        needs.append(
+            GoldNeed(
+                f"preferences.confidence={recipe.preferences.confidence} (Conf 1 on the question's own paragraph)",
+                "preferences.confidence=probe",
+            )
+        )
+    return needs

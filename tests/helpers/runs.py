@@ -74,13 +74,14 @@ def check_rerank_outputs(out: Path) -> None:
     assert "configs:" in (out / "nq_rerank_dataset" / "README.md").read_text()
 
 
-def check_cbdr_outputs(out: Path) -> None:
-    """report.md with Tables 1-3, the β curve it shows, the chosen β and the config; per-question outcomes."""
+def check_cbdr_outputs(out: Path, questions: str = "NQ") -> None:
+    """report.md with Tables 1-3, the β curve it shows, the chosen β and the config; per-question outcomes in
+    `outcomes/<questions, lower case>/`. `questions`: the name the tables give the question set."""
     report = (out / "report.md").read_text()
     for heading in ("## Table 1", "## Table 2", "## Table 3", "## β chosen on dev", "## Config"):
         assert heading in report
-    assert "| Reranker | P@1 |" in report and "| LLM | Reranker | NQ Top-1 |" in report
-    assert "| Reranker | NQ Top-1 | NQ Top-3 | β | RR (%) ↓ |" in report
+    assert "| Reranker | P@1 |" in report and f"| LLM | Reranker | {questions} Top-1 |" in report
+    assert f"| Reranker | {questions} Top-1 | {questions} Top-3 | β | RR (%) ↓ |" in report
     for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report):
         assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "beta_curve_full.png" in report
@@ -88,7 +89,7 @@ def check_cbdr_outputs(out: Path) -> None:
     assert {"table1", "table2", "table3", "sweep", "chosen_beta", "flips", "answers"} <= set(record)
     assert set(record["stages"]) == {"stage", "answers"}  # wall seconds and peak GPU memory of each
     assert all(s["seconds"] > 0 and set(s) >= {"peak_gpu_memory_gib"} for s in record["stages"].values())
-    assert sorted((out / "outcomes" / "nq").glob("*.jsonl"))
+    assert sorted((out / "outcomes" / questions.lower()).glob("*.jsonl"))
 
 
 def run_ctx(tmp_path: Path, seed: int = 0, progress: bool = False, rank: int = 0, world_size: int = 1):

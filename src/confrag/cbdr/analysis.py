@@ -34,7 +34,11 @@ class CBDRResults:
     confidence: dict[str, list[float]]  # split -> Conf(H(Q)) min, median, max
 
 
-def cbdr_results(settings: CBDRSettings, dev: SweepData, test: SweepData, base_test: SweepData) -> CBDRResults:
+def cbdr_results(
+    settings: CBDRSettings, dev: SweepData, test: SweepData, base_test: SweepData, questions: str = "NQ"
+) -> CBDRResults:
+    """The β sweep over the test questions, β chosen on dev, Table 3 (its columns named by `questions`, the
+    question set's name) and the flips."""
     betas, quantiles = with_conf_quantiles(settings.betas, dev.confidence, settings.conf_quantiles)
     grid = sweep(test, betas)
     chosen = report_beta(dev, test, settings.k, settings.objective, settings.budget, betas)
@@ -66,5 +70,5 @@ def cbdr_results(settings: CBDRSettings, dev: SweepData, test: SweepData, base_t
         split: [float(np.min(d.confidence)), float(np.median(d.confidence)), float(np.max(d.confidence))]
         for split, d in (("dev", dev), ("test", test))
     }
-    table3 = table3_markdown([(name, data, beta) for _, name, data, beta in entries], settings.ks)
+    table3 = table3_markdown([(name, data, beta) for _, name, data, beta in entries], settings.ks, questions)
     return CBDRResults(grid, chosen, at_beta, table3, rows, flips, quantiles, confidence)

@@ -24,7 +24,7 @@ import numpy as np
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader
 
-from confrag.data.jsonl import DataFormatError
+from confrag.data.gold_needs import GoldNeed, refuse_without_gold
 from confrag.data.nq import QUESTION_FORMAT_CHOICES, load_questions_jsonl
 from confrag.data.splits import check_disjoint, held_out, select_questions
 from confrag.infra import checks
@@ -167,29 +167,35 @@ class NQConfidenceDataModule(LightningDataModule):
     def extracted_layers(self, num_layers: int) -> list[int]:
         return extracted_layers(self.extraction.layers, num_layers, self.layer, f"{self.config_node}.extraction.layers")
 
-    def check_gold_paragraphs(self, rows) -> None:
-        """The ranking sets (own paragraph first) and the gold / other-paragraph RAG states read each question's
-        gold paragraph; a question set without any (FlashRAG's format has none) is refused here, naming the
-        settings that do without, not after the LLM has answered every question."""
-        if any(r.contexts for r in rows):
-            return
+    def gold_paragraph_needs(self) -> list[GoldNeed]:
+        """The settings of this data module that read each question's gold paragraph, each with the value that
+        does without: the ranking sets (own paragraph first), the gold / other-paragraph RAG states and the
+        retrieved candidates' states (retrieved from the gold paragraphs). Empty: it runs on any question set."""
         needs, node = [], self.config_node
         monitor = "callbacks.model_checkpoint.monitor" if node == "data" else f"{node.rsplit('.', 1)[0]}.monitor"
         if self.ranking_options.top_n:
             needs.append(
-                f"{node}.ranking.top_n={self.ranking_options.top_n} (the dev questions' own paragraphs ranked to "
-                f"choose the checkpoint): set {node}.ranking.top_n=null {monitor}=val/auroc (the checkpoint chosen by "
-                "dev AUROC)"
+                GoldNeed(
+                    f"{node}.ranking.top_n={self.ranking_options.top_n} (the dev questions' own paragraphs ranked "
+                    "to choose the checkpoint)",
+                    f"{node}.ranking.top_n=null {monitor}=val/auroc",
+                )
             )
-        if set(kinds_of(self.train_states, 0)) & {"rag_gold", "rag_other"}:
+        if set(kinds_of(self.train_states, 0)) & {"rag_gold", "rag_other"} or uses_candidates(self.train_states):
             needs.append(
-                f"{node}.train_states={self.train_states} (gold-paragraph RAG states): set {node}.train_states=qa"
+                GoldNeed(
+                    f"{node}.train_states={self.train_states} (gold-paragraph RAG states, or candidates retrieved "
+                    "from the gold paragraphs)",
+                    f"{node}.train_states=qa",
+                )
             )
-        if needs:
-            raise DataFormatError(
-                f'{self.questions_path}: none of its {len(rows)} questions has a gold paragraph ("ctxs"), which '
-                + "; and ".join(needs)
-            )
+        return needs
+
+    def check_gold_paragraphs(self, rows) -> None:
+        """A question set without any gold paragraph (FlashRAG's format has none) is refused here when the
+        settings read them (`gold_paragraph_needs`), naming the settings that do without, not after the LLM has
+        answered every question."""
+        refuse_without_gold(str(self.questions_path), rows, self.gold_paragraph_needs())
 
     def build(self, llm=None) -> ConfidenceData:
         """Build NQ_Confidence (cached); loads the LLM unless one is given."""

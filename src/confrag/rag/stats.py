@@ -318,8 +318,9 @@ def table2_markdown(
                 "base" if reranker == base_reranker else " / ".join("—" if p is None else f"{p:.3f}" for p in held)
             )
             line.append(difference_cell(row, ks[0]))
-            if gold[d]:
-                line.append(" / ".join(f"{100 * row[f'gold_top{k}']:.1f}" for k in ks))
+            if gold[d]:  # None: the question's own paragraph is not known (a corpus of your own)
+                shares = [row.get(f"gold_top{k}") for k in ks]
+                line.append("unknown" if None in shares else " / ".join(f"{100 * v:.1f}" for v in shares))
         lines.append("| " + " | ".join(line) + " |")
     notes = ", ".join(f"{d}: n = {'/'.join(map(str, sizes[d]))}" for d in datasets)
     lines.append("")

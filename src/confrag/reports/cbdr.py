@@ -21,7 +21,7 @@ from confrag.reports.rerank import base_line, lengths_line, retrieval_line
 from confrag.reports.small_samples import SMALL_N, interval_fields, proportion_text, small_mark
 from confrag.reports.tables import RunHeader, log_rows, markdown_table, plain, wandb_loggers
 from confrag.reranker.systems import label
-from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation
+from confrag.stages.evaluation import HOTPOTQA, NQ, RagEvaluation, slug
 from confrag.stages.rerank import RerankStage
 
 CURVE_RANGE = (0.90, 1.00)  # the papers' Figure 8
@@ -81,6 +81,9 @@ def run_record(
         "eval": {
             "dev": [r.qid for r in evaluation.splits["dev"]],
             "test": [r.qid for r in evaluation.splits["test"]],
+            # The main question set's name in the tables, and the folder of its outcomes (confrag-compare-runs).
+            "questions": evaluation.main,
+            "outcomes": slug(evaluation.main),
             "retrieval": {s.dataset: s.retrieval for s in evaluation.sets},
             "capped": {d: {n: r.capped for n, r in by.items()} for d, by in evaluation.runs.items()},
             "hotpotqa_questions": sum(len(s.rows) for s in evaluation.sets if s.dataset == HOTPOTQA),
@@ -134,11 +137,11 @@ def share(value: float, n: int, metric: str) -> str:
 
 
 def dev_accuracy(evaluation: RagEvaluation, settings: CBDRSettings) -> dict[str, dict[str, float]]:
-    """Every NQ row's accuracy (eval.metric) per K on the dev questions, by system id (diagnostic rows are
+    """Every row's accuracy (eval.metric) per K on the main set's dev questions, by system id (diagnostic rows are
     test-only)."""
     dev = {r.qid for r in evaluation.splits["dev"]}
     out = {}
-    for name, run in evaluation.runs[NQ].items():
+    for name, run in evaluation.runs[evaluation.main].items():
         outcomes = [o for o in run.outcomes if o.qid in dev]
         if outcomes:
             out[name] = {
@@ -182,7 +185,7 @@ def report_markdown(
     rows2: list[dict],
 ) -> str:
     chosen, ev = results.chosen, record["eval"]
-    chain = chain_markdown(stage, rows2, record.get("diagnostics", {}), settings.ks)
+    chain = chain_markdown(stage, rows2, record.get("diagnostics", {}), settings.ks, run.questions)
     n_pref = len(stage.table1_rows)
     n_dev, n_test, metric = len(ev["dev"]), chosen["test/n"], settings.metric  # rates are proportions whatever it is
     capped = {
@@ -203,7 +206,7 @@ def report_markdown(
         f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} {run.questions} questions "
         f"{evaluation_pool_line(stage, run.eval_file)}: "
         f"dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by "
-        f"{run.retriever} over {run.candidates_source}; {retrieval_line(ev['retrieval'][NQ])}.",
+        f"{run.retriever} over {run.candidates_source}; {retrieval_line(ev['retrieval'][run.questions])}.",
         *(
             [
                 f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "
@@ -213,7 +216,7 @@ def report_markdown(
             if HOTPOTQA in ev["retrieval"]
             else []
         ),
-        *(f"Evaluation candidates, {line.strip()}." for line in [lengths_line(ev["retrieval"][NQ])] if line),
+        *(f"Evaluation candidates, {line.strip()}." for line in [lengths_line(ev["retrieval"][run.questions])] if line),
         f"K larger than a question's candidates is capped to what it has: {capped or 'no question concerned'}.",
         "",
         stage_line(stage),
@@ -238,7 +241,7 @@ def report_markdown(
         "",
         "## From probe to answer",
         "",
-        chain_intro(record.get("diagnostics", {})),
+        chain_intro(record.get("diagnostics", {}), run.questions),
         "",
         chain,
         "",

@@ -23,7 +23,8 @@ def table2(
     gold_of: dict[str, dict[str, str | None]] | None = None,
 ) -> tuple[list[dict], str]:
     """Table 2's rows (and Markdown) from outcomes by system id; with `gold_of` (dataset -> qid -> source id of
-    the question's own paragraph) each row also says how often that paragraph is among the Top-K contexts."""
+    the question's own paragraph) each row also says how often that paragraph is among the Top-K contexts (None,
+    "unknown" in the table, where no question's own paragraph is known: a corpus of your own)."""
     keyed = {
         (llm_name, reranker, dataset): outcomes
         for dataset, by_reranker in runs.items()
@@ -42,7 +43,8 @@ def table2(
         sources = (gold_of or {}).get(row["dataset"])
         if sources:
             outcomes = runs[row["dataset"]][row["reranker"]]
-            row.update({f"gold_top{k}": gold_in_contexts(outcomes, k, sources) for k in settings.ks})
+            known = any(source is not None for source in sources.values())
+            row.update({f"gold_top{k}": gold_in_contexts(outcomes, k, sources) if known else None for k in settings.ks})
     rows = [labelled(row, "reranker") for row in rows]  # the label in `reranker`, the id in `id`
     return rows, table2_markdown(rows, label(settings.base), settings.ks)
 

@@ -60,12 +60,22 @@ def retrieval_line(stats: dict[str, Any]) -> str:
         )
     else:
         gold = f"the question's gold paragraph is among them for {100 * stats['gold_retrieved']:.0f} % of questions, "
-    return (gold + f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %") + (
-        f" (the evaluation file's paragraphs joined the corpus: {joined['with_paragraph']} of its "
-        f"{joined['questions']} questions have one, {joined['documents_added']} documents added, the rest already "
-        "there)"
-        if joined
-        else ""
+    depth = stats.get("file_depth")  # a candidates file's lists, cut to retrieval.top_n (stages.retrieval)
+    return (
+        (gold + f"a gold answer string for {100 * stats['answer_in_candidates']:.0f} %")
+        + (
+            f" (the evaluation file's paragraphs joined the corpus: {joined['with_paragraph']} of its "
+            f"{joined['questions']} questions have one, {joined['documents_added']} documents added, the rest already "
+            "there)"
+            if joined
+            else ""
+        )
+        + (
+            f"; the candidates file's lists cut to their first {depth['top_n']} (retrieval.top_n) for "
+            f"{depth['lists_cut']} questions (the file gives up to {depth['file_longest']})"
+            if depth and depth["lists_cut"]
+            else ""
+        )
     )
 
 

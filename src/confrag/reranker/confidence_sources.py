@@ -57,3 +57,5 @@ SOURCES: dict[str, Callable[[Sequence[Candidates], ConfidenceInputs], Confidence
     "probe": probe_shifts,
     "relevance": relevance_shifts,
 }
+# The sources that read each question's own (gold) paragraph: a question set without any cannot use them.
+GOLD_SOURCES = frozenset({"relevance"})

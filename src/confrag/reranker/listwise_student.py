@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from confrag.infra import checks
+from confrag.infra.fit_progress import FitProgress
 from confrag.reranker.bi_encoder import SCALE
 from confrag.reranker.listwise_data import ListTarget, ListwiseData, list_batch, padded_in_list, padded_targets
 from confrag.reranker.loss import listwise_kl
@@ -287,6 +288,7 @@ def fit_listwise(
         enable_model_summary=False,
         deterministic=True,
         precision=settings.precision,
+        callbacks=[FitProgress(f"listwise {settings.student}")],  # its steps, rate and time left in the log
     )
     try:
         trainer.fit(student, loader)

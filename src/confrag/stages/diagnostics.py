@@ -79,6 +79,8 @@ class CandidateDiagnostics:
             if self.correct
             else 0.0,
             "probe_auroc_on_candidates": auroc,
+            # Questions whose own paragraph the corpus names at all (none: a corpus of your own; the rest unknown).
+            "questions_with_gold_known": sum(c.gold_source is not None for c in self.candidates),
             "questions_with_gold_retrieved": len(gold_rank),
             "probe_gold_first": float(np.mean([r == 1 for r in gold_rank])) if gold_rank else None,
             "probe_gold_mean_rank": float(np.mean(gold_rank)) if gold_rank else None,

@@ -54,6 +54,7 @@ from confrag.stages.retrieval import (
 
 log = logging.getLogger(__name__)
 
+# The main question set's name when none is given (the shared NQ sample), and HotpotQA's (Table 2 beside it).
 NQ, HOTPOTQA = "NQ", "HotpotQA"
 
 
@@ -226,45 +227,45 @@ def confidence_gate(
 class RagEvaluation:
     """Everything generated for the evaluation questions (the only part of the cbdr task that runs the LLM)."""
 
-    splits: dict[str, list[QARow]]  # NQ dev / test
+    splits: dict[str, list[QARow]]  # the main set's dev / test
     sets: list[EvalSet]
     runs: dict[str, dict[str, RagRun]]  # dataset -> system id -> outcomes (diagnostic rows: test questions only)
     answers: dict[str, int]  # AnswerStore counts: generated, reused
     gate_check: dict[str, Any]
     diagnostics: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # dataset -> summary
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall time by part of the run
-    # How the tables name each set (`tables`, `gold_sources`): the main set's key is NQ whatever the questions are;
-    # the task names it by its dataset or file (`instantiators.question_set_label`).
-    names: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def name(self, dataset: str) -> str:
-        return self.names.get(dataset, dataset)
+    # The main question set's name (`evaluate(questions=...)`: its dataset's label or the evaluation file's name),
+    # the key of its runs and the name every table, plot, log line and outcome folder gives it.
+    main: str = NQ
 
     def gold_sources(self) -> dict[str, dict[str, str | None]]:
         """dataset -> qid -> the source id of the question's own (gold) paragraph in its corpus."""
-        return {self.name(s.dataset): {c.qid: c.gold_source for c in s.candidates} for s in self.sets}
+        return {s.dataset: {c.qid: c.gold_source for c in s.candidates} for s in self.sets}
 
     def tables(self) -> dict[str, dict[str, list[QuestionOutcome]]]:
-        """Table 2's outcomes: NQ test; HotpotQA (Table 2 only) all its sampled questions."""
-        main = {name: only(r.outcomes, self.splits["test"]) for name, r in self.runs[NQ].items()}
-        tables = {self.name(NQ): main}
+        """Table 2's outcomes: the main set's test questions; HotpotQA (Table 2 only) all its sampled questions."""
+        main = {name: only(r.outcomes, self.splits["test"]) for name, r in self.runs[self.main].items()}
+        tables = {self.main: main}
         tables.update(
-            {self.name(d): {name: r.outcomes for name, r in by.items()} for d, by in self.runs.items() if d != NQ}
+            {d: {name: r.outcomes for name, r in by.items()} for d, by in self.runs.items() if d != self.main}
         )
         return tables
 
     def sweep_data(self, settings: CBDRSettings) -> tuple[SweepData, SweepData, SweepData]:
         """CBDR's reranker on dev and test, and the base reranker on test."""
-        ours = self.runs[NQ][settings.reranker].outcomes
+        ours = self.runs[self.main][settings.reranker].outcomes
         dev, test = (
             SweepData.from_outcomes(only(ours, self.splits[s]), settings.metric, settings.ks) for s in ("dev", "test")
         )
         base = SweepData.from_outcomes(
-            only(self.runs[NQ][settings.base].outcomes, self.splits["test"]), settings.metric, settings.ks
+            only(self.runs[self.main][settings.base].outcomes, self.splits["test"]), settings.metric, settings.ks
         )
         return dev, test, base
 
 
+# wide: the settings nodes it reads (cbdr, eval, rag), the LLM node with its templates (apart until the LLM loads),
+# the rerankers' batch size, the run's context and the question set's name (the run's dataset label or evaluation
+# file, which no settings node holds) are independent; an object holding them would be built for this one call.
 def evaluate(
     stage: RerankStage,
     settings: CBDRSettings,
@@ -274,16 +275,18 @@ def evaluate(
     templates: PromptTemplates,
     eval_batch_size: int,
     ctx: RunContext,
+    questions: str = NQ,
 ) -> RagEvaluation:
     """Held-out questions (sampled and split with the run's seed) → candidates → Conf(H(Q)) → answers under
     every reranker and K (cached per prompt in the run's cache), saved as outcomes in the run folder; then the
-    live gate on a few test questions."""
+    live gate on a few test questions. `questions`: the question set's name in every table, log line and folder
+    (`outcomes/<its slug>/`: `nq` for NQ, as before)."""
     eval_rows = evaluation_rows(stage, evaluation.num_questions, ctx.seed, evaluation.questions_path)
     splits = split_dev_test(eval_rows, float(evaluation.dev_fraction), ctx.seed)
     candidates, stats = question_candidates(stage.retrieval, eval_rows, stage.retrieval.settings.candidates_path)
     if stage.retrieval.joined:  # the evaluation file's paragraphs in the corpus (the report says how many)
         stats["eval_file"] = dict(stage.retrieval.joined)
-    sets = [EvalSet(NQ, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
+    sets = [EvalSet(questions, eval_rows, candidates, chosen_scorers(settings, stage.scorers), stats)]
     material = hotpotqa_material(evaluation, answers, llm_config, templates, stage.retrieval.settings, ctx.seed)
     hotpot = hotpotqa_eval_set(material, stage, settings, eval_batch_size, ctx)
     sets += [hotpot] if hotpot else []
@@ -299,13 +302,15 @@ def evaluate(
             progress=ctx.progress,
         )
         confidences = {row.qid: float(c) for row, c in zip(eval_rows, confidence)}
-        runs = {s.dataset: answer_set(s, store, settings.ks, confidences if s.dataset == NQ else None) for s in sets}
+        runs = {
+            s.dataset: answer_set(s, store, settings.ks, confidences if s.dataset == questions else None) for s in sets
+        }
         summaries = {}
         if evaluation.diagnostics:
             test = {r.qid for r in splits["test"]}
             for s in sets:
-                rows = [r for r in s.rows if s.dataset != NQ or r.qid in test]
-                chosen = [c for c in s.candidates if s.dataset != NQ or c.qid in test]
+                rows = [r for r in s.rows if s.dataset != questions or r.qid in test]
+                chosen = [c for c in s.candidates if s.dataset != questions or c.qid in test]
                 diagnostics = candidate_diagnostics(
                     prompted, stage.probe, chosen, store, answers.extract_batch_size, ctx,
                     within=stage.preferences.candidates,
@@ -313,7 +318,7 @@ def evaluate(
                 summaries[s.dataset] = diagnostics.summary()
                 for name, scorer in diagnostics.scorers().items():
                     runs[s.dataset][name] = run_rag(
-                        rows, chosen, store, settings.ks, scorer, confidences if s.dataset == NQ else None
+                        rows, chosen, store, settings.ks, scorer, confidences if s.dataset == questions else None
                     )
         log.info("answers: %d generated, %d from the cache", store.generated, store.reused)
         counts = {"generated": store.generated, "reused": store.reused}
@@ -321,7 +326,7 @@ def evaluate(
             gate_check(
                 confidence_gate(stage, settings, prompted),
                 splits["test"][: settings.gate_check_questions],
-                runs[NQ][settings.reranker].outcomes,
+                runs[questions][settings.reranker].outcomes,
                 settings.k,
             )
             if settings.gate_check_questions
@@ -331,11 +336,12 @@ def evaluate(
         del prompted
         gc.collect()
     ctx.on_main(save_outcomes, runs, ctx.output_dir / "outcomes")
-    return RagEvaluation(splits, sets, runs, counts, check, summaries)
+    return RagEvaluation(splits, sets, runs, counts, check, summaries, main=questions)
 
 
 def save_outcomes(runs: dict[str, dict[str, RagRun]], folder: Path) -> None:
-    """Every question's outcomes as `folder/<dataset>/<system id>.jsonl` (e.g. `nq/confidence_ft.sign.jsonl`)."""
+    """Every question's outcomes as `folder/<dataset's slug>/<system id>.jsonl` (e.g. `nq/confidence_ft.sign.jsonl`,
+    `popqa/base.jsonl`)."""
     for dataset, by_reranker in runs.items():
         for name, rag_run in by_reranker.items():
             save_outcomes_jsonl(rag_run.outcomes, folder / slug(dataset) / f"{name}.jsonl")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from confrag.data.conflicts import ConflictExample, build_conflicts
+from confrag.data.gold_needs import refuse_without_gold
 from confrag.data.nq import QARow, load_questions_jsonl
 from confrag.data.splits import split_dev_test
 from confrag.gates.base import Gate
@@ -39,15 +40,17 @@ class QuestionSets:
     report: dict[str, Any]
 
 
+# Why the gates task refuses a question set without gold paragraphs, whatever its settings (the task's check).
+WITHOUT_GOLD = (
+    'the gates task edits into its conflicting contexts, so it needs a question set in the confrag format with "ctxs" '
+    "(the cbdr task runs without them)"
+)
+
+
 def require_gold_paragraphs(rows: Sequence[QARow], where: str) -> None:
     """The conflicting contexts are edited copies of the questions' gold paragraphs: a question set without any
     (FlashRAG's format has none) cannot be compared on them, however many questions it has."""
-    if not any(r.contexts for r in rows):
-        raise ValueError(
-            f'{where}: none of the {len(rows)} questions has a gold paragraph ("ctxs"); the gates task edits '
-            'them into its conflicting contexts, so it needs a question set in the confrag format with "ctxs" '
-            "(the cbdr task runs without them)"
-        )
+    refuse_without_gold(where, rows, [WITHOUT_GOLD])
 
 
 def check_before_any_stage(gates: dict[str, Gate], llm_cfg: Any, probe_data: Any) -> None:
@@ -62,7 +65,7 @@ def check_before_any_stage(gates: dict[str, Gate], llm_cfg: Any, probe_data: Any
 def question_sets(rows: Sequence[QARow], dev_fraction: float, seed: int) -> QuestionSets:
     """The cbdr task's evaluation questions: its dev split trains the gates, its test split (where a
     conflicting version exists) evaluates them."""
-    require_gold_paragraphs(rows, "the evaluation questions")
+    require_gold_paragraphs(rows, "the evaluation question set")
     parts = split_dev_test(rows, dev_fraction, seed)
     # Substitutes are drawn from every evaluation question (a larger pool of same-kind answers).
     conflict_set = build_conflicts(rows, seed)

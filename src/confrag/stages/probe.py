@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from confrag.infra.digests import fingerprint, folder_problem
+from confrag.infra.fit_progress import FitProgress
 from confrag.infra.locks import once
 from confrag.infra.run_context import RunContext
 from confrag.probe.datamodule import NQConfidenceDataModule
@@ -119,7 +120,8 @@ def fit_probe(
     model.set_standardization(*datamodule.feature_stats())
     model.set_class_weights([e.label for e in datamodule.data.examples["train"]])
     model.run_config = run_config
-    callbacks = [*callbacks, *ranking_callbacks(datamodule, recipe.monitor)]
+    # Progress in train.log (Lightning's bar writes nothing there), beside the caller's and the ranking callbacks.
+    callbacks = [*callbacks, *ranking_callbacks(datamodule, recipe.monitor), FitProgress("probe")]
     trainer = recipe.make_trainer(callbacks=callbacks, logger=loggers or False, **trainer_settings)
     for logger in loggers:
         logger.log_hyperparams({**(run_config or {}), "nq_confidence": summary})

@@ -5,7 +5,10 @@ then NQ_Rerank's, then the base reranker's; what is left is the evaluation's. A 
 used to fail inside a stage after the LLM had loaded ("2 of its 2 questions are used before ..."); here the
 budget is computed first (what the file holds, what each stage takes, what is left, what to lower) and refused
 whole. The same plan then checks the evaluation file (`eval.questions_path`) against every training pool, naming the
-file, the line and the question: the evaluation stage checked it only after the probe and the rerankers.
+file, the line and the question: the evaluation stage checked it only after the probe and the rerankers. A question
+file without any gold paragraph (FlashRAG's `{id, question, golden_answers}`) is refused here, once, with every
+setting of the run that reads gold paragraphs and the override that does without (`recipes.gold_paragraph_needs`):
+each stage used to refuse its own, one run at a time.
 
 The plan is drawn as the stages draw it (same rows, seeds and order), from the questions as written: the stages
 fit an overlong question to the LLM's context, which may cut its text but keeps its qid, and so its place.
@@ -18,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from confrag.data.gold_needs import GoldNeed, refuse_without_gold
 from confrag.data.nq import QARow, load_questions_jsonl
 from confrag.data.records import read_records
 from confrag.data.splits import (
@@ -139,10 +143,18 @@ def question_budget(
     return QuestionBudget(probe.questions_path, holds, n_probe, n_pref, n_base, left, n_eval, dev, tuple(problems))
 
 
-def check_recipe_questions(recipe: RerankRecipe, evaluation: EvalSettings | None, seed: int) -> QuestionPlan:
-    """`check_question_plan` for a task's rerank recipe (and its `eval` settings): what the tasks call in `check`."""
+def check_recipe_questions(
+    recipe: RerankRecipe,
+    evaluation: EvalSettings | None,
+    seed: int,
+    gold_needs: Sequence[GoldNeed | str] = (),
+    advice: str = "",
+) -> QuestionPlan:
+    """`check_question_plan` for a task's rerank recipe (and its `eval` settings): what the tasks call in `check`.
+    `gold_needs`: the task's settings that read gold paragraphs (`recipes.gold_paragraph_needs`), or why the task
+    itself needs them (the gates task's conflicting contexts), with `advice` after them."""
     probe = ProbeQuestions.of(recipe.probe.make_datamodule())
-    return check_question_plan(probe, recipe.preferences, recipe.base, evaluation, seed)
+    return check_question_plan(probe, recipe.preferences, recipe.base, evaluation, seed, gold_needs, advice)
 
 
 def check_question_plan(
@@ -151,10 +163,14 @@ def check_question_plan(
     base: BaseRerankerSettings,
     evaluation: EvalSettings | None,
     seed: int,
+    gold_needs: Sequence[GoldNeed | str] = (),
+    advice: str = "",
 ) -> QuestionPlan:
     """The budget (refused whole, with every count, when a stage would run short) and the plan the stages will
-    draw; with `eval.questions_path`, that file checked against every training pool of the plan."""
+    draw; with `eval.questions_path`, that file checked against every training pool of the plan. A file without
+    any gold paragraph is refused first when `gold_needs` (what reads them) is not empty, all at once."""
     rows = load_questions_jsonl(probe.questions_path, questions_format=probe.questions_format)
+    refuse_without_gold(probe.questions_path, rows, gold_needs, advice)
     budget = question_budget(probe, preferences, base, evaluation, rows)
     if budget.problems:
         raise ValueError(f"Too few questions: {budget.table()}. " + "; ".join(budget.problems))

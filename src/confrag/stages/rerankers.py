@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import Logger
 
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
+from confrag.infra.fit_progress import FitProgress
 from confrag.infra.locks import once
 from confrag.infra.run_context import RunContext
 from confrag.reranker.budget import PairBudget
@@ -180,7 +181,7 @@ def _train(
     trainer = recipe.make_trainer(
         logger=training.loggers or False,
         default_root_dir=str(output_dir / name),
-        extra_callbacks=[selection] if selection else [],
+        extra_callbacks=[*([selection] if selection else []), FitProgress(f"reranker {name}")],  # train.log progress
         **(trainer_settings or {}),
     )
     trainer.fit(model, datamodule=datamodule)

@@ -10,6 +10,7 @@ looked up under another file's question.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -275,8 +276,10 @@ def question_candidates(
     retrieval: Retrieval, rows: Sequence[QARow], candidates_path: str | None = None, top_n: int | None = None
 ) -> tuple[list[Candidates], dict[str, Any]]:
     """Top-N candidates per question (N = `retrieval.top_n` unless `top_n` says otherwise): retrieved, or
-    read from `candidates_path` (a prebuilt list)."""
+    read from `candidates_path` (a prebuilt list, cut to its first N as a retriever's would be: a TREC run or
+    FlashRAG file may hold deeper lists; the cut is logged and counted in the stats, `file_depth`)."""
     source = f"retrieval.candidates_path={candidates_path}"
+    depth = int(top_n or retrieval.settings.top_n)
     if candidates_path and retrieval.settings.candidates_kind not in (None, "confrag"):  # ranked ids of the corpus
         lists = read_ranked_lists(candidates_path, retrieval.settings.candidates_format)
         found = ranked_candidates(rows, lists, retrieval.corpus, source)
@@ -285,9 +288,10 @@ def question_candidates(
         if retrieval.llm_budget is not None:  # their texts are the file's, not the checked corpus's
             found = [fitted_candidates(c, retrieval.llm_budget, source, retrieval.settings.cut_passages) for c in found]
     else:
-        found = retrieve_candidates(
-            rows, retrieval.corpus, retrieval.retriever, top_n=int(top_n or retrieval.settings.top_n)
-        )
+        found = retrieve_candidates(rows, retrieval.corpus, retrieval.retriever, top_n=depth)
+    depth_stats = None
+    if candidates_path:
+        found, depth_stats = cut_to_depth(found, depth, source)
     cleaned, removed = zip(*(without_duplicates(c) for c in found)) if found else ((), ())
     empty = [c.qid for c in cleaned if not c.passages]
     if empty:
@@ -300,6 +304,8 @@ def question_candidates(
         "gold_known": float(np.mean([c.gold_source is not None for c in cleaned])),
         "answer_in_candidates": float(np.mean([any(c.has_answer) for c in cleaned])),
     }
+    if depth_stats is not None:
+        stats["file_depth"] = depth_stats
     lengths = dict(retrieval.lengths or {})
     if retrieval.encoder_lengths is not None:  # what the corpus loses to the encoder's cut
         lengths["dense_encoder"] = dict(retrieval.encoder_lengths)
@@ -308,6 +314,27 @@ def question_candidates(
     if lengths:
         stats["passage_lengths"] = lengths
     return list(cleaned), stats
+
+
+def cut_to_depth(found: Sequence[Candidates], depth: int, source: str) -> tuple[list[Candidates], dict[str, int]]:
+    """A candidates file's lists cut to their first `depth` passages (`retrieval.top_n`), as a retriever returns
+    them; how many were cut, and the depth the file gave, logged and returned."""
+    longest = max((len(c.passages) for c in found), default=0)
+    cut = [c for c in found if len(c.passages) > depth]
+    if cut:
+        log.info(
+            "%s: %d of %d questions' lists cut to their first %d candidates (retrieval.top_n; the file gives up to %d)",
+            source,
+            len(cut),
+            len(found),
+            depth,
+            longest,
+        )
+    shortened = [
+        dataclasses.replace(c, passages=c.passages[:depth], scores=c.scores[:depth], has_answer=c.has_answer[:depth])
+        for c in found
+    ]
+    return shortened, {"top_n": depth, "lists_cut": len(cut), "file_longest": longest}
 
 
 def fitted_candidates(candidates: Candidates, budget: TokenBudget, source: str, cut: bool) -> Candidates:

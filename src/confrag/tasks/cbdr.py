@@ -25,12 +25,11 @@ from confrag.instantiators import config_yaml, question_set_label, run_context, 
 from confrag.llm.loading import load_llm
 from confrag.llm.prompted import PromptedLLM
 from confrag.rag.settings import AnswerSettings, EvalSettings
-from confrag.recipes import cbdr_recipe, evaluation_recipe, templates
+from confrag.recipes import OWN_QUESTIONS, cbdr_recipe, evaluation_recipe, gold_paragraph_needs, templates
 from confrag.reports import cbdr as report
 from confrag.reports import cbdr_answers
 from confrag.reports.wandb_artifacts import log_table_exports
 from confrag.stages.evaluation import (
-    NQ,
     RagEvaluation,
     check_chosen_rows,
     confidence_gate,
@@ -54,7 +53,8 @@ def check(cfg: DictConfig) -> Checked:
     recipe, answers, evaluation = evaluation_recipe(cfg)
     settings = cbdr_recipe(cfg, answers, evaluation, recipe.retrieval)
     check_chosen_rows(settings, planned_rows(recipe))  # a row this run does not build: refused before it runs
-    check_recipe_questions(recipe, evaluation, int(cfg.seed))  # the question budget, the evaluation file's overlap
+    # The question budget, the evaluation file's overlap; a set without gold paragraphs refused naming every need.
+    check_recipe_questions(recipe, evaluation, int(cfg.seed), gold_paragraph_needs(recipe), OWN_QUESTIONS)
     return Checked(recipe, answers, evaluation, settings)
 
 
@@ -89,9 +89,9 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Evaluated:
             recipe.templates,
             recipe.reranker.eval_batch_size,
             ctx,
+            questions=question_set_label(cfg),  # its dataset's label or file's name, in every table, log and folder
         )
     evaluation.seconds = timer.seconds()
-    evaluation.names = {NQ: question_set_label(cfg)}  # the report names the questions by their dataset or file
     return Evaluated(stage, rows1, evaluation, timer, loggers, start)
 
 
@@ -103,8 +103,8 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -
     rows2, table2_md = cbdr_answers.table2(
         cfg.llm.name, tables, settings, n_resamples, ctx.seed, evaluation.gold_sources()
     )
-    results = cbdr_results(settings, *evaluation.sweep_data(settings))
-    plots = report.write_plots(out, cfg.llm.name, results, evaluation.name(NQ))
+    results = cbdr_results(settings, *evaluation.sweep_data(settings), questions=evaluation.main)
+    plots = report.write_plots(out, cfg.llm.name, results, evaluation.main)
     record = report.run_record(settings, evaluation, rows1, rows2, results, time.perf_counter() - done.start)
     record["stages"] = done.timer.stages
     record["training"] = stage.training  # every fine-tuning's rows, steps and seconds (per fold when cross-fitted)
@@ -118,7 +118,7 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, done: Evaluated) -
         config_yaml(cfg),
         gold_known=not (recipe.retrieval.corpus_path or recipe.retrieval.candidates_path),
         candidates_source=recipe.retrieval.source,
-        questions=evaluation.name(NQ),
+        questions=evaluation.main,
         eval_file=Path(checked.evaluation.questions_path).name if checked.evaluation.questions_path else None,
     )
     secondary = [

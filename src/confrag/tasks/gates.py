@@ -32,7 +32,7 @@ from confrag.reports.tables import RunHeader
 from confrag.reports.wandb_artifacts import log_table_exports
 from confrag.stages.evaluation import check_row
 from confrag.stages.gate_comparison import GateEvaluation, prepare_gate_evaluation
-from confrag.stages.gate_questions import check_before_any_stage
+from confrag.stages.gate_questions import WITHOUT_GOLD, check_before_any_stage
 from confrag.stages.gate_scoring import run_gates, threshold_curves
 from confrag.stages.question_budget import check_recipe_questions
 from confrag.stages.rerank import RerankRecipe, planned_rows, rerank_stage
@@ -53,7 +53,8 @@ def check(cfg: DictConfig) -> Checked:
         cfg.get("gates"), cfg.get("gate"), recipe.retrieval.top_n, bool(recipe.retrieval.candidates_path)
     )
     check_row("gates.reranker", gates.reranker, planned_rows(recipe))  # refused before anything runs
-    check_recipe_questions(recipe, evaluation, int(cfg.seed))  # the question budget, the evaluation file's overlap
+    # The question budget, the evaluation file's overlap, and a question set without gold paragraphs refused.
+    check_recipe_questions(recipe, evaluation, int(cfg.seed), [WITHOUT_GOLD])
     return Checked(recipe, answers, evaluation, gates)
 
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from confrag.infra.atomic import atomic_write_text
 from confrag.infra.run_context import RunContext
 from confrag.instantiators import run_command, task_loggers
-from confrag.recipes import Exported, exported, rerank_recipe
+from confrag.recipes import OWN_QUESTIONS, Exported, exported, gold_paragraph_needs, rerank_recipe
 from confrag.reports.hub import HubSettings, RerankRun, push_folder, write_dataset, write_reranker_card
 from confrag.reports.rerank import write_rerank_report
 from confrag.reports.tables import metric_columns
@@ -43,7 +43,8 @@ def check(cfg: DictConfig) -> Checked:
                 "reranker, not your rows; push the exported `reranker/` folder yourself"
             )
     else:
-        check_recipe_questions(checked.recipe, None, int(cfg.seed))  # the question budget, before any stage
+        # The question budget before any stage; a set without gold paragraphs refused naming every need.
+        check_recipe_questions(checked.recipe, None, int(cfg.seed), gold_paragraph_needs(checked.recipe), OWN_QUESTIONS)
     return checked
 
 
