@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--train-layers", type=int, default=None, help="the encoders' top layers that train")
     args = parser.parse_args()
     data = listwise(args.questions, args.top_k)
     # A target that prefers each question's second candidate by the base: something to move toward.
@@ -54,7 +55,14 @@ def main() -> None:
         top1 = {}
         for _ in range(args.repeats):
             for precision in best:
-                settings = replace(TRAINING, student=kind, steps=args.steps, precision=precision, lr=3e-5)
+                settings = replace(
+                    TRAINING,
+                    student=kind,
+                    steps=args.steps,
+                    precision=precision,
+                    lr=3e-5,
+                    train_layers=args.train_layers,
+                )
                 start = time.perf_counter()
                 student = fit_listwise(settings, data, targets)
                 best[precision] = min(best[precision], (time.perf_counter() - start) / args.steps)

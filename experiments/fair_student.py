@@ -8,7 +8,7 @@ those of experiments/likelihood_teacher.py (the same arguments read the same cac
         [--eval-questions FILE]        # the chosen students on new NQ-format questions with their paragraphs
         [--write-outside FILE]         # write the question file's questions outside the study (NQ format) and stop
         [--precheck-only]              # the frozen-feature pre-check alone (no student trained)
-        [--precision bf16-mixed]       # students in bf16 autocast (2-3x faster on a CPU with AMX)
+        [--cross-encoder-layers 2] [--cross-encoder-precision bf16-mixed]   # the cross-encoder's training
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from confrag.recipes import shipped_prompted_llm
 from confrag.reranker.listwise_student import PRECISIONS
 from confrag.studies import fair_report as report
 from confrag.studies.fair_student import (
+    CROSS_ENCODER,
     FUSION_WEIGHT,
     SEEDS,
     TOP_K,
@@ -61,7 +62,11 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=SEEDS)
     parser.add_argument("--seed", type=int, default=0, help="the study's question permutation")
     parser.add_argument("--steps", type=int, default=TRAINING.steps, help="optimizer steps of every student")
-    parser.add_argument("--precision", choices=PRECISIONS, default=TRAINING.precision)
+    parser.add_argument(
+        "--cross-encoder-layers", type=int, default=CROSS_ENCODER["train_layers"],
+        help="the residual cross-encoder's top layers that train (0: all, with the word embeddings frozen)",
+    )  # fmt: skip
+    parser.add_argument("--cross-encoder-precision", choices=PRECISIONS, default=CROSS_ENCODER["precision"])
     parser.add_argument("--train-embeddings", action="store_true", help="train the encoders' word embeddings too")
     parser.add_argument("--eval-questions", default=None, help="an NQ-format file of new questions with paragraphs")
     parser.add_argument("--write-outside", default=None, help="write the file's questions outside the study; stop")
@@ -74,6 +79,8 @@ def arguments() -> argparse.Namespace:
         parser.error(f"--folds must be in [2, questions - dev]; got {args.folds}")
     if args.seeds < 1 or args.steps < 1:
         parser.error("--seeds and --steps must be ≥ 1")
+    if args.train_embeddings and args.cross_encoder_layers:
+        parser.error("--train-embeddings trains the layers below every other: it needs --cross-encoder-layers 0 (all)")
     if args.eval_questions and not Path(args.eval_questions).is_file():
         parser.error(f"--eval-questions {args.eval_questions}: no such file")
     return args
@@ -113,13 +120,13 @@ def main() -> None:
         return report.write(Path(args.out), lines, payload)
 
     outcomes = Outcomes(study.prompted, sets, args.cache)
-    training = replace(TRAINING, steps=args.steps, precision=args.precision, train_embeddings=args.train_embeddings)
-    inputs = FairInputs(study, ell, data, folds, outcomes, training)
+    training = replace(TRAINING, steps=args.steps, train_embeddings=args.train_embeddings)
+    cross_encoder = {"train_layers": args.cross_encoder_layers or None, "precision": args.cross_encoder_precision}
+    inputs = FairInputs(study, ell, data, folds, outcomes, training, cross_encoder)
     dev_base = float(np.mean([o.has_answer for o in outcomes(dev_at, top1(data.base_scores, dev_at))]))
     chosen = choose_all(inputs)
     log.info("dev chose %s (%.0f s)", chosen, time.time() - start)
     crossed = cross_fit(inputs, chosen, args.seeds)
-    control_rows = controls(inputs, chosen) if args.controls else []
 
     picks = {"base": top1(data.base_scores, test_at)}
     for row, per_seed in crossed.scores.items():
@@ -155,26 +162,32 @@ def main() -> None:
         "Held-out agreement with ℓ's top-1, per fold (seed 0; the base's beside it):", "",
         *[f"- `{f['row']}` fold {f['fold']}: {100 * f['held_out']:.1f} % (base {100 * f['held_out_base']:.1f} %); "
           f"where it trained {100 * f['trained']:.1f} % (base {100 * f['trained_base']:.1f} %)" for f in crossed.fits],
-        "", "Controls (fold 0, λ = 0):", "",
-        *[f"- `{c['row']}` on {c['teacher']}, lr {c['lr']:g}, {c['training_questions']} questions: "
-          f"{100 * c['trained']:.1f} % where it trained (base {100 * c['trained_base']:.1f} %), "
-          f"{100 * c['held_out']:.1f} % held out (base {100 * c['held_out_base']:.1f} %); top-1 moved on "
-          f"{100 * c['moved_where_trained']:.1f} % of its training questions" for c in control_rows],
         "", f"Verdict: the success criterion is {'met' if met else 'not met'}.", *verdict_lines,
     ]  # fmt: skip
     payload |= {"chosen": {k: asdict(v) for k, v in chosen.items()}, "dev": inputs.dev_log, "dev_base": dev_base,
-                "rows": [asdict(r) for r in rows], "seeds": seeds, "fits": crossed.fits, "controls": control_rows,
-                "met": met}  # fmt: skip
+                "rows": [asdict(r) for r in rows], "seeds": seeds, "fits": crossed.fits, "met": met}  # fmt: skip
     if args.eval_questions:
         students = {f"{row}@0": (crossed.students[row], chosen[row].weight) for row in chosen}
         outside_lines, payload["outside"] = report.outside_eval(
             study, load_questions_jsonl(args.eval_questions), students, args.cache
         )
         lines += ["", "## Questions outside the study", "", *outside_lines]
-    lines += ["", f"Wall time: {time.time() - start:.0f} s."]
     out = Path(args.out)
-    report.write(out, lines, payload)
+    out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "picks.json", json.dumps({"qids": [sets[i].qid for i in test_at], "picks": picks}))
+    # The table is written before the controls run (an hour of cross-encoders on a CPU) and again after them.
+    report.write(out, [*lines, "", f"Wall time so far: {time.time() - start:.0f} s (the controls follow)."], payload)
+    if args.controls:
+        control_rows = payload["controls"] = controls(inputs, chosen)
+        lines += [
+            "", "Controls (fold 0, λ = 0):", "",
+            *[f"- `{c['row']}` on {c['teacher']}, lr {c['lr']:g}, {c['training_questions']} questions: "
+              f"{100 * c['trained']:.1f} % where it trained (base {100 * c['trained_base']:.1f} %), "
+              f"{100 * c['held_out']:.1f} % held out (base {100 * c['held_out_base']:.1f} %); top-1 moved on "
+              f"{100 * c['moved_where_trained']:.1f} % of its training questions" for c in control_rows],
+        ]  # fmt: skip
+    lines += ["", f"Wall time: {time.time() - start:.0f} s."]
+    report.write(out, lines, payload)
     print("\n".join(lines))
     print(f"\nWritten to {out}/: report.md, metrics.json, picks.json")
 

@@ -75,7 +75,7 @@ EXPECTED_DISCORDANCE = 0.07
 # The training every student gets (the rows differ only in teacher and student kind); what dev chooses is apart.
 TOWER = ListwiseSettings(
     student="query_tower", lr=3e-5, steps=150, batch_size=16, warmup_ratio=0.1, weight_decay=0.01, tau=1.0,
-    anchor=0.0, seed=0, train_embeddings=True, precision="32-true",
+    anchor=0.0, seed=0, train_embeddings=True, train_layers=None, precision="32-true",
 )  # fmt: skip
 HEAD = replace(TOWER, student="residual_head", lr=0.01, weight_decay=0.0)
 # The dev grid, smallest change first: a tie keeps the earlier setting (lower lr, larger anchor), the one nearer

@@ -142,6 +142,7 @@ def _settings(student: str, **changes) -> ListwiseSettings:
         anchor=0.0,
         seed=3,
         train_embeddings=True,
+        train_layers=None,
         precision="32-true",
     )
     values.update(changes)

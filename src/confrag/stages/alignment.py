@@ -87,6 +87,7 @@ class AlignmentSettings:
     warmup_ratio: float
     weight_decay: float
     train_embeddings: bool
+    train_layers: int | None
     precision: str
     weight: float  # w of a residual student at scoring
     fusion_weight: float | None  # w of the fusion row z(base) + w·z(ℓ) (reads the gold answer); None: no row

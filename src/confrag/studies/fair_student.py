@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -36,8 +37,11 @@ SEEDS = 3
 # The training every student gets; the rows differ in student kind and in what dev chooses.
 TRAINING = ListwiseSettings(
     student="query_tower", lr=1e-5, steps=150, batch_size=16, warmup_ratio=0.1, weight_decay=0.01, tau=1.0,
-    anchor=1.0, seed=0, train_embeddings=False, precision="32-true",
+    anchor=1.0, seed=0, train_embeddings=False, train_layers=None, precision="32-true",
 )  # fmt: skip
+# The cross-encoder's own training (compute on a CPU, fixed before its run): its top 2 of 6 layers and head train
+# (it reads question and passage together in every layer; the frozen ones need no backward pass), in bf16 autocast.
+CROSS_ENCODER = {"train_layers": 2, "precision": "bf16-mixed"}
 # Dev grids, the smaller change first in each (lower lr, larger λ, smaller w): a tie keeps the earlier setting.
 TOWER_GRID = {"lr": (1e-5, 3e-5), "anchor": (1.0, 0.1), "tau": (1.0, 4.0, 8.0), "teacher_tau": (2.0, 0.5)}
 CE_GRID = {"lr": (1e-5, 3e-5), "anchor": (1.0, 0.1)}
@@ -70,16 +74,18 @@ class FairInputs:
     folds: Folds
     outcomes: Outcomes
     training: ListwiseSettings = TRAINING
+    cross_encoder: dict = field(default_factory=lambda: dict(CROSS_ENCODER))
     dev_log: list[dict] = field(default_factory=list)
 
-    @property
+    @cached_property
     def teacher_inputs(self) -> list[TeacherInputs]:
         return [TeacherInputs(c, e) for c, e in zip(self.study.candidate_sets, self.ell)]
 
 
 def train(inputs: FairInputs, settings: ListwiseSettings, teacher: str, teacher_tau: float, rows: list[int]):
     """A student of `teacher` trained on `rows` (positions in the study)."""
-    targets, _ = teacher_targets(teacher, [inputs.teacher_inputs[i] for i in rows], teacher_tau)
+    every = inputs.teacher_inputs
+    targets, _ = teacher_targets(teacher, [every[i] for i in rows], teacher_tau)
     return fit_listwise(settings, inputs.data.subset(rows), targets)
 
 
@@ -128,8 +134,9 @@ def choose_all(inputs: FairInputs) -> dict[str, Choice]:
     ]
     tower = choose(inputs, "tower", tower_points)
     matched = tower.settings
+    ce = inputs.cross_encoder
     ce_points = [
-        (replace(matched, student="residual_cross_encoder", lr=lr, anchor=anchor), tower.teacher_tau)
+        (replace(matched, student="residual_cross_encoder", lr=lr, anchor=anchor, **ce), tower.teacher_tau)
         for lr, anchor in itertools.product(*CE_GRID.values())
     ]
     head_points = [
