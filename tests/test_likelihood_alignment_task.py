@@ -1,7 +1,8 @@
 """The LLM's likelihood as teacher through `train.py` (issue 45): `+experiment=reranker_likelihood_tiny_llama` end to
-end with its rows beside the paper's in Table 1 and its exports; the cbdr task with `alignment=likelihood`,
-cross-fitted, the rows in Table 2; a multirun over `alignment.*` leaving its sweep summary; the Llama-3 and Qwen2.5
-likelihood experiments on random weights of their shapes."""
+end with its rows beside the paper's in Table 1 and its exports; a second run reading every student from the cache;
+a multirun over `alignment.*` leaving its sweep summary; the cbdr task with `alignment=likelihood`, the rows in
+Table 2. Slow (`make test-all`): the same cross-fitted, and the Llama-3 and Qwen2.5 likelihood experiments on random
+weights of their shapes."""
 
 from __future__ import annotations
 
@@ -103,7 +104,27 @@ def test_a_multirun_over_the_alignment_node_leaves_its_sweep_summary(rerank, roo
 
 
 @pytest.fixture(scope="module")
-def cbdr_cross_fitted(root):
+def cbdr(rerank, root):
+    """The cbdr smoke test with the alignment node: the rerank stage is the tiny experiment's (read from its cache)."""
+    overrides = ["+experiment=cbdr_tiny_llama", "alignment=likelihood", *SMALL, "cbdr.reranker=aligned.likelihood"]
+    return run(overrides, root / "cbdr", root / "cache")
+
+
+@pytest.mark.task
+def test_the_cbdr_task_takes_the_alignment_node_with_its_rows_in_table_2(cbdr):
+    out, record = cbdr
+    assert [r["id"] for r in record["table1"]][-3:] == [*ROWS, "fusion"]
+    table2 = {r["id"] for r in record["table2"]}
+    assert {*ROWS, "fusion", "base", "confidence_ft.sign"} <= table2
+    for row in (*ROWS, "fusion"):
+        assert (out / "outcomes" / "nq" / f"{row}.jsonl").is_file()
+    report = (out / "report.md").read_text()
+    assert "base aligned to likelihood (listwise)" in report and "reads the gold answer" in report
+
+
+@pytest.mark.slow
+@pytest.mark.task
+def test_cross_fitting_trains_each_folds_students_on_the_other_folds(root):
     source = ROOT / ".." / "shared" / "data" / "nq_open_gold.jsonl.gz"
     if not source.is_file():
         pytest.skip("the shared NQ data is not beside the project")
@@ -120,26 +141,12 @@ def cbdr_cross_fitted(root):
         "eval.num_questions=null",
         "eval.hotpotqa_path=null",
         "cbdr.gate_check_questions=0",
-        "cbdr.reranker=aligned.likelihood",
     ]
-    return run(overrides, root / "cbdr", root / "cache")
-
-
-@pytest.mark.task
-def test_the_cbdr_task_takes_the_alignment_node_cross_fitted_with_its_rows_in_table_2(cbdr_cross_fitted):
-    out, record = cbdr_cross_fitted
-    table1 = [r["id"] for r in record["table1"]]
-    assert table1[-3:] == [*ROWS, "fusion"]
-    table2 = {r["id"] for r in record["table2"]}
-    assert {*ROWS, "fusion", "base", "confidence_ft.sign"} <= table2
-    training = record["training"]
-    assert {"fold0", "fold1"} <= set(training)
-    for fold in ("fold0", "fold1"):  # each fold's students trained on the other fold's questions only
-        assert training[fold]["aligned.likelihood"]["train_questions"] > 0
-    assert (out / "outcomes" / "nq" / "aligned.likelihood.jsonl").is_file()
-    assert (out / "outcomes" / "nq" / "fusion.jsonl").is_file()
-    report = (out / "report.md").read_text()
-    assert "base aligned to likelihood (listwise)" in report and "reads the gold answer" in report
+    out, record = run(overrides, root / "cross_fitted", root / "cache-cross-fitted")
+    assert {*ROWS, "fusion"} <= {r["id"] for r in record["table2"]}
+    folds = [set(f) for f in record["folds"]]
+    for f, fold in enumerate(("fold0", "fold1")):  # each fold's students: the other fold's questions only
+        assert 0 < record["training"][fold]["aligned.likelihood"]["train_questions"] <= len(folds[1 - f])
 
 
 SHAPE = [

@@ -203,3 +203,44 @@ def test_settings_from_the_node_and_the_listwise_settings_agree():
     assert fields <= {f.name for f in dataclasses.fields(AlignmentSettings)}
     with pytest.raises(ValueError, match=r"alignment: missing key"):
         settings_from(AlignmentSettings, {"teacher": "inc"}, "alignment")
+
+
+def test_each_folds_students_train_on_the_other_folds_and_are_read_back_from_the_cache(cross_encoder, tmp_path):
+    """What cross-fitting asks of the listwise rows (`with_listwise` per fold): fold f's students see only the
+    questions they are given (the other folds'), and the same settings and questions read the student back."""
+    import confrag.stages.alignment as alignment
+    from confrag.reranker.aligned import student_base
+    from confrag.stages.alignment import ListwiseMaterial, ListwiseRun, listwise_rerankers
+
+    from helpers.runs import run_ctx
+
+    sets = []
+    for i, (q, ps) in enumerate(zip(QUESTIONS, PASSAGES)):
+        passages = [CorpusPassage(f"q{i}p{j}", "", p, source_id=f"q{i}-{j}") for j, p in enumerate(ps)]
+        sets.append(Candidates(f"q{i}", q, ("a",), passages, [0.0] * len(ps), [False] * len(ps), None))
+    base = [cross_encoder.score([q] * len(ps), ps) for q, ps in zip(QUESTIONS, PASSAGES)]
+    ell = [np.linspace(-3.0, -1.0, len(ps)).astype(np.float32) for ps in PASSAGES]
+    data = base_data(cross_encoder, top_k=2)
+    inputs = [TeacherInputs(c, e, None, b) for c, e, b in zip(sets, ell, base)]
+    material = ListwiseMaterial(sets, data, inputs, ell, "key", cross_encoder, student_base(cross_encoder, None), None)
+    node = shipped_settings(
+        AlignmentSettings, "alignment", teacher="likelihood", student="residual_cross_encoder", steps=1, batch_size=2
+    )
+    seen = []
+    real = alignment.fit_listwise
+
+    def recording(settings, fold_data, targets, *args):
+        seen.append(list(fold_data.questions))
+        return real(settings, fold_data, targets, *args)
+
+    ctx = run_ctx(tmp_path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(alignment, "fit_listwise", recording)
+        for f, others in enumerate([{"q1", "q2"}, {"q0"}]):
+            rows, info = listwise_rerankers(node, material, others, ListwiseRun(ctx, f"_fold{f}", "cpu", False))
+            assert info["aligned.likelihood"]["train_questions"] == len(others)
+        assert seen == [[QUESTIONS[1], QUESTIONS[2]], [QUESTIONS[0]]]
+        listwise_rerankers(node, material, {"q0"}, ListwiseRun(ctx, "_fold1", "cpu", False))
+    assert len(seen) == 2  # the same settings and questions: read back, not trained again
+    scores = rows["aligned.likelihood"].score([QUESTIONS[0]] * 3, PASSAGES[0])
+    assert sorted(scores.tolist()) == [1.0, 2.0, 3.0] and scores[int(np.argmin(base[0]))] == 1.0  # outside the top 2
