@@ -12,6 +12,10 @@ shared by all, then 120-260 tokens of their own (~469k tokens), hidden states at
   right padding, `model(..., output_hidden_states=True)`, the state at each row's last real token;
 - per-prompt full forward (the papers' Algorithm 1) on the first `--per-prompt` prompts, extrapolated to
   all by their share of the tokens;
+- the ℓ stage (`confrag.llm.likelihood.AnswerLikelihood`, what the likelihood teacher's stage runs): every prompt
+  followed by a gold answer of `--answer-min`..`--answer-max` random tokens, teacher-forced, the mean log-probability
+  of the answer's tokens; prompts + answers per second and the share of the peak, and ℓ of the first pairs against
+  one full forward each;
 - greedy generation of `--new-tokens` tokens for `--gen-prompts` prompts: plain `model.generate` (left
   padding, dynamic cache, batches of `--gen-batch`: the repo's generation before the GPU levers) and the
   fast path (`generate_greedy_ids` with the shared prefix's keys/values reused and, on CUDA, a static
@@ -26,6 +30,8 @@ Definitions (what the printed ratios mean):
   key/value projections of layer L/2; the rest of layer L/2 at the last token only. Projections and MLP
   count 2 FLOPs per weight per token; attention scores and their weighted sum count 4 * heads * head_dim
   per causal (query, key) pair. No LM head. Useful TFLOP/s = useful FLOPs / wall time; share = that / peak.
+- useful FLOPs of the ℓ stage: each prompt's own tokens and its answer's through the whole stack, the shared
+  prefix once, the LM head at the answer positions only (`shapes.likelihood_flops`); share = that / time / peak.
 - generation bound of a path with R prompts per batch: prefill FLOPs at the peak + decoding steps x weight
   bytes / bandwidth. Prefill FLOPs: every prompt token through the whole stack with the shared prefix
   counted once, plus the LM head at each prompt's last token (`shapes.prefill_flops`); decoding steps:
@@ -70,11 +76,13 @@ from confrag.llm.generation import (
     release_static_caches,
 )
 from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length, naive_hidden_states
+from confrag.llm.likelihood import AnswerLikelihood
 from confrag.llm.shapes import (
     PUBLISHED_SHAPES,
     DecoderCost,
     dtype_bytes,
     engine_flops,
+    likelihood_flops,
     prefill_flops,
     random_decoder,
     shape_config,
@@ -194,6 +202,49 @@ def batched_full_forward(model, ids: list[list[int]], layer: int, batch: int, pa
     return out
 
 
+@torch.inference_mode()
+def forward_likelihood(model, prompt: list[int], answer: list[int]) -> float:
+    """ℓ of one (prompt, answer) pair from one full forward of both: the reference of the ℓ stage."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([prompt + answer], device=device)).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return float(logp[torch.arange(len(answer), device=device), torch.tensor(answer, device=device)].mean())
+
+
+def likelihood_phase(model, ids: list[list[int]], args, cost: DecoderCost, device, peak: float, pad_id: int) -> dict:
+    """The ℓ stage on the workload, each prompt with one random answer; its rate, share of the peak and error."""
+    rng = np.random.default_rng(args.seed + 1)
+    answers = [rng.integers(3, min(cost.vocab, 128000), int(rng.integers(args.answer_min, args.answer_max + 1)))
+               for _ in ids]  # fmt: skip
+    answer_ids = [[a.tolist()] for a in answers]
+    lengths, prefix = [len(seq) for seq in ids], common_prefix_length(ids)
+    engine = HiddenStateEngine(
+        model, _PadOnly(pad_id), batch_size=args.engine_batch, max_batch_tokens=args.engine_tokens, progress=False
+    )
+    scorer = AnswerLikelihood(engine)
+    timed(device, lambda: scorer.score_ids(ids[:16], answer_ids[:16]))  # warm-up
+    with PeakMemory(device) as memory:
+        seconds, found = best_of(args.repeats, device, lambda: scorer.score_ids(ids, answer_ids))
+    useful = likelihood_flops(cost, lengths, [len(a) for a in answers], prefix)
+    checked = min(4, len(ids))
+    error = max(abs(float(found.likelihood[i]) - forward_likelihood(model, ids[i], answer_ids[i][0]))
+                for i in range(checked))  # fmt: skip
+    print(
+        f"ℓ stage (AnswerLikelihood.score_ids, answers of {args.answer_min}-{args.answer_max} tokens): "
+        f"{seconds:.2f} s  {len(ids) / seconds:,.1f} prompts + answers/s  useful {flops_text(useful)} -> "
+        f"{flops_text(useful / seconds)}/s = {useful / seconds / peak:.1%} of peak  peak memory {memory}; "
+        f"ℓ of the first {checked} against one full forward each: largest absolute error {error:.2e}"
+    )
+    return dict(
+        likelihood_seconds=seconds,
+        likelihood_pairs_per_s=len(ids) / seconds,
+        likelihood_useful_tflops=useful / seconds / 1e12,
+        likelihood_peak_memory=memory.bytes,
+        likelihood_vs_forward_abs_error=error,
+        likelihood_share_of_peak=useful / seconds / peak,
+    )
+
+
 def relative_error(got: np.ndarray, reference: np.ndarray) -> float:
     """Largest relative L2 error of a row."""
     error = np.linalg.norm(got - reference, axis=-1) / np.maximum(np.linalg.norm(reference, axis=-1), 1e-12)
@@ -282,6 +333,7 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
         )
         states = compiled_states
     engine_share = useful / engine_s / peak
+    likelihood = likelihood_phase(model, ids, args, cost, device, peak, pad_id)
 
     # Batched full forward.
     batched_full_forward(model, ids[: args.baseline_batch], layer, args.baseline_batch, pad_id)  # warm-up
@@ -403,6 +455,7 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
         fast_generate_peak_memory=fast_mem.bytes,
         same_tokens=same,
         gen_prompts=len(gen_ids),
+        **{k: v for k, v in likelihood.items() if k != "likelihood_share_of_peak"},
         ratios={
             "engine_share_of_peak": engine_share,
             **({"engine_eager_share_of_peak": useful / uncompiled_s / peak} if compiled_ran else {}),
@@ -411,6 +464,7 @@ def run_shape(name: str, args, device: torch.device, dtype: torch.dtype, peak: f
             "generation_share_of_bound": fast_share,
             "plain_generation_share_of_bound": plain_share,
             "generation_speedup_vs_plain_generate": plain_s / fast_s,
+            "likelihood_share_of_peak": likelihood["likelihood_share_of_peak"],
         },
     )
     return result
@@ -452,6 +506,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--fast-gen-batch", type=batch_arg, default=AUTO, help="fast generation rows (int or auto)")
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--answer-min", type=int, default=2, help="the ℓ stage's answers: fewest tokens")
+    parser.add_argument("--answer-max", type=int, default=8, help="the ℓ stage's answers: most tokens")
     parser.add_argument(
         "--static-cache",
         action=argparse.BooleanOptionalAction,
@@ -498,6 +554,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--shapes: {unknown} not among {list(PUBLISHED_SHAPES)}")
     if args.own_min < 1 or args.own_max < args.own_min or args.prefix < 0:
         parser.error("need 1 <= --own-min <= --own-max and --prefix >= 0")
+    if args.answer_min < 1 or args.answer_max < args.answer_min:
+        parser.error("need 1 <= --answer-min <= --answer-max")
     GreedyOptions(cache_buckets=args.cache_buckets)  # refuses bad buckets before anything runs
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

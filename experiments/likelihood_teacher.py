@@ -43,6 +43,7 @@ from confrag.rag.answers import AnswerStore, score_answer
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
 from confrag.recipes import shipped_prompted_llm
 from confrag.reranker.likelihood_teacher import candidate_likelihoods
+from confrag.reranker.listwise_fit import choose_on_dev
 from confrag.retrieval.corpus import document_text
 from confrag.retrieval.dense import MeanPoolEncoder
 from confrag.studies.likelihood_study import MAX_NEW_TOKENS, load_study
@@ -111,16 +112,17 @@ def main() -> None:
 
     # w on dev: the weight whose fusion answers the most dev questions right (has_answer).
     dev_at = [i for i, c in enumerate(candidate_sets) if c.qid in dev_ids]
-    best_w, best = FUSION_WEIGHTS[0], -1.0
-    for w in FUSION_WEIGHTS:
+
+    def fusion_on_dev(w: float) -> float:
         picks = [choices(base[i], ell[i], w)["fusion"] for i in dev_at]
         items = [(candidate_sets[i].question, [candidate_sets[i].passages[j]]) for i, j in zip(dev_at, picks)]
         right = np.mean(
             [score_answer(a, candidate_sets[i].answers).has_answer for a, i in zip(store.answer(items), dev_at)]
         )
         log.info("fusion w=%.2f: dev has_answer %.3f", w, right)
-        if right > best:
-            best_w, best = w, right
+        return right
+
+    best_w, _ = choose_on_dev(FUSION_WEIGHTS, fusion_on_dev)
     per_row = {name: [] for name in choices(base[0], ell[0], best_w)}
     for i in range(len(candidate_sets)):
         for name, j in choices(base[i], ell[i], best_w).items():

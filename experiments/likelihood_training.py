@@ -22,6 +22,9 @@ Diagnostic rows: `likelihood_oracle` (ℓ's own top-1, reads the gold answer: no
 of questions whose top-1 is ℓ's top-1 (did the student learn the teacher on unseen questions?), the own paragraph
 first, and the mean ℓ of the top-1.
 
+The dev choice over a grid, the fit of each row where it trained and held out, and the capacity curve are the
+library's (`confrag.reranker.listwise_fit`); the questions, folds and answers the study's (`confrag.studies`).
+
 Design, fixed before the run: primary comparison `lsr` (seed 0) vs `base`, Top-1 has_answer, exact McNemar; Holm
 across every row compared with the base; detectable difference from the expected discordance 7 % (the
 `eval.expected_discordance` default), not from each row's own; token F1 and EM beside it; the spread over
@@ -53,12 +56,12 @@ from confrag.infra.atomic import atomic_write_text
 from confrag.infra.paths import project_root
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
 from confrag.recipes import shipped_prompted_llm
-from confrag.reranker.listwise_student import ListwiseSettings, fit_listwise
-from confrag.reranker.listwise_teachers import TeacherInputs, likelihood_rows, teacher_targets
+from confrag.reranker.listwise_fit import capacity_curve, choose_on_dev, fit_lines, train
+from confrag.reranker.listwise_student import ListwiseSettings
+from confrag.reranker.listwise_teachers import TeacherInputs, likelihood_rows
 from confrag.studies.likelihood_study import (
     Folds,
     Outcomes,
-    Study,
     earlier_run,
     likelihoods,
     listwise_data,
@@ -81,18 +84,9 @@ LEARNING_RATES = (3e-6, 1e-5, 3e-5)
 ANCHORS = (1.0, 0.0)
 TEACHER_TAUS = (2.0, 0.5)
 HEAD_WEIGHTS = (0.5, 1.0, 2.0)
-# The capacity curve (diagnostic, no answers needed): fold 0's query tower pushed harder and harder toward its
-# teacher (λ = 0), each measured on its own training questions and held out. (lr, steps), mildest first.
-CAPACITY = ((3e-6, 150), (3e-5, 150), (1e-4, 600))
 ROWS = ("lsr", "lsr_small", "relevance", "answer_bearing", "residual", "utility")
 # The rows that use the dev choice of the `likelihood` query tower (lr, λ, τ_T) and the residual head's w.
 LSR_CHOICE_ROWS = {"lsr", "lsr_small", "relevance", "answer_bearing", "residual"}
-
-
-def train(settings: ListwiseSettings, teacher: str, tau_t: float, data, inputs, rows: list[int]):
-    targets, missing = teacher_targets(teacher, [inputs[i] for i in rows], tau_t)
-    student = fit_listwise(settings, data.subset(rows), targets)
-    return student, missing
 
 
 def main() -> None:
@@ -180,48 +174,55 @@ def main() -> None:
         return float(np.mean([o.has_answer for o in outcomes(dev_at, top1(scores, dev_at))]))
 
     earlier = earlier_run(args.picks_from, [sets[i].qid for i in test_at]) if args.picks_from else None
-    choice, best = None, -1.0
     dev_log = [{"student": "base", "dev_has_answer": dev_right(data.base_scores)}]
     log.info("dev: base has_answer %.3f", dev_log[0]["dev_has_answer"])
-    if not trained & LSR_CHOICE_ROWS:  # the ℓ rows come from the earlier run, with its choices and diagnostics
-        c = earlier["chosen"]
-        choice = (c["lr"], c["anchor"], c["tau_t"])
-        dev_log += [e for e in earlier["dev"] if e["student"] != "base" and "utility" not in e["student"]]
-    for lr, anchor, tau_t in itertools.product(args.learning_rates, ANCHORS, TEACHER_TAUS):
-        if not trained & LSR_CHOICE_ROWS:
-            break
-        settings = replace(tower0, lr=lr, anchor=anchor)
-        student, _ = train(settings, "likelihood", tau_t, data, inputs, fold_train(0))
+
+    def tower_on_dev(point: tuple[float, float, float]) -> float:
+        lr, anchor, tau_t = point
+        student, _ = train(replace(tower0, lr=lr, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
         right = dev_right(student.score(data))
         dev_log.append({"student": "query_tower", "lr": lr, "tau_t": tau_t, "anchor": anchor, "dev_has_answer": right})
         log.info("dev: query tower lr=%g λ=%.1f τ_T=%.2f has_answer %.3f", lr, anchor, tau_t, right)
-        if right > best:
-            choice, best = (lr, anchor, tau_t), right
-    lr, anchor, tau_t = choice
+        return right
+
+    if trained & LSR_CHOICE_ROWS:
+        grid = itertools.product(args.learning_rates, ANCHORS, TEACHER_TAUS)
+        (lr, anchor, tau_t), _ = choose_on_dev(grid, tower_on_dev)
+    else:  # the ℓ rows come from the earlier run, with its choices and diagnostics
+        c = earlier["chosen"]
+        lr, anchor, tau_t = c["lr"], c["anchor"], c["tau_t"]
+        dev_log += [e for e in earlier["dev"] if e["student"] != "base" and "utility" not in e["student"]]
     tower = replace(tower0, lr=lr, anchor=anchor)
-    w, best = (earlier["chosen"]["w"] if earlier else None), -1.0
+    w = earlier["chosen"]["w"] if earlier else None
     if "residual" in trained:
         head, _ = train(replace(head0, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
-    for weight in HEAD_WEIGHTS if "residual" in trained else ():
-        head.weight_at_scoring = weight
-        right = dev_right(head.score(data))
-        dev_log.append({"student": "residual_head", "w": weight, "dev_has_answer": right})
-        log.info("dev: residual head w=%.1f has_answer %.3f", weight, right)
-        if right > best:
-            w, best = weight, right
+
+        def head_on_dev(weight: float) -> float:
+            head.weight_at_scoring = weight
+            right = dev_right(head.score(data))
+            dev_log.append({"student": "residual_head", "w": weight, "dev_has_answer": right})
+            log.info("dev: residual head w=%.1f has_answer %.3f", weight, right)
+            return right
+
+        w, _ = choose_on_dev(HEAD_WEIGHTS, head_on_dev)
     log.info("dev chose lr=%g τ_T=%.2f λ=%.1f w=%.1f (%.0f s)", lr, tau_t, anchor, w, time.time() - start)
     # The utility row's own lr and λ (its target has no temperature), on the same dev questions and grid.
     utility_tower = None
     if "utility" in trained:
-        best = -1.0
-        for u_lr, u_anchor in itertools.product(args.learning_rates, ANCHORS):
-            settings = replace(tower0, lr=u_lr, anchor=u_anchor)
+
+        def utility_on_dev(settings: ListwiseSettings) -> float:
             student, _ = train(settings, "utility", tau_t, data, inputs, fold_train(0))
             right = dev_right(student.score(data))
-            dev_log.append({"student": "utility query_tower", "lr": u_lr, "anchor": u_anchor, "dev_has_answer": right})
-            log.info("dev: utility query tower lr=%g λ=%.1f has_answer %.3f", u_lr, u_anchor, right)
-            if right > best:
-                utility_tower, best = settings, right
+            dev_log.append({"student": "utility query_tower", "lr": settings.lr, "anchor": settings.anchor,
+                            "dev_has_answer": right})  # fmt: skip
+            log.info("dev: utility query tower lr=%g λ=%.1f has_answer %.3f", settings.lr, settings.anchor, right)
+            return right
+
+        grid = (
+            replace(tower0, lr=u_lr, anchor=u_anchor)
+            for u_lr, u_anchor in itertools.product(args.learning_rates, ANCHORS)
+        )
+        utility_tower, _ = choose_on_dev(grid, utility_on_dev)
 
     capacity = []
     # The teachers whose fit is measured: ℓ and relevance with the ℓ rows, the utility labels with theirs.
@@ -229,7 +230,7 @@ def main() -> None:
     fitted_teachers += [("utility", "utility")] if "utility" in trained else []
     if fitted_teachers and args.capacity:
         capacity = capacity_curve(
-            tower0, tau_t, data, inputs, fold_train(0), folds[0], study, ell, fitted_teachers, utility
+            tower0, tau_t, data, inputs, fold_train(0), folds[0], sets, ell, fitted_teachers, utility
         )
         log.info("capacity curve done (%.0f s since the start)", time.time() - start)
 
@@ -269,7 +270,7 @@ def main() -> None:
         for seed, s in enumerate(per_seed):
             picks[f"{name}@{seed}"] = top1(s, test_at)
     results = {name: outcomes(test_at, p) for name, p in picks.items()}
-    fit = fit_lines(study, ell, data, fitted, scores, folds, utility)
+    fit = fit_lines(sets, ell, data, fitted, scores, folds, utility)
     if "utility" in rows:
         chosen_utility = {"utility_lr": utility_tower.lr, "utility_anchor": utility_tower.anchor,
                           "utility_depth": args.utility_depth,
@@ -280,66 +281,6 @@ def main() -> None:
               "train_questions": len(fold_train(0)),
               "small_train": len(fold_train(0, args.small_train)) if args.small_train else 0}  # fmt: skip
     report(args, study, ell, test_at, picks, results, missing, chosen, dev_log + fit + capacity, time.time() - start)
-
-
-def agreement(name: str, study: Study, ell, rows: list[int], scores: np.ndarray, utility=None) -> float:
-    """`lsr`-like rows: the share of `rows` whose top-1 is ℓ's top-1; `relevance`: the own paragraph first (of the
-    questions whose own paragraph was retrieved); `utility`: the top-1 answered right under (from its labels, so on
-    training questions too). `scores` is aligned with `rows`."""
-    sets = study.candidate_sets
-    if name == "utility":
-        return float(np.mean([utility[i][int(np.argmax(scores[r]))] == 1 for r, i in enumerate(rows)]))
-    if name != "relevance":
-        return float(np.mean([np.argmax(scores[r]) == np.argmax(ell[i]) for r, i in enumerate(rows)]))
-    return float(
-        np.mean([sets[i].from_gold[int(np.argmax(scores[r]))] for r, i in enumerate(rows) if sets[i].gold_retrieved])
-    )
-
-
-def capacity_curve(tower, tau_t, data, inputs, train_rows, held_rows, study, ell, teachers, utility) -> list[dict]:
-    # wide: 10 parameters, the one study's parts (data, inputs, study, ℓ, labels) every teacher's curve shares.
-    """Can the query tower fit its teacher at all? Fold 0's students of each teacher (ℓ, relevance, utility), λ = 0, at
-    rising (lr, steps): their agreement with the target on their own training questions against held out. A
-    student that cannot reach the target even where it trained lacks capacity; one that fits there and not held
-    out lacks questions (or the target does not generalise)."""
-    out = []
-    for teacher, name in teachers:
-        base_in = agreement(name, study, ell, train_rows, data.base_scores[train_rows], utility)
-        base_out = agreement(name, study, ell, held_rows, data.base_scores[held_rows], utility)
-        for lr, steps in CAPACITY:
-            student, _ = train(replace(tower, lr=lr, steps=steps, anchor=0.0), teacher, tau_t, data, inputs, train_rows)
-            out.append({
-                "student": f"{name} capacity lr={lr:g} steps={steps}",
-                "measure": {"lsr": "= ℓ's top-1", "utility": "top-1 answered right"}.get(name, "own ¶ first"),
-                "training_questions": agreement(name, study, ell, train_rows, student.score(data.subset(train_rows)),
-                                                utility),
-                "training_questions_base": base_in,
-                "held_out": agreement(name, study, ell, held_rows, student.score(data.subset(held_rows)), utility),
-                "held_out_base": base_out,
-            })  # fmt: skip
-    return out
-
-
-def fit_lines(study: Study, ell, data, fitted, scores, folds, utility=None) -> list[dict]:
-    """In-sample against held-out, fold 0-k students of `lsr` (agreement with ℓ's top-1) and `relevance` (own
-    paragraph first), each beside the base on the same questions: did the student learn its target, and does
-    what it learned carry to questions it did not see?"""
-
-    def measure(name: str, rows: list[int], s: np.ndarray) -> float:
-        return agreement(name, study, ell, rows, s, utility)
-
-    out = []
-    for name, per_fold in fitted.items():
-        trained = [measure(name, rows, s) for rows, s in per_fold]
-        trained_base = [measure(name, rows, data.base_scores[rows]) for rows, _ in per_fold]
-        held_rows = [i for fold in folds for i in fold]
-        held = measure(name, held_rows, scores[name][0][held_rows])
-        held_base = measure(name, held_rows, data.base_scores[held_rows])
-        what = {"utility": "top-1 answered right"}.get(name, "= ℓ's top-1" if name.startswith("lsr") else "own ¶ first")
-        out.append({"student": f"{name}@0 fit", "measure": what, "training_questions": float(np.mean(trained)),
-                    "training_questions_base": float(np.mean(trained_base)), "held_out": held,
-                    "held_out_base": held_base})  # fmt: skip
-    return out
 
 
 def report(args, study, ell, test_at, picks, results, missing, chosen, dev_log, seconds) -> None:

@@ -1,6 +1,6 @@
 """The GPU scale benchmark runs end to end on tiny models of the same families (CPU, fp32, seconds): the engine's
-states equal the batched full forward's, the fast generation path gives the plain path's tokens, and the last
-lines are the ratios."""
+states equal the batched full forward's, the fast generation path gives the plain path's tokens, the ℓ stage's
+likelihoods equal one full forward's, and the last lines are the ratios."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ RATIOS = [
     "generation_share_of_bound",
     "plain_generation_share_of_bound",
     "generation_speedup_vs_plain_generate",
+    "likelihood_share_of_peak",
 ]
 
 
@@ -75,6 +76,8 @@ def test_tiny_run_prints_every_ratio_and_the_paths_agree(capsys, tmp_path, stati
         assert result["engine_vs_forward_rel_error"] <= 1e-5  # fp32: the engine computes the same states
         assert result["same_tokens"] == result["gen_prompts"] == 6  # fp32: the fast path's tokens are the plain path's
         assert result["tokens"] > 12 * 40 and result["layer"] == 2  # the 40-token prefix, Layer/2 of 4 layers
+        # The ℓ stage: its rate, and ℓ equal to one full forward of prompt + answer (fp32). Not measured on a GPU.
+        assert result["likelihood_pairs_per_s"] > 0 and result["likelihood_vs_forward_abs_error"] <= 1e-4
     assert (tmp_path / "out.json").is_file()
 
 

@@ -149,7 +149,7 @@ def _settings(student: str, **changes) -> ListwiseSettings:
     return ListwiseSettings(**values)
 
 
-@pytest.mark.parametrize("student", ["query_tower", "residual_head", "residual_cross_encoder"])
+@pytest.mark.parametrize("student", ["query_tower", "residual_head", "residual_cross_encoder", "cross_encoder"])
 def test_a_fresh_student_is_the_base(data, student):
     scores = build_student(_settings(student)).score(data)
     np.testing.assert_allclose(scores[data.mask], data.base_scores[data.mask], atol=1e-4)
@@ -203,7 +203,7 @@ def test_questions_without_target_are_left_out_and_none_at_all_refused(data):
 
 def test_settings_refuse_an_unknown_student_and_bad_numbers():
     with pytest.raises(ValueError, match="listwise student must be one of"):
-        _settings("cross_encoder")
+        _settings("tower")
     with pytest.raises(ValueError, match="steps"):
         _settings("query_tower", steps=0)
     with pytest.raises(ValueError, match="tau"):

@@ -30,6 +30,7 @@ from confrag.llm.prompts import PromptTemplates
 from confrag.probe.data_options import AnswerOptions, CandidateOptions, ExtractionOptions, RankingOptions, SplitOptions
 from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
+from confrag.stages.alignment import AlignmentSettings
 from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 from confrag.stages.retrieval import RetrievalSettings
@@ -41,6 +42,7 @@ SETTINGS = {
     "rag": (AnswerSettings, "rag/default.yaml"),
     "eval": (EvalSettings, "eval/default.yaml"),
     "preferences": (PreferenceSettings, "preferences/default.yaml"),
+    "alignment": (AlignmentSettings, "alignment/default.yaml"),
     "base_reranker": (BaseRerankerSettings, "base_reranker/default.yaml"),
     "retrieval": (RetrievalSettings, "retrieval/nq.yaml"),
     "hub": (HubSettings, "hub/default.yaml"),

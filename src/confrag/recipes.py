@@ -35,8 +35,10 @@ from confrag.rag.settings import AnswerSettings, EvalSettings
 from confrag.reports.hub import HubSettings
 from confrag.reranker.confidence_sources import GOLD_SOURCES
 from confrag.reranker.data import PreferenceDataModule
+from confrag.reranker.kinds import reranker_kind
 from confrag.reranker.module import RerankerModule
 from confrag.reranker.settings import PairBatching, RerankerSettings
+from confrag.stages.alignment import AlignmentSettings
 from confrag.stages.base_reranker import BaseRerankerSettings
 from confrag.stages.nq_rerank import PreferenceSettings
 from confrag.stages.probe import DEFAULT_MONITOR, ProbeRecipe
@@ -164,6 +166,7 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
             "(preferences.teacher=base), whose scores every row gets"
         )
     return RerankRecipe(
+        alignment=alignment_settings(cfg, preferences),
         probe=probe_recipe(cfg.probe, where="probe."),
         llm=llm_node(cfg.llm),
         templates=templates(cfg),
@@ -173,6 +176,23 @@ def rerank_recipe(cfg: DictConfig) -> RerankRecipe:
         base=settings_from(BaseRerankerSettings, cfg.get("base_reranker"), "base_reranker"),
         reranker=reranker_recipe(cfg),
     )
+
+
+def alignment_settings(cfg: DictConfig, preferences: PreferenceSettings) -> AlignmentSettings:
+    """The `alignment` node, its student checked against the base it starts from (before any weights load)."""
+    alignment = settings_from(AlignmentSettings, cfg.alignment, "alignment")
+    if alignment.reads_vectors and not reranker_kind(cfg.model.kind).embeds_apart:
+        raise ValueError(
+            f"alignment.student={alignment.student} reads the base's query and passage vectors: the base must be a "
+            f"bi-encoder (model=reranker_minilm_bi, model.kind=bi_encoder); got model.kind={cfg.model.kind}. Or "
+            "train alignment.student=residual_cross_encoder or cross_encoder"
+        )
+    if alignment.active and preferences.rows_path:
+        raise ValueError(
+            f"alignment.teacher={alignment.teacher} (or alignment.fusion_weight) reads the preference questions' "
+            "candidates, which your own rows (preferences.rows_path) do not come with: leave alignment at its default"
+        )
+    return alignment
 
 
 def evaluation_recipe(cfg: DictConfig) -> tuple[RerankRecipe, AnswerSettings, EvalSettings]:

@@ -17,7 +17,14 @@ from helpers.runs import compose_cfg
 T = TypeVar("T")
 
 # The config groups whose shipped node each settings dataclass reads, composed onto the root config.
-SHIPPED_NODES = ["+rag=default", "+eval=default", "+preferences=default", "+base_reranker=default", "+retrieval=nq"]
+SHIPPED_NODES = [
+    "+rag=default",
+    "+eval=default",
+    "+preferences=default",
+    "+alignment=default",
+    "+base_reranker=default",
+    "+retrieval=nq",
+]
 
 
 @functools.cache

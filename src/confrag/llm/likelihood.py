@@ -54,7 +54,6 @@ class AnswerLikelihood:
         self.model = engine.model
         self.base = engine.base
 
-    @torch.inference_mode()
     def score(
         self, prompts: Sequence[str], answers: Sequence[Sequence[str]], layers: Sequence[int] = ()
     ) -> PromptLikelihood:
@@ -64,12 +63,21 @@ class AnswerLikelihood:
         bare = [i for i, gold in enumerate(answers) if not gold]
         if bare:
             raise ValueError(f"prompt(s) {bare[:5]} have no gold answer: the likelihood needs at least one")
-        layers = validate_layers(layers, self.engine.num_layers) if len(layers) else []
         tok = self.engine.tokenizer
-        prompt_ids = encode_prompts(tok, prompts)
+        answer_ids = [answer_token_ids(tok, list(dict.fromkeys(gold))) for gold in answers]
+        return self.score_ids(encode_prompts(tok, prompts), answer_ids, layers)
+
+    @torch.inference_mode()
+    def score_ids(
+        self, prompt_ids: Sequence[list[int]], answer_ids: Sequence[Sequence[list[int]]], layers: Sequence[int] = ()
+    ) -> PromptLikelihood:
+        """`score` on token ids: `answer_ids[i]`, the token ids of prompt i's gold answers (the GPU benchmark's
+        random-id workload calls it directly)."""
+        layers = validate_layers(layers, self.engine.num_layers) if len(layers) else []
+        prompts = prompt_ids
         pairs: list[tuple[int, list[int], list[int]]] = []  # (prompt index, prompt tokens, answer tokens)
-        for i, (ids, gold) in enumerate(zip(prompt_ids, answers)):
-            pairs.extend((i, ids, a) for a in answer_token_ids(tok, list(dict.fromkeys(gold))))
+        for i, (ids, gold) in enumerate(zip(prompt_ids, answer_ids)):
+            pairs.extend((i, list(ids), list(a)) for a in gold)
         ell = np.full(len(prompts), -np.inf, dtype=np.float64)
         hidden = self.model.config.hidden_size
         states = np.zeros((len(layers), len(prompts), hidden), dtype=np.float32)

@@ -202,6 +202,18 @@ def prefill_flops(cost: DecoderCost, lengths: Sequence[int], prefix: int = 0) ->
     return total + cost.lm_head_flops(len(lengths))
 
 
+def likelihood_flops(
+    cost: DecoderCost, lengths: Sequence[int], answer_lengths: Sequence[int], prefix: int = 0
+) -> float:
+    """FLOPs of the answer likelihood ℓ (`confrag.llm.likelihood`): each prompt's own tokens and its answer's
+    through the whole stack, the shared `prefix` counted once, the LM head at the answer's positions only."""
+    total = cost.layers * (cost.layer_flops(prefix) + cost.attention_flops(causal_pairs(prefix)))
+    for n, answer in zip(lengths, answer_lengths):
+        own = n - prefix + answer
+        total += cost.layers * (cost.layer_flops(own) + cost.attention_flops(causal_pairs(own, prefix)))
+    return total + cost.lm_head_flops(sum(answer_lengths))
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -32,6 +32,7 @@ EXPORTS = {
     "reranker": ExportKind("reranker", "model"),
     "probe": ExportKind("probe", "model"),
     "nq_rerank": ExportKind("nq_rerank", "dataset"),
+    "aligned": ExportKind("aligned", "model"),  # the alignment node's listwise rows, a folder each
 }
 
 

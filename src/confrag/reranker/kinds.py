@@ -52,6 +52,9 @@ class RerankerKind(ABC):
     library: ClassVar[str]
     # The model card's "Use" section: how an export of this kind is loaded and scored elsewhere (markdown lines).
     usage: ClassVar[tuple[str, ...]]
+    # Whether the kind scores a pair from the query's and the passage's embeddings taken apart (a bi-encoder): a
+    # listwise student that reads those embeddings (`confrag.reranker.listwise_student.STUDENTS`) needs such a base.
+    embeds_apart: ClassVar[bool] = False
 
     def load_tokenizer(self, path: str, trust_remote_code: bool = False) -> Any:
         """The backbone's tokenizer, for the module and the data module alike (so both cut pairs alike)."""
@@ -166,6 +169,7 @@ class BiEncoderKind(RerankerKind):
     )
     noun, library = "bi-encoder", "sentence-transformers"
     encode = staticmethod(bi_encoder.encode_query_passage_pairs)
+    embeds_apart = True
     usage = (
         "```python",
         "from sentence_transformers import SentenceTransformer",

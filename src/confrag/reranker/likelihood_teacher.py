@@ -6,14 +6,16 @@ step and Atlas's perplexity distillation. One teacher-forced forward per (candid
 same forward keeps the prompt's states at the requested layers (Conf(Q + C) for the probe's rows).
 
 Cached like the candidates' states: one sharded, resumable artifact (`<cache>/likelihood/<key>/`) whose key
-hashes the LLM identity (dtype included), the prompt templates, the questions, the candidates' texts, the gold
-answers used, the layers and the engine's extraction settings. A shard holds, per candidate, ℓ in column 0 and
-the states of the layers after it (layer by layer), shape (1, items, 1 + layers x hidden).
+hashes the LLM identity (dtype included), the device type off the CPU (a GPU's kernels round otherwise; the CPU
+adds nothing, so the keys computed before it was recorded stay), the prompt templates, the questions, the
+candidates' texts, the gold answers used, the layers and the engine's extraction settings. A shard holds, per
+candidate, ℓ in column 0 and the states of the layers after it (layer by layer), shape (1, items, 1 + layers x
+hidden).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,20 +51,25 @@ def gold_answers(candidates: Candidates, max_answers: int | None) -> list[str]:
     return distinct if max_answers is None else distinct[:max_answers]
 
 
+def device_key(engine: HiddenStateEngine) -> dict[str, str]:
+    """The device type of the engine's model when it is not the CPU; {} on the CPU."""
+    device = engine.device
+    return {} if device.type == "cpu" else {"device": device.type}
+
+
 def candidate_likelihoods(
     prompted: PromptedLLM,
     candidate_sets: Sequence[Candidates],
     *,
-    engine: HiddenStateEngine | Callable[[], HiddenStateEngine],
+    engine: HiddenStateEngine,
     cache_dir: str | Path,
     layers: Sequence[int] = (),
     max_answers: int | None = 3,
     shard_size: int = 256,
     progress: bool = True,
 ) -> CandidateLikelihoods:
-    """ℓ (and states) of the RAG prompt holding each candidate alone, through the cache. `engine` may be a factory,
-    called only when a shard must be computed."""
-    make_engine = engine if not isinstance(engine, HiddenStateEngine) else (lambda: engine)
+    """ℓ (and states) of the RAG prompt holding each candidate alone, through the cache (`engine` runs the LLM where
+    a shard is missing; its model's device and its extraction settings are in the key)."""
     layers = tuple(int(x) for x in layers)
     pairs = [(c, p) for c in candidate_sets for p in c.passages]
     answers = [gold_answers(c, max_answers) for c, _ in pairs]
@@ -78,12 +85,13 @@ def candidate_likelihoods(
         "answers": fingerprint(answers),
         "layers": list(layers),
         "version": VERSION,
-        **(engine.key if isinstance(engine, HiddenStateEngine) else {}),
+        **engine.key,
+        **device_key(engine),
     }
     artifact = ShardedArtifact(cache_dir, KIND, spec, len(pairs), shard_size, fmt="npy")
 
     def compute(start: int, stop: int) -> np.ndarray:
-        found = AnswerLikelihood(make_engine()).score(prompts[start:stop], answers[start:stop], layers)
+        found = AnswerLikelihood(engine).score(prompts[start:stop], answers[start:stop], layers)
         flat = found.states.transpose(1, 0, 2).reshape(stop - start, -1)  # (items, layers x d)
         return np.concatenate([found.likelihood[:, None], flat], axis=1)[None]
 

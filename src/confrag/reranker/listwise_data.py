@@ -42,17 +42,24 @@ class ListwiseData:
     """Questions with their candidates' frozen base embeddings, padded to the longest list.
 
     `query_vectors` (Q, d) and `passage_vectors` (Q, N, d) are the base's unit vectors; `mask` (Q, N) is False on
-    padding (and, after `top_k`, outside the base's top k). The base's score is SCALE · q · p. `passage_texts`
-    holds each question's candidates' texts (the students that read them, e.g. a cross-encoder, need them)."""
+    padding (and, after `top_k`, outside the base's top k). The base's score is SCALE · q · p, or `scores` (Q, N) where
+    given: the scores of a base that is not a bi-encoder (a cross-encoder reranker: its vectors may then be of width
+    0, and no student that reads them can train). `passage_texts` holds each question's candidates' texts (the
+    students that read them, e.g. a cross-encoder, need them)."""
 
     questions: list[str]
     query_vectors: np.ndarray
     passage_vectors: np.ndarray
     mask: np.ndarray
     passage_texts: list[list[str]] | None = field(default=None, compare=False)
+    scores: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         q, n = self.mask.shape
+        if self.scores is not None:
+            if np.shape(self.scores) != (q, n):
+                raise ValueError(f"listwise data: base scores {np.shape(self.scores)} for a mask of {(q, n)}")
+            require_finite(np.where(self.mask, self.scores, 0.0), stage="listwise data", artifact="base scores")
         if len(self.questions) != q or self.query_vectors.shape[0] != q or self.passage_vectors.shape[:2] != (q, n):
             raise ValueError(
                 f"listwise data: {len(self.questions)} questions, query vectors {self.query_vectors.shape}, passage "
@@ -72,8 +79,10 @@ class ListwiseData:
         query_vectors: np.ndarray,
         passages: list[np.ndarray],
         passage_texts: list[list[str]] | None = None,
+        base_scores: list[np.ndarray] | None = None,
     ) -> ListwiseData:
-        """From each question's (candidates, d) passage vectors, of any lengths (and, optionally, their texts)."""
+        """From each question's (candidates, d) passage vectors, of any lengths (and, optionally, their texts and
+        the base's scores of its candidates, when the base is not the bi-encoder of these vectors)."""
         width = max((len(p) for p in passages), default=0)
         dim = query_vectors.shape[1]
         padded = np.zeros((len(passages), width, dim), dtype=np.float32)
@@ -82,11 +91,18 @@ class ListwiseData:
             padded[i, : len(p)] = p
             mask[i, : len(p)] = True
         texts = None if passage_texts is None else [list(t) for t in passage_texts]
-        return cls(list(questions), np.asarray(query_vectors, dtype=np.float32), padded, mask, texts)
+        scores = None
+        if base_scores is not None:
+            scores = np.zeros((len(passages), width), dtype=np.float32)
+            for i, s in enumerate(base_scores):
+                scores[i, : len(s)] = s
+        return cls(list(questions), np.asarray(query_vectors, dtype=np.float32), padded, mask, texts, scores)
 
     @cached_property
     def base_scores(self) -> np.ndarray:
-        """SCALE · cos(q, p), -inf outside the mask."""
+        """The base's scores (SCALE · cos(q, p), or the `scores` given), -inf outside the mask."""
+        if self.scores is not None:
+            return np.where(self.mask, self.scores, -np.inf).astype(np.float32)
         scores = SCALE * np.einsum("qd,qnd->qn", self.query_vectors, self.passage_vectors)
         return np.where(self.mask, scores, -np.inf).astype(np.float32)
 
@@ -98,6 +114,7 @@ class ListwiseData:
             self.passage_vectors[rows],
             self.mask[rows],
             texts,
+            None if self.scores is None else self.scores[rows],
         )
 
     def top_k(self, k: int | None) -> ListwiseData:
@@ -110,7 +127,7 @@ class ListwiseData:
         keep = np.zeros_like(self.mask)
         np.put_along_axis(keep, order[:, :k], True, axis=1)
         return ListwiseData(
-            self.questions, self.query_vectors, self.passage_vectors, self.mask & keep, self.passage_texts
+            self.questions, self.query_vectors, self.passage_vectors, self.mask & keep, self.passage_texts, self.scores
         )
 
 

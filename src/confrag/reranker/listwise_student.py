@@ -1,15 +1,16 @@
-"""Students of a listwise teacher: the base bi-encoder aligned to a target over each question's candidates.
+"""Students of a listwise teacher: the base reranker aligned to a target over each question's candidates.
 
-The base is a sentence-transformers bi-encoder (all-MiniLM-L6-v2) scoring a candidate by SCALE · cos(q, p). Each
-student starts equal to it (a test checks) and learns, over a question's list (`ListwiseData.top_k` restricts it to
-the base's top k),
+The studies' base is a sentence-transformers bi-encoder (all-MiniLM-L6-v2) scoring a candidate by SCALE · cos(q, p);
+in the rerank task it is the run's base reranker (`ListwiseData.scores`). Each student starts equal to it (a test
+checks) and learns, over a question's list (`ListwiseData.top_k` restricts it to the base's top k),
 
     KL(softmax(target) ‖ softmax(f / τ)) + λ · KL(softmax(base / τ) ‖ softmax(f / τ)),
 
 the teacher's distribution with an anchor keeping the student near the base (λ = 0: REPLUG LSR as published). The
 student's temperature τ matters: softmax(base) at τ = 1 puts most of its mass on the base's top-1, so a target
 flatter than that asks the student mostly to be flatter, and the anchor at τ = 1 pins the top-1; τ matched to the
-teacher's spread asks for the order instead. One registered class per kind (`STUDENTS`):
+teacher's spread asks for the order instead; `tau="learned"` learns it (REPLUG tunes its γ), on a log scale at a
+rate of its own. One registered class per kind (`STUDENTS`):
 
 - `query_tower`: REPLUG LSR's setting. The query encoder is fine-tuned; the passages' embeddings stay the frozen
   base's (REPLUG keeps the document encoder fixed to spare re-indexing), so one training step encodes only the
@@ -20,39 +21,47 @@ teacher's spread asks for the order instead. One registered class per kind (`STU
   sequence, mean-pooled) into a zero-initialised linear head g: f = base + w · SCALE · g(q, p). It starts as the
   base and learns only the correction, and unlike the two above it can read the passage in the light of the
   question (an answer-typed span a frozen passage vector may not encode).
+- `cross_encoder`: the base reranker fine-tuned whole (the paper's kind; the studies' MiniLM bi-encoder, both towers).
 
-Training runs in Lightning for a fixed number of optimizer steps (matched across the rows a study compares), with
-AdamW and a linear warmup/decay (`confrag.reranker.module.build_optimizer`, the reranker's own).
+The first two read the base's vectors (a bi-encoder base). `export` / `read` save and load any. Training runs in
+Lightning for a fixed number of optimizer steps (matched across the rows a study compares), AdamW with a linear
+warmup/decay (`confrag.reranker.module.build_optimizer`), on `fit_listwise`'s accelerator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import gc
-import logging
+import dataclasses
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import lightning as L
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.utils.data import DataLoader
 
 from confrag.infra import checks
-from confrag.infra.fit_progress import FitProgress
+from confrag.infra.atomic import swapped_in
+from confrag.infra.digests import write_folder_digest
 from confrag.reranker.bi_encoder import SCALE
-from confrag.reranker.listwise_data import ListTarget, ListwiseData, list_batch, padded_in_list, padded_targets
+from confrag.reranker.listwise_data import ListTarget, ListwiseData, list_batch
+from confrag.reranker.listwise_trainer import train_student
 from confrag.reranker.loss import listwise_kl
 from confrag.reranker.module import build_optimizer
+from confrag.reranker.pair_scorer import PairScorer
 from confrag.retrieval.dense import MeanPoolEncoder
 from confrag.retrieval.mean_pooling import mean_pool
 
-# Lightning's precision names a student may train in: bf16 autocast runs the encoder 2-3x faster on a CPU with
-# AMX (and on a GPU); fp32 is exact everywhere.
+# Lightning's precisions a student may train in: bf16 autocast is 2-3x faster on an AMX CPU; fp32 exact everywhere.
 PRECISIONS = ("32-true", "bf16-mixed")
+LEARNED = "learned"  # `tau`: the student's temperature learned rather than set
+TAU_LR = 0.01  # the learned temperature's rate (on log τ, constant), whatever the weights' lr
+CARD, WEIGHTS = "student.json", "student.safetensors"  # an exported student's settings and weights
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ class ListwiseSettings:
     batch_size: int
     warmup_ratio: float
     weight_decay: float
-    tau: float  # the student's temperature: f / τ
+    tau: float | str  # the student's temperature: f / τ; "learned": learned from 1
     anchor: float  # λ, the weight of KL(base ‖ student)
     seed: int
     # Whether the encoder's word embeddings train (11.7 M of MiniLM's 22.7 M weights: the part that lets a student
@@ -86,7 +95,8 @@ class ListwiseSettings:
         checks.positive_int(self.batch_size, "batch_size")
         checks.number(self.warmup_ratio, "warmup_ratio", 0, 1, high_open=True)
         checks.number(self.weight_decay, "weight_decay", 0, None)
-        checks.number(self.tau, "tau", 0, None, low_open=True)
+        if self.tau != LEARNED:
+            checks.number(self.tau, "tau", 0, None, low_open=True, hint=f"(or {LEARNED!r})")
         checks.number(self.anchor, "anchor", 0, None)
         checks.flag(self.train_embeddings, "train_embeddings")
         if self.train_layers is not None:
@@ -99,25 +109,41 @@ class ListwiseSettings:
 
 class ListwiseStudent(L.LightningModule, ABC):
     """f(q, candidates) for a batch of questions, trained on the anchored listwise KL. A kind implements `scores`.
-    A residual kind (f = base + w · correction) trains at w = 1 and scores at `weight_at_scoring` (chosen on dev);
-    the others ignore it."""
+    A residual kind (f = base + w · correction) trains at w = 1 and scores at `weight_at_scoring`; others ignore it."""
 
     weight_at_scoring: float = 1.0
+    reads_vectors: ClassVar[bool] = False  # whether it reads the base's query and passage vectors (a bi-encoder's)
+    exports_reranker: ClassVar[bool] = False  # whether its saved folder is the reranker's own (`CrossEncoder` loads)
 
     def __init__(self, settings: ListwiseSettings) -> None:
         super().__init__()
         self.settings = settings
+        self.log_tau = nn.Parameter(torch.zeros(())) if settings.tau == LEARNED else None
+
+    @classmethod
+    def build(cls, settings: ListwiseSettings, base: StudentBase) -> ListwiseStudent:  # a fresh one, equal to the base
+        return cls(settings, MeanPoolEncoder(base.encoder_dir, device="cpu"))
 
     @abstractmethod
     def scores(self, batch: dict) -> torch.Tensor:
         """(B, N) scores of the batch's questions' candidates."""
 
+    @property
+    def temperature(self) -> float:  # τ as set, or as learned so far
+        return float(self.log_tau.exp()) if self.log_tau is not None else float(self.settings.tau)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         s = self.settings
         f = self.scores(batch)
-        loss = listwise_kl(f, batch["target"], batch["mask"], s.tau)
-        if s.anchor > 0:
-            loss = loss + s.anchor * listwise_kl(f, batch["base"] / s.tau, batch["mask"], s.tau)
+        if self.log_tau is None:
+            loss = listwise_kl(f, batch["target"], batch["mask"], s.tau)
+            if s.anchor > 0:
+                loss = loss + s.anchor * listwise_kl(f, batch["base"] / s.tau, batch["mask"], s.tau)
+        else:  # the same loss, τ a parameter: the target and the anchor get no gradient (listwise_kl detaches them)
+            tau = self.log_tau.exp()
+            loss = listwise_kl(f / tau, batch["target"], batch["mask"])
+            if s.anchor > 0:
+                loss = loss + s.anchor * listwise_kl(f / tau, batch["base"] / tau, batch["mask"])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"listwise {s.student}: loss {loss.item()} at step {self.global_step}")
         self.log("train/loss", loss, batch_size=f.shape[0])
@@ -125,13 +151,19 @@ class ListwiseStudent(L.LightningModule, ABC):
 
     def configure_optimizers(self):
         s = self.settings
+        if self.log_tau is not None:
+            self.log_tau.requires_grad_(False)
         optimizer, scheduler = build_optimizer(self, s.lr, s.weight_decay, s.warmup_ratio, s.steps)
+        if self.log_tau is not None:  # the same schedule for the weights' groups, a constant one for τ's
+            self.log_tau.requires_grad_(True)
+            optimizer.add_param_group({"params": [self.log_tau], "lr": TAU_LR, "weight_decay": 0.0})
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [*scheduler.lr_lambdas, lambda step: 1.0])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Scoring in the precision the student trained in."""
         if self.settings.precision == "bf16-mixed":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     @torch.no_grad()
@@ -142,17 +174,55 @@ class ListwiseStudent(L.LightningModule, ABC):
         out = []
         for start in range(0, len(data.questions), batch_size):
             rows = list(range(start, min(start + batch_size, len(data.questions))))
+            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in list_batch(data, rows, None).items()}
             with self.autocast():
-                out.append(self.scores(list_batch(data, rows, None)).float().numpy())
+                out.append(self.scores(batch).float().cpu().numpy())
         self.train(was_training)
         scores = np.concatenate(out, axis=0) if out else np.zeros(data.mask.shape, dtype=np.float32)
         return np.where(data.mask, scores, -np.inf).astype(np.float32)
+
+    def save(self, folder: Path) -> None:
+        """Into `folder` (being built): the weights as `_write` puts them (`student.safetensors` unless the kind has
+        its own format) and `student.json` (settings, w at scoring, τ)."""
+        self._write(folder)
+        card = {"settings": dataclasses.asdict(self.settings), "temperature": self.temperature}
+        (folder / CARD).write_text(json.dumps({**card, "weight_at_scoring": self.weight_at_scoring}, indent=2))
+
+    def export(self, directory: str | Path) -> Path:
+        """`save` into a folder built beside `directory` with a digest, then swapped in (`load_student` in
+        `confrag.reranker.aligned` reads it)."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with swapped_in(directory) as tmp:
+            self.save(tmp)
+            write_folder_digest(tmp)
+        return directory
+
+    @classmethod
+    def read(cls, folder: Path, base: StudentBase) -> ListwiseStudent:
+        """A saved student of this kind (`save`), in eval mode; `base` as it was built from."""
+        card = json.loads((Path(folder) / CARD).read_text())
+        student = cls._read(Path(folder), ListwiseSettings(**card["settings"]), base)
+        student.weight_at_scoring = float(card["weight_at_scoring"])
+        return student.eval()
+
+    def _write(self, folder: Path) -> None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(folder / WEIGHTS))
+
+    @classmethod
+    def _read(cls, folder: Path, settings: ListwiseSettings, base: StudentBase) -> ListwiseStudent:
+        student = cls.build(settings, base)
+        student.load_state_dict(load_file(str(folder / WEIGHTS)))
+        return student
 
 
 def _frozen_word_embeddings(encoder: nn.Module, settings: ListwiseSettings) -> nn.Module:
     """A copy of the base's encoder with what the settings keep frozen frozen: the word embeddings unless
     `train_embeddings`, and with `train_layers` every layer below the top ones and the embeddings."""
-    encoder = copy.deepcopy(encoder).float()
+    return _frozen(copy.deepcopy(encoder).float(), settings)
+
+
+def _frozen(encoder: nn.Module, settings: ListwiseSettings) -> nn.Module:
     if not settings.train_embeddings:
         encoder.get_input_embeddings().weight.requires_grad_(False)
     if settings.train_layers is not None:
@@ -173,10 +243,12 @@ class QueryTowerStudent(ListwiseStudent):
         self.tokenizer = base.tokenizer
         self.max_length = int(base.max_length)
 
+    reads_vectors = True
+
     def scores(self, batch: dict) -> torch.Tensor:
         tokens = self.tokenizer(
             batch["questions"], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        )
+        ).to(self.device)
         hidden = self.encoder(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).last_hidden_state
         q = nn.functional.normalize(mean_pool(hidden, tokens["attention_mask"]).float(), dim=-1)
         return SCALE * torch.einsum("bd,bnd->bn", q, batch["passages"])
@@ -185,6 +257,8 @@ class QueryTowerStudent(ListwiseStudent):
 class ResidualHeadStudent(ListwiseStudent):
     """The base frozen; f = base + w · SCALE · (a · (q ⊙ p) + b), the head zero at the start. At SCALE, a = 1 on
     every dimension adds the base once more, so a step of the optimiser moves the score on the base's own scale."""
+
+    reads_vectors = True
 
     def __init__(self, settings: ListwiseSettings, base: MeanPoolEncoder) -> None:
         super().__init__(settings)
@@ -227,7 +301,7 @@ class ResidualCrossEncoderStudent(ListwiseStudent):
             truncation="only_second",
             max_length=self.max_length,
             return_tensors="pt",
-        )
+        ).to(self.device)
         hidden = self.encoder(**tokens).last_hidden_state
         g = self.head(mean_pool(hidden, tokens["attention_mask"])).squeeze(-1).float()
         correction = torch.zeros_like(base).index_put((rows, cols), g)
@@ -235,68 +309,72 @@ class ResidualCrossEncoderStudent(ListwiseStudent):
         return base + w * SCALE * correction
 
 
-# kind -> class; each is built from the base bi-encoder and starts equal to it.
+class CrossEncoderStudent(ListwiseStudent):
+    """The base reranker fine-tuned whole (a copy: f = base at the start); its export is the reranker's own folder."""
+
+    exports_reranker = True
+
+    def __init__(self, settings: ListwiseSettings, reranker: PairScorer) -> None:
+        super().__init__(settings)
+        self.reranker = reranker
+        self.model = reranker.model  # the weights, registered here so that they train and move with the student
+        _frozen(getattr(self.model, getattr(self.model, "base_model_prefix", ""), self.model), settings)  # its encoder
+
+    @classmethod
+    def build(cls, settings: ListwiseSettings, base: StudentBase) -> ListwiseStudent:
+        reranker = base.reranker or PairScorer.embedded()
+        return cls(settings, dataclasses.replace(reranker, model=copy.deepcopy(reranker.model).float()))
+
+    def scores(self, batch: dict) -> torch.Tensor:
+        if batch["passage_texts"] is None:
+            raise ValueError("cross_encoder: the listwise data has no passage_texts (it reads the passages)")
+        mask = batch["mask"]
+        rows, cols = mask.nonzero(as_tuple=True)
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        if len(rows) == 0:
+            return out
+        pairs = list(zip(rows.tolist(), cols.tolist()))
+        queries, passages = [batch["questions"][r] for r, _ in pairs], [batch["passage_texts"][r][c] for r, c in pairs]
+        return out.index_put((rows, cols), self.reranker.logits(queries, passages))
+
+    def _write(self, folder: Path) -> None:
+        self.reranker.export(folder)
+
+    @classmethod
+    def _read(cls, folder: Path, settings: ListwiseSettings, base: StudentBase) -> ListwiseStudent:
+        return cls(settings, PairScorer.load(folder))  # τ is a training setting: scoring reads none
+
+
+# kind -> class; each is built from the base (`StudentBase`) and starts equal to it.
 STUDENTS: dict[str, type[ListwiseStudent]] = {
     "query_tower": QueryTowerStudent,
     "residual_head": ResidualHeadStudent,
     "residual_cross_encoder": ResidualCrossEncoderStudent,
+    "cross_encoder": CrossEncoderStudent,
 }
 
 
-def build_student(settings: ListwiseSettings, base_dir: str | Path | None = None) -> ListwiseStudent:
-    """A fresh student equal to the base; `base_dir` is the bi-encoder's folder (None: the embedded MiniLM)."""
-    return STUDENTS[settings.student](settings, MeanPoolEncoder(base_dir, device="cpu"))
+@dataclass(frozen=True)
+class StudentBase:
+    """What a student starts from: the base bi-encoder's folder whose encoder the query tower and the residual students
+    copy, and the base reranker `cross_encoder` fine-tunes (None: the embedded MiniLM bi-encoder, the studies' base)."""
+
+    encoder_dir: Path | None = None
+    reranker: PairScorer | None = None
+
+
+def build_student(settings: ListwiseSettings, base: StudentBase | None = None) -> ListwiseStudent:
+    """A fresh student equal to the base (by default the embedded MiniLM bi-encoder)."""
+    return STUDENTS[settings.student].build(settings, base or StudentBase())
 
 
 def fit_listwise(
-    settings: ListwiseSettings, data: ListwiseData, targets: list[np.ndarray | ListTarget | None], base_dir=None
+    settings: ListwiseSettings,
+    data: ListwiseData,
+    targets: list[np.ndarray | ListTarget | None],
+    base: StudentBase | None = None,
+    accelerator: str = "cpu",
 ) -> ListwiseStudent:
-    """A student trained on the questions that have a target, for `settings.steps` steps (seeded: the same
-    settings and data give the same student)."""
-    if len(targets) != len(data.questions):
-        raise ValueError(f"{len(targets)} targets for {len(data.questions)} questions")
-    table, _ = padded_targets(targets, data.mask.shape[1])
-    in_list = padded_in_list(targets, data.mask.shape[1])
-    # A question trains where its target keeps a finite logit inside the data's mask (after `top_k`, a relevance
-    # target whose own paragraph lies below the base's top k has none there).
-    kept = [i for i in range(len(targets)) if np.isfinite(table[i][data.mask[i] & in_list[i]]).any()]
-    if not kept:
-        raise ValueError(f"listwise {settings.student}: no question has a target (nothing to train on)")
-    L.seed_everything(settings.seed, workers=True, verbose=False)
-    student = build_student(settings, base_dir)
-    generator = torch.Generator().manual_seed(settings.seed)
-    loader = DataLoader(
-        kept,
-        batch_size=min(settings.batch_size, len(kept)),
-        shuffle=True,
-        generator=generator,
-        drop_last=len(kept) >= settings.batch_size,
-        collate_fn=lambda rows: list_batch(data, list(rows), table, in_list),
-    )
-    # A study trains dozens of students: Lightning's per-fit notices (devices, tips, "max_steps reached") would bury
-    # the study's own log, so they are kept below WARNING while a student fits.
-    quiet = logging.getLogger("lightning.pytorch")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    trainer = L.Trainer(
-        max_steps=settings.steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-        precision=settings.precision,
-        callbacks=[FitProgress(f"listwise {settings.student}")],  # its steps, rate and time left in the log
-    )
-    try:
-        trainer.fit(student, loader)
-    finally:
-        quiet.setLevel(level)
-    # Drop the trainer (and through it the optimizer's state, twice the model's size): a study trains dozens of
-    # students, and the module <-> trainer cycle would otherwise keep each one's state until a full collection.
-    student.trainer = None
-    del trainer
-    gc.collect()
-    return student.eval()
+    """A student trained on the questions that have a target, for `settings.steps` steps on `accelerator` (seeded:
+    the same settings and data give the same student; `confrag.reranker.listwise_trainer`)."""
+    return train_student(lambda: build_student(settings, base), settings, data, targets, accelerator)

@@ -1,9 +1,14 @@
-"""Listwise teachers: a target distribution over each question's whole candidate list, one table entry each.
+"""The teachers an aligned reranker learns from, one registry entry each (`ALIGNMENT_TEACHERS`, the `alignment.teacher`
+of a run): the paper's rows, or a target distribution over each question's candidate list.
 
-A teacher turns a question's candidates (and the LLM's likelihood ℓ of the gold answer under each, where it
-reads it) into target logits over the list; the aligned student learns KL(softmax(target) ‖ softmax(score / τ))
-(`confrag.reranker.loss.listwise_kl`). A logit of -inf gives a candidate zero target probability. A question the
-teacher cannot label (no positive) gets None and is left out of training, counted by the caller.
+`inc` is the paper's: NQ_Rerank's pos / neg rows from the probe's confidence shift under a label rule
+(`preferences.selection`, `compare`), trained with group InfoNCE (`confrag.reranker.module.RerankerModule`). Every
+other teacher turns a question's candidates (and what it reads beside them: the LLM's likelihood ℓ of the gold answer
+under each, the LLM's greedy answer under each, the base's scores) into target logits over the list; the aligned
+student learns KL(softmax(target) ‖ softmax(score / τ)) + λ·KL(softmax(base / τ) ‖ softmax(score / τ))
+(`confrag.reranker.loss.listwise_kl`, `confrag.reranker.listwise_student`). A logit of -inf gives a candidate zero
+target probability. A question the teacher cannot label (no positive) gets None and is left out of training, counted
+by the caller.
 
 - `likelihood`: ℓ / τ_T, REPLUG LSR's target (softmax of the LM's score of the gold continuation under each
   document), RA-DIT's retriever step, Atlas's perplexity distillation. Graded over every candidate.
@@ -16,6 +21,10 @@ teacher cannot label (no positive) gets None and is left out of training, counte
   the utility labels used fully, multi-positive. An answer-bearing candidate the LLM failed under is left out of
   the list rather than pushed down as a negative (the passage holds the answer; the failure is the LLM's), and so
   is a candidate never answered (below the depth the labels were generated to).
+- `base`: the base's own scores / τ_T: the matched-steps control of every listwise row (what the same training does
+  with a teacher that knows nothing beyond the base).
+
+A new teacher is one entry of `ALIGNMENT_TEACHERS`: its target function and what it reads.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ class TeacherInputs:
     """What a teacher may read for one question."""
 
     candidates: Candidates
-    likelihood: np.ndarray  # ℓ per candidate, aligned with candidates.passages
+    likelihood: np.ndarray | None  # ℓ per candidate, aligned with candidates.passages (`likelihood` reads it)
     # The LLM's greedy answer under each candidate alone: 1 right, 0 wrong, -1 not answered (`utility` reads it).
     utility: np.ndarray | None = None
+    base: np.ndarray | None = None  # the base's score of each candidate (`base` reads it)
 
 
 def _uniform_over(flags: list[bool]) -> np.ndarray | None:
@@ -47,7 +57,20 @@ def _uniform_over(flags: list[bool]) -> np.ndarray | None:
     return np.where(flags, 0.0, -np.inf).astype(np.float32)
 
 
+def _graded(values: np.ndarray | None, what: str, inputs: TeacherInputs, temperature: float) -> np.ndarray:
+    c = inputs.candidates
+    if values is None:
+        raise ValueError(f"{what} teacher: question {c.qid} has no {what} scores (TeacherInputs.{what})")
+    values = np.asarray(values, dtype=np.float32)
+    if values.shape != (len(c.passages),):
+        raise ValueError(f"{what} teacher: question {c.qid} has {len(c.passages)} candidates but {values.shape} scores")
+    require_finite(values, stage=f"{what} teacher", artifact=f"the {what} scores of question {c.qid}'s candidates")
+    return values / np.float32(temperature)
+
+
 def likelihood_target(inputs: TeacherInputs, temperature: float) -> np.ndarray | None:
+    if inputs.likelihood is None:
+        raise ValueError(f"likelihood teacher: question {inputs.candidates.qid} has no ℓ (TeacherInputs.likelihood)")
     ell = np.asarray(inputs.likelihood, dtype=np.float32)
     if ell.shape != (len(inputs.candidates.passages),):
         raise ValueError(
@@ -84,24 +107,69 @@ def utility_target(inputs: TeacherInputs, temperature: float) -> ListTarget | No
     return ListTarget(np.where(right, 0.0, -np.inf).astype(np.float32), right | wrong_without_answer)
 
 
-# name -> target logits of one question (None: no positive); τ_T divides ℓ and is ignored by the others.
-LISTWISE_TEACHERS: dict[str, Callable[[TeacherInputs, float], np.ndarray | ListTarget | None]] = {
-    "likelihood": likelihood_target,
-    "relevance": relevance_target,
-    "answer_bearing": answer_bearing_target,
-    "utility": utility_target,
+def base_target(inputs: TeacherInputs, temperature: float) -> np.ndarray | None:
+    return _graded(inputs.base, "base", inputs, temperature)
+
+
+Target = Callable[[TeacherInputs, float], np.ndarray | ListTarget | None]
+
+# What a teacher may read beside the candidates (`Teacher.reads`): ℓ, the LLM's answer under each candidate, the
+# base's scores. The stage computes only what its teachers read.
+LIKELIHOOD, ANSWERS, BASE_SCORES = "likelihood", "answers", "base"
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """One teacher: what it is (the reports' words), its target over a question's list (None: the paper's rows,
+    trained pairwise with group InfoNCE, not a listwise target), what it reads beside the candidates, and the
+    students it can teach (None: every listwise student)."""
+
+    description: str
+    target: Target | None
+    reads: frozenset[str] = frozenset()
+    students: tuple[str, ...] | None = None
+
+    @property
+    def listwise(self) -> bool:
+        return self.target is not None
+
+
+# name -> the teacher; τ_T divides the graded scores (ℓ, the base's) and is ignored by the others.
+ALIGNMENT_TEACHERS: dict[str, Teacher] = {
+    "inc": Teacher(
+        "the paper's rows: the probe's confidence shift Inc under the label rules, group InfoNCE",
+        None,
+        students=("cross_encoder",),  # the model node's reranker, fine-tuned whole
+    ),
+    "likelihood": Teacher(
+        "the LLM's likelihood of the gold answer under each candidate (REPLUG LSR)",
+        likelihood_target,
+        frozenset({LIKELIHOOD}),
+    ),
+    "utility": Teacher(
+        "the candidates the LLM answers right under (its greedy answer, multi-positive)",
+        utility_target,
+        frozenset({ANSWERS}),
+    ),
+    "relevance": Teacher(
+        "the passages of the question's own paragraph (the perfect-relevance control)", relevance_target
+    ),
+    "answer_bearing": Teacher("the candidates that hold a gold answer string", answer_bearing_target),
+    "base": Teacher("the base's own scores (the matched-steps control)", base_target, frozenset({BASE_SCORES})),
 }
+LISTWISE = tuple(name for name, t in ALIGNMENT_TEACHERS.items() if t.listwise)
 
 
 def teacher_targets(
     name: str, inputs: list[TeacherInputs], temperature: float
 ) -> tuple[list[np.ndarray | ListTarget | None], int]:
     """Each question's target logits (None where the teacher has no positive) and how many got None."""
-    if name not in LISTWISE_TEACHERS:
-        raise ValueError(f"teacher must be one of {sorted(LISTWISE_TEACHERS)}; got {name!r}")
+    if name not in LISTWISE:
+        raise ValueError(f"teacher must be one of {sorted(LISTWISE)} (a listwise teacher); got {name!r}")
     if not temperature > 0:
         raise ValueError(f"teacher temperature must be > 0; got {temperature!r}")
-    targets = [LISTWISE_TEACHERS[name](x, float(temperature)) for x in inputs]
+    target = ALIGNMENT_TEACHERS[name].target
+    targets = [target(x, float(temperature)) for x in inputs]
     return targets, sum(t is None for t in targets)
 
 

@@ -13,11 +13,15 @@ from typing import Any
 
 from confrag.infra import checks
 from confrag.reranker.label_rules import RULES
+from confrag.reranker.listwise_teachers import LISTWISE
 
 BM25, BI_ENCODER = "bm25", "bi_encoder"  # the retrieval corpus's own scores
 BASE, RELEVANCE_FT = "base", "relevance_ft"  # the base reranker; the base fine-tuned on relevance labels
 CONFIDENCE_FT = "confidence_ft"  # the family `confidence_ft.<rule>`: the base fine-tuned on a label rule's rows
+# The family `aligned.<teacher>`: a listwise student of an alignment teacher over the base's top k (`stages.alignment`)
+ALIGNED = "aligned"
 PROBE, ORACLE = "probe", "oracle"  # Table 2's diagnostic rows (`stages.diagnostics`), never chosen by config
+FUSION = "fusion"  # z(base) + w·z(ℓ): Tables 1-2's diagnostic row that reads the gold answer, never chosen by config
 OWN_ROWS_FT = "own_rows_ft"  # the base fine-tuned on the user's rows (preferences.rows_path; the rerank task only)
 
 # The display label of every system id but the rule family's (see `label`).
@@ -28,6 +32,7 @@ LABELS = {
     RELEVANCE_FT: "base + relevance FT",
     PROBE: "probe as reranker",
     ORACLE: "utility oracle (upper bound)",
+    FUSION: "fusion z(base) + w·z(ℓ) (reads the gold answer)",
     OWN_ROWS_FT: "base + FT on your rows",
 }
 
@@ -37,19 +42,34 @@ def confidence_ft(rule: str) -> str:
     return f"{CONFIDENCE_FT}.{rule}"
 
 
+def aligned(teacher: str) -> str:
+    """The id of the base's listwise student of teacher `teacher` (`confrag.reranker.listwise_teachers`)."""
+    return f"{ALIGNED}.{teacher}"
+
+
 def label(system: str) -> str:
-    """The display label of system id `system` (the rule family's: `base + confidence FT (<rule>)`)."""
+    """The display label of system id `system` (the families': `base + confidence FT (<rule>)`, `base aligned to
+    <teacher> (listwise)`)."""
     family, dot, rule = system.partition(".")
     if dot and family == CONFIDENCE_FT and rule in RULES:
         return f"base + confidence FT ({rule})"
+    if dot and family == ALIGNED and rule in LISTWISE:
+        return f"base aligned to {rule} (listwise)"
     if system not in LABELS:
         raise ValueError(f"no system has the id {system!r}; ids: {', '.join(ALL)}")
     return LABELS[system]
 
 
 # What a config may name as a reranker (a Table 1 row): every id but the diagnostic rows'.
-TABLE1 = (BM25, BI_ENCODER, BASE, RELEVANCE_FT, *(confidence_ft(rule) for rule in RULES))
-ALL = (*TABLE1, PROBE, ORACLE, OWN_ROWS_FT)
+TABLE1 = (
+    BM25,
+    BI_ENCODER,
+    BASE,
+    RELEVANCE_FT,
+    *(confidence_ft(rule) for rule in RULES),
+    *(aligned(teacher) for teacher in LISTWISE),
+)
+ALL = (*TABLE1, PROBE, ORACLE, FUSION, OWN_ROWS_FT)
 
 
 def check_reranker(value: Any, key: str) -> str:

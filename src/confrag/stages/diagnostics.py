@@ -8,6 +8,10 @@
 
 Both read the same per-candidate data that also gives the probe's AUROC on held-out candidate states
 (actual-answer labels), the number that says whether the probe transfers to retrieved contexts.
+
+- **fusion** (`alignment.fusion_weight`): z(base) + w · z(ℓ) over a question's passages, ℓ the LLM's likelihood of
+  the gold answer under each (`stages.likelihood`): the base's near-ties broken by ℓ. It reads the gold answer, so it
+  is a bound on what a student of ℓ could add, in Tables 1 and 2, never a reranker a config may choose.
 """
 
 from __future__ import annotations
@@ -42,6 +46,21 @@ def lookup_scorer(candidates: Sequence[Candidates], values: Sequence[np.ndarray]
         if missing:
             raise ValueError(f"no diagnostic value for question {question!r}, passages {missing[:2]}")
         return np.array([table[(question, p)] for p in passages], dtype=np.float64)
+
+    return score
+
+
+def zscore(x: np.ndarray) -> np.ndarray:
+    return (x - x.mean()) / (x.std() + 1e-9)
+
+
+def fusion_scorer(base, likelihood, weight: float):
+    """The fusion row's scorer: z(base) + `weight` · z(ℓ) over the passages given, `base` and `likelihood` scorers
+    (question, passages) -> values (ℓ from `lookup_scorer`)."""
+
+    def score(question: str, passages: list[str]) -> np.ndarray:
+        b = np.asarray(base(question, passages), dtype=np.float64)
+        return zscore(b) + weight * zscore(np.asarray(likelihood(question, passages), dtype=np.float64))
 
     return score
 

@@ -39,9 +39,11 @@ from confrag.llm.prompted import PromptedLLM
 from confrag.llm.prompts import PromptTemplates
 from confrag.rag import AnswerStore, QuestionOutcome, RagRun, run_rag, save_outcomes_jsonl
 from confrag.rag.settings import AnswerSettings, EvalSettings
+from confrag.reranker.systems import FUSION
 from confrag.retrieval import Candidates, Corpus
 from confrag.retrieval.lengths import TokenBudget
-from confrag.stages.diagnostics import candidate_diagnostics
+from confrag.stages.diagnostics import candidate_diagnostics, fusion_scorer, lookup_scorer
+from confrag.stages.likelihood import likelihood_stage
 from confrag.stages.passage_budget import checked_paragraphs, llm_passage_budget
 from confrag.stages.rerank import RerankStage, Scorer, table1_systems
 from confrag.stages.retrieval import (
@@ -320,6 +322,9 @@ def evaluate(
                     runs[s.dataset][name] = run_rag(
                         rows, chosen, store, settings.ks, scorer, confidences if s.dataset == questions else None
                     )
+        if stage.alignment is not None and stage.alignment.fusion_weight is not None:
+            for s in sets:
+                runs[s.dataset][FUSION] = fusion_run(stage, s, splits, store, settings, prompted, ctx, confidences)
         log.info("answers: %d generated, %d from the cache", store.generated, store.reused)
         counts = {"generated": store.generated, "reused": store.reused}
         check = (
@@ -337,6 +342,31 @@ def evaluate(
         gc.collect()
     ctx.on_main(save_outcomes, runs, ctx.output_dir / "outcomes")
     return RagEvaluation(splits, sets, runs, counts, check, summaries, main=questions)
+
+
+# wide: the fusion row's answers read the evaluation's parts that `evaluate` holds (its set, splits, answer store,
+# settings, the loaded LLM, context and question confidences); `evaluate` is the one caller.
+def fusion_run(
+    stage: RerankStage,
+    eval_set: EvalSet,
+    splits: dict[str, list[QARow]],
+    store: AnswerStore,
+    settings: CBDRSettings,
+    prompted: PromptedLLM,
+    ctx: RunContext,
+    confidences: dict[str, float],
+) -> RagRun:
+    """Table 2's diagnostic row `fusion` on the test questions (every question of a set other than NQ): z(base) +
+    w · z(ℓ) over each question's candidates, ℓ from the ℓ stage (cached), the base Table 2 pairs every row with."""
+    test = {r.qid for r in splits["test"]}
+    keep = eval_set.dataset != NQ
+    rows = [r for r in eval_set.rows if keep or r.qid in test]
+    chosen = [c for c in eval_set.candidates if keep or c.qid in test]
+    alignment = stage.alignment
+    ell = likelihood_stage(prompted, chosen, ctx, alignment.extract_batch_size, alignment.max_answers)
+    base = eval_set.scorers[settings.base]
+    fused = fusion_scorer(base, lookup_scorer(chosen, ell.per_question), alignment.fusion_weight)
+    return run_rag(rows, chosen, store, settings.ks, fused, None if keep else confidences)
 
 
 def save_outcomes(runs: dict[str, dict[str, RagRun]], folder: Path) -> None:

@@ -1,6 +1,6 @@
-"""The rerank stage: probe (cached) → retrieval → the question plan → NQ_Rerank → the base reranker →
-the base fine-tuned on relevance labels (the control) and on each preference rule (cached) → every
-Table 1 row as a scorer.
+"""The rerank stage: probe (cached) → retrieval → the question plan → NQ_Rerank → the base reranker → the base
+fine-tuned on relevance labels (the control), on each preference rule and by the alignment node's listwise teachers
+(`stages.alignment`; cached) → every Table 1 row as a scorer.
 
 As in the paper, alignment starts from a relevance reranker and is compared with that reranker before
 alignment and with the same reranker fine-tuned for the same number of steps on relevance labels of the
@@ -11,7 +11,7 @@ a run of the same settings has built it, so a sweep over τ or K recomputes only
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from confrag.reranker.selection import DevTop1, dev_set, kept_start
 from confrag.reranker.systems import BASE, BI_ENCODER, BM25, RELEVANCE_FT, confidence_ft, labelled
 from confrag.retrieval import document_text
 from confrag.stages import label_checks
+from confrag.stages.alignment import AlignmentSettings, alignment_material, fusion_rows, with_listwise
 from confrag.stages.base_reranker import BaseReranker, BaseRerankerSettings, ensure_base_reranker
 from confrag.stages.cross_fit import FoldedReranker
 from confrag.stages.nq_rerank import PreferenceSettings, PreferenceStage, build_nq_rerank
@@ -58,6 +59,7 @@ class RerankRecipe:
     """Everything the stage is built from (beside the run's context: cache, seed, progress, run folder); the task
     fills it from the config (`rerank_recipe`)."""
 
+    alignment: AlignmentSettings  # the `alignment` node: the listwise rows beside the paper's, the fusion row
     probe: ProbeRecipe
     llm: dict[str, Any]  # the `llm` node (confrag.llm.loading.LLMConfig fields)
     templates: PromptTemplates
@@ -82,6 +84,12 @@ class RerankStage:
     scorers: dict[str, Scorer]  # every Table 1 row as (query, passages) -> scores, by id (`reranker.systems`)
     training: dict[str, Any]
     main: str  # the id of the selection rule's reranker
+    alignment: AlignmentSettings | None = None  # what Table 2's fusion row reads (`alignment.fusion_weight`)
+    diagnostics: dict[str, Scorer] = field(default_factory=dict)  # Table 1's rows that read the answer (fusion)
+
+    @property
+    def table1_systems(self) -> dict[str, Scorer]:  # the rerankers, then the diagnostic rows
+        return {**self.scorers, **self.diagnostics}
 
     @property
     def table1_rows(self) -> list[dict]:
@@ -92,12 +100,11 @@ class RerankStage:
 
 
 def fitted_questions(recipe: RerankRecipe, probe_data: NQConfidenceDataModule) -> list[QARow]:
-    """Every question of the NQ file, checked against the LLM's context before anything loads it (only the
-    data settings of `probe_data` are read: it need not be built): the
-    preference, base-reranker and evaluation questions are answered closed-book and under passages too,
-    and an overlong one failed only inside generation (tens of GB asked, no row named). Checked, and cut
-    with `data.truncate_questions`, exactly as the probe's data module fits its own questions, so a question
-    both see reads the same (the plan's disjointness holds on the fitted text)."""
+    """Every question of the NQ file, checked against the LLM's context before anything loads it (only the data
+    settings of `probe_data` are read: it need not be built): the preference, base-reranker and evaluation questions
+    are answered closed-book and under passages too, and an overlong one failed only inside generation (tens of GB
+    asked, no row named). Checked, and cut with `data.truncate_questions`, exactly as the probe's data module fits
+    its own questions, so a question both see reads the same (the plan's disjointness holds on the fitted text)."""
     rows = load_questions_jsonl(probe_data.questions_path, questions_format=probe_data.questions_format)
     tokenizer, context = prompt_tokenizer(recipe.llm)
     where = str(probe_data.questions_path)
@@ -140,20 +147,20 @@ def rerank_stage(
     probe, probe_data = ensure_probe(recipe.probe, ctx)
     questions = question_plan(recipe, rows, probe_data.data.rows, ctx.seed, probe_data.questions_path)
     stage = build_nq_rerank(
-        recipe.preferences,
-        recipe.answers,
-        recipe.llm,
-        recipe.templates,
-        probe,
-        questions.preference,
-        retrieval,
-        ctx,
+        recipe.preferences, recipe.answers, recipe.llm, recipe.templates, probe, questions.preference, retrieval, ctx
     )
     train_rows, test_rows = stage.splits["train"], stage.splits["test"]
     if not train_rows or not test_rows:
         sizes, dropped = {"train": len(train_rows), "test": len(test_rows)}, stage.report["dropped"]
         raise ValueError(label_checks.empty_split_message(recipe.preferences, len(stage.candidates), sizes, dropped))
     base = ensure_base_reranker(recipe.base, recipe.reranker, retrieval, questions.base, ctx)
+    # What the listwise rows read (None: none asked); `trained`: the paper's rows and the listwise ones.
+    material = alignment_material(recipe, stage, base, ctx)
+
+    def trained(qids: set[str], suffix: str, run_loggers: list[Logger]) -> tuple[dict[str, Reranker], dict]:
+        found = aligned_rerankers(recipe, ctx, stage, qids, base, suffix, run_loggers, run_config)
+        return with_listwise(found, recipe, material, qids, ctx, suffix)
+
     rerankers: dict[str, Reranker] = {BASE: base.module}
     training: dict[str, Any] = {"base": base.info}
     if questions.folds:
@@ -167,7 +174,7 @@ def rerank_stage(
         by_fold = claimed_first(
             range(len(questions.folds)),
             fold_claim,
-            lambda f: aligned_rerankers(recipe, ctx, stage, train_qids[f], base, f"_fold{f}", [], run_config),
+            lambda f: trained(train_qids[f], f"_fold{f}", []),
             "the aligned rerankers of fold",
         )
         for name in by_fold[0][0]:
@@ -183,13 +190,11 @@ def rerank_stage(
         # Every question outside NQ_Rerank's test split (each rule keeps its own subset of them).
         test_qids = {r["qid"] for splits in stage.splits_by_rule.values() for r in splits["test"]}
         train_qids = {c.qid for c in stage.candidates} - test_qids
-        aligned, info = aligned_rerankers(recipe, ctx, stage, train_qids, base, "", loggers, run_config)
-        rerankers.update(aligned)
-        training.update(info)
+        aligned, info = trained(train_qids, "", loggers)
+        rerankers, training = {**rerankers, **aligned}, {**training, **info}
     if RELEVANCE_FT in rerankers:  # the control right after the base, the aligned rows last
-        rerankers = {
-            k: rerankers[k] for k in [BASE, RELEVANCE_FT, *(r for r in rerankers if r not in (BASE, RELEVANCE_FT))]
-        }
+        first = [BASE, RELEVANCE_FT]
+        rerankers = {k: rerankers[k] for k in [*first, *(r for r in rerankers if r not in first)]}
     place_on_device(recipe.reranker, rerankers.values())
     scorers = table1_systems(retrieval, rerankers, recipe.reranker.eval_batch_size)
     return RerankStage(
@@ -203,6 +208,8 @@ def rerank_stage(
         scorers,
         training,
         confidence_ft(recipe.preferences.selection),
+        recipe.alignment,
+        fusion_rows(recipe.alignment, material, scorers[BASE]),
     )
 
 
@@ -328,7 +335,7 @@ def planned_rows(recipe: RerankRecipe) -> list[str]:
     rows.append(BASE)
     if recipe.preferences.relevance_baseline:
         rows.append(RELEVANCE_FT)
-    return rows + [confidence_ft(rule) for rule in recipe.preferences.rules]
+    return rows + [confidence_ft(rule) for rule in recipe.preferences.rules] + recipe.alignment.rows
 
 
 def table1_systems(

@@ -78,7 +78,7 @@ def run(cfg: DictConfig, checked: Checked, ctx: RunContext) -> Evaluated:
     hotpotqa_material(checked.evaluation, checked.answers, recipe.llm, recipe.templates, recipe.retrieval, ctx.seed)
     with timer.stage("stage"):
         stage = rerank_stage(recipe, ctx, loggers, run_config)
-        rows1 = table1(stage.scorers, stage.table1_rows, ctx.seed)
+        rows1 = table1(stage.table1_systems, stage.table1_rows, ctx.seed)
     with timer.stage("answers"):
         evaluation = evaluate(
             stage,

@@ -60,8 +60,9 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) ->
     """Rank 0: the exported reranker, Table 1, the report, NQ_Rerank as a dataset, the cards and uploads."""
     recipe, hub, out, stage, loggers = checked.recipe, checked.hub, ctx.output_dir, staged.stage, staged.loggers
     stage.rerankers[stage.main].export(out / "reranker")
+    aligned = aligned_exports(recipe, stage, out)  # each listwise row: aligned/<teacher>/
     test_rows = stage.table1_rows
-    rows = table1(stage.scorers, test_rows, ctx.seed)
+    rows = table1(stage.table1_systems, test_rows, ctx.seed)
     main = next(r for r in rows if r["id"] == stage.main)
     metrics = {f"test/{k}": main[k] / 100 for k in metric_columns(main)}
     report = stage.preferences.report
@@ -76,10 +77,20 @@ def write(cfg: DictConfig, checked: Checked, ctx: RunContext, staged: Staged) ->
         publish(cfg, recipe, stage, rows, len({r["qid"] for r in test_rows}), hub, out)
         # The probe whose confidence labelled the rows (the cached one this run used) beside the run's exports.
         exports = {"reranker": out / "reranker", "nq_rerank": out / "nq_rerank_dataset"}
+        exports |= {"aligned": out / "aligned"} if aligned else {}
     if stage.probe is not None and stage.probe.directory is not None:
         exports["probe"] = stage.probe.directory
     log_exports(loggers, exports, str(cfg.llm.name), {"rule": recipe.preferences.selection})
     return metrics
+
+
+def aligned_exports(recipe: RerankRecipe, stage: RerankStage | OwnRowsStage, out: Path) -> dict[str, Path]:
+    """The alignment node's listwise rows exported to `<run>/aligned/<teacher>/` (a cross-fitted row, one folder a
+    fold): what `confrag.reranker.aligned.load_aligned` reads."""
+    folders = {}
+    for row in recipe.alignment.rows:
+        folders[row] = stage.rerankers[row].export(out / "aligned" / row.partition(".")[2])
+    return folders
 
 
 def publish(

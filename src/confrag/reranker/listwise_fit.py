@@ -1,0 +1,154 @@
+"""Choosing and diagnosing listwise students on a study's questions: the dev choice over a grid, and whether a
+student learned its teacher (where it trained) and whether that carries (held out), up to its capacity.
+
+- `choose_on_dev(points, score)`: the grid point with the best dev score, a tie keeping the earlier point (a grid
+  is ordered smallest change first, so a tie goes to the setting nearer the base);
+- `agreement(measure, ...)`: a student's fit to its teacher on some questions, measured as the teacher sees it:
+  `likelihood` the share whose top-1 is ℓ's top-1, `relevance` the own paragraph first (of the questions whose own
+  paragraph was retrieved), `utility` the top-1 answered right under (from the answer labels);
+- `fit_lines`: each row's cross-fitted students on the questions they trained on against held out, beside the
+  base on the same questions (the learning-curve row, fewer training questions at the same steps, is one of them);
+- `capacity_curve`: one fold's students pushed harder and harder toward their teacher (λ = 0, rising lr and
+  steps), each measured where it trained and held out: a student that cannot fit even where it trained lacks
+  capacity; one that fits there and not held out lacks questions, or the target does not generalise.
+
+`experiments/likelihood_training.py` is their command line on the likelihood study (`confrag.studies`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import numpy as np
+
+from confrag.reranker.listwise_data import ListwiseData
+from confrag.reranker.listwise_student import ListwiseSettings, ListwiseStudent, fit_listwise
+from confrag.reranker.listwise_teachers import TeacherInputs, teacher_targets
+from confrag.retrieval.candidates import Candidates
+
+P = TypeVar("P")
+# The capacity curve's (lr, steps), mildest first.
+CAPACITY = ((3e-6, 150), (3e-5, 150), (1e-4, 600))
+# What each row's fit is measured as, by the row's name (a row named otherwise is a student of ℓ).
+MEASURES = {"relevance": "relevance", "utility": "utility"}
+MEASURE_WORDS = {"likelihood": "= ℓ's top-1", "relevance": "own ¶ first", "utility": "top-1 answered right"}
+
+
+def measure_of(row: str) -> str:
+    """The measure a row's fit is read in: its teacher's (`lsr`, `lsr_small` and the others: ℓ's top-1)."""
+    return MEASURES.get(row, "likelihood")
+
+
+# wide: a study's parts a training reads (settings, teacher and τ_T, the questions' data and teacher inputs, rows).
+def train(
+    settings: ListwiseSettings,
+    teacher: str,
+    tau_t: float,
+    data: ListwiseData,
+    inputs: Sequence[TeacherInputs],
+    rows: list[int],
+) -> tuple[ListwiseStudent, int]:
+    """A student of `teacher` trained on the study's questions `rows`, and how many of them had no target."""
+    targets, missing = teacher_targets(teacher, [inputs[i] for i in rows], tau_t)
+    return fit_listwise(settings, data.subset(rows), targets), missing
+
+
+def choose_on_dev(points: Iterable[P], score: Callable[[P], float]) -> tuple[P, float]:
+    """The point with the best `score` (dev Top-1), a tie keeping the earlier one."""
+    best, best_score = None, -1.0
+    for point in points:
+        value = score(point)
+        if value > best_score:
+            best, best_score = point, value
+    if best is None:
+        raise ValueError("choose_on_dev: an empty grid")
+    return best, best_score
+
+
+# wide: the measure and the study's parts it reads (candidates, ℓ, answer labels) with the scored rows.
+def agreement(
+    measure: str,
+    sets: Sequence[Candidates],
+    ell: Sequence[np.ndarray],
+    rows: list[int],
+    scores: np.ndarray,
+    utility: Sequence[np.ndarray] | None = None,
+) -> float:
+    """The fit of `scores` (aligned with `rows`, positions in the study) to the teacher of `measure`."""
+    if measure == "utility":
+        return float(np.mean([utility[i][int(np.argmax(scores[r]))] == 1 for r, i in enumerate(rows)]))
+    if measure != "relevance":
+        return float(np.mean([np.argmax(scores[r]) == np.argmax(ell[i]) for r, i in enumerate(rows)]))
+    return float(
+        np.mean([sets[i].from_gold[int(np.argmax(scores[r]))] for r, i in enumerate(rows) if sets[i].gold_retrieved])
+    )
+
+
+# wide: one study's parts (its data, teacher inputs, candidates, ℓ, answer labels) that every teacher's curve
+# shares, the tower's settings and τ_T, and the fold's training and held-out questions.
+def capacity_curve(
+    tower: ListwiseSettings,
+    tau_t: float,
+    data: ListwiseData,
+    inputs: Sequence[TeacherInputs],
+    train_rows: list[int],
+    held_rows: list[int],
+    sets: Sequence[Candidates],
+    ell: Sequence[np.ndarray],
+    teachers: Sequence[tuple[str, str]],
+    utility: Sequence[np.ndarray] | None = None,
+) -> list[dict[str, Any]]:
+    """Each (teacher, row) of `teachers` at λ = 0 and each (lr, steps) of `CAPACITY`: its agreement on its own
+    training questions and held out, beside the base's on the same questions."""
+    out = []
+    for teacher, name in teachers:
+        measure = measure_of(name)
+
+        def fit(rows: list[int], scores: np.ndarray, m: str = measure) -> float:
+            return agreement(m, sets, ell, rows, scores, utility)
+
+        base_in = fit(train_rows, data.base_scores[train_rows])
+        base_out = fit(held_rows, data.base_scores[held_rows])
+        for lr, steps in CAPACITY:
+            student, _ = train(replace(tower, lr=lr, steps=steps, anchor=0.0), teacher, tau_t, data, inputs, train_rows)
+            out.append({
+                "student": f"{name} capacity lr={lr:g} steps={steps}",
+                "measure": MEASURE_WORDS[measure],
+                "training_questions": fit(train_rows, student.score(data.subset(train_rows))),
+                "training_questions_base": base_in,
+                "held_out": fit(held_rows, student.score(data.subset(held_rows))),
+                "held_out_base": base_out,
+            })  # fmt: skip
+    return out
+
+
+# wide: the study's parts (candidates, ℓ, data, answer labels) and the rows' fitted and cross-fitted scores by fold.
+def fit_lines(
+    sets: Sequence[Candidates],
+    ell: Sequence[np.ndarray],
+    data: ListwiseData,
+    fitted: dict[str, list[tuple[list[int], np.ndarray]]],
+    scores: dict[str, list[np.ndarray]],
+    folds: Sequence[Sequence[int]],
+    utility: Sequence[np.ndarray] | None = None,
+) -> list[dict[str, Any]]:
+    """In-sample against held-out: each row's fold students (`fitted[row]`: (training rows, their scores) per fold)
+    and its seed-0 cross-fitted scores (`scores[row][0]`), each beside the base on the same questions."""
+    out = []
+    for name, per_fold in fitted.items():
+        measure = measure_of(name)
+
+        def fit(rows: Sequence[int], s: np.ndarray, m: str = measure) -> float:
+            return agreement(m, sets, ell, list(rows), s, utility)
+
+        trained = [fit(rows, s) for rows, s in per_fold]
+        trained_base = [fit(rows, data.base_scores[rows]) for rows, _ in per_fold]
+        held_rows = [i for fold in folds for i in fold]
+        out.append({"student": f"{name}@0 fit", "measure": MEASURE_WORDS[measure],
+                    "training_questions": float(np.mean(trained)),
+                    "training_questions_base": float(np.mean(trained_base)),
+                    "held_out": fit(held_rows, scores[name][0][held_rows]),
+                    "held_out_base": fit(held_rows, data.base_scores[held_rows])})  # fmt: skip
+    return out
