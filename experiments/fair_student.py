@@ -50,6 +50,7 @@ from confrag.studies.likelihood_study import (
     load_study,
     top1,
 )  # fmt: skip
+from confrag.studies.trained_students import StudentStore
 
 log = logging.getLogger("fair_student")
 
@@ -122,7 +123,8 @@ def main() -> None:
     outcomes = Outcomes(study.prompted, sets, args.cache)
     training = replace(TRAINING, steps=args.steps, train_embeddings=args.train_embeddings)
     cross_encoder = {"train_layers": args.cross_encoder_layers or None, "precision": args.cross_encoder_precision}
-    inputs = FairInputs(study, ell, data, folds, outcomes, training, cross_encoder)
+    store = StudentStore.of(Path(args.cache) / "fair_student", data, ell, [c.qid for c in sets])
+    inputs = FairInputs(study, ell, data, folds, outcomes, store, training, cross_encoder)
     dev_base = float(np.mean([o.has_answer for o in outcomes(dev_at, top1(data.base_scores, dev_at))]))
     chosen = choose_all(inputs)
     log.info("dev chose %s (%.0f s)", chosen, time.time() - start)
@@ -167,7 +169,7 @@ def main() -> None:
     payload |= {"chosen": {k: asdict(v) for k, v in chosen.items()}, "dev": inputs.dev_log, "dev_base": dev_base,
                 "rows": [asdict(r) for r in rows], "seeds": seeds, "fits": crossed.fits, "met": met}  # fmt: skip
     if args.eval_questions:
-        students = {f"{row}@0": (crossed.students[row], chosen[row].weight) for row in chosen}
+        students = {f"{row}@0": (crossed.students[row].load(), chosen[row].weight) for row in chosen}
         outside_lines, payload["outside"] = report.outside_eval(
             study, load_questions_jsonl(args.eval_questions), students, args.cache
         )

@@ -242,3 +242,39 @@ def test_holm_from_counts_recomputes_the_500_question_tables_column():
     assert got == {"oracle": 1.0, "r1_lsr": 0.039, "r1_relevance": 0.18, "r1_answer_bearing": 0.538,
                    "r1_residual": 1.0, "r2_lsr": 1.0, "r2_relevance": 1.0, "r2_answer_bearing": 1.0,
                    "r2_residual": 1.0}  # fmt: skip
+
+
+def test_a_trained_student_is_read_back_by_its_training_and_scores_every_w_from_one_forward(data, tmp_path):
+    """The study resumes from its store: the same settings, teacher, τ_T and questions read the student back (no
+    second fit), anything else trains anew; a residual student's scores at w are base + w·(f₁ − base), as the
+    student itself scores at w; a damaged scores file is trained again, not read."""
+    from confrag.studies.trained_students import SCORES, StudentStore
+
+    top2 = data.top_k(2)
+    store = StudentStore.of(tmp_path, top2, [np.zeros(3, dtype=np.float32)] * 3, ["q0", "q1", "q2"])
+    settings = replace(TRAINING, student="residual_head", steps=1)
+    fits = []
+
+    def fit():
+        fits.append(1)
+        student = build_student(settings)
+        _perturbed(student)
+        return student
+
+    first = store.get(settings, "likelihood", 2.0, [0, 1], fit)
+    again = store.get(settings, "likelihood", 2.0, [0, 1], fit)
+    assert len(fits) == 1 and np.array_equal(first.scores, again.scores)
+    student = again.load()
+    for w in (0.5, 2.0):
+        student.weight_at_scoring = w
+        np.testing.assert_allclose(again.at([0, 2], w), student.score(top2)[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(again.at([0, 1, 2], 0.5)[~top2.mask]).all()
+    store.get(settings, "likelihood", 2.0, [0], fit)
+    store.get(settings, "likelihood", 0.5, [0, 1], fit)
+    store.get(replace(settings, lr=3e-3), "likelihood", 2.0, [0, 1], fit)
+    other = StudentStore.of(tmp_path, top2, [np.ones(3, dtype=np.float32)] * 3, ["q0", "q1", "q2"])  # another ℓ
+    other.get(settings, "likelihood", 2.0, [0, 1], fit)
+    assert len(fits) == 5
+    (first.folder / SCORES).write_bytes((first.folder / SCORES).read_bytes()[:-4] + b"\0\0\0\0")
+    store.get(settings, "likelihood", 2.0, [0, 1], fit)
+    assert len(fits) == 6

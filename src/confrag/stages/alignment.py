@@ -35,7 +35,7 @@ from confrag.data.qa_metrics import has_answer
 from confrag.infra import checks
 from confrag.infra.atomic import swapped_in
 from confrag.infra.digests import fingerprint, folder_problem, write_folder_digest
-from confrag.infra.locks import exclusive
+from confrag.infra.locks import once
 from confrag.infra.run_context import RunContext
 from confrag.llm.batching import check_batch_size
 from confrag.llm.loading import load_llm
@@ -320,12 +320,15 @@ def ensure_student(
 
     if run.fast_dev_run:
         return train()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(directory.parent / f".{directory.name}.lock", f"the listwise student {directory.name}"):
+
+    def read():
         if (directory / CARD).is_file() and card.is_file() and not folder_problem(directory):
             log.info("Listwise student: cached at %s", directory)
             return load_student(directory, material.built_on), json.loads(card.read_text())
-        return train()
+        return None
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return once(directory.parent / f".{directory.name}.lock", f"the listwise student {directory.name}", read, train)
 
 
 def alignment_material(recipe: Any, stage: PreferenceStage, base: BaseReranker, ctx: RunContext):

@@ -26,9 +26,10 @@ from functools import cached_property
 import numpy as np
 
 from confrag.reranker.listwise_data import ListwiseData
-from confrag.reranker.listwise_student import ListwiseSettings, ListwiseStudent, fit_listwise
+from confrag.reranker.listwise_student import ListwiseSettings, fit_listwise
 from confrag.reranker.listwise_teachers import TeacherInputs, teacher_targets
 from confrag.studies.likelihood_study import Folds, Outcomes, Study, top1
+from confrag.studies.trained_students import StudentStore, Trained
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,15 @@ class Choice:
 
 @dataclass
 class FairInputs:
-    """Everything the rows read: the study, its ℓ, the base's vectors cut to the top k, folds and answers."""
+    """Everything the rows read: the study, its ℓ, the base's vectors cut to the top k, folds and answers, and where
+    the trained students are kept (the study resumes from them)."""
 
     study: Study
     ell: list[np.ndarray]
     data: ListwiseData  # already cut to the base's top TOP_K
     folds: Folds
     outcomes: Outcomes
+    store: StudentStore
     training: ListwiseSettings = TRAINING
     cross_encoder: dict = field(default_factory=lambda: dict(CROSS_ENCODER))
     dev_log: list[dict] = field(default_factory=list)
@@ -82,16 +85,15 @@ class FairInputs:
         return [TeacherInputs(c, e) for c, e in zip(self.study.candidate_sets, self.ell)]
 
 
-def train(inputs: FairInputs, settings: ListwiseSettings, teacher: str, teacher_tau: float, rows: list[int]):
-    """A student of `teacher` trained on `rows` (positions in the study)."""
-    every = inputs.teacher_inputs
-    targets, _ = teacher_targets(teacher, [every[i] for i in rows], teacher_tau)
-    return fit_listwise(settings, inputs.data.subset(rows), targets)
+def train(inputs: FairInputs, settings: ListwiseSettings, teacher: str, teacher_tau: float, rows: list[int]) -> Trained:
+    """A student of `teacher` trained on `rows` (positions in the study), or read back from the store."""
 
+    def fit():
+        every = inputs.teacher_inputs
+        targets, _ = teacher_targets(teacher, [every[i] for i in rows], teacher_tau)
+        return fit_listwise(settings, inputs.data.subset(rows), targets)
 
-def scored(student: ListwiseStudent, data: ListwiseData, weight: float = 1.0) -> np.ndarray:
-    student.weight_at_scoring = weight
-    return student.score(data)
+    return inputs.store.get(settings, teacher, teacher_tau, rows, fit)
 
 
 def has_answer(inputs: FairInputs, at: list[int], scores: np.ndarray) -> float:
@@ -106,7 +108,7 @@ def _dev(inputs: FairInputs, row: str, settings: ListwiseSettings, teacher_tau: 
     student = train(inputs, settings, "likelihood", teacher_tau, inputs.folds.training(0))
     out = []
     for w in weights:
-        right = has_answer(inputs, dev_at, scored(student, inputs.data.subset(dev_at), w))
+        right = has_answer(inputs, dev_at, student.at(dev_at, w))
         entry = {"row": row, "lr": settings.lr, "anchor": settings.anchor, "tau": settings.tau,
                  "teacher_tau": teacher_tau, "w": w, "dev_has_answer": right}  # fmt: skip
         inputs.dev_log.append(entry)
@@ -166,7 +168,7 @@ class CrossFitted:
 
     scores: dict[str, list[np.ndarray]]  # row -> per seed, (questions, candidates), -inf where not scored
     fits: list[dict]  # per row and fold: agreement with ℓ's top-1 where it trained and held out, the base's beside
-    students: dict[str, ListwiseStudent]  # each row's fold-0, seed-0 student (for questions outside the study)
+    students: dict[str, Trained]  # each row's fold-0, seed-0 student (`.load()`: for questions outside the study)
 
 
 def cross_fit(inputs: FairInputs, chosen: dict[str, Choice], seeds: int = SEEDS, progress: Callable = log.info):
@@ -180,14 +182,14 @@ def cross_fit(inputs: FairInputs, chosen: dict[str, Choice], seeds: int = SEEDS,
         for row, choice in chosen.items():
             for seed in range(n_seeds[row]):
                 student = train(inputs, replace(choice.settings, seed=seed), "likelihood", choice.teacher_tau, rows)
-                scores[row][seed][fold] = scored(student, data.subset(fold), choice.weight)
+                scores[row][seed][fold] = student.at(fold, choice.weight)
                 if seed:
                     continue
                 if k == 0:
                     students[row] = student
                 fits.append({
                     "row": row, "fold": k,
-                    "trained": agreement(inputs, "likelihood", rows, scored(student, data.subset(rows), choice.weight)),
+                    "trained": agreement(inputs, "likelihood", rows, student.at(rows, choice.weight)),
                     "trained_base": agreement(inputs, "likelihood", rows, data.base_scores[rows]),
                     "held_out": agreement(inputs, "likelihood", fold, scores[row][0][fold]),
                     "held_out_base": agreement(inputs, "likelihood", fold, data.base_scores[fold]),
@@ -210,12 +212,12 @@ def controls(inputs: FairInputs, chosen: dict[str, Choice], progress: Callable =
         rows = folds.training(0, at_most)
         settings = replace(choice.settings, lr=lr, anchor=0.0, seed=0)
         student = train(inputs, settings, teacher, choice.teacher_tau, rows)
-        fitted = scored(student, data.subset(rows), choice.weight)
+        fitted = student.at(rows, choice.weight)
         out.append({
             "row": row, "teacher": teacher, "lr": lr, "training_questions": len(rows),
             "trained": agreement(inputs, teacher, rows, fitted),
             "trained_base": agreement(inputs, teacher, rows, data.base_scores[rows]),
-            "held_out": agreement(inputs, teacher, held, scored(student, data.subset(held), choice.weight)),
+            "held_out": agreement(inputs, teacher, held, student.at(held, choice.weight)),
             "held_out_base": agreement(inputs, teacher, held, data.base_scores[held]),
             "moved_where_trained": float(np.mean(
                 [a != b for a, b in zip(top1(fitted, range(len(rows))), top1(data.base_scores[rows], range(len(rows))))]
