@@ -205,7 +205,8 @@ def test_unknown_gate_group_option_lists_the_available_ones(tmp_path):
         (  # a display label where an id belongs: refused with the ids
             "gates.reranker='bi-encoder (MiniLM cosine)'",
             r"gates\.reranker='bi-encoder \(MiniLM cosine\)' is not one of \('bm25', 'bi_encoder', 'base', "
-            r"'relevance_ft', 'confidence_ft\.sign', 'confidence_ft\.rank', 'confidence_ft\.utility'\)",
+            r"'relevance_ft', 'confidence_ft\.sign', 'confidence_ft\.rank', 'confidence_ft\.utility', "
+            r"'aligned\.likelihood',",
         ),
         (  # a known id of a row these settings do not build: refused before anything runs
             "gates.reranker=bi_encoder",

@@ -51,7 +51,8 @@ def test_your_rows_train_in_cpu_sized_batches_with_as_many_groups_a_step_as_the_
     data = rows.data
     assert data.batch_size * data.group_size * (data.query_max_len + data.passage_max_len) <= 2 * 8 * 384
     assert data.batch_size * rows.trainer.accumulate_grad_batches == paper.data.batch_size
-    assert data.group_size == paper.data.group_size and rows.model == paper.model
+    same = ("backbone", "kind", "tau", "lr", "weight_decay", "warmup_ratio")  # the model as the paper's but its lengths
+    assert data.group_size == paper.data.group_size and all(rows.model[k] == paper.model[k] for k in same)
 
 
 @pytest.mark.task

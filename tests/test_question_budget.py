@@ -33,7 +33,7 @@ def test_a_file_too_small_for_the_settings_is_refused_with_its_budget(tmp_path, 
     message = str(info.value)
     # Run as Hydra runs it (the folder made first): the refusal is recorded there, not only in train.log.
     Path(cfg.paths.output_dir).mkdir(parents=True)
-    with pytest.raises(ValueError, match="training questions of"):
+    with pytest.raises(ValueError, match="Too few questions"):
         run_task(cfg)
     failure = json.loads((Path(cfg.paths.output_dir) / "failure.json").read_text())
     assert failure["message"] == message
@@ -118,9 +118,10 @@ def test_the_reports_name_the_question_set_by_its_dataset_or_file(tmp_path):
 
     outcome = SimpleNamespace(qid="q1")
     run = SimpleNamespace(outcomes=[outcome])
-    evaluation = RagEvaluation({"dev": [], "test": [SimpleNamespace(qid="q1")]}, [], {NQ: {"bm25": run}}, {}, {})
-    evaluation.names = {NQ: "PopQA"}
+    test = {"dev": [], "test": [SimpleNamespace(qid="q1")]}
+    evaluation = RagEvaluation(test, [], {"PopQA": {"bm25": run}}, {}, {}, main="PopQA")
     assert evaluation.tables() == {"PopQA": {"bm25": [outcome]}}
+    assert RagEvaluation(test, [], {NQ: {"bm25": run}}, {}, {}).tables() == {NQ: {"bm25": [outcome]}}
     stage = SimpleNamespace(questions=SimpleNamespace(folds=()))
     assert evaluation_pool_line(stage, "mine.jsonl").startswith(
         "from the evaluation file mine.jsonl (eval.questions_path)"

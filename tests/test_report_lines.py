@@ -106,7 +106,7 @@ def test_table1_says_what_its_labels_are_and_what_a_random_order_gets():
         table1_rows=rows,
     )
     line = table1_labels_line(stage)
-    assert "rule `sign` labels them (the paper: Inc > 0 pos, Inc < 0 neg;" in line
+    assert "rule `sign` labels them (the paper's: the top-K candidates with Inc > 0 are pos" in line
     assert "2.0 positive and 1.0 negative a question" in line
     assert "On average 62.5 % of a question's candidates are positive" in line  # (3/4 + 1/2) / 2
     assert "P@1 moves in steps of 50.00 points" in line and "not with the own ¶ or the LLM's answers" in line

@@ -7,7 +7,8 @@ import pytest
 
 from confrag.reports.tables import markdown_table
 from confrag.reranker.label_rules import RULES
-from confrag.reranker.systems import ALL, LABELS, TABLE1, check_reranker, confidence_ft, label, labelled
+from confrag.reranker.listwise_teachers import LISTWISE
+from confrag.reranker.systems import ALL, LABELS, TABLE1, aligned, check_reranker, confidence_ft, label, labelled
 
 
 def test_every_id_has_one_label_and_the_rule_family_follows_the_rules():
@@ -15,7 +16,9 @@ def test_every_id_has_one_label_and_the_rule_family_follows_the_rules():
     labels = [label(system) for system in ALL]
     assert len(set(labels)) == len(ALL)  # no two rows read the same
     assert label("confidence_ft.sign") == "base + confidence FT (sign)" and label("bm25") == "BM25"
-    assert set(LABELS) | {confidence_ft(rule) for rule in RULES} == set(ALL)
+    families = {confidence_ft(rule) for rule in RULES} | {aligned(teacher) for teacher in LISTWISE}
+    assert set(LABELS) | families == set(ALL)
+    assert label(aligned("likelihood")) == "base aligned to likelihood (listwise)"
 
 
 @pytest.mark.parametrize("system", ["confidence_ft.nope", "confidence_ft", "BM25", "base reranker"])
