@@ -55,7 +55,7 @@ WRAPPER = (
 
 def run(rows: Path, changes: list[str], steps: int, folder: Path) -> dict:
     command = [sys.executable, "train.py", "+experiment=reranker_rows", f"preferences.rows_path={rows}",
-               f"trainer.max_steps={steps}", "logger=csv", f"paths.log_dir={folder}",
+               f"+trainer.max_steps={steps}", "logger=csv", f"paths.log_dir={folder}",
                f"paths.cache_dir={folder / 'cache'}", *changes]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", WRAPPER, *command], cwd=ROOT, capture_output=True, text=True)

@@ -161,6 +161,7 @@ def _last_first(data: ListwiseData) -> list[np.ndarray]:
     return [np.where(np.arange(m.sum()) == m.sum() - 1, 0.0, -np.inf) for m in data.mask]
 
 
+@pytest.mark.heavy  # trains each student kind twice (about a minute on 2 cores)
 @pytest.mark.parametrize(
     "student,lr", [("query_tower", 2e-4), ("residual_head", 0.05), ("residual_cross_encoder", 1e-3)]
 )
