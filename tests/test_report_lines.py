@@ -147,3 +147,18 @@ def test_a_corpus_naming_no_questions_paragraph_reads_unknown_in_the_chain_and_t
     assert "unknown, 9 |" in text and "own ¶ unknown, Top-1" in text
     table = table2_markdown([{**row, "llm": "m", "reranker": "base", "n": 2, "top1_p_holm": None}], "base", [1])
     assert table.splitlines()[2].endswith("| unknown |")
+
+
+def test_candidates_from_a_file_are_described_as_the_files_lists_not_a_retrievers():
+    """A TREC run's candidates were reported as "top-6 by bm25 over the candidates file"."""
+    from types import SimpleNamespace
+
+    from confrag.reports.cbdr import candidates_phrase
+
+    from_file = SimpleNamespace(top_n=6, retriever="bm25", candidates_source="the candidates file run.trec")
+    assert (
+        candidates_phrase(from_file)
+        == "the first 6 of each question's list in the candidates file run.trec (its own ranking)"
+    )
+    retrieved = SimpleNamespace(top_n=6, retriever="bm25", candidates_source="the corpus wiki.jsonl")
+    assert candidates_phrase(retrieved) == "top-6 by bm25 over the corpus wiki.jsonl"

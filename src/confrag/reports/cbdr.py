@@ -38,6 +38,13 @@ class ReportHeader(RunHeader):
     eval_file: str | None = None  # the evaluation file's name (`eval.questions_path`), when the questions come from one
 
 
+def candidates_phrase(run) -> str:
+    """How the candidates were found: a retriever's top n, or a candidates file's lists as ranked there."""
+    if run.candidates_source.startswith("the candidates file"):
+        return f"the first {run.top_n} of each question's list in {run.candidates_source} (its own ranking)"
+    return f"top-{run.top_n} by {run.retriever} over {run.candidates_source}"
+
+
 def run_record(
     settings: CBDRSettings,
     evaluation: RagEvaluation,
@@ -205,8 +212,8 @@ def report_markdown(
         "",
         f"Evaluation questions: {len(ev['dev']) + len(ev['test'])} {run.questions} questions "
         f"{evaluation_pool_line(stage, run.eval_file)}: "
-        f"dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the tables). Candidates: top-{run.top_n} by "
-        f"{run.retriever} over {run.candidates_source}; {retrieval_line(ev['retrieval'][run.questions])}.",
+        f"dev {len(ev['dev'])} (choosing β), test {len(ev['test'])} (the tables). Candidates: "
+        f"{candidates_phrase(run)}; {retrieval_line(ev['retrieval'][run.questions])}.",
         *(
             [
                 f"HotpotQA: {ev['hotpotqa_questions']} questions (all in Table 2), candidates from the "
