@@ -20,7 +20,7 @@ from omegaconf import open_dict
 from confrag.reranker.aligned import load_aligned
 from confrag.train import run_task
 
-from helpers.runs import MODEL_DIR, ROOT, compose_cfg
+from helpers.runs import MODEL_DIR, ROOT, check_rerank_outputs, compose_cfg
 
 ROWS = ["aligned.likelihood", "aligned.base"]
 SMALL = ["alignment.steps=2", "alignment.batch_size=4", "alignment.top_k=3"]
@@ -48,6 +48,7 @@ def rerank(root):
 @pytest.mark.task
 def test_the_tiny_experiment_puts_its_rows_beside_the_papers_in_table_1(rerank, root):
     out, record = rerank
+    check_rerank_outputs(out)  # everything a rerank run writes, the alignment rows after the paper's
     ids = [r["id"] for r in record["table1"]]
     assert ids == ["bm25", "base", "relevance_ft", "confidence_ft.sign", *ROWS, "fusion"]
     systems = {r["id"]: r["system"] for r in record["table1"]}
