@@ -206,7 +206,7 @@ def test_a_rank_above_0_computes_but_writes_nothing_to_the_run_folder(first, mon
     monkeypatch.setattr(rank_zero.rank_zero_only, "rank", 1)
     evaluated, written = [], []
     evaluate = cbdr_task.evaluate
-    monkeypatch.setattr(cbdr_task, "evaluate", lambda *args: evaluated.append(args[-1]) or evaluate(*args))
+    monkeypatch.setattr(cbdr_task, "evaluate", lambda *args, **kw: evaluated.append(args[-1]) or evaluate(*args, **kw))
     monkeypatch.setattr(cbdr_task, "write", lambda *args: written.append(True))
     grid = "cbdr.betas=[" + ",".join(f"{i / 1000:.3f}" for i in range(1001)) + "]"
     cfg = compose_cfg([*CACHED, "logger=csv", grid], first.root / "rank1")
@@ -405,7 +405,8 @@ def test_compare_runs_gives_a_runs_own_table2_rows(first, capsys, monkeypatch):
     assert printed.count("\n| ") == len(rows) + 2  # header, rule, one line a row: the second run's are the same
     for row in rows:
         top1 = row["top1"]
-        cell = f"| {row['id']} | {100 * top1['value']:.2f} [{100 * top1['low']:.2f}, {100 * top1['high']:.2f}] |"
+        # Rows keyed by run label and system; the second run answers alike, so each system is one:<id> only.
+        cell = f"| one:{row['id']} | {100 * top1['value']:.2f} [{100 * top1['low']:.2f}, {100 * top1['high']:.2f}] |"
         line = next(line for line in printed.splitlines() if line.startswith(cell))
         assert f"| {100 * row['gold_top1']:.1f} |" in line
         # Own paragraph first, paired with the base's: the base's own cell is empty, every other row's counts the
