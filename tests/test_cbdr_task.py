@@ -154,6 +154,7 @@ def test_beta_is_chosen_on_dev_and_reported_on_test(first):
     assert chosen["test/retrieval_rate"] == pytest.approx(retrieve.mean())
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.task
 def test_another_k_and_beta_grid_generate_no_answer(first, monkeypatch):
     """Also, with W&B on (offline): the run links the reranker behind its Table 2 and the probe as artifacts."""
@@ -182,6 +183,7 @@ def test_another_k_and_beta_grid_generate_no_answer(first, monkeypatch):
     assert record["sweep"]["k"] == 1 and record["table2"] == first.record["table2"]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.task
 def test_a_complete_cache_is_read_read_only_without_a_lock(first, monkeypatch):
     """On a read-only copy of a complete cache the rerank stage failed taking `<cache>/rerankers/.<key>.lock` before
@@ -193,6 +195,7 @@ def test_a_complete_cache_is_read_read_only_without_a_lock(first, monkeypatch):
     assert record["answers"]["generated"] == 0 and record["table2"] == first.record["table2"]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.task
 def test_a_rank_above_0_computes_but_writes_nothing_to_the_run_folder(first, monkeypatch):
     """Rank 1 of a two-process launch, on the first run's settings and cache: it runs the stage and the answers

@@ -171,6 +171,7 @@ def test_checkpoint_carries_resolved_config(tmp_path):
     assert checkpoint["confrag_config"]["model"]["layer"] == "mid"
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.subprocess
 @pytest.mark.task
 def test_layer_sweep_extracts_once_and_logs_one_wandb_run_per_job(tmp_path):

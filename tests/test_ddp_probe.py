@@ -73,6 +73,7 @@ def computed_shards(output: str) -> list[tuple[str, str, int, str]]:
     ]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.subprocess
 @pytest.mark.task
 @pytest.mark.skipif(not TORCHRUN.is_file(), reason="needs torchrun")

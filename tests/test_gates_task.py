@@ -52,6 +52,7 @@ def tiny(tmp_path_factory):
     return SimpleNamespace(cfg=cfg, out=out, record=json.loads((out / "metrics.json").read_text()), root=root)
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.task
 def test_the_run_links_the_reranker_behind_its_table_and_the_probe_in_wandb(tiny):
     """No artifact was logged: the reranker that ordered the clean contexts (`gates.reranker`) was not linked."""

@@ -32,6 +32,7 @@ def hydra_node(overrides: list[str]):
         return compose(config_name="train", overrides=overrides, return_hydra_config=True).hydra
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.subprocess
 @pytest.mark.task
 def test_joblib_sweep_jobs_share_the_cache_and_compute_each_shard_once(tmp_path):

@@ -67,6 +67,7 @@ def test_the_tiny_experiment_puts_its_rows_beside_the_papers_in_table_1(rerank, 
     assert "base + w · 20 · g(q, p)" in (out / "aligned" / "likelihood" / "README.md").read_text()
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.task
 def test_a_second_run_reads_every_student_and_the_likelihood_from_the_cache(rerank, root, monkeypatch):
     import confrag.stages.alignment as alignment
@@ -79,6 +80,7 @@ def test_a_second_run_reads_every_student_and_the_likelihood_from_the_cache(rera
     assert [r["MRR@5"] for r in record["table1"]] == [r["MRR@5"] for r in rerank[1]["table1"]]
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.subprocess
 @pytest.mark.task
 def test_a_multirun_over_the_alignment_node_leaves_its_sweep_summary(rerank, root):
@@ -111,6 +113,7 @@ def cbdr(rerank, root):
     return run(overrides, root / "cbdr", root / "cache")
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.task
 def test_the_cbdr_task_takes_the_alignment_node_with_its_rows_in_table_2(cbdr):
     out, record = cbdr

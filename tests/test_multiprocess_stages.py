@@ -59,6 +59,7 @@ def llm_calls(counter: Path) -> dict[str, list[tuple[int, str]]]:
     return calls
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.subprocess
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="needs torchrun")
 def test_two_torchrun_ranks_split_the_heavy_stages_and_match_one_process(tmp_path):

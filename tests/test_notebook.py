@@ -52,6 +52,7 @@ def documented_command() -> str:
     return " ".join(block.replace("\\\n", " ").split())
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.subprocess
 def test_the_notebook_runs_the_documented_way_on_a_relative_runs_folder(tmp_path):
     """As the docs run it: from the project's folder, `CONFRAG_RUNS_DIR=logs/probe jupyter nbconvert --execute

@@ -136,4 +136,4 @@ def test_bad_rows_are_refused_by_file_and_line_before_anything_runs(tmp_path):
     with pytest.raises(
         ValueError, match=r"1 distinct queries split by preferences.test_fraction=0.2 leave 1 to train and 0"
     ):
-        own_rows(one, 0.2, 0)
+        own_rows(one, 0.2, 0, None)

@@ -200,6 +200,7 @@ def test_bad_settings_fail_before_any_stage_runs(override, message, tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # no run files either
 
 
+@pytest.mark.slow  # make test-all: kept out of make test's 15 minutes
 @pytest.mark.task
 def test_distilling_toward_the_base_trains_the_relevance_control_on_the_bases_scores_too(tmp_path):
     """The documented option `preferences.teacher=base model.distill_weight=1.0` failed in the relevance control,
