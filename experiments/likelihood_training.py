@@ -56,7 +56,7 @@ from confrag.infra.atomic import atomic_write_text
 from confrag.infra.paths import project_root
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
 from confrag.recipes import shipped_prompted_llm
-from confrag.reranker.listwise_fit import capacity_curve, choose_on_dev, fit_lines, train
+from confrag.reranker.listwise_fit import StudyParts, capacity_curve, choose_on_dev, fit_lines, train
 from confrag.reranker.listwise_student import ListwiseSettings
 from confrag.reranker.listwise_teachers import TeacherInputs, likelihood_rows
 from confrag.studies.likelihood_study import (
@@ -156,6 +156,7 @@ def main() -> None:
         return
     utility = utility_labels(outcomes, data.base_scores, args.utility_depth, log) if args.utility_depth else None
     inputs = [TeacherInputs(c, e, utility[i] if utility else None) for i, (c, e) in enumerate(zip(sets, ell))]
+    parts = StudyParts(sets, ell, data, inputs, utility)
     if args.export_rows:
         keep = [i for i, c in enumerate(sets) if len(c.passages) >= 2]
         exported = likelihood_rows([sets[i] for i in keep], [ell[i] for i in keep])
@@ -179,7 +180,7 @@ def main() -> None:
 
     def tower_on_dev(point: tuple[float, float, float]) -> float:
         lr, anchor, tau_t = point
-        student, _ = train(replace(tower0, lr=lr, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
+        student, _ = train(replace(tower0, lr=lr, anchor=anchor), "likelihood", tau_t, parts, fold_train(0))
         right = dev_right(student.score(data))
         dev_log.append({"student": "query_tower", "lr": lr, "tau_t": tau_t, "anchor": anchor, "dev_has_answer": right})
         log.info("dev: query tower lr=%g λ=%.1f τ_T=%.2f has_answer %.3f", lr, anchor, tau_t, right)
@@ -195,7 +196,7 @@ def main() -> None:
     tower = replace(tower0, lr=lr, anchor=anchor)
     w = earlier["chosen"]["w"] if earlier else None
     if "residual" in trained:
-        head, _ = train(replace(head0, anchor=anchor), "likelihood", tau_t, data, inputs, fold_train(0))
+        head, _ = train(replace(head0, anchor=anchor), "likelihood", tau_t, parts, fold_train(0))
 
         def head_on_dev(weight: float) -> float:
             head.weight_at_scoring = weight
@@ -211,7 +212,7 @@ def main() -> None:
     if "utility" in trained:
 
         def utility_on_dev(settings: ListwiseSettings) -> float:
-            student, _ = train(settings, "utility", tau_t, data, inputs, fold_train(0))
+            student, _ = train(settings, "utility", tau_t, parts, fold_train(0))
             right = dev_right(student.score(data))
             dev_log.append({"student": "utility query_tower", "lr": settings.lr, "anchor": settings.anchor,
                             "dev_has_answer": right})  # fmt: skip
@@ -229,9 +230,7 @@ def main() -> None:
     fitted_teachers = [("likelihood", "lsr"), ("relevance", "relevance")] if "lsr" in trained else []
     fitted_teachers += [("utility", "utility")] if "utility" in trained else []
     if fitted_teachers and args.capacity:
-        capacity = capacity_curve(
-            tower0, tau_t, data, inputs, fold_train(0), folds[0], sets, ell, fitted_teachers, utility
-        )
+        capacity = capacity_curve(parts, tower0, tau_t, fold_train(0), folds[0], fitted_teachers)
         log.info("capacity curve done (%.0f s since the start)", time.time() - start)
 
     # ---- cross-fitted rows
@@ -254,7 +253,7 @@ def main() -> None:
         for name, (settings, teacher, n_seeds) in rows.items():
             train_rows = fold_train(k, args.small_train if name == "lsr_small" else None)
             for seed in range(n_seeds):
-                student, lacking = train(replace(settings, seed=seed), teacher, tau_t, data, inputs, train_rows)
+                student, lacking = train(replace(settings, seed=seed), teacher, tau_t, parts, train_rows)
                 if name == "residual":
                     student.weight_at_scoring = w
                 missing[name] += lacking if seed == 0 else 0
@@ -270,7 +269,7 @@ def main() -> None:
         for seed, s in enumerate(per_seed):
             picks[f"{name}@{seed}"] = top1(s, test_at)
     results = {name: outcomes(test_at, p) for name, p in picks.items()}
-    fit = fit_lines(sets, ell, data, fitted, scores, folds, utility)
+    fit = fit_lines(parts, fitted, scores, folds)
     if "utility" in rows:
         chosen_utility = {"utility_lr": utility_tower.lr, "utility_anchor": utility_tower.anchor,
                           "utility_depth": args.utility_depth,

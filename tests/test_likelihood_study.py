@@ -278,3 +278,39 @@ def test_a_trained_student_is_read_back_by_its_training_and_scores_every_w_from_
     (first.folder / SCORES).write_bytes((first.folder / SCORES).read_bytes()[:-4] + b"\0\0\0\0")
     store.get(settings, "likelihood", 2.0, [0, 1], fit)
     assert len(fits) == 6
+
+
+def test_agreement_reads_each_measure_as_its_teacher_sees_it_and_the_fair_study_uses_the_same():
+    from confrag.reranker.listwise_fit import StudyParts, agreement, fit_lines
+
+    sets = [_candidates("a", 3, gold=1), _candidates("b", 3, gold=None), _candidates("c", 3, gold=2)]
+    ell = [np.array([-1.0, -3.0, -2.0]), np.array([-2.0, -0.5, -3.0]), np.array([-1.0, -2.0, -0.1])]
+    utility = [np.array([1, 0, -1]), np.array([0, 0, 1]), np.array([-1, -1, 1])]
+    base = np.array([[3.0, 2.0, 1.0], [1.0, 3.0, 2.0], [1.0, 2.0, 3.0]], dtype=np.float32)
+    data = type("Data", (), {"base_scores": base})()
+    parts = StudyParts(sets, ell, data, [], utility)
+    rows = [0, 1, 2]
+    # ℓ's top-1: 0, 1, 2; the base's: 0, 1, 2 -> all three agree
+    assert agreement("likelihood", parts, rows, base) == 1.0
+    moved = np.array([[1.0, 2.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])  # top-1s 1, 1, 2
+    assert agreement("likelihood", parts, rows, moved) == pytest.approx(2 / 3)
+    # relevance: over the questions whose own paragraph was retrieved (a, c; b has no known gold)
+    assert agreement("relevance", parts, rows, moved) == 1.0 and agreement("relevance", parts, rows, base) == 0.5
+    assert agreement("utility", parts, rows, base) == pytest.approx(2 / 3)  # right under a's 0 and c's 2
+    # scores aligned with the rows they are given, not with the study's positions
+    assert agreement("likelihood", parts, [2, 0], base[[2, 0]]) == 1.0
+    fits = fit_lines(parts, {"lsr": [([0, 1], moved[[0, 1]])]}, {"lsr": [moved]}, [[2], [0, 1]])
+    assert fits == [
+        {
+            "student": "lsr@0 fit",
+            "measure": "= ℓ's top-1",
+            "training_questions": 0.5,
+            "training_questions_base": 1.0,
+            "held_out": pytest.approx(2 / 3),
+            "held_out_base": 1.0,
+        }
+    ]
+    # the fair study's measure is the library's (one definition of "= ℓ's top-1" and "own ¶ first")
+    inputs = type("Inputs", (), {"parts": parts})()
+    for teacher in ("likelihood", "relevance"):
+        assert fair_student.agreement(inputs, teacher, rows, moved) == agreement(teacher, parts, rows, moved)

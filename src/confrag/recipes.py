@@ -254,8 +254,8 @@ def shipped_prompted_llm(llm: str, prompts: str, cache_dir: str, **changes) -> P
 
 # Where a question set without gold paragraphs runs in one command (named after the settings that read them).
 OWN_QUESTIONS = (
-    "+experiment=cbdr_own_questions or reranker_own_questions sets all but the corpus: docs/usage.md, your own "
-    "questions"
+    "+experiment=cbdr_own_questions or reranker_own_questions sets all but the corpus (cbdr_own_questions_tiny_llama: "
+    "the same on a tiny random LLM, a smoke test in minutes): docs/usage.md, your own questions"
 )
 
 

@@ -18,7 +18,7 @@ student learned its teacher (where it trained) and whether that carries (held ou
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,23 +36,30 @@ MEASURES = {"relevance": "relevance", "utility": "utility"}
 MEASURE_WORDS = {"likelihood": "= ℓ's top-1", "relevance": "own ¶ first", "utility": "top-1 answered right"}
 
 
+@dataclass(frozen=True)
+class StudyParts:
+    """What every training and fit of one study reads, by position in the study: the questions' candidates, ℓ over
+    them, the listwise data (the base's vectors and scores), each question's teacher inputs, and the answer labels
+    of the `utility` measure (None when the study has none)."""
+
+    sets: Sequence[Candidates]
+    ell: Sequence[np.ndarray]
+    data: ListwiseData
+    inputs: Sequence[TeacherInputs]
+    utility: Sequence[np.ndarray] | None = None
+
+
 def measure_of(row: str) -> str:
     """The measure a row's fit is read in: its teacher's (`lsr`, `lsr_small` and the others: ℓ's top-1)."""
     return MEASURES.get(row, "likelihood")
 
 
-# wide: a study's parts a training reads (settings, teacher and τ_T, the questions' data and teacher inputs, rows).
 def train(
-    settings: ListwiseSettings,
-    teacher: str,
-    tau_t: float,
-    data: ListwiseData,
-    inputs: Sequence[TeacherInputs],
-    rows: list[int],
+    settings: ListwiseSettings, teacher: str, tau_t: float, parts: StudyParts, rows: list[int]
 ) -> tuple[ListwiseStudent, int]:
     """A student of `teacher` trained on the study's questions `rows`, and how many of them had no target."""
-    targets, missing = teacher_targets(teacher, [inputs[i] for i in rows], tau_t)
-    return fit_listwise(settings, data.subset(rows), targets), missing
+    targets, missing = teacher_targets(teacher, [parts.inputs[i] for i in rows], tau_t)
+    return fit_listwise(settings, parts.data.subset(rows), targets), missing
 
 
 def choose_on_dev(points: Iterable[P], score: Callable[[P], float]) -> tuple[P, float]:
@@ -67,16 +74,9 @@ def choose_on_dev(points: Iterable[P], score: Callable[[P], float]) -> tuple[P, 
     return best, best_score
 
 
-# wide: the measure and the study's parts it reads (candidates, ℓ, answer labels) with the scored rows.
-def agreement(
-    measure: str,
-    sets: Sequence[Candidates],
-    ell: Sequence[np.ndarray],
-    rows: list[int],
-    scores: np.ndarray,
-    utility: Sequence[np.ndarray] | None = None,
-) -> float:
+def agreement(measure: str, parts: StudyParts, rows: Sequence[int], scores: np.ndarray) -> float:
     """The fit of `scores` (aligned with `rows`, positions in the study) to the teacher of `measure`."""
+    sets, ell, utility = parts.sets, parts.ell, parts.utility
     if measure == "utility":
         return float(np.mean([utility[i][int(np.argmax(scores[r]))] == 1 for r, i in enumerate(rows)]))
     if measure != "relevance":
@@ -86,33 +86,27 @@ def agreement(
     )
 
 
-# wide: one study's parts (its data, teacher inputs, candidates, ℓ, answer labels) that every teacher's curve
-# shares, the tower's settings and τ_T, and the fold's training and held-out questions.
 def capacity_curve(
+    parts: StudyParts,
     tower: ListwiseSettings,
     tau_t: float,
-    data: ListwiseData,
-    inputs: Sequence[TeacherInputs],
     train_rows: list[int],
     held_rows: list[int],
-    sets: Sequence[Candidates],
-    ell: Sequence[np.ndarray],
     teachers: Sequence[tuple[str, str]],
-    utility: Sequence[np.ndarray] | None = None,
 ) -> list[dict[str, Any]]:
     """Each (teacher, row) of `teachers` at λ = 0 and each (lr, steps) of `CAPACITY`: its agreement on its own
     training questions and held out, beside the base's on the same questions."""
-    out = []
+    data, out = parts.data, []
     for teacher, name in teachers:
         measure = measure_of(name)
 
         def fit(rows: list[int], scores: np.ndarray, m: str = measure) -> float:
-            return agreement(m, sets, ell, rows, scores, utility)
+            return agreement(m, parts, rows, scores)
 
         base_in = fit(train_rows, data.base_scores[train_rows])
         base_out = fit(held_rows, data.base_scores[held_rows])
         for lr, steps in CAPACITY:
-            student, _ = train(replace(tower, lr=lr, steps=steps, anchor=0.0), teacher, tau_t, data, inputs, train_rows)
+            student, _ = train(replace(tower, lr=lr, steps=steps, anchor=0.0), teacher, tau_t, parts, train_rows)
             out.append({
                 "student": f"{name} capacity lr={lr:g} steps={steps}",
                 "measure": MEASURE_WORDS[measure],
@@ -124,24 +118,20 @@ def capacity_curve(
     return out
 
 
-# wide: the study's parts (candidates, ℓ, data, answer labels) and the rows' fitted and cross-fitted scores by fold.
 def fit_lines(
-    sets: Sequence[Candidates],
-    ell: Sequence[np.ndarray],
-    data: ListwiseData,
+    parts: StudyParts,
     fitted: dict[str, list[tuple[list[int], np.ndarray]]],
     scores: dict[str, list[np.ndarray]],
     folds: Sequence[Sequence[int]],
-    utility: Sequence[np.ndarray] | None = None,
 ) -> list[dict[str, Any]]:
     """In-sample against held-out: each row's fold students (`fitted[row]`: (training rows, their scores) per fold)
     and its seed-0 cross-fitted scores (`scores[row][0]`), each beside the base on the same questions."""
-    out = []
+    data, out = parts.data, []
     for name, per_fold in fitted.items():
         measure = measure_of(name)
 
         def fit(rows: Sequence[int], s: np.ndarray, m: str = measure) -> float:
-            return agreement(m, sets, ell, list(rows), s, utility)
+            return agreement(m, parts, rows, s)
 
         trained = [fit(rows, s) for rows, s in per_fold]
         trained_base = [fit(rows, data.base_scores[rows]) for rows, _ in per_fold]

@@ -25,9 +25,11 @@ from functools import cached_property
 
 import numpy as np
 
+from confrag.reranker import listwise_fit
 from confrag.reranker.listwise_data import ListwiseData
-from confrag.reranker.listwise_student import ListwiseSettings, fit_listwise
-from confrag.reranker.listwise_teachers import TeacherInputs, teacher_targets
+from confrag.reranker.listwise_fit import StudyParts
+from confrag.reranker.listwise_student import ListwiseSettings
+from confrag.reranker.listwise_teachers import TeacherInputs
 from confrag.studies.likelihood_study import Folds, Outcomes, Study, top1
 from confrag.studies.trained_students import StudentStore, Trained
 
@@ -81,17 +83,16 @@ class FairInputs:
     dev_log: list[dict] = field(default_factory=list)
 
     @cached_property
-    def teacher_inputs(self) -> list[TeacherInputs]:
-        return [TeacherInputs(c, e) for c, e in zip(self.study.candidate_sets, self.ell)]
+    def parts(self) -> StudyParts:
+        sets = self.study.candidate_sets
+        return StudyParts(sets, self.ell, self.data, [TeacherInputs(c, e) for c, e in zip(sets, self.ell)])
 
 
 def train(inputs: FairInputs, settings: ListwiseSettings, teacher: str, teacher_tau: float, rows: list[int]) -> Trained:
     """A student of `teacher` trained on `rows` (positions in the study), or read back from the store."""
 
     def fit():
-        every = inputs.teacher_inputs
-        targets, _ = teacher_targets(teacher, [every[i] for i in rows], teacher_tau)
-        return fit_listwise(settings, inputs.data.subset(rows), targets)
+        return listwise_fit.train(settings, teacher, teacher_tau, inputs.parts, rows)[0]
 
     return inputs.store.get(settings, teacher, teacher_tau, rows, fit)
 
@@ -155,11 +156,7 @@ def choose_all(inputs: FairInputs) -> dict[str, Choice]:
 def agreement(inputs: FairInputs, teacher: str, at: list[int], scores: np.ndarray) -> float:
     """For ℓ: the share of `at` whose top-1 is ℓ's top-1 over every candidate (the design's measure); for
     relevance: the own paragraph first, of the questions whose own paragraph was retrieved."""
-    sets = inputs.study.candidate_sets
-    picks = [int(np.argmax(s)) for s in scores]
-    if teacher == "likelihood":
-        return float(np.mean([j == int(np.argmax(inputs.ell[i])) for i, j in zip(at, picks)]))
-    return float(np.mean([sets[i].from_gold[j] for i, j in zip(at, picks) if sets[i].gold_retrieved]))
+    return listwise_fit.agreement(listwise_fit.measure_of(teacher), inputs.parts, at, scores)
 
 
 @dataclass(frozen=True)
