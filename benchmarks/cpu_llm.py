@@ -21,7 +21,6 @@ Paths run interleaved, best of `--repeats`, so the machine's other load hits the
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -36,11 +35,10 @@ from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length
 from confrag.llm.likelihood import AnswerLikelihood, answer_token_ids
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates, encode_prompts
+from confrag.llm.shapes import DecoderCost, engine_flops, stack_flops
 from confrag.llm.workers import available_cores
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extraction import engine_flops, layer_flops  # noqa: E402  (the FLOP model the extraction benchmark uses)
 
 
 def matmul_peak(dtype: torch.dtype, threads: int, size: int = 1024, repeats: int = 12) -> float:
@@ -57,12 +55,6 @@ def matmul_peak(dtype: torch.dtype, threads: int, size: int = 1024, repeats: int
         best = max(best, 2 * size**3 * repeats / (time.perf_counter() - start))
     torch.set_num_threads(before)
     return best
-
-
-def full_flops(config, tokens: int, head_tokens: int) -> float:
-    """Every layer for `tokens` tokens, the LM head for `head_tokens`."""
-    kv, rest = layer_flops(config)
-    return tokens * config.num_hidden_layers * (kv + rest) + head_tokens * 2 * config.hidden_size * config.vocab_size
 
 
 def main() -> None:
@@ -86,18 +78,19 @@ def main() -> None:
     answers = [r.answers[:3] for r in rows]
     ids = encode_prompts(tok, prompts)
     config = llms["float32"].model.config
+    cost = DecoderCost.of(config)  # matmul FLOPs (attention scores apart), as benchmarks/extraction.py counts
     layer = config.num_hidden_layers // 2
     lengths = [len(seq) for seq in ids]
     prefix = common_prefix_length(ids)
     answer_ids = [answer_token_ids(tok, list(dict.fromkeys(gold))) for gold in answers]
     work = {
-        "engine": engine_flops(config, lengths, prefix, layer),
+        "engine": engine_flops(cost, lengths, prefix, layer, attention=False),
         # the shared prefix once, then each (prompt, answer) pair's own tokens; the LM head on the answer tokens
-        "likelihood": full_flops(config, prefix, 0)
-        + sum(full_flops(config, n - prefix + len(a), len(a)) for n, gold in zip(lengths, answer_ids) for a in gold),
+        "likelihood": stack_flops(cost, prefix, 0)
+        + sum(stack_flops(cost, n - prefix + len(a), len(a)) for n, gold in zip(lengths, answer_ids) for a in gold),
         # prefill of every prompt, then one token per step (the KV reads left out: small at these lengths)
-        "generation": full_flops(config, sum(lengths), len(ids))
-        + full_flops(config, len(ids) * (args.new_tokens - 1), len(ids) * (args.new_tokens - 1)),
+        "generation": stack_flops(cost, sum(lengths), len(ids))
+        + stack_flops(cost, len(ids) * (args.new_tokens - 1), len(ids) * (args.new_tokens - 1)),
     }
     paths = {"fp32, 1 worker": ("float32", 1), f"fp32, {cores} workers": ("float32", cores)}
     paths[f"bf16, {cores} workers"] = ("bfloat16", cores)

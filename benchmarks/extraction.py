@@ -20,6 +20,7 @@ from confrag.data.nq import default_questions_path, load_questions_jsonl
 from confrag.llm.hidden_states import HiddenStateEngine, common_prefix_length, naive_hidden_states
 from confrag.llm.loading import load_llm
 from confrag.llm.prompts import PromptTemplates, encode_prompts
+from confrag.llm.shapes import DecoderCost, engine_flops, stack_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,27 +32,6 @@ def matmul_flops_per_second(size: int = 1024, repeats: int = 20) -> float:
     for _ in range(repeats):
         torch.mm(a, b)
     return 2 * size**3 * repeats / (time.perf_counter() - start)
-
-
-def layer_flops(config) -> tuple[float, float]:
-    """Matrix-multiply FLOPs per token of one decoder layer: (key/value projections, everything else).
-    Attention scores are left out (small at these lengths) on both sides."""
-    d, inter = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * (d // config.num_attention_heads)
-    return 2 * 2 * d * kv, 2 * (2 * d * d + 3 * d * inter)
-
-
-def naive_flops(config, tokens: int) -> float:
-    kv, rest = layer_flops(config)
-    return tokens * (config.num_hidden_layers * (kv + rest) + 2 * config.hidden_size * config.vocab_size)
-
-
-def engine_flops(config, lengths: list[int], prefix: int, layer: int) -> float:
-    """What the engine actually computes: the shared prefix once, then per prompt its own tokens
-    through layers 1..layer-1, keys/values of layer `layer`, and the rest of that layer for one token."""
-    kv, rest = layer_flops(config)
-    own = sum(n - prefix for n in lengths)
-    return prefix * layer * (kv + rest) + own * ((layer - 1) * (kv + rest) + kv) + len(lengths) * rest
 
 
 def main() -> None:
@@ -68,6 +48,7 @@ def main() -> None:
     prompts = [templates.rag_prompt(llm.tokenizer, row.question, row.contexts[:1]) for row in rows]
     ids = encode_prompts(llm.tokenizer, prompts)
     tokens = sum(len(seq) for seq in ids)
+    cost = DecoderCost.of(llm.model.config)  # FLOPs of the matrix multiplies; attention scores apart on both sides
     engine = HiddenStateEngine(llm.model, llm.tokenizer, batch_size=args.batch_size, progress=False)
 
     naive_hidden_states(llm.model, ids[0], [args.layer])  # warm-up, both paths
@@ -84,9 +65,9 @@ def main() -> None:
     naive_s, engine_s = min(naive_times), min(engine_times)
 
     rate = matmul_flops_per_second()
-    naive_rate = naive_flops(llm.model.config, tokens) / naive_s
+    naive_rate = stack_flops(cost, tokens, tokens) / naive_s
     engine_rate = (
-        engine_flops(llm.model.config, [len(seq) for seq in ids], common_prefix_length(ids), args.layer) / engine_s
+        engine_flops(cost, [len(seq) for seq in ids], common_prefix_length(ids), args.layer, attention=False) / engine_s
     )
     err = float((np.abs(got - reference).max(-1) / np.abs(reference).max(-1)).max())
     print(

@@ -18,6 +18,7 @@ from confrag.llm.shapes import (
     engine_flops,
     prefill_flops,
     shape_config,
+    stack_flops,
     tiny_overrides,
 )
 
@@ -79,6 +80,10 @@ def test_flop_counts_add_up():
         + cost.attention_flops(10)
     )
     assert one == pytest.approx(expected)
+    # The CPU benchmarks' measure: the matrix multiplies alone (attention scores apart), and a full forward's.
+    matmuls = 15 * cost.layer_flops(10) + 2 * 10 * cost.kv_matmul_params + 2 * cost.other_matmul_params
+    assert engine_flops(cost, [10], 0, 16, attention=False) == pytest.approx(matmuls)
+    assert stack_flops(cost, 10, 1) == pytest.approx(32 * cost.layer_flops(10) + cost.lm_head_flops(1))
     # A shared prefix is counted once, not per prompt.
     assert engine_flops(cost, [50, 50], 40, 16) < 2 * engine_flops(cost, [50], 0, 16)
     assert prefill_flops(cost, [10]) == pytest.approx(

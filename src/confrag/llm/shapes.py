@@ -177,19 +177,28 @@ def causal_pairs(own: int, prefix: int = 0) -> int:
     return own * prefix + own * (own + 1) // 2
 
 
-def engine_flops(cost: DecoderCost, lengths: Sequence[int], prefix: int, layer: int) -> float:
+def engine_flops(cost: DecoderCost, lengths: Sequence[int], prefix: int, layer: int, attention: bool = True) -> float:
     """FLOPs of the layers `HiddenStateEngine.extract_ids` runs for hidden states at `layer` (>= 1),
     padding apart: the shared prefix once through layers 1..layer; each prompt's own tokens through
     layers 1..layer-1, the key/value projections of layer `layer`, and the rest of that layer at the
-    last token only (the last-token tail; attention of that token over all its keys)."""
+    last token only (the last-token tail; attention of that token over all its keys). `attention=False`
+    counts the matrix multiplies of the projections and MLPs alone (the CPU benchmarks' measure: the
+    scores are small at their prompt lengths and their kernels are not matmuls)."""
+    scores = cost.attention_flops if attention else (lambda pairs: 0.0)
     own = [n - prefix for n in lengths]
-    prefix_part = layer * (cost.layer_flops(prefix) + cost.attention_flops(causal_pairs(prefix)))
+    prefix_part = layer * (cost.layer_flops(prefix) + scores(causal_pairs(prefix)))
     per_prompt = 0.0
     for n in own:
-        per_prompt += (layer - 1) * (cost.layer_flops(n) + cost.attention_flops(causal_pairs(n, prefix)))
+        per_prompt += (layer - 1) * (cost.layer_flops(n) + scores(causal_pairs(n, prefix)))
         per_prompt += 2.0 * n * cost.kv_matmul_params
-        per_prompt += 2.0 * cost.other_matmul_params + cost.attention_flops(prefix + n)
+        per_prompt += 2.0 * cost.other_matmul_params + scores(prefix + n)
     return prefix_part + per_prompt
+
+
+def stack_flops(cost: DecoderCost, tokens: float, head_tokens: float = 0.0) -> float:
+    """Projection and MLP FLOPs of every layer for `tokens` tokens and of the LM head for `head_tokens` (attention
+    scores apart): a full forward's matrix multiplies."""
+    return cost.layers * cost.layer_flops(tokens) + cost.lm_head_flops(head_tokens)
 
 
 def prefill_flops(cost: DecoderCost, lengths: Sequence[int], prefix: int = 0) -> float:
