@@ -66,13 +66,14 @@ def run(rows: Path, changes: list[str], steps: int, folder: Path) -> dict:
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     peak_kb = int(done.stdout.split("PEAK_KB")[-1].split()[0])
-    # FitProgress's lines in train.log: "<what>: step N of M (...), R steps/s, ..." (the last is the whole fit's rate)
-    rates = [
-        float(line.split(" steps/s")[0].rsplit(", ", 1)[-1])
-        for line in next(folder.rglob("train.log")).read_text().splitlines()
-        if " steps/s" in line and "reranker" in line
-    ]
-    return {"wall_seconds": round(seconds, 1), "seconds_a_step": 1 / rates[-1], "peak_gb": peak_kb / 2**20}
+    # FitProgress's last line in train.log: "<what>: trained, N steps in 1 min 05 s" (the whole fit, its first step
+    # with the data loader's start included: an upper bound on a step)
+    log_lines = next(folder.rglob("train.log")).read_text().splitlines()
+    line = [x for x in log_lines if "reranker" in x and ": trained, " in x]
+    steps, spent = line[-1].split(": trained, ")[1].split(" steps in ")
+    parts = spent.replace("min", "").replace("s", "").split()
+    fit_seconds = float(parts[-1]) + (60 * float(parts[0]) if len(parts) == 2 else 0.0)
+    return {"wall_seconds": round(seconds, 1), "seconds_a_step": fit_seconds / int(steps), "peak_gb": peak_kb / 2**20}
 
 
 def main() -> None:
