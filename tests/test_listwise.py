@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -200,6 +202,41 @@ def test_questions_without_target_are_left_out_and_none_at_all_refused(data):
         fit_listwise(_settings("residual_head"), data, targets)
     with pytest.raises(ValueError, match="4 questions"):
         fit_listwise(_settings("residual_head"), data, targets[:3])
+
+
+def test_a_fresh_head_trains_at_its_own_rate_and_the_cache_key_keeps_its_old_form(data):
+    """The residual cross-encoder's zero-initialised head at the encoder's lr barely moves (the encoder gets no
+    gradient while the head is zero): `head_lr` gives the head its own rate on the same schedule."""
+    student = build_student(_settings("residual_cross_encoder", lr=1e-5, head_lr=1e-2, weight_decay=0.01))
+    student.trainer = type("T", (), {})()  # configure_optimizers reads only the settings
+    optimizer = student.configure_optimizers()["optimizer"]
+    head = {id(p) for p in student.head.parameters()}
+    rates = {id(p): (g["initial_lr"], g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]}
+    assert {rates[i] for i in head} == {(1e-2, 0.01), (1e-2, 0.0)}  # the weight decayed, the bias not
+    assert {r for i, r in rates.items() if i not in head} <= {(1e-5, 0.01), (1e-5, 0.0)}
+    assert sum(p.numel() for p in student.parameters() if p.requires_grad) == sum(
+        p.numel() for g in optimizer.param_groups for p in g["params"]
+    )  # every trainable weight in exactly one group
+    plain = _settings("residual_cross_encoder")
+    assert "head_lr" not in plain.identity() and plain.identity() == {
+        k: v for k, v in dataclasses.asdict(plain).items() if k != "head_lr"
+    }  # students trained before the setting existed keep their keys
+    assert _settings("residual_cross_encoder", head_lr=1e-3).identity()["head_lr"] == 1e-3
+    with pytest.raises(ValueError, match="head_lr is for a student with a fresh head \\(residual_cross_encoder\\)"):
+        _settings("query_tower", head_lr=1e-3)
+
+
+@pytest.mark.heavy  # trains the residual cross-encoder twice
+def test_the_residual_cross_encoder_moves_with_a_head_rate_and_not_without(data):
+    targets = _last_first(data)
+
+    def correction(**changes) -> float:
+        settings = _settings("residual_cross_encoder", lr=1e-5, steps=20, train_layers=1, train_embeddings=False)
+        scores = fit_listwise(dataclasses.replace(settings, **changes), data, targets).score(data)
+        return float(np.abs(scores[data.mask] - data.base_scores[data.mask]).max())
+
+    assert correction() < 0.5  # the study's finding at this scale: a zero head at lr 1e-5 stays near zero
+    assert correction(head_lr=1e-2) > 10 * correction()
 
 
 def test_settings_refuse_an_unknown_student_and_bad_numbers():

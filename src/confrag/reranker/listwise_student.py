@@ -15,17 +15,14 @@ rate of its own. One registered class per kind (`STUDENTS`):
 - `query_tower`: REPLUG LSR's setting. The query encoder is fine-tuned; the passages' embeddings stay the frozen
   base's (REPLUG keeps the document encoder fixed to spare re-indexing), so one training step encodes only the
   batch's questions and a corpus index built with the base still serves the student.
-- `residual_head`: the base frozen whole; a linear head on q ⊙ p (a diagonal bilinear correction, zero at the
-  start) is added: f = base + w · SCALE · head, trained at w = 1, w chosen on dev at scoring time.
+- `residual_head`: the base frozen whole; f = base + w · SCALE · head(q ⊙ p) (zero at the start; w set at scoring).
 - `residual_cross_encoder`: the base frozen; a copy of its encoder reads question and passage together (one
-  sequence, mean-pooled) into a zero-initialised linear head g: f = base + w · SCALE · g(q, p). It starts as the
-  base and learns only the correction, and unlike the two above it can read the passage in the light of the
-  question (an answer-typed span a frozen passage vector may not encode).
+  sequence, mean-pooled) into a zero-initialised linear head g (its own lr: `head_lr`): f = base + w · SCALE · g(q, p).
+  It starts as the base and, unlike the two above, reads the passage in the light of the question.
 - `cross_encoder`: the base reranker fine-tuned whole (the paper's kind; the studies' MiniLM bi-encoder, both towers).
 
-The first two read the base's vectors (a bi-encoder base). `export` / `read` save and load any. Training runs in
-Lightning for a fixed number of optimizer steps (matched across the rows a study compares), AdamW with a linear
-warmup/decay (`confrag.reranker.module.build_optimizer`), on `fit_listwise`'s accelerator.
+The first two read the base's vectors (a bi-encoder base). `export` / `read` save and load any. Training: Lightning,
+fixed optimizer steps (matched across a study's rows), AdamW with linear warmup/decay (`module.build_optimizer`).
 """
 
 from __future__ import annotations
@@ -86,6 +83,13 @@ class ListwiseSettings:
     # costs no backward pass through the frozen ones (about half the seconds of a step on a CPU).
     train_layers: int | None
     precision: str
+    # A fresh head's lr (None: lr). At a zero head the encoder gets no gradient, and Adam moves the head ~lr a step:
+    # at 1e-5-3e-5 the residual cross-encoder moved < 0.1 logit in 150 steps, no top-1 (docs/results.md, fair study).
+    head_lr: float | None = None
+
+    def identity(self) -> dict:
+        """The settings as a cache key reads them: head_lr only when set (students trained before it are found)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "head_lr" or v is not None}
 
     def __post_init__(self) -> None:
         if self.student not in STUDENTS:
@@ -105,6 +109,11 @@ class ListwiseSettings:
                 raise ValueError("train_embeddings=True with train_layers set: the embeddings lie below every layer, "
                                  "so they train only with train_layers=None (all layers)")  # fmt: skip
         checks.choice(self.precision, "precision", PRECISIONS)
+        if self.head_lr is not None:
+            checks.number(self.head_lr, "head_lr", 0, None, low_open=True, hint="(or None: lr)")
+            if not STUDENTS[self.student].fresh_head:
+                fresh = ", ".join(sorted(k for k, kind in STUDENTS.items() if kind.fresh_head))
+                raise ValueError(f"head_lr is for a student with a fresh head ({fresh}), not {self.student!r}: None")
 
 
 class ListwiseStudent(L.LightningModule, ABC):
@@ -114,6 +123,7 @@ class ListwiseStudent(L.LightningModule, ABC):
     weight_at_scoring: float = 1.0
     reads_vectors: ClassVar[bool] = False  # whether it reads the base's query and passage vectors (a bi-encoder's)
     exports_reranker: ClassVar[bool] = False  # whether its saved folder is the reranker's own (`CrossEncoder` loads)
+    fresh_head: ClassVar[bool] = False  # whether it trains a zero-initialised `head` over a pretrained encoder
 
     def __init__(self, settings: ListwiseSettings) -> None:
         super().__init__()
@@ -153,11 +163,19 @@ class ListwiseStudent(L.LightningModule, ABC):
         s = self.settings
         if self.log_tau is not None:
             self.log_tau.requires_grad_(False)
+        head = [p.requires_grad_(False) for p in self.head.parameters()] if s.head_lr is not None else []
         optimizer, scheduler = build_optimizer(self, s.lr, s.weight_decay, s.warmup_ratio, s.steps)
-        if self.log_tau is not None:  # the same schedule for the weights' groups, a constant one for τ's
+        lambdas = list(scheduler.lr_lambdas)
+        for p in head:  # its own rate on the weights' schedule (the bias undecayed, as in build_optimizer)
+            p.requires_grad_(True)
+            optimizer.add_param_group({"params": [p], "lr": s.head_lr, "weight_decay": s.weight_decay * (p.dim() >= 2)})
+            lambdas.append(lambdas[0])
+        if self.log_tau is not None:  # a constant schedule for τ's
             self.log_tau.requires_grad_(True)
             optimizer.add_param_group({"params": [self.log_tau], "lr": TAU_LR, "weight_decay": 0.0})
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, [*scheduler.lr_lambdas, lambda step: 1.0])
+            lambdas.append(lambda step: 1.0)
+        if len(lambdas) > len(scheduler.lr_lambdas):
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -276,6 +294,8 @@ class ResidualCrossEncoderStudent(ListwiseStudent):
     """The base frozen; f = base + w · SCALE · g(q, p), g a copy of the base's encoder reading "question [SEP]
     passage" as one sequence, mean-pooled, into a zero-initialised linear head. Only the candidates in the mask
     are read (the base's top k after `ListwiseData.top_k`), so a step costs k pairs a question."""
+
+    fresh_head = True
 
     def __init__(self, settings: ListwiseSettings, base: MeanPoolEncoder) -> None:
         super().__init__(settings)

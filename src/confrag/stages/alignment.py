@@ -89,6 +89,7 @@ class AlignmentSettings:
     train_embeddings: bool
     train_layers: int | None
     precision: str
+    head_lr: float | None  # a fresh head's lr (residual_cross_encoder's; None: lr)
     weight: float  # w of a residual student at scoring
     fusion_weight: float | None  # w of the fusion row z(base) + w·z(ℓ) (reads the gold answer); None: no row
     max_answers: int | None  # the gold answers ℓ takes the best of (None: all)
@@ -272,7 +273,7 @@ def listwise_rerankers(
     for teacher in settings.teachers:
         targets, missing = teacher_targets(teacher, [material.inputs[i] for i in rows], settings.teacher_tau)
         spec = {
-            "listwise": dataclasses.asdict(listwise),
+            "listwise": listwise.identity(),
             "teacher": teacher,
             "teacher_tau": settings.teacher_tau,
             "material": material.key,

@@ -139,8 +139,9 @@ def choices_lines(chosen: dict[str, Choice], dev_base: float) -> list[str]:
     lines = [f"Dev chose (base {100 * dev_base:.0f} % on dev):"]
     for row, c in chosen.items():
         s = c.settings
-        lines.append(f"- `{row}`: lr {s.lr:g}, λ {s.anchor:g}, τ {s.tau:g}, τ_T {c.teacher_tau:g}, w {c.weight:g} "
-                     f"(dev {100 * c.dev_has_answer:.0f} %)")  # fmt: skip
+        head = f", head lr {s.head_lr:g}" if s.head_lr is not None else ""
+        lines.append(f"- `{row}`: lr {s.lr:g}{head}, λ {s.anchor:g}, τ {s.tau:g}, τ_T {c.teacher_tau:g}, "
+                     f"w {c.weight:g} (dev {100 * c.dev_has_answer:.0f} %)")  # fmt: skip
     return lines
 
 

@@ -78,7 +78,7 @@ class StudentStore:
         return cls(Path(directory), identity, data)
 
     def key(self, settings: ListwiseSettings, teacher: str, teacher_tau: float, rows: list[int]) -> str:
-        return fingerprint({"study": self.identity, "settings": asdict(settings), "teacher": teacher,
+        return fingerprint({"study": self.identity, "settings": settings.identity(), "teacher": teacher,
                             "teacher_tau": teacher_tau, "rows": list(rows)})  # fmt: skip
 
     def get(
