@@ -32,11 +32,14 @@ demo-full: setup
 test: setup
 	$(PY) -m pytest -m "not slow and not gpu" $(ARGS)
 
-# The inner loop (< 3 min on 2 cores): units only, without the tests that run a whole task or start a Python
+# The inner loop (about 2 min on 2 cores): units only, without the tests that run a whole task or start a Python
 # process (marked `task` / `subprocess`; tests/conftest.py fails a test that does so without its mark) and the
-# units that train a model or run SmolLM2 for more than a few seconds (`heavy`).
+# units that train a model or run SmolLM2 for more than a few seconds (`heavy`), on TEST_WORKERS pytest-xdist
+# workers (2: 3 min 05 s serially, 2 min 01 s on 2 workers; each worker imports torch, so more cores than memory
+# allows would swap).
+TEST_WORKERS ?= 2
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not gpu and not task and not subprocess and not heavy" $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not gpu and not task and not subprocess and not heavy" $(ARGS)
 
 test-all: setup
 	$(PY) -m pytest $(ARGS)
