@@ -89,7 +89,7 @@ class AlignmentSettings:
     train_embeddings: bool
     train_layers: int | None
     precision: str
-    head_lr: float | None  # a fresh head's lr (residual_cross_encoder's; None: lr)
+    head_lr: float | None  # a fresh head's lr (residual_cross_encoder's; None: lr; other students: unused)
     weight: float  # w of a residual student at scoring
     fusion_weight: float | None  # w of the fusion row z(base) + w·z(ℓ) (reads the gold answer); None: no row
     max_answers: int | None  # the gold answers ℓ takes the best of (None: all)
@@ -124,8 +124,11 @@ class AlignmentSettings:
 
     def listwise(self, seed: int) -> ListwiseSettings:
         """The student's training settings (`seed`: the run's)."""
-        fields = {f.name for f in dataclasses.fields(ListwiseSettings)} - {"seed"}
-        return ListwiseSettings(**{k: getattr(self, k) for k in fields}, seed=seed)
+        fields = {f.name for f in dataclasses.fields(ListwiseSettings)} - {"seed", "head_lr"}
+        # head_lr is for a student with a fresh head; the others train every weight at lr (a node such as
+        # alignment=likelihood sets it for its residual cross-encoder and may be given another student)
+        head_lr = self.head_lr if self.student in STUDENTS and STUDENTS[self.student].fresh_head else None
+        return ListwiseSettings(**{k: getattr(self, k) for k in fields}, seed=seed, head_lr=head_lr)
 
     @property
     def teachers(self) -> tuple[str, ...]:
