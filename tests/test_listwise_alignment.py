@@ -244,3 +244,50 @@ def test_each_folds_students_train_on_the_other_folds_and_are_read_back_from_the
     assert len(seen) == 2  # the same settings and questions: read back, not trained again
     scores = rows["aligned.likelihood"].score([QUESTIONS[0]] * 3, PASSAGES[0])
     assert sorted(scores.tolist()) == [1.0, 2.0, 3.0] and scores[int(np.argmin(base[0]))] == 1.0  # outside the top 2
+
+
+@pytest.mark.heavy
+def test_the_framework_trains_the_fair_studys_student_the_same_settings_questions_and_seed_giving_the_same_scores(
+    cross_encoder, tmp_path
+):
+    """Issue 45's reproduction: the rerank task's listwise stage and the fair study (`listwise_fit.train`, what
+    experiments/fair_student.py trains through) are one code path. `alignment=likelihood` is the study's dev-chosen
+    primary (head lr, λ, τ, τ_T, lr, top k; its CPU compute is the study's `CROSS_ENCODER` overrides), and on the same
+    questions and seed the two give the same student, score for score."""
+    from confrag.reranker.aligned import student_base
+    from confrag.reranker.listwise_fit import StudyParts, train
+    from confrag.stages.alignment import ListwiseMaterial, ListwiseRun, listwise_rerankers
+    from confrag.studies import fair_student
+
+    from helpers.runs import run_ctx
+
+    from omegaconf import OmegaConf
+
+    from helpers.settings import SHIPPED_NODES
+
+    nodes = [n if n != "+alignment=default" else "+alignment=likelihood" for n in SHIPPED_NODES]
+    likelihood = OmegaConf.to_container(compose_cfg(nodes, tmp_path), resolve=True)["alignment"]
+    node = settings_from(AlignmentSettings, likelihood, "alignment")
+    study = {"student": "residual_cross_encoder", "lr": fair_student.CE_LR, "head_lr": 1e-3, "anchor": 1.0,
+             "tau": 8.0, "teacher_tau": 2.0, "top_k": fair_student.TOP_K, "weight": 1.0}  # fmt: skip
+    assert {key: getattr(node, key) for key in study} == study  # the study's dev choice (docs/results.md)
+    for key in ("steps", "batch_size", "warmup_ratio", "weight_decay", "train_embeddings"):
+        assert getattr(node, key) == getattr(fair_student.TRAINING, key), key
+
+    node = dataclasses.replace(node, compare=[], steps=2, batch_size=2, **fair_student.CROSS_ENCODER)
+    sets = []
+    for i, (q, ps) in enumerate(zip(QUESTIONS, PASSAGES)):
+        passages = [CorpusPassage(f"q{i}p{j}", "", p, source_id=f"q{i}-{j}") for j, p in enumerate(ps)]
+        sets.append(Candidates(f"q{i}", q, ("a",), passages, [0.0] * len(ps), [False] * len(ps), None))
+    base = [cross_encoder.score([q] * len(ps), ps) for q, ps in zip(QUESTIONS, PASSAGES)]
+    ell = [np.array([-3.0, -1.0, -2.0, -4.0][: len(ps)], np.float32) for ps in PASSAGES]  # ℓ prefers the 2nd
+    data = base_data(cross_encoder, top_k=3)
+    inputs = [TeacherInputs(c, e, None, b) for c, e, b in zip(sets, ell, base)]
+    material = ListwiseMaterial(sets, data, inputs, ell, "key", cross_encoder, student_base(cross_encoder, None), None)
+    ctx = run_ctx(tmp_path, seed=3)
+    framework, _ = listwise_rerankers(node, material, {"q0", "q2"}, ListwiseRun(ctx, "", "cpu", False))
+    studied, missing = train(node.listwise(3), "likelihood", node.teacher_tau, StudyParts(sets, ell, data, inputs), [0, 2])
+    assert missing == 0
+    ours = framework["aligned.likelihood"].student.score(data)
+    assert np.array_equal(ours, studied.score(data))
+    assert not np.allclose(ours, data.base_scores)  # trained: it moved (no test of two untouched copies)

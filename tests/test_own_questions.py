@@ -145,19 +145,19 @@ def test_one_dataset_name_through_every_table_plot_and_folder(popqa_run):
     assert "| link | measured as | PopQA test |" in report  # From probe to answer
     assert "| ranker: base reranker | answers |" in report  # its rankers' lines, read from Table 2's PopQA rows
     assert not re.search(r"\bNQ\b(?!_)", report.split("## Config")[0])  # NQ_Rerank is the method's data, not a set
-    assert sorted(p.name for p in (out / "outcomes").iterdir()) == ["hotpotqa", "popqa"]
+    assert sorted(p.name for p in (out / "outcomes").iterdir()) == ["popqa"]  # no NQ-default HotpotQA fixture
     assert "PopQA / base: " in popqa_run.log and "NQ / " not in popqa_run.log  # the answers' log lines
     table2 = [r for r in popqa_run.record["table2"] if r["dataset"] == "PopQA"]
     assert table2 and all(r["gold_top1"] is None for r in table2)  # unknown, not 0
-    assert set(popqa_run.record["eval"]["retrieval"]) == {"PopQA", "HotpotQA"}
+    assert set(popqa_run.record["eval"]["retrieval"]) == {"PopQA"}
 
 
 @pytest.mark.task
 def test_unknown_stays_unknown_and_no_nan_is_printed(popqa_run):
     report = popqa_run.report
     header = next(line for line in report.splitlines() if line.startswith("| LLM | Reranker | PopQA Top-1"))
-    column = header.split(" | ").index("PopQA own ¶ in Top-K (Top-1 / Top-3)")
+    column = header.strip("| ").split(" | ").index("PopQA own ¶ in Top-K (Top-1 / Top-3)")
     rows = [line for line in report.splitlines() if line.startswith("| tiny_llama | ")]
-    assert rows and all(line.split(" | ")[column] == "unknown" for line in rows)
+    assert rows and all(line.strip("| ").split(" | ")[column] == "unknown" for line in rows)
     assert "own ¶ ranked first by Conf(Q + C): unknown" in report
     assert not re.search(r"\bnan\b", report, re.IGNORECASE)

@@ -11,6 +11,7 @@ looked up under another file's question.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -322,19 +323,26 @@ def cut_to_depth(found: Sequence[Candidates], depth: int, source: str) -> tuple[
     longest = max((len(c.passages) for c in found), default=0)
     cut = [c for c in found if len(c.passages) > depth]
     if cut:
-        log.info(
-            "%s: %d of %d questions' lists cut to their first %d candidates (retrieval.top_n; the file gives up to %d)",
-            source,
-            len(cut),
-            len(found),
-            depth,
-            longest,
-        )
+        _log_cut(source, depth, len(found), longest, tuple(c.qid for c in cut))
     shortened = [
         dataclasses.replace(c, passages=c.passages[:depth], scores=c.scores[:depth], has_answer=c.has_answer[:depth])
         for c in found
     ]
     return shortened, {"top_n": depth, "lists_cut": len(cut), "file_longest": longest}
+
+
+@functools.cache
+def _log_cut(source: str, depth: int, questions: int, longest: int, cut: tuple[str, ...]) -> None:
+    """The cut said once per file, depth and question set: a run that reads one set's lists twice (the rerank
+    task's early label check, then NQ_Rerank) logs it once."""
+    log.info(
+        "%s: %d of %d questions' lists cut to their first %d candidates (retrieval.top_n; the file gives up to %d)",
+        source,
+        len(cut),
+        questions,
+        depth,
+        longest,
+    )
 
 
 def fitted_candidates(candidates: Candidates, budget: TokenBudget, source: str, cut: bool) -> Candidates:
