@@ -254,15 +254,14 @@ def test_the_framework_trains_the_fair_studys_student_the_same_settings_question
     experiments/fair_student.py trains through) are one code path. `alignment=likelihood` is the study's dev-chosen
     primary (head lr, λ, τ, τ_T, lr, top k; its CPU compute is the study's `CROSS_ENCODER` overrides), and on the same
     questions and seed the two give the same student, score for score."""
+    from omegaconf import OmegaConf
+
     from confrag.reranker.aligned import student_base
     from confrag.reranker.listwise_fit import StudyParts, train
     from confrag.stages.alignment import ListwiseMaterial, ListwiseRun, listwise_rerankers
     from confrag.studies import fair_student
 
     from helpers.runs import run_ctx
-
-    from omegaconf import OmegaConf
-
     from helpers.settings import SHIPPED_NODES
 
     nodes = [n if n != "+alignment=default" else "+alignment=likelihood" for n in SHIPPED_NODES]
@@ -286,7 +285,8 @@ def test_the_framework_trains_the_fair_studys_student_the_same_settings_question
     material = ListwiseMaterial(sets, data, inputs, ell, "key", cross_encoder, student_base(cross_encoder, None), None)
     ctx = run_ctx(tmp_path, seed=3)
     framework, _ = listwise_rerankers(node, material, {"q0", "q2"}, ListwiseRun(ctx, "", "cpu", False))
-    studied, missing = train(node.listwise(3), "likelihood", node.teacher_tau, StudyParts(sets, ell, data, inputs), [0, 2])
+    parts = StudyParts(sets, ell, data, inputs)
+    studied, missing = train(node.listwise(3), "likelihood", node.teacher_tau, parts, [0, 2])
     assert missing == 0
     ours = framework["aligned.likelihood"].student.score(data)
     assert np.array_equal(ours, studied.score(data))
