@@ -221,9 +221,9 @@ def test_a_trec_run_deeper_than_retrieval_top_n_is_cut_to_it_and_the_cut_is_logg
     )
     assert "cut to their first 3 (retrieval.top_n) for 1 questions (the file gives up to 4)" in retrieval_line(stats)
     caplog.clear()
-    with caplog.at_level("INFO", logger="confrag.stages.retrieval"):
-        question_candidates(retrieval, ROWS, str(run))  # the same set read again (the rerank task's label check)
-    assert "lists cut" not in caplog.text  # said once
+    with caplog.at_level("INFO", logger="confrag.stages.retrieval"):  # the rerank task's early label check
+        _, quiet = question_candidates(retrieval, ROWS, str(run), log_cut=False)
+    assert "lists cut" not in caplog.text and quiet["file_depth"] == stats["file_depth"]  # counted, said once
     found, stats = question_candidates(retrieval, ROWS, str(run), top_n=2)  # a stage's own depth (the base's)
     assert [len(c.passages) for c in found] == [2, 2] and stats["file_depth"]["lists_cut"] == 1
 

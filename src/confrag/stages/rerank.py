@@ -142,7 +142,10 @@ def rerank_stage(
     if label_checks.checks_candidates(recipe.preferences):
         probe_rows = select_questions(rows, probe_settings.num_questions, probe_settings.seed)
         early = question_plan(recipe, rows, probe_rows, ctx.seed, str(probe_settings.questions_path))
-        candidates, _ = question_candidates(retrieval, early.preference, recipe.retrieval.candidates_path)
+        # NQ_Rerank reads the same set below and says how its lists were cut: said once, there.
+        candidates, _ = question_candidates(
+            retrieval, early.preference, recipe.retrieval.candidates_path, log_cut=False
+        )
         label_checks.check_label_sources(recipe.preferences, candidates, ctx.seed)
     probe, probe_data = ensure_probe(recipe.probe, ctx)
     questions = question_plan(recipe, rows, probe_data.data.rows, ctx.seed, probe_data.questions_path)

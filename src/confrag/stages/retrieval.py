@@ -11,7 +11,6 @@ looked up under another file's question.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -274,11 +273,16 @@ def reranker_count(budget: PairBudget, candidates: Sequence[Candidates]) -> dict
 
 
 def question_candidates(
-    retrieval: Retrieval, rows: Sequence[QARow], candidates_path: str | None = None, top_n: int | None = None
+    retrieval: Retrieval,
+    rows: Sequence[QARow],
+    candidates_path: str | None = None,
+    top_n: int | None = None,
+    log_cut: bool = True,
 ) -> tuple[list[Candidates], dict[str, Any]]:
     """Top-N candidates per question (N = `retrieval.top_n` unless `top_n` says otherwise): retrieved, or
     read from `candidates_path` (a prebuilt list, cut to its first N as a retriever's would be: a TREC run or
-    FlashRAG file may hold deeper lists; the cut is logged and counted in the stats, `file_depth`)."""
+    FlashRAG file may hold deeper lists; the cut is counted in the stats, `file_depth`, and logged unless
+    `log_cut` is false: a check that reads a set a stage reads again right after)."""
     source = f"retrieval.candidates_path={candidates_path}"
     depth = int(top_n or retrieval.settings.top_n)
     if candidates_path and retrieval.settings.candidates_kind not in (None, "confrag"):  # ranked ids of the corpus
@@ -292,7 +296,7 @@ def question_candidates(
         found = retrieve_candidates(rows, retrieval.corpus, retrieval.retriever, top_n=depth)
     depth_stats = None
     if candidates_path:
-        found, depth_stats = cut_to_depth(found, depth, source)
+        found, depth_stats = cut_to_depth(found, depth, source, say=log_cut)
     cleaned, removed = zip(*(without_duplicates(c) for c in found)) if found else ((), ())
     empty = [c.qid for c in cleaned if not c.passages]
     if empty:
@@ -317,32 +321,27 @@ def question_candidates(
     return list(cleaned), stats
 
 
-def cut_to_depth(found: Sequence[Candidates], depth: int, source: str) -> tuple[list[Candidates], dict[str, int]]:
+def cut_to_depth(
+    found: Sequence[Candidates], depth: int, source: str, say: bool = True
+) -> tuple[list[Candidates], dict[str, int]]:
     """A candidates file's lists cut to their first `depth` passages (`retrieval.top_n`), as a retriever returns
-    them; how many were cut, and the depth the file gave, logged and returned."""
+    them; how many were cut, and the depth the file gave, returned (and logged with `say`)."""
     longest = max((len(c.passages) for c in found), default=0)
     cut = [c for c in found if len(c.passages) > depth]
-    if cut:
-        _log_cut(source, depth, len(found), longest, tuple(c.qid for c in cut))
+    if cut and say:
+        log.info(
+            "%s: %d of %d questions' lists cut to their first %d candidates (retrieval.top_n; the file gives up to %d)",
+            source,
+            len(cut),
+            len(found),
+            depth,
+            longest,
+        )
     shortened = [
         dataclasses.replace(c, passages=c.passages[:depth], scores=c.scores[:depth], has_answer=c.has_answer[:depth])
         for c in found
     ]
     return shortened, {"top_n": depth, "lists_cut": len(cut), "file_longest": longest}
-
-
-@functools.cache
-def _log_cut(source: str, depth: int, questions: int, longest: int, cut: tuple[str, ...]) -> None:
-    """The cut said once per file, depth and question set: a run that reads one set's lists twice (the rerank
-    task's early label check, then NQ_Rerank) logs it once."""
-    log.info(
-        "%s: %d of %d questions' lists cut to their first %d candidates (retrieval.top_n; the file gives up to %d)",
-        source,
-        len(cut),
-        questions,
-        depth,
-        longest,
-    )
 
 
 def fitted_candidates(candidates: Candidates, budget: TokenBudget, source: str, cut: bool) -> Candidates:
