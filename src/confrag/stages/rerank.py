@@ -137,16 +137,13 @@ def rerank_stage(
     retrieval.lengths = lengths
     # Every candidate list from here on is counted against the reranker's budget (its tokenizer only, no weights).
     retrieval.reranker_budget = reranker_budget(recipe.reranker)
-    # What the controls label by (own paragraphs, answers) is in the candidates alone: the preference questions,
-    # drawn as the plan below draws them (the probe's questions as its data module samples them), checked now.
+    # What the controls label by (own paragraphs, answers) is in the candidates alone: the preference questions drawn
+    # as the plan below draws them, checked now (a file's cut unsaid: NQ_Rerank reads the same set and says it).
     if label_checks.checks_candidates(recipe.preferences):
         probe_rows = select_questions(rows, probe_settings.num_questions, probe_settings.seed)
         early = question_plan(recipe, rows, probe_rows, ctx.seed, str(probe_settings.questions_path))
-        # NQ_Rerank reads the same set below and says how its lists were cut: said once, there.
-        candidates, _ = question_candidates(
-            retrieval, early.preference, recipe.retrieval.candidates_path, log_cut=False
-        )
-        label_checks.check_label_sources(recipe.preferences, candidates, ctx.seed)
+        found, _ = question_candidates(retrieval, early.preference, recipe.retrieval.candidates_path, log_cut=False)
+        label_checks.check_label_sources(recipe.preferences, found, ctx.seed)
     probe, probe_data = ensure_probe(recipe.probe, ctx)
     questions = question_plan(recipe, rows, probe_data.data.rows, ctx.seed, probe_data.questions_path)
     stage = build_nq_rerank(
