@@ -57,6 +57,15 @@ def base_data(scorer: PairScorer, top_k: int = 2) -> ListwiseData:
     return data.top_k(top_k)
 
 
+def candidate_sets() -> list[Candidates]:
+    """QUESTIONS' candidate lists as a stage reads them (question ids q0, q1, q2)."""
+    sets = []
+    for i, (q, ps) in enumerate(zip(QUESTIONS, PASSAGES)):
+        passages = [CorpusPassage(f"q{i}p{j}", "", p, source_id=f"q{i}-{j}") for j, p in enumerate(ps)]
+        sets.append(Candidates(f"q{i}", q, ("a",), passages, [0.0] * len(ps), [False] * len(ps), None))
+    return sets
+
+
 def ell_targets(data: ListwiseData) -> list[np.ndarray]:
     """A target that prefers each list's last candidate in the top k: something to move toward."""
     return [np.where(m, np.arange(len(m), dtype=np.float32), -np.inf) for m in data.mask]
@@ -214,10 +223,7 @@ def test_each_folds_students_train_on_the_other_folds_and_are_read_back_from_the
 
     from helpers.runs import run_ctx
 
-    sets = []
-    for i, (q, ps) in enumerate(zip(QUESTIONS, PASSAGES)):
-        passages = [CorpusPassage(f"q{i}p{j}", "", p, source_id=f"q{i}-{j}") for j, p in enumerate(ps)]
-        sets.append(Candidates(f"q{i}", q, ("a",), passages, [0.0] * len(ps), [False] * len(ps), None))
+    sets = candidate_sets()
     base = [cross_encoder.score([q] * len(ps), ps) for q, ps in zip(QUESTIONS, PASSAGES)]
     ell = [np.linspace(-3.0, -1.0, len(ps)).astype(np.float32) for ps in PASSAGES]
     data = base_data(cross_encoder, top_k=2)
@@ -274,10 +280,7 @@ def test_the_framework_trains_the_fair_studys_student_the_same_settings_question
         assert getattr(node, key) == getattr(fair_student.TRAINING, key), key
 
     node = dataclasses.replace(node, compare=[], steps=2, batch_size=2, **fair_student.CROSS_ENCODER)
-    sets = []
-    for i, (q, ps) in enumerate(zip(QUESTIONS, PASSAGES)):
-        passages = [CorpusPassage(f"q{i}p{j}", "", p, source_id=f"q{i}-{j}") for j, p in enumerate(ps)]
-        sets.append(Candidates(f"q{i}", q, ("a",), passages, [0.0] * len(ps), [False] * len(ps), None))
+    sets = candidate_sets()
     base = [cross_encoder.score([q] * len(ps), ps) for q, ps in zip(QUESTIONS, PASSAGES)]
     ell = [np.array([-3.0, -1.0, -2.0, -4.0][: len(ps)], np.float32) for ps in PASSAGES]  # ℓ prefers the 2nd
     data = base_data(cross_encoder, top_k=3)
