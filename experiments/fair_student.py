@@ -8,6 +8,7 @@ those of experiments/likelihood_teacher.py (the same arguments read the same cac
         [--eval-questions FILE]        # the chosen students on new NQ-format questions with their paragraphs
         [--write-outside FILE]         # write the question file's questions outside the study (NQ format) and stop
         [--precheck-only]              # the frozen-feature pre-check alone (no student trained)
+        [--fit-checks]                 # amendment 2's fit checks after the controls (docs/results.md)
         [--cross-encoder-layers 2] [--cross-encoder-precision bf16-mixed]   # the cross-encoder's training
 """
 
@@ -30,7 +31,9 @@ from confrag.recipes import shipped_prompted_llm
 from confrag.reranker.listwise_student import PRECISIONS
 from confrag.studies import fair_report as report
 from confrag.studies.fair_student import (
+    CONTROLS,
     CROSS_ENCODER,
+    FIT_CHECKS,
     FUSION_WEIGHT,
     SEEDS,
     TOP_K,
@@ -73,6 +76,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--write-outside", default=None, help="write the file's questions outside the study; stop")
     parser.add_argument("--precheck-only", action="store_true")
     parser.add_argument("--no-controls", dest="controls", action="store_false")
+    parser.add_argument("--fit-checks", action="store_true", help="amendment 2's fit checks after the controls")
     parser.add_argument("--cache", default=str(project_root() / ".cache"))
     parser.add_argument("--out", default=str(project_root() / "logs" / "fair_student"))
     args = parser.parse_args()
@@ -179,15 +183,11 @@ def main() -> None:
     atomic_write_text(out / "picks.json", json.dumps({"qids": [sets[i].qid for i in test_at], "picks": picks}))
     # The table is written before the controls run (an hour of cross-encoders on a CPU) and again after them.
     report.write(out, [*lines, "", f"Wall time so far: {time.time() - start:.0f} s (the controls follow)."], payload)
-    if args.controls:
-        control_rows = payload["controls"] = controls(inputs, chosen)
-        lines += [
-            "", "Controls (fold 0, λ = 0):", "",
-            *[f"- `{c['row']}` on {c['teacher']}, lr {c['lr']:g}, {c['training_questions']} questions: "
-              f"{100 * c['trained']:.1f} % where it trained (base {100 * c['trained_base']:.1f} %), "
-              f"{100 * c['held_out']:.1f} % held out (base {100 * c['held_out_base']:.1f} %); top-1 moved on "
-              f"{100 * c['moved_where_trained']:.1f} % of its training questions" for c in control_rows],
-        ]  # fmt: skip
+    specs = [*(CONTROLS if args.controls else ()), *(FIT_CHECKS if args.fit_checks else ())]
+    if specs:
+        control_rows = payload["controls"] = controls(inputs, chosen, specs)
+        heading = "Controls (fold 0, λ = 0; amendment 2's fit checks last):"
+        lines += ["", heading, "", *report.control_lines(control_rows)]
     lines += ["", f"Wall time: {time.time() - start:.0f} s."]
     report.write(out, lines, payload)
     print("\n".join(lines))

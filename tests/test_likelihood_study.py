@@ -314,3 +314,50 @@ def test_agreement_reads_each_measure_as_its_teacher_sees_it_and_the_fair_study_
     inputs = type("Inputs", (), {"parts": parts})()
     for teacher in ("likelihood", "relevance"):
         assert fair_student.agreement(inputs, teacher, rows, moved) == agreement(teacher, parts, rows, moved)
+
+
+def test_the_controls_loss_is_the_kl_the_student_trains_on_over_its_mask_at_its_temperatures():
+    from confrag.reranker.listwise_fit import StudyParts, listwise_loss
+    from confrag.reranker.listwise_teachers import TeacherInputs
+
+    sets = [_candidates("a", 3, gold=1), _candidates("b", 3, gold=None), _candidates("c", 3, gold=2)]
+    ell = [np.array([-1.0, -3.0, -2.0]), np.array([-2.0, -0.5, -3.0]), np.array([-1.0, -2.0, -0.1])]
+    mask = np.array([[True, True, False], [True, True, True], [True, True, True]])
+    data = ListwiseData(["a", "b", "c"], np.zeros((3, 0), np.float32), np.zeros((3, 3, 0), np.float32), mask)
+    parts = StudyParts(sets, ell, data, [TeacherInputs(c, e) for c, e in zip(sets, ell)])
+    scores = np.array([[3.0, 2.0, -np.inf], [1.0, 3.0, 2.0], [1.0, 2.0, 3.0]], dtype=np.float32)
+    m = torch.from_numpy(mask)
+    # ℓ / τ_T against f / τ over each question's mask, averaged over the three questions
+    expected = _hand_kl(torch.tensor(np.stack(ell) / 0.5, dtype=torch.float32), torch.from_numpy(scores) / 4, m)
+    assert listwise_loss("likelihood", 0.5, 4.0, parts, [0, 1, 2], scores) == pytest.approx(expected, rel=1e-5)
+    # relevance: only the questions whose own paragraph lies inside the mask (a's candidate 1; c's 2), one-hot there
+    # (−log softmax(f)[own]: a's log(e³ + e²) − 2, c's log(e + e² + e³) − 3; b has no own paragraph)
+    expected = (np.log1p(np.exp(1.0)) + np.log(np.exp([1.0, 2.0, 3.0]).sum()) - 3.0) / 2
+    assert listwise_loss("relevance", 2.0, 1.0, parts, [0, 1, 2], scores) == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_matched_teacher_tau_gives_the_teacher_the_base_top1_mass_at_the_students_tau():
+    # ℓ = base / 2 on every candidate: softmax(ℓ / τ_T) is softmax(base / τ) exactly at τ_T = τ / 2
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(40, 6)).astype(np.float32) * 5
+    data = ListwiseData.from_lists([f"q{i}" for i in range(40)], np.zeros((40, 0), np.float32),
+                                   [np.zeros((6, 0), np.float32)] * 40, base_scores=list(base)).top_k(4)  # fmt: skip
+    inputs = type("Inputs", (), {"data": data, "ell": list(base / 2)})()
+    assert fair_student.matched_teacher_tau(inputs, list(range(40)), 1.0) == pytest.approx(0.5, rel=2e-3)
+    assert fair_student.matched_teacher_tau(inputs, list(range(0, 40, 2)), 8.0) == pytest.approx(4.0, rel=2e-3)
+
+
+def test_the_controls_are_the_designs_twelve_and_the_fit_checks_differ_only_in_their_temperatures():
+    from confrag.studies.fair_student import CONTROL_LRS, CONTROLS, FIT_CHECKS, MATCHED, SMALL_TRAIN
+
+    assert len(CONTROLS) == 12 and len(set(CONTROLS)) == 12
+    for row in ("residual_ce", "tower"):
+        mine = [c for c in CONTROLS if c.row == row]
+        assert {(c.teacher, c.at_most, c.lr) for c in mine} == {
+            (t, n, lr) for t, n in [("likelihood", None), ("likelihood", SMALL_TRAIN), ("relevance", None)]
+            for lr in CONTROL_LRS
+        }  # fmt: skip
+        assert all(c.tau is None and c.teacher_tau is None for c in mine)  # the row's dev choice: the stored keys
+    checks = [(c.teacher, c.tau, c.teacher_tau) for c in FIT_CHECKS]
+    assert checks == [("relevance", 1.0, None), ("likelihood", 1.0, MATCHED)]
+    assert {c.row for c in FIT_CHECKS} == {"residual_ce"} and {c.lr for c in FIT_CHECKS} == {3e-5}

@@ -22,10 +22,12 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
-from confrag.reranker.listwise_data import ListwiseData
+from confrag.reranker.listwise_data import ListwiseData, padded_in_list, padded_targets
 from confrag.reranker.listwise_student import ListwiseSettings, ListwiseStudent, fit_listwise
 from confrag.reranker.listwise_teachers import TeacherInputs, teacher_targets
+from confrag.reranker.loss import listwise_kl
 from confrag.retrieval.candidates import Candidates
 
 P = TypeVar("P")
@@ -60,6 +62,24 @@ def train(
     """A student of `teacher` trained on the study's questions `rows`, and how many of them had no target."""
     targets, missing = teacher_targets(teacher, [parts.inputs[i] for i in rows], tau_t)
     return fit_listwise(settings, parts.data.subset(rows), targets), missing
+
+
+def listwise_loss(
+    teacher: str, tau_t: float, tau: float, parts: StudyParts, rows: list[int], scores: np.ndarray
+) -> float:
+    """The loss a student of `teacher` trains on without its anchor, KL(softmax(target / τ_T) ‖ softmax(f / τ)), of
+    `scores` (aligned with `rows`) over the data's mask, averaged over the questions that have a target there."""
+    targets, _ = teacher_targets(teacher, [parts.inputs[i] for i in rows], tau_t)
+    mask = parts.data.mask[rows]
+    table, _ = padded_targets(targets, mask.shape[1])
+    in_list = padded_in_list(targets, mask.shape[1])
+    kept = [r for r in range(len(rows)) if np.isfinite(table[r][mask[r] & in_list[r]]).any()]
+    if not kept:
+        raise ValueError(f"listwise_loss: no question of {len(rows)} has a {teacher} target inside the mask")
+    keep = mask[kept] & in_list[kept]
+    f = torch.from_numpy(np.where(keep, scores[kept], 0.0).astype(np.float32))
+    target = torch.from_numpy(np.where(keep, table[kept], -np.inf).astype(np.float32))
+    return float(listwise_kl(f, target, torch.from_numpy(keep), tau))
 
 
 def choose_on_dev(points: Iterable[P], score: Callable[[P], float]) -> tuple[P, float]:

@@ -39,6 +39,20 @@ class RowResult:
     f1_diff: float | None = None
 
 
+def control_lines(controls: Sequence[dict]) -> list[str]:
+    """One line per control: its fit in its teacher's measure and in its own loss, where it trained and held out,
+    the base's beside each, and how many of its training questions' top-1s it moved."""
+    pct = lambda v: f"{100 * v:.1f} %"  # noqa: E731
+    return [
+        f"- `{c['name']}`, τ {c['tau']:g}, τ_T {c['teacher_tau']:g}, {c['training_questions']} questions: "
+        f"{pct(c['trained'])} where it trained (base {pct(c['trained_base'])}), {pct(c['held_out'])} held out (base "
+        f"{pct(c['held_out_base'])}); loss {c['loss_trained_base']:.3f} → {c['loss_trained']:.3f} where it trained, "
+        f"{c['loss_held_out_base']:.3f} → {c['loss_held_out']:.3f} held out; top-1 moved on "
+        f"{pct(c['moved_where_trained'])} of its training questions, mean |f − base| {c['mean_correction']:.2f}"
+        for c in controls
+    ]
+
+
 def compare(names: Sequence[str], outcomes: dict[str, list]) -> list[RowResult]:
     """Each of `names` against `outcomes["base"]` (paired by question): exact McNemar, Holm across all of `names`."""
     right = {k: np.array([o.has_answer for o in v], dtype=float) for k, v in outcomes.items()}

@@ -206,30 +206,100 @@ def cross_fit(inputs: FairInputs, chosen: dict[str, Choice], seeds: int = SEEDS,
     return CrossFitted(scores, fits, students)
 
 
-def controls(inputs: FairInputs, chosen: dict[str, Choice], progress: Callable = log.info) -> list[dict]:
-    """Fold 0's residual cross-encoder and query tower at λ = 0 and lr ∈ CONTROL_LRS (the matched τ), on ℓ with
-    every training question and with SMALL_TRAIN of them, and on perfect relevance: each where it trained and held
-    out, with the share of its training questions whose top-1 moved from the base's (a control that moves nothing
-    is no test)."""
+@dataclass(frozen=True)
+class Control:
+    """One control: fold 0's student of `row` at λ = 0 and `lr` on `teacher`, with every training question or
+    `at_most` of them; `tau` / `teacher_tau` the row's dev choice unless set (amendment 2's fit checks set them)."""
+
+    row: str
+    teacher: str
+    lr: float
+    at_most: int | None = None
+    tau: float | None = None
+    teacher_tau: float | str | None = None  # MATCHED: `matched_teacher_tau` at the control's τ
+
+    @property
+    def name(self) -> str:
+        size = f", {self.at_most} questions" if self.at_most else ""
+        temps = "" if self.tau is None else f", τ {self.tau:g}"
+        temps += "" if self.teacher_tau is None else f", τ_T {self.teacher_tau}"
+        return f"{self.row} on {self.teacher}, lr {self.lr:g}{size}{temps}"
+
+
+MATCHED = "matched"
+# The design's controls: both students, on ℓ with every training question and SMALL_TRAIN of them, and on relevance.
+CONTROLS = tuple(
+    Control(row, teacher, lr, at_most)
+    for row, (teacher, at_most), lr in itertools.product(
+        ("residual_ce", "tower"), [("likelihood", None), ("likelihood", SMALL_TRAIN), ("relevance", None)], CONTROL_LRS
+    )
+)
+# Amendment 2 (docs/results.md): can the residual cross-encoder fit a top-1 at all? Relevance at τ 1, the one-hot
+# target's own spread, and ℓ sharpened to the same spread (τ_T matched to the base's top-1 mass at τ 1).
+FIT_CHECKS = (
+    Control("residual_ce", "relevance", 3e-5, tau=1.0),
+    Control("residual_ce", "likelihood", 3e-5, tau=1.0, teacher_tau=MATCHED),
+)
+
+
+def top1_mass(logits: np.ndarray) -> float:
+    """softmax(logits)'s largest probability."""
+    z = np.exp(logits - np.max(logits))
+    return float(z.max() / z.sum())
+
+
+def matched_teacher_tau(inputs: FairInputs, rows: list[int], tau: float) -> float:
+    """τ_T at which softmax(ℓ / τ_T)'s median top-1 mass over each question's scored candidates (the base's top k)
+    equals softmax(base / τ)'s: the teacher as peaked as the student starts (bisection on log τ_T; 3 digits)."""
+    data = inputs.data
+
+    def median_mass(values, scale: float) -> float:
+        return float(np.median([top1_mass(v[data.mask[i][: len(v)]] / scale) for i, v in zip(rows, values)]))
+
+    goal = median_mass([data.base_scores[i] for i in rows], tau)
+    ell = [inputs.ell[i] for i in rows]
+    low, high = np.log(1e-3), np.log(1e3)  # the mass falls as τ_T rises
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if median_mass(ell, float(np.exp(mid))) > goal else (low, mid)
+    return float(f"{np.exp((low + high) / 2):.3g}")
+
+
+def controls(
+    inputs: FairInputs, chosen: dict[str, Choice], specs=CONTROLS, progress: Callable = log.info
+) -> list[dict]:
+    """Each control of `specs` (fold 0's student at λ = 0): where it trained and held out, beside the base, in its
+    teacher's measure and in its own training loss (KL at its τ over the base's top k), with the share of its training
+    questions whose top-1 moved from the base's (a control that moves nothing is no test)."""
     data, folds = inputs.data, inputs.folds
     held = folds.folds[0]
     out = []
-    cases = [("likelihood", None), ("likelihood", SMALL_TRAIN), ("relevance", None)]
-    for row, (teacher, at_most), lr in itertools.product(("residual_ce", "tower"), cases, CONTROL_LRS):
-        choice = chosen[row]
-        rows = folds.training(0, at_most)
-        settings = replace(choice.settings, lr=lr, anchor=0.0, seed=0)
-        student = train(inputs, settings, teacher, choice.teacher_tau, rows)
-        fitted = student.at(rows, choice.weight)
+    for spec in specs:
+        choice = chosen[spec.row]
+        rows = folds.training(0, spec.at_most)
+        tau = choice.settings.tau if spec.tau is None else spec.tau
+        tau_t = {None: choice.teacher_tau, MATCHED: None}.get(spec.teacher_tau, spec.teacher_tau)
+        tau_t = matched_teacher_tau(inputs, rows, tau) if tau_t is None else tau_t
+        settings = replace(choice.settings, lr=spec.lr, anchor=0.0, seed=0, tau=tau)
+        student = train(inputs, settings, spec.teacher, tau_t, rows)
+        fitted, held_scores = student.at(rows, choice.weight), student.at(held, choice.weight)
+
+        def loss(at: list[int], scores: np.ndarray, teacher=spec.teacher, tau_t=tau_t, tau=tau) -> float:
+            return listwise_fit.listwise_loss(teacher, tau_t, tau, inputs.parts, at, scores)
+
         out.append({
-            "row": row, "teacher": teacher, "lr": lr, "training_questions": len(rows),
-            "trained": agreement(inputs, teacher, rows, fitted),
-            "trained_base": agreement(inputs, teacher, rows, data.base_scores[rows]),
-            "held_out": agreement(inputs, teacher, held, student.at(held, choice.weight)),
-            "held_out_base": agreement(inputs, teacher, held, data.base_scores[held]),
+            "row": spec.row, "teacher": spec.teacher, "lr": spec.lr, "tau": tau, "teacher_tau": tau_t,
+            "training_questions": len(rows), "name": spec.name,
+            "trained": agreement(inputs, spec.teacher, rows, fitted),
+            "trained_base": agreement(inputs, spec.teacher, rows, data.base_scores[rows]),
+            "held_out": agreement(inputs, spec.teacher, held, held_scores),
+            "held_out_base": agreement(inputs, spec.teacher, held, data.base_scores[held]),
+            "loss_trained": loss(rows, fitted), "loss_trained_base": loss(rows, data.base_scores[rows]),
+            "loss_held_out": loss(held, held_scores), "loss_held_out_base": loss(held, data.base_scores[held]),
             "moved_where_trained": float(np.mean(
                 [a != b for a, b in zip(top1(fitted, range(len(rows))), top1(data.base_scores[rows], range(len(rows))))]
             )),
+            "mean_correction": float(np.mean(np.abs(fitted - data.base_scores[rows])[data.mask[rows]])),
         })  # fmt: skip
         progress(f"control {out[-1]}")
     return out
