@@ -219,8 +219,8 @@ def test_a_fresh_head_trains_at_its_own_rate_and_the_cache_key_keeps_its_old_for
     )  # every trainable weight in exactly one group
     plain = _settings("residual_cross_encoder")
     assert "head_lr" not in plain.identity() and plain.identity() == {
-        k: v for k, v in dataclasses.asdict(plain).items() if k != "head_lr"
-    }  # students trained before the setting existed keep their keys
+        k: v for k, v in dataclasses.asdict(plain).items() if k not in ("head_lr", "dropout")
+    }  # students trained before the settings existed keep their keys
     assert _settings("residual_cross_encoder", head_lr=1e-3).identity()["head_lr"] == 1e-3
     with pytest.raises(ValueError, match="head_lr is for a student with a fresh head \\(residual_cross_encoder\\)"):
         _settings("query_tower", head_lr=1e-3)
@@ -279,3 +279,24 @@ def test_a_candidate_left_out_of_the_list_is_not_pushed_down(data):
     assert top_margin(as_negative) < base_margin - 1.0
     # left out, it gets no gradient of its own (it moves only as far as the shared head moves it)
     assert top_margin(out_of_list) > top_margin(as_negative) + 0.5
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_the_students_encoder_trains_with_dropout_only_when_asked_and_the_key_says_so(data, monkeypatch, dropout):
+    from confrag.reranker.listwise_student import ResidualCrossEncoderStudent
+
+    seen = []
+    step = ResidualCrossEncoderStudent.training_step
+
+    def recording(self, batch, batch_idx):
+        seen.append({m.training for m in self.encoder.modules()})
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(ResidualCrossEncoderStudent, "training_step", recording)
+    settings = _settings(
+        "residual_cross_encoder", steps=2, train_layers=1, train_embeddings=False, head_lr=1e-3, dropout=dropout
+    )
+    student = fit_listwise(settings, data, _last_first(data))
+    assert seen and all(modes == {dropout} for modes in seen)  # every encoder module in the mode asked for
+    assert not student.training  # and scoring in eval mode after the fit
+    assert ("dropout" in settings.identity()) == dropout  # off: the key of every student trained before the setting

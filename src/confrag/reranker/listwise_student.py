@@ -86,10 +86,16 @@ class ListwiseSettings:
     # A fresh head's lr (None: lr). At a zero head the encoder gets no gradient, and Adam moves the head ~lr a step:
     # at 1e-5-3e-5 the residual cross-encoder moved < 0.1 logit in 150 steps, no top-1 (docs/results.md, fair study).
     head_lr: float | None = None
+    # Whether the student's encoder trains with dropout (train mode, as sentence-transformers and FlagEmbedding
+    # fine-tune, and as this project's pairwise reranker does). False: eval mode, no dropout, as every student of the
+    # fair study trained (a pretrained encoder arrives in eval mode and Lightning keeps the mode it is given).
+    dropout: bool = False
 
     def identity(self) -> dict:
-        """The settings as a cache key reads them: head_lr only when set (students trained before it are found)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "head_lr" or v is not None}
+        """The settings as a cache key reads them: head_lr only when set and dropout only when on (students trained
+        before either existed are found)."""
+        optional = {"head_lr": None, "dropout": False}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in optional or v != optional[k]}
 
     def __post_init__(self) -> None:
         if self.student not in STUDENTS:
@@ -103,6 +109,7 @@ class ListwiseSettings:
             checks.number(self.tau, "tau", 0, None, low_open=True, hint=f"(or {LEARNED!r})")
         checks.number(self.anchor, "anchor", 0, None)
         checks.flag(self.train_embeddings, "train_embeddings")
+        checks.flag(self.dropout, "dropout")
         if self.train_layers is not None:
             checks.positive_int(self.train_layers, "train_layers")
             if self.train_embeddings:

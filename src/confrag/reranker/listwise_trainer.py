@@ -38,6 +38,8 @@ def train_student(
         raise ValueError(f"listwise {settings.student}: no question has a target (nothing to train on)")
     L.seed_everything(settings.seed, workers=True, verbose=False)
     student = build()
+    if settings.dropout:
+        student.train()  # every module, the pretrained encoder's dropout included (it arrives in eval mode)
     generator = torch.Generator().manual_seed(settings.seed)
     loader = DataLoader(
         kept,

@@ -90,6 +90,7 @@ class AlignmentSettings:
     train_layers: int | None
     precision: str
     head_lr: float | None  # a fresh head's lr (residual_cross_encoder's; None: lr; other students: unused)
+    dropout: bool  # the student's encoder trains with dropout (False: eval mode, as the fair study trained)
     weight: float  # w of a residual student at scoring
     fusion_weight: float | None  # w of the fusion row z(base) + w·z(ℓ) (reads the gold answer); None: no row
     max_answers: int | None  # the gold answers ℓ takes the best of (None: all)
