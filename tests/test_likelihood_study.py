@@ -361,3 +361,16 @@ def test_the_controls_are_the_designs_twelve_and_the_fit_checks_differ_only_in_t
     checks = [(c.teacher, c.tau, c.teacher_tau) for c in FIT_CHECKS]
     assert checks == [("relevance", 1.0, None), ("likelihood", 1.0, MATCHED)]
     assert {c.row for c in FIT_CHECKS} == {"residual_ce"} and {c.lr for c in FIT_CHECKS} == {3e-5}
+
+
+def test_a_control_line_names_tau_t_only_for_a_teacher_that_divides_by_it():
+    common = {"row": "residual_ce", "lr": 3e-5, "tau": 1.0, "teacher_tau": 0.321, "training_questions": 933,
+              "trained": 0.95, "trained_base": 0.93, "held_out": 0.91, "held_out_base": 0.92, "loss_trained": 0.14,
+              "loss_trained_base": 0.19, "loss_held_out": 0.2, "loss_held_out_base": 0.21,
+              "moved_where_trained": 0.04, "mean_correction": 0.5}  # fmt: skip
+    relevance, ell = fair_report.control_lines(
+        [{**common, "teacher": "relevance", "name": "r"}, {**common, "teacher": "likelihood", "name": "l"}]
+    )
+    assert "τ 1, 933 questions" in relevance and "τ_T" not in relevance
+    assert "τ 1, τ_T 0.321, 933 questions: 95.0 % where it trained (base 93.0 %), 91.0 % held out" in ell
+    assert "loss 0.190 → 0.140 where it trained, 0.210 → 0.200 held out" in ell

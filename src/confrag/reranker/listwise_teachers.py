@@ -133,6 +133,11 @@ class Teacher:
     def listwise(self) -> bool:
         return self.target is not None
 
+    @property
+    def graded(self) -> bool:
+        """Whether its target is a graded score divided by τ_T (ℓ, the base's); the others ignore τ_T."""
+        return bool(self.reads & {LIKELIHOOD, BASE_SCORES})
+
 
 # name -> the teacher; τ_T divides the graded scores (ℓ, the base's) and is ignored by the others.
 ALIGNMENT_TEACHERS: dict[str, Teacher] = {

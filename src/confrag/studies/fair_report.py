@@ -14,6 +14,7 @@ import numpy as np
 from confrag.data.nq import QARow
 from confrag.infra.atomic import atomic_write_text
 from confrag.rag.stats import accuracy_ci, detectable_difference, holm, mcnemar_exact, paired_difference
+from confrag.reranker.listwise_teachers import ALIGNMENT_TEACHERS
 from confrag.retrieval.corpus import corpus_from_gold_paragraphs
 from confrag.studies.fair_student import TOP_K, Choice
 from confrag.studies.frozen_precheck import PrecheckRow
@@ -43,8 +44,13 @@ def control_lines(controls: Sequence[dict]) -> list[str]:
     """One line per control: its fit in its teacher's measure and in its own loss, where it trained and held out,
     the base's beside each, and how many of its training questions' top-1s it moved."""
     pct = lambda v: f"{100 * v:.1f} %"  # noqa: E731
+
+    def temperatures(c: dict) -> str:  # τ_T only where the teacher divides its scores by it
+        graded = ALIGNMENT_TEACHERS[c["teacher"]].graded
+        return f"τ {c['tau']:g}" + (f", τ_T {c['teacher_tau']:.3g}" if graded else "")
+
     return [
-        f"- `{c['name']}`, τ {c['tau']:g}, τ_T {c['teacher_tau']:g}, {c['training_questions']} questions: "
+        f"- `{c['name']}`, {temperatures(c)}, {c['training_questions']} questions: "
         f"{pct(c['trained'])} where it trained (base {pct(c['trained_base'])}), {pct(c['held_out'])} held out (base "
         f"{pct(c['held_out_base'])}); loss {c['loss_trained_base']:.3f} → {c['loss_trained']:.3f} where it trained, "
         f"{c['loss_held_out_base']:.3f} → {c['loss_held_out']:.3f} held out; top-1 moved on "

@@ -220,10 +220,7 @@ class Control:
 
     @property
     def name(self) -> str:
-        size = f", {self.at_most} questions" if self.at_most else ""
-        temps = "" if self.tau is None else f", τ {self.tau:g}"
-        temps += "" if self.teacher_tau is None else f", τ_T {self.teacher_tau}"
-        return f"{self.row} on {self.teacher}, lr {self.lr:g}{size}{temps}"
+        return f"{self.row} on {self.teacher}, lr {self.lr:g}"
 
 
 MATCHED = "matched"
