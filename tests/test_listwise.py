@@ -282,7 +282,9 @@ def test_a_candidate_left_out_of_the_list_is_not_pushed_down(data):
 
 
 @pytest.mark.parametrize("dropout", [False, True])
-def test_the_students_encoder_trains_with_dropout_only_when_asked_and_the_key_says_so(data, monkeypatch, dropout):
+def test_the_students_encoder_trains_with_dropout_only_when_asked_and_the_key_says_so(
+    data, monkeypatch, recwarn, dropout
+):
     from confrag.reranker.listwise_student import ResidualCrossEncoderStudent
 
     seen = []
@@ -299,4 +301,5 @@ def test_the_students_encoder_trains_with_dropout_only_when_asked_and_the_key_sa
     student = fit_listwise(settings, data, _last_first(data))
     assert seen and all(modes == {dropout} for modes in seen)  # every encoder module in the mode asked for
     assert not student.training  # and scoring in eval mode after the fit
+    assert not [w for w in recwarn if "in eval mode" in str(w.message)]  # eval mode as asked is no warning
     assert ("dropout" in settings.identity()) == dropout  # off: the key of every student trained before the setting

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +69,10 @@ def train_student(
         callbacks=[FitProgress(f"listwise {settings.student}")],  # its steps, rate and time left in the log
     )
     try:
-        trainer.fit(student, loader)
+        with warnings.catch_warnings():
+            if not settings.dropout:  # eval mode is the setting's meaning (ListwiseSettings.dropout), not a slip
+                warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=Warning)
+            trainer.fit(student, loader)
     finally:
         quiet.setLevel(level)
     # Drop the trainer (and through it the optimizer's state, twice the model's size): a study trains dozens of
