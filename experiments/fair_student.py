@@ -60,10 +60,11 @@ log = logging.getLogger("fair_student")
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--questions", type=int, default=1500)
-    parser.add_argument("--dev", type=int, default=100)
-    parser.add_argument("--folds", type=int, default=3)
-    parser.add_argument("--seeds", type=int, default=SEEDS)
+    parser.add_argument("--questions", type=int, default=1500, help="the study's questions (dev included), drawn "
+                        "from the shared NQ file by a seeded permutation (the likelihood teacher study's)")  # fmt: skip
+    parser.add_argument("--dev", type=int, default=100, help="the first questions of the draw: they choose settings")
+    parser.add_argument("--folds", type=int, default=3, help="cross-fitted folds of the test questions")
+    parser.add_argument("--seeds", type=int, default=SEEDS, help="training seeds of the cross-encoder and the tower")
     parser.add_argument("--seed", type=int, default=0, help="the study's question permutation")
     parser.add_argument("--steps", type=int, default=TRAINING.steps, help="optimizer steps of every student")
     parser.add_argument(
@@ -72,14 +73,20 @@ def arguments() -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--cross-encoder-precision", choices=PRECISIONS, default=CROSS_ENCODER["precision"])
     parser.add_argument("--train-embeddings", action="store_true", help="train the encoders' word embeddings too")
-    parser.add_argument("--eval-questions", default=None, help="an NQ-format file of new questions with paragraphs")
-    parser.add_argument("--write-outside", default=None, help="write the file's questions outside the study; stop")
-    parser.add_argument("--precheck-only", action="store_true")
-    parser.add_argument("--no-controls", dest="controls", action="store_false")
+    parser.add_argument("--eval-questions", default=None,
+                        help="an NQ-format file of new questions with paragraphs: fold 0's chosen students score "
+                             "them, paired against the base (nothing chosen on them)")  # fmt: skip
+    parser.add_argument("--write-outside", default=None, metavar="FILE",
+                        help="write the shared NQ file's questions this study (same --questions, --dev, --seed) never "
+                             "draws to FILE, in NQ format (a ready --eval-questions file), and stop")  # fmt: skip
+    parser.add_argument("--precheck-only", action="store_true", help="the frozen-feature pre-check alone")
+    parser.add_argument("--no-controls", dest="controls", action="store_false", help="skip the design's 12 controls")
     parser.add_argument("--fit-checks", action="store_true", help="amendment 2's fit checks after the controls")
-    parser.add_argument("--cache", default=str(project_root() / ".cache"))
-    parser.add_argument("--out", default=str(project_root() / "logs" / "fair_student"))
+    parser.add_argument("--cache", default=str(project_root() / ".cache"), help="the cache (ℓ, answers, students)")
+    parser.add_argument("--out", default=str(project_root() / "logs" / "fair_student"), help="the report's folder")
     args = parser.parse_args()
+    if not 0 < args.dev < args.questions:
+        parser.error(f"--dev must be in [1, questions - 1] (--questions {args.questions}); got {args.dev}")
     if not 2 <= args.folds <= args.questions - args.dev:
         parser.error(f"--folds must be in [2, questions - dev]; got {args.folds}")
     if args.seeds < 1 or args.steps < 1:
@@ -88,6 +95,8 @@ def arguments() -> argparse.Namespace:
         parser.error("--train-embeddings trains the layers below every other: it needs --cross-encoder-layers 0 (all)")
     if args.eval_questions and not Path(args.eval_questions).is_file():
         parser.error(f"--eval-questions {args.eval_questions}: no such file")
+    if args.precheck_only and (args.fit_checks or args.eval_questions):
+        parser.error("--precheck-only trains no student: it takes neither --fit-checks nor --eval-questions")
     return args
 
 
@@ -156,7 +165,8 @@ def main() -> None:
         }
         for name in ["base", *names]
     }  # fmt: skip
-    met, verdict_lines = report.verdict(rows, seeds, crossed.fits)
+    base_agreement = float(np.mean([j == ell_top[i] for i, j in zip(test_at, picks["base"])]))
+    met, verdict_lines = report.verdict(rows, seeds, crossed.fits, base_agreement)
     n = len(test_at)
     lines += [
         "## Rows against the base", "", *report.choices_lines(chosen, dev_base), "",
@@ -186,7 +196,12 @@ def main() -> None:
     specs = [*(CONTROLS if args.controls else ()), *(FIT_CHECKS if args.fit_checks else ())]
     if specs:
         control_rows = payload["controls"] = controls(inputs, chosen, specs)
-        heading = "Controls (fold 0, λ = 0; amendment 2's fit checks last):"
+        heading = {
+            (True, False): "The design's controls (fold 0, λ = 0):",
+            (False, True): "Amendment 2's fit checks (fold 0, λ = 0):",
+        }.get(  # fmt: skip
+            (args.controls, args.fit_checks), "The design's controls, then amendment 2's fit checks (fold 0, λ = 0):"
+        )
         lines += ["", heading, "", *report.control_lines(control_rows)]
     lines += ["", f"Wall time: {time.time() - start:.0f} s."]
     report.write(out, lines, payload)

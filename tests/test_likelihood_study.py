@@ -193,14 +193,22 @@ def test_the_verdict_checks_every_part_of_the_success_criterion():
     good = fair_report.RowResult("residual_ce@0", [0.37, 0.35, 0.39], 0.125, [0.015, 0.008, 0.022], 30, 9, 0.01, 0.005)
     fits = [{"row": "residual_ce", "held_out": 0.84, "held_out_base": 0.80} for _ in range(3)]
     seeds = {"residual_ce@0": 0.015, "residual_ce@1": 0.012, "residual_ce@2": 0.011}
-    met, lines = fair_report.verdict([*rows, good], seeds, fits)
-    assert met and all(line.startswith("- met") for line in lines)
+    met, lines = fair_report.verdict([*rows, good], seeds, fits, 0.80)
+    assert met and all(line.lstrip("- (").startswith(("met", "the other reading")) for line in lines)
+    assert lines[0] == "- met: held-out agreement with ℓ's top-1 ≥ 82.0 % (the base's 80.0 + 2) in every fold"
     fits[1] = {"row": "residual_ce", "held_out": 0.81, "held_out_base": 0.80}  # one fold short of +2 points
-    assert not fair_report.verdict([*rows, good], seeds, fits)[0]
+    assert not fair_report.verdict([*rows, good], seeds, fits, 0.80)[0]
+    # the design's bar is the base's agreement over every test question + 2, whatever a fold's own base
+    fits[1] = {"row": "residual_ce", "held_out": 0.825, "held_out_base": 0.81}
+    met, lines = fair_report.verdict([*rows, good], seeds, fits, 0.80)
+    assert met and lines[1] == "  (the other reading, each fold's own base + 2: not met)"
+    assert not fair_report.verdict([*rows, good], seeds, fits, 0.81)[0]
     fits[1] = fits[0]
-    assert not fair_report.verdict([*rows, good], {**seeds, "residual_ce@2": -0.001}, fits)[0]
-    assert not fair_report.verdict([*rows, replace(good, holm=0.2)], seeds, fits)[0]
-    assert not fair_report.verdict([*rows, replace(good, f1_diff=-0.001)], seeds, fits)[0]
+    assert not fair_report.verdict([*rows, good], {**seeds, "residual_ce@2": -0.001}, fits, 0.80)[0]
+    assert not fair_report.verdict([*rows, good], {k: -0.01 for k in seeds}, fits, 0.80)[0]  # one direction: a loss
+    assert not fair_report.verdict([*rows, good], {k: 0.0 for k in seeds}, fits, 0.80)[0]
+    assert not fair_report.verdict([*rows, replace(good, holm=0.2)], seeds, fits, 0.80)[0]
+    assert not fair_report.verdict([*rows, replace(good, f1_diff=-0.001)], seeds, fits, 0.80)[0]
 
 
 def test_dev_choice_keeps_the_earlier_grid_point_on_a_tie(monkeypatch):

@@ -218,9 +218,12 @@ class Control:
     tau: float | None = None
     teacher_tau: float | str | None = None  # MATCHED: `matched_teacher_tau` at the control's τ
 
+    label: str = ""  # how the docs name it (amendment 2's fit checks)
+
     @property
     def name(self) -> str:
-        return f"{self.row} on {self.teacher}, lr {self.lr:g}"
+        cap = f", at most {self.at_most} questions" if self.at_most else ""
+        return f"{self.label + ': ' if self.label else ''}{self.row} on {self.teacher}, lr {self.lr:g}{cap}"
 
 
 MATCHED = "matched"
@@ -234,8 +237,8 @@ CONTROLS = tuple(
 # Amendment 2 (docs/results.md): can the residual cross-encoder fit a top-1 at all? Relevance at τ 1, the one-hot
 # target's own spread, and ℓ sharpened to the same spread (τ_T matched to the base's top-1 mass at τ 1).
 FIT_CHECKS = (
-    Control("residual_ce", "relevance", 3e-5, tau=1.0),
-    Control("residual_ce", "likelihood", 3e-5, tau=1.0, teacher_tau=MATCHED),
+    Control("residual_ce", "relevance", 3e-5, tau=1.0, label="fit check 1"),
+    Control("residual_ce", "likelihood", 3e-5, tau=1.0, teacher_tau=MATCHED, label="fit check 2"),
 )
 
 
@@ -280,6 +283,7 @@ def controls(
         settings = replace(choice.settings, lr=spec.lr, anchor=0.0, seed=0, tau=tau)
         student = train(inputs, settings, spec.teacher, tau_t, rows)
         fitted, held_scores = student.at(rows, choice.weight), student.at(held, choice.weight)
+        scored = data.mask[rows]  # the candidates it scores (-inf elsewhere, for the base as for it)
 
         def loss(at: list[int], scores: np.ndarray, teacher=spec.teacher, tau_t=tau_t, tau=tau) -> float:
             return listwise_fit.listwise_loss(teacher, tau_t, tau, inputs.parts, at, scores)
@@ -296,7 +300,7 @@ def controls(
             "moved_where_trained": float(np.mean(
                 [a != b for a, b in zip(top1(fitted, range(len(rows))), top1(data.base_scores[rows], range(len(rows))))]
             )),
-            "mean_correction": float(np.mean(np.abs(fitted - data.base_scores[rows])[data.mask[rows]])),
+            "mean_correction": float(np.mean(np.abs(fitted[scored] - data.base_scores[rows][scored]))),
         })  # fmt: skip
         progress(f"control {out[-1]}")
     return out

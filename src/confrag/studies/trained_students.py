@@ -52,7 +52,8 @@ class Trained:
         if self.student not in RESIDUAL or weight == 1.0:
             return f1
         finite = np.isfinite(f1)
-        return np.where(finite, base + weight * (np.where(finite, f1, 0.0) - base), -np.inf).astype(np.float32)
+        f1, base = np.where(finite, f1, 0.0), np.where(finite, base, 0.0)  # -inf - -inf would warn, then be masked
+        return np.where(finite, base + weight * (f1 - base), -np.inf).astype(np.float32)
 
     def load(self) -> ListwiseStudent:
         """The student itself, checked against its digest (to score questions outside the study)."""
