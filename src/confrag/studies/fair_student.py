@@ -237,8 +237,8 @@ CONTROLS = tuple(
 # Amendment 2 (docs/results.md): can the residual cross-encoder fit a top-1 at all? Relevance at τ 1, the one-hot
 # target's own spread, and ℓ sharpened to the same spread (τ_T matched to the base's top-1 mass at τ 1).
 FIT_CHECKS = (
-    Control("residual_ce", "relevance", 3e-5, tau=1.0, label="fit check 1"),
-    Control("residual_ce", "likelihood", 3e-5, tau=1.0, teacher_tau=MATCHED, label="fit check 2"),
+    Control("residual_ce", "relevance", 3e-5, tau=1.0, label="amendment 2 (a)"),
+    Control("residual_ce", "likelihood", 3e-5, tau=1.0, teacher_tau=MATCHED, label="amendment 2 (b)"),
 )
 
 
