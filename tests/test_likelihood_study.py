@@ -382,3 +382,32 @@ def test_a_control_line_names_tau_t_only_for_a_teacher_that_divides_by_it():
     assert "τ 1, 933 questions" in relevance and "τ_T" not in relevance
     assert "τ 1, τ_T 0.321, 933 questions: 95.0 % where it trained (base 93.0 %), 91.0 % held out" in ell
     assert "loss 0.190 → 0.140 where it trained, 0.210 → 0.200 held out" in ell
+
+
+def test_the_controls_train_the_designs_students_and_the_fit_checks_at_their_own_temperatures(monkeypatch):
+    from confrag.studies.fair_student import CONTROLS, FIT_CHECKS, FairInputs, controls
+
+    study = _study(30, 6)
+    rng = np.random.default_rng(0)
+    base = [rng.normal(size=4).astype(np.float32) * 4 for _ in study.candidate_sets]
+    data = ListwiseData.from_lists([c.question for c in study.candidate_sets], np.zeros((30, 0), np.float32),
+                                   [np.zeros((4, 0), np.float32)] * 30, base_scores=base).top_k(3)  # fmt: skip
+    ell = [rng.normal(size=4).astype(np.float32) for _ in study.candidate_sets]
+    inputs = FairInputs(study, ell, data, Folds.of(study, 3), None, None)
+    calls = []
+
+    def train(inputs, settings, teacher, tau_t, rows):
+        calls.append((settings, teacher, tau_t, list(rows)))
+        return type("Stored", (), {"at": lambda self, at, w: data.base_scores[at]})()
+
+    monkeypatch.setattr(fair_student, "train", train)
+    choice = Choice(replace(TRAINING, lr=3e-5, anchor=0.1, tau=8.0), 2.0, 1.0, 0.3)
+    out = controls(inputs, {"residual_ce": choice, "tower": choice}, (*CONTROLS, *FIT_CHECKS), lambda _: None)
+    assert len(out) == len(calls) == 14
+    for spec, (settings, teacher, tau_t, rows) in zip(CONTROLS, calls):  # the stored students' keys, as designed
+        assert settings == replace(choice.settings, lr=spec.lr, anchor=0.0, seed=0) and tau_t == 2.0
+        assert teacher == spec.teacher and rows == inputs.folds.training(0, spec.at_most)
+    (relevance, _, tau_r, _), (sharpened, teacher, tau_t, rows) = calls[-2:]
+    assert relevance.tau == sharpened.tau == 1.0 and tau_r == 2.0 and teacher == "likelihood"
+    assert tau_t == fair_student.matched_teacher_tau(inputs, rows, 1.0) != 2.0
+    assert all(o["moved_where_trained"] == 0.0 and o["trained"] == o["trained_base"] for o in out)  # the base itself

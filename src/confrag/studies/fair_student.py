@@ -217,7 +217,6 @@ class Control:
     at_most: int | None = None
     tau: float | None = None
     teacher_tau: float | str | None = None  # MATCHED: `matched_teacher_tau` at the control's τ
-
     label: str = ""  # how the docs name it (amendment 2's fit checks)
 
     @property
@@ -278,8 +277,10 @@ def controls(
         choice = chosen[spec.row]
         rows = folds.training(0, spec.at_most)
         tau = choice.settings.tau if spec.tau is None else spec.tau
-        tau_t = {None: choice.teacher_tau, MATCHED: None}.get(spec.teacher_tau, spec.teacher_tau)
-        tau_t = matched_teacher_tau(inputs, rows, tau) if tau_t is None else tau_t
+        if spec.teacher_tau == MATCHED:
+            tau_t = matched_teacher_tau(inputs, rows, tau)
+        else:
+            tau_t = choice.teacher_tau if spec.teacher_tau is None else spec.teacher_tau
         settings = replace(choice.settings, lr=spec.lr, anchor=0.0, seed=0, tau=tau)
         student = train(inputs, settings, spec.teacher, tau_t, rows)
         fitted, held_scores = student.at(rows, choice.weight), student.at(held, choice.weight)
