@@ -6,19 +6,16 @@ checks) and learns, over a question's list (`ListwiseData.top_k` restricts it to
 
     KL(softmax(target) ‖ softmax(f / τ)) + λ · KL(softmax(base / τ) ‖ softmax(f / τ)),
 
-the teacher's distribution with an anchor keeping the student near the base (λ = 0: REPLUG LSR as published). The
-student's temperature τ matters: softmax(base) at τ = 1 puts most of its mass on the base's top-1, so a target
-flatter than that asks the student mostly to be flatter, and the anchor at τ = 1 pins the top-1; τ matched to the
-teacher's spread asks for the order instead; `tau="learned"` learns it (REPLUG tunes its γ), on a log scale at a
-rate of its own. One registered class per kind (`STUDENTS`):
+the teacher's distribution with an anchor keeping the student near the base (λ = 0: REPLUG LSR as published). τ
+matters: softmax(base) at τ = 1 puts most of its mass on the base's top-1, so a flatter target asks mostly for
+flatter scores and the anchor pins the top-1; τ matched to the teacher's spread asks for the order; `tau="learned"`
+learns it (REPLUG tunes its γ) on a log scale at a rate of its own. One registered class per kind (`STUDENTS`):
 
-- `query_tower`: REPLUG LSR's setting. The query encoder is fine-tuned; the passages' embeddings stay the frozen
-  base's (REPLUG keeps the document encoder fixed to spare re-indexing), so one training step encodes only the
-  batch's questions and a corpus index built with the base still serves the student.
+- `query_tower`: REPLUG LSR's setting. The query encoder is fine-tuned; the passages' embeddings stay the base's
+  (REPLUG keeps the document encoder fixed to spare re-indexing): a step encodes only the batch's questions.
 - `residual_head`: the base frozen whole; f = base + w · SCALE · head(q ⊙ p) (zero at the start; w set at scoring).
-- `residual_cross_encoder`: the base frozen; a copy of its encoder reads question and passage together (one
-  sequence, mean-pooled) into a zero-initialised linear head g (its own lr: `head_lr`): f = base + w · SCALE · g(q, p).
-  It starts as the base and, unlike the two above, reads the passage in the light of the question.
+- `residual_cross_encoder`: the base frozen; a copy of its encoder reads question and passage as one sequence (the
+  passage in the light of the question) into a zero-initialised head g (lr `head_lr`): f = base + w · SCALE · g.
 - `cross_encoder`: the base reranker fine-tuned whole (the paper's kind; the studies' MiniLM bi-encoder, both towers).
 
 The first two read the base's vectors (a bi-encoder base). `export` / `read` save and load any. Training: Lightning,
@@ -78,22 +75,19 @@ class ListwiseSettings:
     # Whether the encoder's word embeddings train (11.7 M of MiniLM's 22.7 M weights: the part that lets a student
     # learn its training questions' words by heart rather than anything that carries to new questions).
     train_embeddings: bool
-    # How many of the encoder's top transformer layers train (None: all). Below them, the layers and the embeddings
-    # stay the base's: a cross-encoder then still reads question and passage together in every layer, and a step
-    # costs no backward pass through the frozen ones (about half the seconds of a step on a CPU).
+    # How many of the encoder's top layers train (None: all); the layers and embeddings below stay the base's, so a
+    # cross-encoder still reads question and passage together in every layer, with no backward pass through them.
     train_layers: int | None
     precision: str
-    # A fresh head's lr (None: lr). At a zero head the encoder gets no gradient, and Adam moves the head ~lr a step:
-    # at 1e-5-3e-5 the residual cross-encoder moved < 0.1 logit in 150 steps, no top-1 (docs/results.md, fair study).
+    # A fresh head's lr (None: lr): while it is zero the encoder gets no gradient, and at lr 1e-5-3e-5 Adam's ~lr a
+    # step left the residual cross-encoder's correction < 0.1 logit after 150 steps (docs/results.md, fair study).
     head_lr: float | None = None
-    # Whether the student's encoder trains with dropout (train mode, as sentence-transformers and FlagEmbedding
-    # fine-tune, and as this project's pairwise reranker does). False: eval mode, no dropout, as every student of the
-    # fair study trained (a pretrained encoder arrives in eval mode and Lightning keeps the mode it is given).
+    # Whether the encoder trains with dropout (train mode, as sentence-transformers, FlagEmbedding and the pairwise rows
+    # fine-tune); False: eval mode, as every fair-study student trained (a pretrained encoder arrives in eval mode).
     dropout: bool = False
 
     def identity(self) -> dict:
-        """The settings as a cache key reads them: head_lr only when set and dropout only when on (students trained
-        before either existed are found)."""
+        """The settings as a cache key reads them: head_lr when set, dropout when on (older students are found)."""
         optional = {"head_lr": None, "dropout": False}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in optional or v != optional[k]}
 
@@ -242,8 +236,7 @@ class ListwiseStudent(L.LightningModule, ABC):
 
 
 def _frozen_word_embeddings(encoder: nn.Module, settings: ListwiseSettings) -> nn.Module:
-    """A copy of the base's encoder with what the settings keep frozen frozen: the word embeddings unless
-    `train_embeddings`, and with `train_layers` every layer below the top ones and the embeddings."""
+    """A copy of the base's encoder: word embeddings frozen unless `train_embeddings`, all below `train_layers` too."""
     return _frozen(copy.deepcopy(encoder).float(), settings)
 
 
@@ -383,8 +376,8 @@ STUDENTS: dict[str, type[ListwiseStudent]] = {
 
 @dataclass(frozen=True)
 class StudentBase:
-    """What a student starts from: the base bi-encoder's folder whose encoder the query tower and the residual students
-    copy, and the base reranker `cross_encoder` fine-tunes (None: the embedded MiniLM bi-encoder, the studies' base)."""
+    """What a student starts from: the bi-encoder folder the query tower and residual students copy, and the reranker
+    `cross_encoder` fine-tunes (None: the embedded MiniLM bi-encoder, the studies' base)."""
 
     encoder_dir: Path | None = None
     reranker: PairScorer | None = None
