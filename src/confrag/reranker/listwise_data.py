@@ -166,6 +166,12 @@ def padded_targets(targets: list[np.ndarray | ListTarget | None], width: int) ->
     return out, kept
 
 
+def with_target(table: np.ndarray, mask: np.ndarray, in_list: np.ndarray) -> list[int]:
+    """The rows whose target (`padded_targets`) keeps a finite logit inside `mask` and the list: the questions a
+    student trains on (after `top_k`, a relevance target whose own paragraph lies below the base's top k has none)."""
+    return [i for i in range(len(table)) if np.isfinite(table[i][mask[i] & in_list[i]]).any()]
+
+
 def padded_in_list(targets: list[np.ndarray | ListTarget | None], width: int) -> np.ndarray:
     """(Q, width): False where a target leaves a candidate out of the list (padding is data.mask's to drop)."""
     out = np.ones((len(targets), width), dtype=bool)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from confrag.reranker.listwise_data import ListwiseData, padded_in_list, padded_targets
+from confrag.reranker.listwise_data import ListwiseData, padded_in_list, padded_targets, with_target
 from confrag.reranker.listwise_student import ListwiseSettings, ListwiseStudent, fit_listwise
 from confrag.reranker.listwise_teachers import TeacherInputs, teacher_targets
 from confrag.reranker.loss import listwise_kl
@@ -73,7 +73,7 @@ def listwise_loss(
     mask = parts.data.mask[rows]
     table, _ = padded_targets(targets, mask.shape[1])
     in_list = padded_in_list(targets, mask.shape[1])
-    kept = [r for r in range(len(rows)) if np.isfinite(table[r][mask[r] & in_list[r]]).any()]
+    kept = with_target(table, mask, in_list)
     if not kept:
         raise ValueError(f"listwise_loss: no question of {len(rows)} has a {teacher} target inside the mask")
     keep = mask[kept] & in_list[kept]

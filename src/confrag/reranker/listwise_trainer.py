@@ -16,7 +16,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from confrag.infra.fit_progress import FitProgress
-from confrag.reranker.listwise_data import ListTarget, ListwiseData, list_batch, padded_in_list, padded_targets
+from confrag.reranker.listwise_data import (
+    ListTarget,
+    ListwiseData,
+    list_batch,
+    padded_in_list,
+    padded_targets,
+    with_target,
+)
 
 
 def train_student(
@@ -32,9 +39,7 @@ def train_student(
         raise ValueError(f"{len(targets)} targets for {len(data.questions)} questions")
     table, _ = padded_targets(targets, data.mask.shape[1])
     in_list = padded_in_list(targets, data.mask.shape[1])
-    # A question trains where its target keeps a finite logit inside the data's mask (after `top_k`, a relevance
-    # target whose own paragraph lies below the base's top k has none there).
-    kept = [i for i in range(len(targets)) if np.isfinite(table[i][data.mask[i] & in_list[i]]).any()]
+    kept = with_target(table, data.mask, in_list)
     if not kept:
         raise ValueError(f"listwise {settings.student}: no question has a target (nothing to train on)")
     L.seed_everything(settings.seed, workers=True, verbose=False)
