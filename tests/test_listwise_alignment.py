@@ -84,6 +84,7 @@ def ell_targets(data: ListwiseData) -> list[np.ndarray]:
         ({"teacher": "likelihood", "tau": 0}, r"alignment\.tau must be a number > 0 \(or 'learned'\); got 0"),
         ({"teacher": "likelihood", "top_k": 0}, r"alignment\.top_k must be an integer >= 1"),
         ({"teacher": "likelihood", "precision": "fp8"}, r"alignment\.precision='fp8' is not one of"),
+        ({"teacher": "likelihood", "seed": -1}, r"alignment\.seed must be an integer >= 0 or null; got -1"),
     ],
 )
 def test_bad_alignment_settings_are_refused_by_key(changes, message):
@@ -212,6 +213,14 @@ def test_settings_from_the_node_and_the_listwise_settings_agree():
     assert fields <= {f.name for f in dataclasses.fields(AlignmentSettings)}
     with pytest.raises(ValueError, match=r"alignment: missing key"):
         settings_from(AlignmentSettings, {"teacher": "inc"}, "alignment")
+
+
+def test_alignment_seed_sets_the_students_seed_and_key_and_null_is_the_runs():
+    node = shipped_settings(AlignmentSettings, "alignment", teacher="likelihood")
+    assert node.seed is None and node.listwise(7) == dataclasses.replace(node, seed=7).listwise(0)
+    seeded = dataclasses.replace(node, seed=3)
+    assert seeded.listwise(7).seed == seeded.listwise(0).seed == 3
+    assert seeded.listwise(7).identity() != node.listwise(7).identity()  # another student, cached apart
 
 
 def test_each_folds_students_train_on_the_other_folds_and_are_read_back_from_the_cache(cross_encoder, tmp_path):

@@ -91,6 +91,7 @@ class AlignmentSettings:
     precision: str
     head_lr: float | None  # a fresh head's lr (residual_cross_encoder's; None: lr; other students: unused)
     dropout: bool  # the student's encoder trains with dropout (False: eval mode, as the fair study trained)
+    seed: int | None  # the students' seed (None: the run's): a sweep over it retrains the students alone
     weight: float  # w of a residual student at scoring
     fusion_weight: float | None  # w of the fusion row z(base) + w·z(ℓ) (reads the gold answer); None: no row
     max_answers: int | None  # the gold answers ℓ takes the best of (None: all)
@@ -106,6 +107,7 @@ class AlignmentSettings:
         checks.collect(problems, checks.positive_int, self.top_k, "top_k")
         checks.collect(problems, checks.number, self.teacher_tau, "teacher_tau", 0, low_open=True)
         checks.collect(problems, checks.number, self.weight, "weight", 0)
+        checks.collect(problems, checks.non_negative_int, self.seed, "seed", allow_none=True)
         checks.collect(problems, checks.number, self.fusion_weight, "fusion_weight", 0, allow_none=True)
         checks.collect(problems, checks.positive_int, self.max_answers, "max_answers", allow_none=True)
         checks.collect(problems, check_batch_size, self.extract_batch_size, "extract_batch_size")
@@ -124,8 +126,9 @@ class AlignmentSettings:
         checks.refuse(problems)
 
     def listwise(self, seed: int) -> ListwiseSettings:
-        """The student's training settings (`seed`: the run's)."""
+        """The student's training settings (`seed`: the run's, unless `alignment.seed` sets one)."""
         fields = {f.name for f in dataclasses.fields(ListwiseSettings)} - {"seed", "head_lr"}
+        seed = seed if self.seed is None else self.seed
         # head_lr is for a student with a fresh head; the others train every weight at lr (a node such as
         # alignment=likelihood sets it for its residual cross-encoder and may be given another student)
         head_lr = self.head_lr if self.student in STUDENTS and STUDENTS[self.student].fresh_head else None
