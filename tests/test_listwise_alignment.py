@@ -161,7 +161,8 @@ def test_a_cross_encoder_student_starts_as_the_base_and_exports_a_crossencoder_f
     again = load_aligned(folder)
     queries, passages = [QUESTIONS[1]] * 4, PASSAGES[1]
     np.testing.assert_array_equal(again.score(queries, passages), row.score(queries, passages))
-    assert "CrossEncoder" in (folder / "README.md").read_text()
+    card = (folder / "README.md").read_text()
+    assert "CrossEncoder" in card and "base + w" not in card  # not a residual student
 
 
 def test_a_residual_student_exports_how_it_scores_and_loads_through_confrag(cross_encoder, tmp_path):
@@ -181,6 +182,10 @@ def test_a_residual_student_exports_how_it_scores_and_loads_through_confrag(cros
     base = cross_encoder.score([QUESTIONS[1]] * 4, PASSAGES[1])
     f = loaded.student.score(loaded.listwise([QUESTIONS[1]], [PASSAGES[1]], [base]))
     assert np.isfinite(f).sum() == 3  # the base's top 3 scored, the fourth left to the base's order
+    # f pair by pair: the student's own scores over the base's top 3, NaN for the passage it never scores
+    by_pair, scored = loaded.student_scores([QUESTIONS[1]] * 4, PASSAGES[1]), np.isfinite(f[0])
+    np.testing.assert_allclose(by_pair[scored], f[0][scored], rtol=1e-5)
+    assert np.isnan(by_pair[~scored]).all()
 
 
 def test_a_student_reorders_the_base_top_k_and_leaves_the_rest_in_the_base_order(cross_encoder):

@@ -184,7 +184,8 @@ def alignment_settings(cfg: DictConfig, preferences: PreferenceSettings) -> Alig
     if alignment.reads_vectors and not reranker_kind(cfg.model.kind).embeds_apart:
         raise ValueError(
             f"alignment.student={alignment.student} reads the base's query and passage vectors: the base must be a "
-            f"bi-encoder (model=reranker_minilm_bi, model.kind=bi_encoder); got model.kind={cfg.model.kind}. Or "
+            f"bi-encoder (model=reranker_minilm_bi base_reranker.train=false: MiniLM as it comes); got model.kind="
+            f"{cfg.model.kind}. Or "
             "train alignment.student=residual_cross_encoder or cross_encoder"
         )
     if alignment.active and preferences.rows_path:

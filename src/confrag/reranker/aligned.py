@@ -76,21 +76,36 @@ class AlignedReranker:
         return data.top_k(self.top_k)
 
     def score(self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        """The order this reranker puts each query's passages in, as scores: the pairs are grouped by query text
+        and each group's passages get n (first) down to 1 (last), the base's top k reordered by the student.
+        Sorting by them is the reranking; they are positions, not f: `student_scores` gives f."""
+        groups, base, f = self._scored(queries, passages, batch_size)
+        out = np.zeros(len(queries), dtype=np.float32)
+        for row, at in enumerate(groups.values()):
+            out[at] = shortlist_order(f[row, : len(at)], base[at], self.top_k)
+        return out
+
+    def student_scores(self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32) -> np.ndarray:
+        """The student's own score f of each pair in its query's base top k (grouped by query text, as `score`);
+        NaN for the passages below the base's top k, which the student never scores."""
+        groups, base, f = self._scored(queries, passages, batch_size)
+        out = np.full(len(queries), np.nan, dtype=np.float32)
+        for row, at in enumerate(groups.values()):
+            top = np.argsort(-np.asarray(base[at], dtype=np.float64), kind="stable")[: self.top_k]
+            out[np.asarray(at)[top]] = f[row, top]
+        return out
+
+    def _scored(self, queries: Sequence[str], passages: Sequence[str], batch_size: int):
+        """The pairs' positions by query text, the base's scores and the student's f (one row a query)."""
         if len(queries) != len(passages):
             raise ValueError(f"{len(queries)} queries for {len(passages)} passages")
         groups: dict[str, list[int]] = {}
         for i, query in enumerate(queries):
             groups.setdefault(query, []).append(i)
         base = self.base.score(list(queries), list(passages), batch_size=batch_size)
-        questions = list(groups)
-        lists = [[passages[i] for i in groups[q]] for q in questions]
-        data = self.listwise(questions, lists, [base[groups[q]] for q in questions])
-        f = self.student.score(data)
-        out = np.zeros(len(queries), dtype=np.float32)
-        for row, q in enumerate(questions):
-            at = groups[q]
-            out[at] = shortlist_order(f[row, : len(at)], base[at], self.top_k)
-        return out
+        lists = [[passages[i] for i in at] for at in groups.values()]
+        data = self.listwise(list(groups), lists, [base[at] for at in groups.values()])
+        return groups, base, self.student.score(data)
 
     def export(self, directory: str | Path) -> Path:
         """The folder `load_aligned` reads (see the module's docstring), built beside and swapped in."""
@@ -115,14 +130,16 @@ def card(settings: ListwiseSettings, meta: dict[str, Any]) -> str:
         f"{(kind.__doc__ or '').strip()}",
         "",
         f"It reorders the base reranker's top {meta['top_k']} of a question's passages by its score f and keeps the "
-        f"rest after them in the base's order. Residual students score f = base + w · {SCALE:g} · g(q, p) with w = "
-        f"{meta['weight']:g}; the base reranker is in `{BASE_FOLDER}/`.",
+        f"rest after them in the base's order; the base reranker is in `{BASE_FOLDER}/`."
+        + (f" f = base + w · {SCALE:g} · g(q, p) with w = {meta['weight']:g}." if kind.residual else ""),
         "",
         "```python",
         "from confrag.reranker.aligned import load_aligned",
         "",
         'reranker = load_aligned("<this folder>")',
-        'scores = reranker.score(["who wrote hamlet"] * 2, ["Hamlet is a tragedy by Shakespeare.", "Rome."])',
+        'queries, passages = ["who wrote hamlet"] * 2, ["Hamlet is a tragedy by Shakespeare.", "Rome."]',
+        "order = reranker.score(queries, passages)           # positions: n (first) .. 1 per query; sort by them",
+        "f = reranker.student_scores(queries, passages)      # the student's f over the base's top k (NaN below)",
         "```",
     ]
     if kind.exports_reranker:

@@ -14,13 +14,12 @@ learns it (REPLUG tunes its γ) on a log scale at a rate of its own. One registe
 - `query_tower`: REPLUG LSR's setting. The query encoder is fine-tuned; the passages' embeddings stay the base's
   (REPLUG keeps the document encoder fixed to spare re-indexing): a step encodes only the batch's questions.
 - `residual_head`: the base frozen whole; f = base + w · SCALE · head(q ⊙ p) (zero at the start; w set at scoring).
-- `residual_cross_encoder`: the base frozen; a copy of its encoder reads question and passage as one sequence (the
-  passage in the light of the question) into a zero-initialised head g (lr `head_lr`): f = base + w · SCALE · g.
+- `residual_cross_encoder`: the base frozen; an encoder reads question and passage as one sequence into a
+  zero-initialised head g (lr `head_lr`): f = base + w · SCALE · g.
 - `cross_encoder`: the base reranker fine-tuned whole (the paper's kind; the studies' MiniLM bi-encoder, both towers).
 
 The first two read the base's vectors (a bi-encoder base). `export` / `read` save and load any. Training: Lightning,
-fixed optimizer steps (matched across a study's rows), AdamW with linear warmup/decay (`module.build_optimizer`).
-"""
+fixed optimizer steps, AdamW with linear warmup/decay (`module.build_optimizer`)."""
 
 from __future__ import annotations
 
@@ -118,13 +117,13 @@ class ListwiseSettings:
 
 
 class ListwiseStudent(L.LightningModule, ABC):
-    """f(q, candidates) for a batch of questions, trained on the anchored listwise KL. A kind implements `scores`.
-    A residual kind (f = base + w · correction) trains at w = 1 and scores at `weight_at_scoring`; others ignore it."""
+    """f(q, candidates) for a batch of questions, trained on the anchored listwise KL. A kind implements `scores`."""
 
     weight_at_scoring: float = 1.0
     reads_vectors: ClassVar[bool] = False  # whether it reads the base's query and passage vectors (a bi-encoder's)
     exports_reranker: ClassVar[bool] = False  # whether its saved folder is the reranker's own (`CrossEncoder` loads)
     fresh_head: ClassVar[bool] = False  # whether it trains a zero-initialised `head` over a pretrained encoder
+    residual: ClassVar[bool] = False  # f = base + w · correction: trains at w = 1, scores at `weight_at_scoring`
 
     def __init__(self, settings: ListwiseSettings) -> None:
         super().__init__()
@@ -276,7 +275,7 @@ class ResidualHeadStudent(ListwiseStudent):
     """The base frozen; f = base + w · SCALE · (a · (q ⊙ p) + b), the head zero at the start. At SCALE, a = 1 on
     every dimension adds the base once more, so a step of the optimiser moves the score on the base's own scale."""
 
-    reads_vectors = True
+    reads_vectors = residual = True
 
     def __init__(self, settings: ListwiseSettings, base: MeanPoolEncoder) -> None:
         super().__init__(settings)
@@ -291,11 +290,12 @@ class ResidualHeadStudent(ListwiseStudent):
 
 
 class ResidualCrossEncoderStudent(ListwiseStudent):
-    """The base frozen; f = base + w · SCALE · g(q, p), g a copy of the base's encoder reading "question [SEP]
-    passage" as one sequence, mean-pooled, into a zero-initialised linear head. Only the candidates in the mask
-    are read (the base's top k after `ListwiseData.top_k`), so a step costs k pairs a question."""
+    """The base frozen; f = base + w · SCALE · g(q, p), g a copy of a bi-encoder base's encoder (of the embedded
+    all-MiniLM-L6-v2 when the base is a cross-encoder) reading "question [SEP] passage" as one sequence, mean-pooled,
+    into a zero-initialised linear head. Only the candidates in the mask are read (the base's top k after
+    `ListwiseData.top_k`), so a step costs k pairs a question."""
 
-    fresh_head = True
+    fresh_head = residual = True
 
     def __init__(self, settings: ListwiseSettings, base: MeanPoolEncoder) -> None:
         super().__init__(settings)

@@ -287,7 +287,7 @@ def listwise_rerankers(
             "questions": sorted(material.candidates[i].qid for i in rows),
         }
         directory = Path(run.ctx.cache_dir) / "rerankers" / fingerprint(spec)
-        student, info = ensure_student(listwise, material, rows, targets, directory, run)
+        student, info = ensure_student(listwise, material, rows, targets, directory, run, aligned(teacher))
         student.weight_at_scoring = settings.weight
         name = aligned(teacher)
         meta = {"teacher": teacher, "student": settings.student, "teacher_tau": settings.teacher_tau}
@@ -304,8 +304,9 @@ def ensure_student(
     targets: list,
     directory: Path,
     run: ListwiseRun,
+    row: str,
 ):
-    """The student from `directory` when it is there and whole, else trained now and saved there."""
+    """The student of the row `row` from `directory` when it is there and whole, else trained now and saved there."""
     card = directory / TRAINING_CARD
 
     def train():
@@ -331,7 +332,7 @@ def ensure_student(
 
     def read():
         if (directory / CARD).is_file() and card.is_file() and not folder_problem(directory):
-            log.info("Listwise student: cached at %s", directory)
+            log.info("%s: the %s student read from the cache (%s)", row, settings.student, directory)
             return load_student(directory, material.built_on), json.loads(card.read_text())
         return None
 
