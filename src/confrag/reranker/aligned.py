@@ -88,11 +88,11 @@ class AlignedReranker:
     def student_scores(self, queries: Sequence[str], passages: Sequence[str], batch_size: int = 32) -> np.ndarray:
         """The student's own score f of each pair in its query's base top k (grouped by query text, as `score`);
         NaN for the passages below the base's top k, which the student never scores."""
-        groups, base, f = self._scored(queries, passages, batch_size)
+        groups, _, f = self._scored(queries, passages, batch_size)
         out = np.full(len(queries), np.nan, dtype=np.float32)
         for row, at in enumerate(groups.values()):
-            top = np.argsort(-np.asarray(base[at], dtype=np.float64), kind="stable")[: self.top_k]
-            out[np.asarray(at)[top]] = f[row, top]
+            own = f[row, : len(at)]  # -inf outside the top k `ListwiseData.top_k` kept: the student never scored it
+            out[at] = np.where(np.isfinite(own), own, np.nan)
         return out
 
     def _scored(self, queries: Sequence[str], passages: Sequence[str], batch_size: int):
